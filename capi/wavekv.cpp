@@ -1,0 +1,500 @@
+// The C ABI: argument checks, error translation and handle wrappers over the
+// engine. Nothing thrown inside crosses this file: every entry point catches,
+// turns the failure into a status code and the calling thread's message.
+#include "wavekv/wavekv.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "lib/common/config.hpp"
+#include "lib/engine/engine.hpp"
+#include "lib/engine/plan.hpp"
+#include "lib/engine/sequence.hpp"
+
+// Handles carry a magic word so that a foreign, destroyed or mistyped pointer
+// is reported rather than followed (best effort: a freed handle's memory may
+// be reused).
+constexpr uint64_t kEngineMagic = 0x656e67696e65776bull;  // "kwengine"
+constexpr uint64_t kSeqMagic = 0x00716573776b7773ull;
+constexpr uint64_t kPlanMagic = 0x6e616c70776b7770ull;
+constexpr uint64_t kDeadMagic = 0xdeaddeaddeaddeadull;
+
+struct wkv_engine {
+  uint64_t magic = kEngineMagic;
+  std::shared_ptr<wkv::Engine> e;
+};
+struct wkv_seq {
+  uint64_t magic = kSeqMagic;
+  std::shared_ptr<wkv::Sequence> s;
+};
+struct wkv_plan {
+  uint64_t magic = kPlanMagic;
+  std::unique_ptr<wkv::Plan> p;
+};
+
+namespace {
+
+thread_local std::string t_last_error;
+
+int fail(int code, std::string msg) {
+  t_last_error = std::move(msg);
+  return code;
+}
+int fail(const wkv::Status &s) { return fail(s.code(), s.message()); }
+int done(const wkv::Status &s) {
+  if (s.is_ok()) {
+    t_last_error.clear();
+    return WKV_OK;
+  }
+  return fail(s);
+}
+
+// Runs body, translating exceptions into statuses.
+template <typename Fn> int guarded(const char *fn, Fn &&body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc &) {
+    return fail(WKV_ERR_OUT_OF_MEMORY, std::string(fn) + ": out of host memory");
+  } catch (const std::exception &ex) {
+    return fail(WKV_ERR_INTERNAL, std::string(fn) + ": internal error: " + ex.what());
+  } catch (...) {
+    return fail(WKV_ERR_INTERNAL, std::string(fn) + ": internal error");
+  }
+}
+
+#define CHECK_ARG(cond, ...) \
+  do {                       \
+    if (!(cond)) return fail(WKV_ERR_INVALID_ARGUMENT, wkv::format(__VA_ARGS__)); \
+  } while (0)
+
+int check_engine(const wkv_engine *e, const char *fn) {
+  if (!e) return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: engine is NULL", fn));
+  if (e->magic != kEngineMagic || !e->e)
+    return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: not a live wkv_engine handle", fn));
+  return WKV_OK;
+}
+int check_seq(const wkv_seq *s, const char *fn) {
+  if (!s) return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: sequence is NULL", fn));
+  if (s->magic != kSeqMagic || !s->s)
+    return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: not a live wkv_seq handle", fn));
+  return WKV_OK;
+}
+int check_plan(const wkv_plan *p, const char *fn) {
+  if (!p) return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: plan is NULL", fn));
+  if (p->magic != kPlanMagic || !p->p)
+    return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: not a live wkv_plan handle", fn));
+  return WKV_OK;
+}
+
+// Resolves packed (0) strides and checks that the rows of a
+// [n_outer][n_inner][d] tensor do not overlap: the smaller stride spans a
+// row, the larger spans all rows of the smaller.
+int check_strides(const char *fn, const char *what, uint64_t n_outer, uint64_t n_inner, uint32_t d,
+                  int64_t *outer_stride, int64_t *inner_stride) {
+  if (*inner_stride == 0) *inner_stride = d;
+  if (*outer_stride == 0) *outer_stride = static_cast<int64_t>(n_inner) * *inner_stride;
+  if (*outer_stride < 0 || *inner_stride < 0)
+    return fail(WKV_ERR_INVALID_ARGUMENT, wkv::format("%s: %s strides must not be negative", fn, what));
+  struct Dim { int64_t stride; uint64_t n; } a{*inner_stride, n_inner}, b{*outer_stride, n_outer};
+  if (a.n <= 1) a.stride = std::numeric_limits<int64_t>::max();
+  if (b.n <= 1) b.stride = std::numeric_limits<int64_t>::max();
+  if (a.stride > b.stride) std::swap(a, b);
+  if (a.n > 1 || b.n > 1) {
+    if (a.stride < static_cast<int64_t>(d) ||
+        (b.n > 1 && a.n > 1 && static_cast<uint64_t>(b.stride) < static_cast<uint64_t>(a.stride) * a.n))
+      return fail(WKV_ERR_INVALID_ARGUMENT,
+                  wkv::format("%s: %s strides (%lld, %lld elements) make rows of %u elements overlap", fn,
+                              what, static_cast<long long>(*outer_stride),
+                              static_cast<long long>(*inner_stride), d));
+  }
+  return WKV_OK;
+}
+
+int check_layer(const wkv::Engine &e, uint32_t layer, const char *fn) {
+  if (layer >= e.config().c.n_layers)
+    return fail(WKV_ERR_OUT_OF_RANGE,
+                wkv::format("%s: layer %u out of range (n_layers %u)", fn, layer, e.config().c.n_layers));
+  return WKV_OK;
+}
+
+// Copies the prefix of `src` that the caller's size covers.
+template <typename T> void copy_prefix(T *dst, const T &src) {
+  uint32_t n = std::min<uint32_t>(dst->size, sizeof(T));
+  uint32_t keep = dst->size;
+  std::memcpy(dst, &src, n);
+  dst->size = keep;
+}
+
+// Collects and checks a batch of sequences for a plan of engine e.
+int collect_seqs(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n, const char *fn,
+                 std::vector<std::shared_ptr<wkv::Sequence>> *out) {
+  CHECK_ARG(seqs, "%s: seqs is NULL", fn);
+  CHECK_ARG(n > 0, "%s: n_seqs is 0", fn);
+  out->clear();
+  out->reserve(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    if (int rc = check_seq(seqs[i], fn)) return rc;
+    if (seqs[i]->s->engine_ptr() != plan->p->engine_ptr())
+      return fail(WKV_ERR_INVALID_HANDLE,
+                  wkv::format("%s: sequence %u belongs to another engine than the plan", fn, i));
+    out->push_back(seqs[i]->s);
+  }
+  std::vector<const wkv::Sequence *> sorted;
+  sorted.reserve(n);
+  for (auto &s : *out) sorted.push_back(s.get());
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+    return fail(WKV_ERR_INVALID_ARGUMENT, wkv::format("%s: a sequence is listed twice", fn));
+  return WKV_OK;
+}
+
+// A per-thread scratch for the batch, so that steady decoding does not
+// allocate in the ABI layer either.
+thread_local std::vector<std::shared_ptr<wkv::Sequence>> t_batch;
+
+}  // namespace
+
+extern "C" {
+
+int wkv_version(void) { return WKV_VERSION_NUMBER; }
+
+const char *wkv_version_string(void) {
+#define WKV_STR2(x) #x
+#define WKV_STR(x) WKV_STR2(x)
+  return WKV_STR(WKV_VERSION_MAJOR) "." WKV_STR(WKV_VERSION_MINOR) "." WKV_STR(WKV_VERSION_PATCH);
+}
+
+const char *wkv_status_name(int status) {
+  switch (status) {
+    case WKV_OK: return "WKV_OK";
+    case WKV_ERR_INVALID_ARGUMENT: return "WKV_ERR_INVALID_ARGUMENT";
+    case WKV_ERR_INVALID_HANDLE: return "WKV_ERR_INVALID_HANDLE";
+    case WKV_ERR_OUT_OF_RANGE: return "WKV_ERR_OUT_OF_RANGE";
+    case WKV_ERR_UNSUPPORTED: return "WKV_ERR_UNSUPPORTED";
+    case WKV_ERR_BUDGET: return "WKV_ERR_BUDGET";
+    case WKV_ERR_OUT_OF_MEMORY: return "WKV_ERR_OUT_OF_MEMORY";
+    case WKV_ERR_DEVICE: return "WKV_ERR_DEVICE";
+    case WKV_ERR_IO: return "WKV_ERR_IO";
+    case WKV_ERR_CORRUPT: return "WKV_ERR_CORRUPT";
+    case WKV_ERR_STATE: return "WKV_ERR_STATE";
+    case WKV_ERR_INTERNAL: return "WKV_ERR_INTERNAL";
+    case WKV_ERR_NO_DEVICE: return "WKV_ERR_NO_DEVICE";
+    default: return "WKV_ERR_UNKNOWN";
+  }
+}
+
+const char *wkv_last_error(void) { return t_last_error.c_str(); }
+
+void wkv_free(void *ptr) { std::free(ptr); }
+
+void wkv_config_init(wkv_config *cfg) {
+  if (!cfg) return;
+  *cfg = wkv::default_config();
+  cfg->dtype = WKV_DTYPE_F16;
+}
+
+int wkv_engine_open(const wkv_config *cfg, wkv_engine **out) {
+  return guarded("wkv_engine_open", [&] {
+    CHECK_ARG(out, "wkv_engine_open: out is NULL");
+    *out = nullptr;
+    CHECK_ARG(cfg, "wkv_engine_open: config is NULL");
+    std::shared_ptr<wkv::Engine> e;
+    wkv::Status s = wkv::Engine::open(cfg, &e);
+    if (!s.is_ok()) return fail(s.code(), "wkv_engine_open: " + s.message());
+    auto h = std::make_unique<wkv_engine>();
+    h->e = std::move(e);
+    *out = h.release();
+    return done(wkv::Status::ok());
+  });
+}
+
+void wkv_engine_close(wkv_engine *engine) {
+  if (!engine || engine->magic != kEngineMagic) return;
+  engine->magic = kDeadMagic;
+  delete engine;
+}
+
+int wkv_engine_config(const wkv_engine *engine, wkv_config *cfg) {
+  return guarded("wkv_engine_config", [&] {
+    if (int rc = check_engine(engine, "wkv_engine_config")) return rc;
+    CHECK_ARG(cfg, "wkv_engine_config: cfg is NULL");
+    CHECK_ARG(cfg->size >= 8, "wkv_engine_config: cfg->size %u is too small (set it to sizeof(wkv_config))",
+              cfg->size);
+    copy_prefix(cfg, engine->e->config().c);
+    return done(wkv::Status::ok());
+  });
+}
+
+int wkv_engine_device(const wkv_engine *engine, uint32_t *device) {
+  return guarded("wkv_engine_device", [&] {
+    if (int rc = check_engine(engine, "wkv_engine_device")) return rc;
+    CHECK_ARG(device, "wkv_engine_device: device is NULL");
+    *device = engine->e->config().c.device;
+    return done(wkv::Status::ok());
+  });
+}
+
+void wkv_stats_init(wkv_stats *stats) {
+  if (!stats) return;
+  std::memset(stats, 0, sizeof *stats);
+  stats->size = sizeof *stats;
+}
+
+int wkv_engine_stats(wkv_engine *engine, wkv_stats *stats) {
+  return guarded("wkv_engine_stats", [&] {
+    if (int rc = check_engine(engine, "wkv_engine_stats")) return rc;
+    CHECK_ARG(stats, "wkv_engine_stats: stats is NULL");
+    CHECK_ARG(stats->size >= 8, "wkv_engine_stats: stats->size %u is too small (call wkv_stats_init)",
+              stats->size);
+    wkv_stats full;
+    wkv_stats_init(&full);
+    engine->e->fill_stats(&full);
+    copy_prefix(stats, full);
+    return done(wkv::Status::ok());
+  });
+}
+
+int wkv_engine_stats_json(wkv_engine *engine, char **json) {
+  return guarded("wkv_engine_stats_json", [&] {
+    CHECK_ARG(json, "wkv_engine_stats_json: json is NULL");
+    *json = nullptr;
+    if (int rc = check_engine(engine, "wkv_engine_stats_json")) return rc;
+    std::string s = engine->e->stats_json();
+    char *buf = static_cast<char *>(std::malloc(s.size() + 1));
+    if (!buf) return fail(WKV_ERR_OUT_OF_MEMORY, "wkv_engine_stats_json: out of host memory");
+    std::memcpy(buf, s.c_str(), s.size() + 1);
+    *json = buf;
+    return done(wkv::Status::ok());
+  });
+}
+
+int wkv_seq_create(wkv_engine *engine, wkv_seq **out) {
+  return guarded("wkv_seq_create", [&] {
+    CHECK_ARG(out, "wkv_seq_create: out is NULL");
+    *out = nullptr;
+    if (int rc = check_engine(engine, "wkv_seq_create")) return rc;
+    auto h = std::make_unique<wkv_seq>();
+    uint64_t id = engine->e->counters().next_seq_id.fetch_add(1);
+    h->s = std::make_shared<wkv::Sequence>(engine->e, id);
+    *out = h.release();
+    return done(wkv::Status::ok());
+  });
+}
+
+void wkv_seq_destroy(wkv_seq *seq) {
+  if (!seq || seq->magic != kSeqMagic) return;
+  seq->magic = kDeadMagic;
+  delete seq;
+}
+
+int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k, const void *v, uint32_t n_tokens,
+                   int64_t token_stride, int64_t head_stride) {
+  return guarded("wkv_seq_append", [&] {
+    const char *fn = "wkv_seq_append";
+    if (int rc = check_seq(seq, fn)) return rc;
+    wkv::Engine &e = seq->s->engine();
+    if (int rc = check_layer(e, layer, fn)) return rc;
+    CHECK_ARG(k, "%s: k is NULL", fn);
+    CHECK_ARG(v, "%s: v is NULL", fn);
+    CHECK_ARG(n_tokens > 0, "%s: n_tokens is 0", fn);
+    const wkv::Config &cfg = e.config();
+    if (int rc = check_strides(fn, "k/v", n_tokens, cfg.c.n_kv_heads, cfg.c.head_dim, &token_stride,
+                               &head_stride))
+      return rc;
+    return done(seq->s->append(layer, static_cast<const uint8_t *>(k), static_cast<const uint8_t *>(v),
+                               n_tokens, token_stride, head_stride));
+  });
+}
+
+void wkv_seq_info_init(wkv_seq_info *info) {
+  if (!info) return;
+  std::memset(info, 0, sizeof *info);
+  info->size = sizeof *info;
+}
+
+int wkv_seq_info_get(const wkv_seq *seq, uint32_t layer, wkv_seq_info *info) {
+  return guarded("wkv_seq_info_get", [&] {
+    const char *fn = "wkv_seq_info_get";
+    if (int rc = check_seq(seq, fn)) return rc;
+    if (int rc = check_layer(seq->s->engine(), layer, fn)) return rc;
+    CHECK_ARG(info, "%s: info is NULL", fn);
+    CHECK_ARG(info->size >= 8, "%s: info->size %u is too small (call wkv_seq_info_init)", fn, info->size);
+    const wkv::LayerState &L = seq->s->layer(layer);
+    wkv_seq_info full;
+    wkv_seq_info_init(&full);
+    full.generating = L.generating ? 1 : 0;
+    full.tokens = L.tokens;
+    if (!L.heads.empty()) {
+      const wkv::HeadState &h0 = L.heads[0];
+      full.sink = h0.sink.rows();
+      full.tail = h0.tail.rows();
+      full.segments = h0.index.segments.size();
+    }
+    full.clustered = L.tokens - full.sink - full.tail;
+    for (const wkv::HeadState &h : L.heads) {
+      full.clusters += h.index.meta.clusters();
+      full.pages += h.index.pages.size();
+    }
+    copy_prefix(info, full);
+    return done(wkv::Status::ok());
+  });
+}
+
+int wkv_plan_create(wkv_engine *engine, wkv_plan **out) {
+  return guarded("wkv_plan_create", [&] {
+    CHECK_ARG(out, "wkv_plan_create: out is NULL");
+    *out = nullptr;
+    if (int rc = check_engine(engine, "wkv_plan_create")) return rc;
+    auto h = std::make_unique<wkv_plan>();
+    h->p = std::make_unique<wkv::Plan>(engine->e);
+    *out = h.release();
+    return done(wkv::Status::ok());
+  });
+}
+
+void wkv_plan_destroy(wkv_plan *plan) {
+  if (!plan || plan->magic != kPlanMagic) return;
+  plan->magic = kDeadMagic;
+  delete plan;
+}
+
+static int lookup_impl(const char *fn, wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
+                       uint32_t layer, const void *q, int64_t seq_stride, int64_t head_stride) {
+  if (int rc = check_plan(plan, fn)) return rc;
+  wkv::Engine &e = plan->p->engine();
+  if (int rc = collect_seqs(plan, seqs, n_seqs, fn, &t_batch)) return rc;
+  if (int rc = check_layer(e, layer, fn)) return rc;
+  CHECK_ARG(q, "%s: q is NULL", fn);
+  const wkv::Config &cfg = e.config();
+  if (int rc = check_strides(fn, "q", n_seqs, cfg.c.n_q_heads, cfg.c.head_dim, &seq_stride, &head_stride))
+    return rc;
+  wkv::Status s = e.lookup(*plan->p, t_batch.data(), n_seqs, layer, q, seq_stride, head_stride);
+  t_batch.clear();
+  if (!s.is_ok()) return fail(s.code(), std::string(fn) + ": " + s.message());
+  return WKV_OK;
+}
+
+int wkv_lookup(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t layer, const void *q,
+               int64_t seq_stride, int64_t head_stride, void *stream) {
+  (void)stream;
+  return guarded("wkv_lookup", [&] {
+    int rc = lookup_impl("wkv_lookup", plan, seqs, n_seqs, layer, q, seq_stride, head_stride);
+    return rc ? rc : done(wkv::Status::ok());
+  });
+}
+
+int wkv_assemble(wkv_plan *plan, void *stream) {
+  (void)stream;
+  return guarded("wkv_assemble", [&] {
+    if (int rc = check_plan(plan, "wkv_assemble")) return rc;
+    return done(plan->p->engine().assemble(*plan->p));
+  });
+}
+
+void wkv_xbuf_view_init(wkv_xbuf_view *view) {
+  if (!view) return;
+  std::memset(view, 0, sizeof *view);
+  view->size = sizeof *view;
+}
+
+int wkv_plan_xbuf(const wkv_plan *plan, wkv_xbuf_view *view) {
+  return guarded("wkv_plan_xbuf", [&] {
+    if (int rc = check_plan(plan, "wkv_plan_xbuf")) return rc;
+    CHECK_ARG(view, "wkv_plan_xbuf: view is NULL");
+    CHECK_ARG(view->size >= 8, "wkv_plan_xbuf: view->size %u is too small (call wkv_xbuf_view_init)",
+              view->size);
+    const wkv::Plan &p = *plan->p;
+    if (p.stage != wkv::Plan::Stage::kAssembled)
+      return fail(WKV_ERR_STATE, "wkv_plan_xbuf: the plan has no assembled execution buffer");
+    wkv_xbuf_view full;
+    wkv_xbuf_view_init(&full);
+    const wkv::Config &cfg = p.engine().config();
+    full.n_runs = static_cast<uint32_t>(p.runs.size());
+    full.n_tokens = static_cast<uint64_t>(p.offsets[p.runs.size()]);
+    full.head_dim = cfg.c.head_dim;
+    full.dtype = cfg.c.dtype;
+    full.k = p.xk.data();
+    full.v = p.xv.data();
+    full.offsets = p.offsets.data();
+    copy_prefix(view, full);
+    return done(wkv::Status::ok());
+  });
+}
+
+static int out_strides(const char *fn, const wkv::Plan &p, int64_t *seq_stride, int64_t *head_stride) {
+  const wkv::Config &cfg = p.engine().config();
+  return check_strides(fn, "out", p.n_seqs, cfg.c.n_q_heads, cfg.c.head_dim, seq_stride, head_stride);
+}
+
+int wkv_attend(wkv_plan *plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
+               void *stream) {
+  (void)stream;
+  return guarded("wkv_attend", [&] {
+    if (int rc = check_plan(plan, "wkv_attend")) return rc;
+    CHECK_ARG(out, "wkv_attend: out is NULL");
+    if (int rc = out_strides("wkv_attend", *plan->p, &seq_stride, &head_stride)) return rc;
+    return done(plan->p->engine().attend(*plan->p, out, seq_stride, head_stride, lse));
+  });
+}
+
+int wkv_merge(wkv_plan *plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
+              int64_t lse_seq_stride, void *stream) {
+  (void)stream;
+  return guarded("wkv_merge", [&] {
+    if (int rc = check_plan(plan, "wkv_merge")) return rc;
+    CHECK_ARG(out, "wkv_merge: out is NULL");
+    CHECK_ARG(lse, "wkv_merge: lse is NULL");
+    const wkv::Plan &p = *plan->p;
+    if (p.stage == wkv::Plan::Stage::kEmpty)
+      return fail(WKV_ERR_STATE, "wkv_merge: merge needs a lookup first");
+    if (int rc = out_strides("wkv_merge", p, &seq_stride, &head_stride)) return rc;
+    const uint32_t nq = p.engine().config().c.n_q_heads;
+    if (lse_seq_stride == 0) lse_seq_stride = nq;
+    CHECK_ARG(lse_seq_stride >= static_cast<int64_t>(nq) || p.n_seqs == 1,
+              "wkv_merge: lse_seq_stride %lld is smaller than n_q_heads %u",
+              static_cast<long long>(lse_seq_stride), nq);
+    return done(plan->p->engine().merge(*plan->p, out, seq_stride, head_stride, lse, lse_seq_stride));
+  });
+}
+
+int wkv_update(wkv_plan *plan, void *stream) {
+  (void)stream;
+  return guarded("wkv_update", [&] {
+    if (int rc = check_plan(plan, "wkv_update")) return rc;
+    return done(plan->p->engine().update(*plan->p));
+  });
+}
+
+int wkv_decode(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t layer, const void *q,
+               int64_t q_seq_stride, int64_t q_head_stride, void *out, int64_t out_seq_stride,
+               int64_t out_head_stride, void *stream) {
+  (void)stream;
+  return guarded("wkv_decode", [&] {
+    const char *fn = "wkv_decode";
+    if (int rc = check_plan(plan, fn)) return rc;
+    CHECK_ARG(out, "%s: out is NULL", fn);
+    {
+      const wkv::Config &cfg = plan->p->engine().config();
+      int64_t a = out_seq_stride, b = out_head_stride;
+      if (int rc = check_strides(fn, "out", n_seqs, cfg.c.n_q_heads, cfg.c.head_dim, &a, &b)) return rc;
+      out_seq_stride = a;
+      out_head_stride = b;
+    }
+    if (int rc = lookup_impl(fn, plan, seqs, n_seqs, layer, q, q_seq_stride, q_head_stride)) return rc;
+    wkv::Engine &e = plan->p->engine();
+    wkv::Status s = e.assemble(*plan->p);
+    if (s.is_ok()) s = e.attend(*plan->p, out, out_seq_stride, out_head_stride, nullptr);
+    if (s.is_ok()) s = e.update(*plan->p);
+    if (!s.is_ok()) return fail(s.code(), std::string(fn) + ": " + s.message());
+    return done(wkv::Status::ok());
+  });
+}
+
+}  // extern "C"

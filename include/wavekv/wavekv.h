@@ -1,0 +1,402 @@
+/*
+ * wavekv: a KV-cache storage engine for long-context LLM inference.
+ *
+ * This header is the whole public contract of libwavekv. If something is not
+ * described here, it is not API.
+ *
+ * Conventions
+ * -----------
+ * - Every fallible function returns an int status: WKV_OK (0) on success, one
+ *   of the WKV_ERR_* codes otherwise. No function throws, aborts or exits.
+ *   After a failure, wkv_last_error() returns a message in words for the
+ *   calling thread; the library owns that string.
+ * - Handles are opaque. Each has one create and one destroy function;
+ *   destroying NULL is a no-op.
+ * - Structs that may grow begin with a `size` field. Fill them with the
+ *   matching *_init function (which sets `size`); the library reads or writes
+ *   only the prefix the caller's `size` covers.
+ * - Tensors are raw pointers in the engine's storage dtype (wkv_config.dtype),
+ *   with explicit strides counted in elements, not bytes. On a CUDA engine
+ *   they are device pointers and streams are cudaStream_t passed as void*; on
+ *   a CPU engine they are host pointers and the stream argument is ignored.
+ * - Memory the library allocates for the caller is released with wkv_free().
+ *
+ * Threads: functions may be called from any thread. An engine may be used by
+ * several threads at once provided that each wkv_seq and each wkv_plan is used
+ * by one thread at a time.
+ *
+ * A decoding step for one layer (letting wavekv attend):
+ *
+ *     wkv_seq_append(seq, layer, k, v, 1, 0, 0);          // the new token
+ *     wkv_decode(plan, &seq, 1, layer, q, 0, 0, out, 0, 0, stream);
+ *
+ * or, attending with the runtime's own kernel:
+ *
+ *     wkv_lookup(plan, &seq, 1, layer, q, 0, 0, stream);
+ *     wkv_assemble(plan, stream);
+ *     wkv_plan_xbuf(plan, &view);        // ragged K/V of the exact part
+ *     ...run your kernel over view, producing out and its log-sum-exp...
+ *     wkv_merge(plan, out, 0, 0, lse, 0, stream);
+ *     wkv_update(plan, stream);
+ */
+#ifndef WAVEKV_H
+#define WAVEKV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define WKV_API __attribute__((visibility("default")))
+#else
+#define WKV_API
+#endif
+
+/* Versions ---------------------------------------------------------------- */
+
+#define WKV_VERSION_MAJOR 0
+#define WKV_VERSION_MINOR 1
+#define WKV_VERSION_PATCH 0
+/* The version as one number: major * 10000 + minor * 100 + patch. */
+#define WKV_VERSION_NUMBER \
+  (WKV_VERSION_MAJOR * 10000 + WKV_VERSION_MINOR * 100 + WKV_VERSION_PATCH)
+
+/* The run-time library's version, in the WKV_VERSION_NUMBER encoding. */
+WKV_API int wkv_version(void);
+/* The run-time version as "major.minor.patch"; a static string. */
+WKV_API const char *wkv_version_string(void);
+
+/* Status codes ------------------------------------------------------------ */
+/* Values are never renumbered or reused. */
+
+enum {
+  WKV_OK = 0,
+  WKV_ERR_INVALID_ARGUMENT = 1, /* a null pointer, zero size, bad stride, bad value */
+  WKV_ERR_INVALID_HANDLE = 2,   /* a null, destroyed or foreign handle */
+  WKV_ERR_OUT_OF_RANGE = 3,     /* an index (layer, head, token) past its bound */
+  WKV_ERR_UNSUPPORTED = 4,      /* a head_dim, dtype or device this build cannot serve */
+  WKV_ERR_BUDGET = 5,           /* the configured byte budget would be exceeded */
+  WKV_ERR_OUT_OF_MEMORY = 6,    /* the host or device allocator failed */
+  WKV_ERR_DEVICE = 7,           /* the GPU runtime reported an error */
+  WKV_ERR_IO = 8,               /* a file read or write failed */
+  WKV_ERR_CORRUPT = 9,          /* a file failed its checksum or structure checks */
+  WKV_ERR_STATE = 10,           /* a call out of order (assemble before lookup, ...) */
+  WKV_ERR_INTERNAL = 11,        /* a bug in wavekv: please report it */
+  WKV_ERR_NO_DEVICE = 12        /* a CUDA engine was asked for and no GPU is usable */
+};
+
+/* A static, human-readable name for a status code ("WKV_ERR_BUDGET"). */
+WKV_API const char *wkv_status_name(int status);
+
+/*
+ * The message describing the last failure on the calling thread, or "" if
+ * none. Owned by the library; valid until the next wavekv call on the same
+ * thread.
+ */
+WKV_API const char *wkv_last_error(void);
+
+/* Releases memory that wavekv allocated for the caller. NULL is a no-op. */
+WKV_API void wkv_free(void *ptr);
+
+/* Configuration ----------------------------------------------------------- */
+
+enum {
+  WKV_DTYPE_F32 = 0,  /* for tests and references */
+  WKV_DTYPE_F16 = 1,
+  WKV_DTYPE_BF16 = 2
+};
+
+enum {
+  WKV_DEVICE_CPU = 0,  /* the CPU backend: host memory, all cores */
+  WKV_DEVICE_CUDA = 1, /* a CUDA GPU (device_id picks which) */
+  WKV_DEVICE_AUTO = 2  /* CUDA when this build and machine have a GPU, else CPU */
+};
+
+/* Bits of wkv_config.flags. */
+enum {
+  WKV_CONFIG_NO_NUMA = 1u << 0,   /* do not bind host arenas to a NUMA node */
+  WKV_CONFIG_NO_PINNED = 1u << 1  /* use pageable host memory for arenas (CUDA) */
+};
+
+/*
+ * Everything an engine is opened with. Call wkv_config_init() first: it sets
+ * `size` and every default below, then set the model shape.
+ *
+ * The shape fields (n_layers .. dtype) have no default and must be set.
+ */
+typedef struct wkv_config {
+  uint32_t size;            /* sizeof(wkv_config), set by wkv_config_init */
+  uint32_t device;          /* WKV_DEVICE_* (WKV_DEVICE_CPU) */
+  int32_t device_id;        /* CUDA device ordinal (0) */
+  uint32_t n_layers;        /* model layers (required) */
+  uint32_t n_q_heads;       /* query heads (required) */
+  uint32_t n_kv_heads;      /* KV heads; must divide n_q_heads (required) */
+  uint32_t head_dim;        /* 64, 80, 96, 128 or 256 (required) */
+  uint32_t dtype;           /* WKV_DTYPE_* of K, V, q and outputs (required) */
+  uint32_t segment_tokens;  /* prompt tokens clustered together (8192) */
+  uint32_t update_segment_tokens; /* generated tokens clustered together (1024) */
+  uint32_t cluster_tokens;  /* mean tokens per cluster (16) */
+  uint32_t kmeans_iters;    /* k-means iterations (10) */
+  uint32_t sink_tokens;     /* first tokens always attended (4) */
+  uint32_t window_tokens;   /* most recent tokens always attended (64) */
+  float retrieval_frac;     /* fraction of clusters attended exactly (0.018) */
+  float estimation_frac;    /* fraction of clusters estimated (0.232) */
+  uint32_t page_bytes;      /* bytes of K (and of V) per page (2048) */
+  uint32_t threads;         /* worker threads; 0 = one per core (0) */
+  uint32_t flags;           /* WKV_CONFIG_* bits (0) */
+  uint32_t reserved0;       /* must be 0 */
+  uint64_t host_budget_bytes;  /* cap on host page memory; 0 = unlimited (0) */
+  uint64_t host_chunk_bytes;   /* host arena chunk size (64 MiB) */
+  uint64_t device_cache_bytes; /* GPU block cache; 0 = 5% of the KV held (0) */
+  uint64_t seed;               /* seed of k-means initialisation (0x5eed) */
+} wkv_config;
+
+/* Fills *cfg with the defaults and sets cfg->size. NULL is a no-op. */
+WKV_API void wkv_config_init(wkv_config *cfg);
+
+/* Engine ------------------------------------------------------------------ */
+
+typedef struct wkv_engine wkv_engine;
+
+/*
+ * Opens an engine. On success *out owns it until wkv_engine_close().
+ * Returns WKV_ERR_INVALID_ARGUMENT for a null or malformed config (missing
+ * shape, n_q_heads not a multiple of n_kv_heads, fractions outside [0, 1],
+ * their sum above 1), WKV_ERR_UNSUPPORTED for an unsupported head_dim or
+ * dtype, or CUDA in a CPU-only build, WKV_ERR_NO_DEVICE when CUDA was asked
+ * for and no GPU is usable, WKV_ERR_OUT_OF_MEMORY.
+ */
+WKV_API int wkv_engine_open(const wkv_config *cfg, wkv_engine **out);
+
+/*
+ * Closes an engine handle. Sequences and plans made from it that are still
+ * alive keep working and keep the engine's memory until the last of them is
+ * destroyed; destroy them too. NULL is a no-op.
+ */
+WKV_API void wkv_engine_close(wkv_engine *engine);
+
+/* Copies the engine's effective configuration (defaults resolved) into *cfg,
+ * up to cfg->size bytes. cfg->size must be set by the caller. */
+WKV_API int wkv_engine_config(const wkv_engine *engine, wkv_config *cfg);
+
+/* Which backend the engine runs on: WKV_DEVICE_CPU or WKV_DEVICE_CUDA. */
+WKV_API int wkv_engine_device(const wkv_engine *engine, uint32_t *device);
+
+/* Statistics of one engine. Counters are totals since the engine opened. */
+typedef struct wkv_stats {
+  uint32_t size;               /* sizeof(wkv_stats), set by wkv_stats_init */
+  uint32_t device;             /* WKV_DEVICE_* the engine runs on */
+  uint64_t sequences;          /* live sequences */
+  uint64_t tokens;             /* tokens held, summed over sequences and layers */
+  uint64_t segments;           /* clustered segments, summed likewise */
+  uint64_t clusters;           /* clusters in the meta index, summed likewise */
+  uint64_t host_bytes_reserved;/* host arena bytes allocated (chunks) */
+  uint64_t host_bytes_used;    /* host page bytes in use */
+  uint64_t host_budget_bytes;  /* the cap, 0 = unlimited */
+  uint64_t page_bytes;         /* bytes of one page slot (K and V) */
+  uint64_t pages_used;         /* pages in use */
+  uint64_t pages_free;         /* pages allocated but free */
+  uint64_t steady_bytes;       /* bytes of steady-zone (sink + tail) storage */
+  uint64_t meta_bytes;         /* bytes of the meta index */
+  uint64_t lookups;            /* (sequence, layer) lookups served */
+  uint64_t retrieved_clusters; /* clusters attended exactly, summed over lookups */
+  uint64_t estimated_clusters; /* clusters estimated, summed over lookups */
+  uint64_t attended_tokens;    /* tokens attended exactly, summed over lookups */
+  uint64_t cache_hits;         /* retrieved pages found in the device cache */
+  uint64_t cache_misses;       /* retrieved pages read from host memory */
+  uint64_t device_cache_bytes; /* device block cache size */
+  uint64_t kmeans_ns;          /* time spent clustering, nanoseconds */
+} wkv_stats;
+
+/* Sets stats->size and zeroes the rest. NULL is a no-op. */
+WKV_API void wkv_stats_init(wkv_stats *stats);
+
+/* Fills *stats (up to stats->size bytes, which the caller sets). */
+WKV_API int wkv_engine_stats(wkv_engine *engine, wkv_stats *stats);
+
+/*
+ * The engine's configuration and statistics as one JSON object, in a
+ * NUL-terminated string that the caller releases with wkv_free().
+ */
+WKV_API int wkv_engine_stats_json(wkv_engine *engine, char **json);
+
+/* Sequences --------------------------------------------------------------- */
+
+typedef struct wkv_seq wkv_seq;
+
+/* Creates an empty sequence in the engine. *out owns it until destroyed. */
+WKV_API int wkv_seq_create(wkv_engine *engine, wkv_seq **out);
+
+/*
+ * Destroys a sequence and releases its pages. A plan that still refers to the
+ * sequence keeps its data alive until the plan's next lookup or its
+ * destruction. NULL is a no-op.
+ */
+WKV_API void wkv_seq_destroy(wkv_seq *seq);
+
+/*
+ * Appends n_tokens tokens' keys and values for one layer.
+ *
+ * k and v are [n_tokens][n_kv_heads][head_dim] in the engine's dtype, with
+ * token_stride and head_stride in elements between consecutive tokens and
+ * heads (0 for either means packed: n_kv_heads*head_dim and head_dim); the
+ * head_dim elements of a row are contiguous. Keys are post-RoPE.
+ *
+ * Before the sequence's first lookup on this layer, appended tokens are the
+ * prompt (chunked prefill is fine): every complete segment_tokens run beyond
+ * the sink and the window is clustered as it completes, and the first lookup
+ * clusters what remains of the prompt beyond the window. After it, tokens
+ * are generated ones: each update_segment_tokens run beyond the window is
+ * clustered and appended to the index.
+ *
+ * Returns WKV_ERR_INVALID_ARGUMENT (null k or v, n_tokens 0, a stride smaller
+ * than a row), WKV_ERR_OUT_OF_RANGE (layer), WKV_ERR_BUDGET (the host budget
+ * cannot hold the pages), WKV_ERR_OUT_OF_MEMORY. On any error nothing is
+ * appended and everything stored before is intact.
+ */
+WKV_API int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k,
+                           const void *v, uint32_t n_tokens,
+                           int64_t token_stride, int64_t head_stride);
+
+/* What one layer of a sequence holds. */
+typedef struct wkv_seq_info {
+  uint32_t size;         /* sizeof(wkv_seq_info), set by wkv_seq_info_init */
+  uint32_t generating;   /* 1 once the layer has had its first lookup */
+  uint64_t tokens;       /* tokens appended to this layer */
+  uint64_t clustered;    /* tokens in clustered segments */
+  uint64_t sink;         /* tokens in the sink */
+  uint64_t tail;         /* unclustered recent tokens, attended exactly */
+  uint64_t segments;     /* clustered segments, per KV head */
+  uint64_t clusters;     /* clusters summed over KV heads */
+  uint64_t pages;        /* pages summed over KV heads */
+} wkv_seq_info;
+
+/* Sets info->size and zeroes the rest. NULL is a no-op. */
+WKV_API void wkv_seq_info_init(wkv_seq_info *info);
+
+/* Describes one layer of a sequence into *info (up to info->size bytes). */
+WKV_API int wkv_seq_info_get(const wkv_seq *seq, uint32_t layer,
+                             wkv_seq_info *info);
+
+/* Plans: lookup, assemble, attend, merge, update -------------------------- */
+
+typedef struct wkv_plan wkv_plan;
+
+/*
+ * Creates a plan: the reusable state of decoding steps (the selected zones,
+ * the estimate, the execution buffer, the access record). Its buffers grow to
+ * the largest step seen and are then reused, so a decoding loop allocates
+ * nothing per step. A plan serves one step at a time.
+ */
+WKV_API int wkv_plan_create(wkv_engine *engine, wkv_plan **out);
+
+/* Destroys a plan. NULL is a no-op. */
+WKV_API void wkv_plan_destroy(wkv_plan *plan);
+
+/*
+ * Lookup: for each of n_seqs sequences at one layer, scores every cluster
+ * against the query group of each KV head, selects the retrieval zone (the
+ * top retrieval_frac of clusters) and the estimation zone (the next
+ * estimation_frac), and computes the estimate of the estimation zone.
+ *
+ * q is [n_seqs][n_q_heads][head_dim] (post-RoPE) with seq_stride and
+ * head_stride in elements (0 = packed); it is copied, so it may change after
+ * the call. Query head h belongs to KV head h / (n_q_heads / n_kv_heads).
+ * The plan keeps a reference to each sequence until its next lookup.
+ *
+ * Returns WKV_ERR_INVALID_ARGUMENT (null seqs or q, n_seqs 0, a sequence
+ * listed twice, a sequence with no tokens at this layer), WKV_ERR_INVALID_HANDLE
+ * (a sequence of another engine), WKV_ERR_OUT_OF_RANGE (layer),
+ * WKV_ERR_BUDGET / WKV_ERR_OUT_OF_MEMORY (clustering the prompt's remainder).
+ */
+WKV_API int wkv_lookup(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
+                       uint32_t layer, const void *q, int64_t seq_stride,
+                       int64_t head_stride, void *stream);
+
+/*
+ * Assemble: lays out the exact part of the plan (steady zone and retrieval
+ * clusters) in the plan's execution buffer, reading pages from wherever they
+ * are (device cache, host arena). Requires a lookup, and that no sequence of
+ * the plan was appended to since (WKV_ERR_STATE otherwise).
+ */
+WKV_API int wkv_assemble(wkv_plan *plan, void *stream);
+
+/*
+ * The execution buffer, as laid out by wkv_assemble.
+ *
+ * Ragged, one run of tokens per (sequence, KV head), run r = s * n_kv_heads + h
+ * for the s-th sequence of the lookup:
+ *
+ *     offsets[r] .. offsets[r + 1]   the run's tokens (offsets has n_runs + 1
+ *                                    entries, offsets[0] = 0)
+ *     k[t * head_dim + i]            key of token t, element i
+ *     v[t * head_dim + i]            value of token t, element i
+ *
+ * in the engine's dtype. The order of tokens within a run is unspecified (the
+ * steady zone first, then the retrieval clusters). Keys are post-RoPE, so a
+ * kernel attends to a run as a plain non-causal set. The pointers are on the
+ * engine's device and stay valid until the plan's next lookup or assemble.
+ */
+typedef struct wkv_xbuf_view {
+  uint32_t size;          /* sizeof(wkv_xbuf_view), set by wkv_xbuf_view_init */
+  uint32_t n_runs;        /* n_seqs * n_kv_heads */
+  uint64_t n_tokens;      /* offsets[n_runs] */
+  uint32_t head_dim;
+  uint32_t dtype;         /* WKV_DTYPE_* */
+  const void *k;          /* [n_tokens][head_dim] */
+  const void *v;          /* [n_tokens][head_dim] */
+  const int32_t *offsets; /* [n_runs + 1] */
+} wkv_xbuf_view;
+
+/* Sets view->size and zeroes the rest. NULL is a no-op. */
+WKV_API void wkv_xbuf_view_init(wkv_xbuf_view *view);
+
+/* Describes the plan's execution buffer into *view. Requires an assemble. */
+WKV_API int wkv_plan_xbuf(const wkv_plan *plan, wkv_xbuf_view *view);
+
+/*
+ * Attend: exact attention of each query head over its run of the execution
+ * buffer, merged in log space with the estimate of the estimation zone.
+ * out is [n_seqs][n_q_heads][head_dim] in the engine's dtype with seq_stride
+ * and head_stride in elements (0 = packed). lse, if not NULL, receives
+ * [n_seqs][n_q_heads] floats: the natural log-sum-exp of the merged softmax
+ * denominator (scores scaled by 1/sqrt(head_dim)). Requires an assemble.
+ */
+WKV_API int wkv_attend(wkv_plan *plan, void *out, int64_t seq_stride,
+                       int64_t head_stride, float *lse, void *stream);
+
+/*
+ * Merge: folds the estimate into an output the caller attended itself over
+ * the execution buffer. out is as in wkv_attend and is updated in place; lse
+ * is the caller's [n_seqs][n_q_heads] natural log-sum-exp of scaled scores
+ * (lse_seq_stride floats between sequences, 0 = n_q_heads), updated in place
+ * to the merged value. Requires a lookup.
+ */
+WKV_API int wkv_merge(wkv_plan *plan, void *out, int64_t seq_stride,
+                      int64_t head_stride, float *lse, int64_t lse_seq_stride,
+                      void *stream);
+
+/*
+ * Update: hands the plan's access record (which clusters were retrieved) to
+ * the buffer manager, which updates recency and schedules cache admissions
+ * off the critical path. Requires a lookup.
+ */
+WKV_API int wkv_update(wkv_plan *plan, void *stream);
+
+/*
+ * Decode: lookup, assemble, attend and update in one call. Arguments as in
+ * wkv_lookup and wkv_attend.
+ */
+WKV_API int wkv_decode(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
+                       uint32_t layer, const void *q, int64_t q_seq_stride,
+                       int64_t q_head_stride, void *out, int64_t out_seq_stride,
+                       int64_t out_head_stride, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* WAVEKV_H */

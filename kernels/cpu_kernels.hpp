@@ -1,0 +1,111 @@
+// The kernels of wavekv on the CPU: the CPU backend runs them, and every CUDA
+// kernel is tested against them. Each kernel is one pure function over raw
+// pointers and sizes; none allocates except where its output is a container,
+// none throws except std::bad_alloc from such a container.
+//
+// Conventions: d is head_dim; `scale` is 1/sqrt(d); logits are q.k * scale;
+// log-sum-exp values (lse) are natural logs. Vectors are f32 unless said.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "lib/common/dtype.hpp"
+
+namespace wkv::kernels {
+
+// k-means ---------------------------------------------------------------
+
+// Parameters of segmented spherical k-means for one segment.
+struct KMeansParams {
+  uint32_t n_clusters = 0;  // k requested (>= 1); empty clusters are dropped
+  uint32_t iters = 10;      // assignment/update rounds
+  uint64_t seed = 0;        // initialisation seed; same seed, same result
+};
+
+// The clusters of one segment of T tokens, compacted (no empty cluster),
+// ordered by cluster id.
+//
+//   order[begin[c] .. begin[c+1])   segment-local token indices of cluster c,
+//                                   ascending
+//   centroid[c*d .. c*d+d)          plain mean of member keys (not centered,
+//                                   not normalised)
+//   value_sum[c*d .. c*d+d)         sum of member values, f32
+//   size[c]                         member count (= begin[c+1] - begin[c])
+struct SegmentClusters {
+  uint32_t n_clusters = 0;
+  std::vector<uint32_t> order;      // [T]
+  std::vector<uint32_t> begin;      // [n_clusters + 1]
+  std::vector<float> centroid;      // [n_clusters][d]
+  std::vector<float> value_sum;     // [n_clusters][d]
+  std::vector<uint32_t> size;       // [n_clusters]
+};
+
+// Clusters T keys [T][d] (values [T][d] only feed value_sum): subtracts the
+// segment's mean key, normalises, runs `iters` rounds of spherical k-means
+// (assign by max cosine, update to the normalised member sum) from k distinct
+// seeded initial points, then fills *out. k is clamped to [1, T]. T >= 1.
+void kmeans_segment(const KMeansParams &p, const float *keys,
+                    const float *values, uint32_t T, uint32_t d,
+                    SegmentClusters *out);
+
+// Scoring and selection ---------------------------------------------------
+
+// Scores C clusters for a query group of G heads.
+//   q        [G][d]
+//   centroid [C][d]
+//   logits   [G][C]  out: q_g . centroid_c * scale
+//   score    [C]     out: sum over g of softmax_c(logits[g][.])[c]
+void score_clusters(const float *q, uint32_t G, const float *centroid,
+                    uint32_t C, uint32_t d, float scale, float *logits,
+                    float *score);
+
+// Picks the n_ret highest scores (retrieval) and the next n_est (estimation)
+// among C. Ties break to the lower id. ret and est are sorted ascending by id.
+// Pre: n_ret + n_est <= C. `scratch` holds at least C entries.
+void select_zones(const float *score, uint32_t C, uint32_t n_ret,
+                  uint32_t n_est, uint32_t *ret, uint32_t *est,
+                  uint32_t *scratch);
+
+// Estimation and merge ----------------------------------------------------
+
+// Estimate of the estimation zone for one query head, from the meta index.
+//   logits    [C] this head's logits of all clusters (from score_clusters)
+//   ids       [n] the estimation-zone cluster ids
+//   value_sum [C][d], size [C]
+// Writes out[d] = sum_i exp(l_i) VS_i / sum_i s_i exp(l_i) and returns the
+// natural log of the denominator sum_i s_i exp(l_i), computed with one
+// max-shift. With n == 0 writes zeros and returns -infinity.
+float estimate_zone(const float *logits, const uint32_t *ids, uint32_t n,
+                    const float *value_sum, const uint32_t *size, uint32_t d,
+                    float *out);
+
+// Merges two partial attentions (o_a, lse_a) and (o_b, lse_b) over disjoint
+// token sets into out[d] and returns the merged lse. Either side may be
+// empty (lse = -infinity); both empty gives zeros and -infinity. out may
+// alias o_a.
+float merge_partials(const float *o_a, float lse_a, const float *o_b,
+                     float lse_b, uint32_t d, float *out);
+
+// Exact attention ----------------------------------------------------------
+
+// Attends G query heads q [G][d] over n tokens k, v [n][d] of storage type
+// `t` (rows contiguous, row stride d). Writes out [G][d] (normalised) and
+// lse [G]. With n == 0 writes zeros and -infinity. Accumulates in f32 with
+// an online softmax.
+void attend_exact(DType t, const float *q, uint32_t G, const void *k,
+                  const void *v, uint32_t n, uint32_t d, float scale,
+                  float *out, float *lse);
+
+// Reference exact attention in double over rows given by pointer lists
+// (tests only): out [G][d] and lse [G] in double.
+void attend_reference_f64(DType t, const float *q, uint32_t G,
+                          const void *const *k_rows, const void *const *v_rows,
+                          uint32_t n, uint32_t d, double scale, double *out,
+                          double *lse);
+
+// Dot product of two f32 vectors, vectorised.
+float dot(const float *a, const float *b, uint32_t d);
+
+}  // namespace wkv::kernels

@@ -1,0 +1,35 @@
+// The interface both backends implement: the device side of the decoding
+// verbs. The engine validates arguments and keeps sequences; a backend runs
+// the steps over a plan whose sequences, layer and query are already set.
+//
+// Pre for every call: the plan's stage allows it (checked by the engine).
+#pragma once
+
+#include <cstdint>
+
+#include "lib/common/status.hpp"
+
+namespace wkv {
+
+class Plan;
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  // WKV_DEVICE_CPU or WKV_DEVICE_CUDA.
+  virtual uint32_t device() const = 0;
+  // Scores clusters, selects the zones and estimates the estimation zone.
+  virtual Status lookup(Plan &plan) = 0;
+  // Lays out steady and retrieval tokens in the execution buffer.
+  virtual Status assemble(Plan &plan) = 0;
+  // Exact attention over the execution buffer merged with the estimate.
+  virtual Status attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride,
+                        float *lse) = 0;
+  // Folds the estimate into a caller's output and lse.
+  virtual Status merge(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
+                       int64_t lse_seq_stride) = 0;
+  // Hands the access record to the buffer manager.
+  virtual Status update(Plan &plan) = 0;
+};
+
+}  // namespace wkv

@@ -1,0 +1,85 @@
+// Storage dtypes of keys, values, queries and outputs, and their conversion
+// to and from float. Accumulation is always in float (or double in tests).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "wavekv/wavekv.h"
+
+namespace wkv {
+
+enum class DType : uint32_t {
+  kF32 = WKV_DTYPE_F32,
+  kF16 = WKV_DTYPE_F16,
+  kBF16 = WKV_DTYPE_BF16,
+};
+
+inline uint32_t dtype_bytes(DType t) { return t == DType::kF32 ? 4u : 2u; }
+inline const char *dtype_name(DType t) {
+  switch (t) {
+    case DType::kF32: return "f32";
+    case DType::kF16: return "f16";
+    case DType::kBF16: return "bf16";
+  }
+  return "?";
+}
+
+// IEEE binary16 and bfloat16 as raw bits; conversions round to nearest even.
+struct f16 { uint16_t bits; };
+struct bf16 { uint16_t bits; };
+
+inline float f16_to_float(uint16_t h) {
+  _Float16 x;
+  std::memcpy(&x, &h, 2);
+  return static_cast<float>(x);
+}
+inline uint16_t float_to_f16(float f) {
+  _Float16 x = static_cast<_Float16>(f);
+  uint16_t h;
+  std::memcpy(&h, &x, 2);
+  return h;
+}
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Element access by compile-time storage type: T is float, f16 or bf16.
+template <typename T> inline float load(const T *p, size_t i);
+template <> inline float load<float>(const float *p, size_t i) { return p[i]; }
+template <> inline float load<f16>(const f16 *p, size_t i) { return f16_to_float(p[i].bits); }
+template <> inline float load<bf16>(const bf16 *p, size_t i) { return bf16_to_float(p[i].bits); }
+
+template <typename T> inline void store(T *p, size_t i, float x);
+template <> inline void store<float>(float *p, size_t i, float x) { p[i] = x; }
+template <> inline void store<f16>(f16 *p, size_t i, float x) { p[i].bits = float_to_f16(x); }
+template <> inline void store<bf16>(bf16 *p, size_t i, float x) { p[i].bits = float_to_bf16(x); }
+
+// Converts n elements of type `t` at src to float.
+void to_float(DType t, const void *src, float *dst, size_t n);
+// Converts n floats to type `t` at dst.
+void from_float(DType t, const float *src, void *dst, size_t n);
+
+// Calls f.template operator()<T>() with T the storage type of `t`.
+#define WKV_DISPATCH_DTYPE(t, T, ...)                 \
+  [&] {                                               \
+    switch (t) {                                      \
+      case ::wkv::DType::kF32: { using T = float; return __VA_ARGS__(); } \
+      case ::wkv::DType::kF16: { using T = ::wkv::f16; return __VA_ARGS__(); } \
+      case ::wkv::DType::kBF16: { using T = ::wkv::bf16; return __VA_ARGS__(); } \
+    }                                                 \
+    using T = float;                                  \
+    return __VA_ARGS__();                             \
+  }()
+
+}  // namespace wkv

@@ -1,0 +1,222 @@
+#include "lib/engine/engine.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "lib/engine/plan.hpp"
+#include "lib/engine/sequence.hpp"
+
+namespace wkv {
+
+#if defined(WKV_WITH_CUDA)
+// The CUDA backend, when the build has it; fills *out or returns why not.
+Status make_cuda_backend(Engine &engine, std::unique_ptr<Backend> *out,
+                         HostArena::Options *arena_opts);
+bool cuda_device_usable(int device_id);
+#endif
+
+void zone_sizes(const Config &cfg, uint32_t clusters, uint32_t *n_ret, uint32_t *n_est) {
+  if (clusters == 0) {
+    *n_ret = *n_est = 0;
+    return;
+  }
+  double r = std::ceil(static_cast<double>(cfg.c.retrieval_frac) * clusters - 1e-9);
+  double e = std::floor(static_cast<double>(cfg.c.estimation_frac) * clusters + 0.5);
+  uint32_t nr = static_cast<uint32_t>(std::min<double>(r, clusters));
+  uint32_t ne = static_cast<uint32_t>(std::min<double>(e, clusters - nr));
+  *n_ret = nr;
+  *n_est = ne;
+}
+
+Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
+  Config cfg;
+  WKV_RETURN_IF_ERROR(resolve_config(user, &cfg));
+  std::shared_ptr<Engine> e(new Engine());
+  e->cfg_ = cfg;
+  HostArena::Options ao;
+  ao.page_bytes = cfg.page_slot_bytes();
+  ao.chunk_bytes = cfg.c.host_chunk_bytes;
+  ao.budget_bytes = cfg.c.host_budget_bytes;
+  ao.numa_node = -1;
+
+  uint32_t device = cfg.c.device;
+#if defined(WKV_WITH_CUDA)
+  if (device == WKV_DEVICE_AUTO) device = cuda_device_usable(cfg.c.device_id) ? WKV_DEVICE_CUDA : WKV_DEVICE_CPU;
+  if (device == WKV_DEVICE_CUDA) WKV_RETURN_IF_ERROR(make_cuda_backend(*e, &e->backend_, &ao));
+#else
+  if (device == WKV_DEVICE_AUTO) device = WKV_DEVICE_CPU;
+  if (device == WKV_DEVICE_CUDA)
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "this build of wavekv has no CUDA backend (built without nvcc)");
+#endif
+  e->cfg_.c.device = device;
+  e->pool_ = std::make_unique<ThreadPool>(cfg.c.threads);
+  e->arena_ = std::make_unique<HostArena>(std::move(ao));
+  if (device == WKV_DEVICE_CPU) e->backend_ = make_cpu_backend(*e);
+  *out = std::move(e);
+  return Status::ok();
+}
+
+Engine::~Engine() = default;
+
+void Engine::fill_stats(wkv_stats *out) {
+  HostArena::Stats a = arena_->stats();
+  const uint64_t d = cfg_.c.head_dim;
+  out->device = cfg_.c.device;
+  out->sequences = counters_.sequences.load();
+  out->tokens = counters_.tokens.load();
+  out->segments = counters_.segments.load();
+  out->clusters = counters_.clusters.load();
+  out->host_bytes_reserved = a.bytes_reserved;
+  out->host_bytes_used = a.pages_used * arena_->page_bytes();
+  out->host_budget_bytes = cfg_.c.host_budget_bytes;
+  out->page_bytes = arena_->page_bytes();
+  out->pages_used = a.pages_used;
+  out->pages_free = a.pages_total - a.pages_used;
+  out->steady_bytes = counters_.steady_rows.load() * 2ull * cfg_.row_bytes();
+  out->meta_bytes = out->clusters * (2 * d * sizeof(float) + sizeof(uint32_t) + 16);
+  out->lookups = counters_.lookups.load();
+  out->retrieved_clusters = counters_.retrieved_clusters.load();
+  out->estimated_clusters = counters_.estimated_clusters.load();
+  out->attended_tokens = counters_.attended_tokens.load();
+  out->cache_hits = counters_.cache_hits.load();
+  out->cache_misses = counters_.cache_misses.load();
+  out->device_cache_bytes = 0;
+  out->kmeans_ns = counters_.kmeans_ns.load();
+}
+
+std::string Engine::stats_json() {
+  wkv_stats s;
+  std::memset(&s, 0, sizeof s);
+  s.size = sizeof s;
+  fill_stats(&s);
+  const wkv_config &c = cfg_.c;
+  std::ostringstream o;
+  o << "{\"version\":\"" << WKV_VERSION_MAJOR << '.' << WKV_VERSION_MINOR << '.' << WKV_VERSION_PATCH
+    << "\",\"config\":{\"device\":\"" << (c.device == WKV_DEVICE_CUDA ? "cuda" : "cpu")
+    << "\",\"n_layers\":" << c.n_layers << ",\"n_q_heads\":" << c.n_q_heads
+    << ",\"n_kv_heads\":" << c.n_kv_heads << ",\"head_dim\":" << c.head_dim << ",\"dtype\":\""
+    << dtype_name(cfg_.dtype()) << "\",\"segment_tokens\":" << c.segment_tokens
+    << ",\"update_segment_tokens\":" << c.update_segment_tokens
+    << ",\"cluster_tokens\":" << c.cluster_tokens << ",\"kmeans_iters\":" << c.kmeans_iters
+    << ",\"sink_tokens\":" << c.sink_tokens << ",\"window_tokens\":" << c.window_tokens
+    << ",\"retrieval_frac\":" << c.retrieval_frac << ",\"estimation_frac\":" << c.estimation_frac
+    << ",\"page_bytes\":" << c.page_bytes << ",\"page_tokens\":" << cfg_.page_tokens()
+    << ",\"threads\":" << pool_->threads() << ",\"host_budget_bytes\":" << c.host_budget_bytes
+    << ",\"host_chunk_bytes\":" << c.host_chunk_bytes << "},\"stats\":{"
+    << "\"sequences\":" << s.sequences << ",\"tokens\":" << s.tokens << ",\"segments\":" << s.segments
+    << ",\"clusters\":" << s.clusters << ",\"host_bytes_reserved\":" << s.host_bytes_reserved
+    << ",\"host_bytes_used\":" << s.host_bytes_used << ",\"pages_used\":" << s.pages_used
+    << ",\"pages_free\":" << s.pages_free << ",\"steady_bytes\":" << s.steady_bytes
+    << ",\"meta_bytes\":" << s.meta_bytes << ",\"lookups\":" << s.lookups
+    << ",\"retrieved_clusters\":" << s.retrieved_clusters
+    << ",\"estimated_clusters\":" << s.estimated_clusters
+    << ",\"attended_tokens\":" << s.attended_tokens << ",\"cache_hits\":" << s.cache_hits
+    << ",\"cache_misses\":" << s.cache_misses << ",\"kmeans_ns\":" << s.kmeans_ns << "}}";
+  return o.str();
+}
+
+Status Plan::check_versions() const {
+  for (uint32_t i = 0; i < n_seqs; ++i)
+    if (seqs[i]->layer(layer).version != seq_versions[i])
+      return WKV_ERROR(WKV_ERR_STATE,
+                       "sequence %u of the plan was appended to since the lookup; look up again", i);
+  return Status::ok();
+}
+
+Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_t n, uint32_t layer,
+                      const void *q, int64_t seq_stride, int64_t head_stride) {
+  const wkv_config &c = cfg_.c;
+  const uint32_t d = c.head_dim, nq = c.n_q_heads, H = c.n_kv_heads, G = cfg_.group();
+  for (uint32_t i = 0; i < n; ++i) {
+    if (seqs[i]->layer(layer).tokens == 0)
+      return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "sequence %u has no tokens at layer %u", i, layer);
+  }
+  // 1. The prompt of a layer ends at its first lookup.
+  for (uint32_t i = 0; i < n; ++i) WKV_RETURN_IF_ERROR(seqs[i]->finish_prompt(layer));
+
+  plan.stage = Plan::Stage::kEmpty;
+  try {
+    // 2. Hold the sequences, copy the query, size the runs.
+    plan.seqs.assign(seqs, seqs + n);
+    plan.seq_versions.resize(n);
+    for (uint32_t i = 0; i < n; ++i) plan.seq_versions[i] = seqs[i]->layer(layer).version;
+    plan.layer = layer;
+    plan.n_seqs = n;
+    plan.epoch = counters_.epoch.fetch_add(1) + 1;
+    grow_to(plan.q, static_cast<size_t>(n) * nq * d);
+    const size_t esz = dtype_bytes(cfg_.dtype());
+    for (uint32_t i = 0; i < n; ++i)
+      for (uint32_t h = 0; h < nq; ++h)
+        to_float(cfg_.dtype(),
+                 static_cast<const uint8_t *>(q) + (static_cast<size_t>(i) * seq_stride + static_cast<size_t>(h) * head_stride) * esz,
+                 &plan.q[(static_cast<size_t>(i) * nq + h) * d], d);
+    grow_to(plan.runs, static_cast<size_t>(n) * H);
+    size_t ret = 0, est = 0, lg = 0, sc = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+      const LayerState &L = seqs[i]->layer(layer);
+      for (uint32_t h = 0; h < H; ++h) {
+        RunPlan &r = plan.runs[static_cast<size_t>(i) * H + h];
+        const HeadState &hs = L.heads[h];
+        r.seq = i;
+        r.head = h;
+        r.clusters = hs.index.meta.clusters();
+        zone_sizes(cfg_, r.clusters, &r.n_ret, &r.n_est);
+        r.ret_off = ret;
+        r.est_off = est;
+        r.logits_off = lg;
+        r.steady_tokens = hs.sink.rows() + hs.tail.rows();
+        r.ret_tokens = 0;
+        ret += r.n_ret;
+        est += r.n_est;
+        lg += static_cast<size_t>(G) * r.clusters;
+        sc += r.clusters;
+      }
+    }
+    grow_to(plan.ret_ids, ret);
+    grow_to(plan.est_ids, est);
+    grow_to(plan.logits, lg);
+    grow_to(plan.scores, sc);
+    grow_to(plan.scratch, sc);
+    grow_to(plan.est_out, static_cast<size_t>(n) * nq * d);
+    grow_to(plan.est_lse, static_cast<size_t>(n) * nq);
+  } catch (const std::bad_alloc &) {
+    plan.seqs.clear();
+    plan.n_seqs = 0;
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory sizing the plan");
+  }
+  // 3. Score, select, estimate.
+  WKV_RETURN_IF_ERROR(backend_->lookup(plan));
+  plan.stage = Plan::Stage::kLookedUp;
+  counters_.lookups.fetch_add(n);
+  return Status::ok();
+}
+
+Status Engine::assemble(Plan &plan) {
+  if (plan.stage == Plan::Stage::kEmpty) return WKV_ERROR(WKV_ERR_STATE, "assemble needs a lookup first");
+  WKV_RETURN_IF_ERROR(plan.check_versions());
+  WKV_RETURN_IF_ERROR(backend_->assemble(plan));
+  plan.stage = Plan::Stage::kAssembled;
+  return Status::ok();
+}
+
+Status Engine::attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse) {
+  if (plan.stage != Plan::Stage::kAssembled)
+    return WKV_ERROR(WKV_ERR_STATE, "attend needs a lookup and an assemble first");
+  WKV_RETURN_IF_ERROR(plan.check_versions());
+  return backend_->attend(plan, out, seq_stride, head_stride, lse);
+}
+
+Status Engine::merge(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
+                     int64_t lse_seq_stride) {
+  if (plan.stage == Plan::Stage::kEmpty) return WKV_ERROR(WKV_ERR_STATE, "merge needs a lookup first");
+  return backend_->merge(plan, out, seq_stride, head_stride, lse, lse_seq_stride);
+}
+
+Status Engine::update(Plan &plan) {
+  if (plan.stage == Plan::Stage::kEmpty) return WKV_ERROR(WKV_ERR_STATE, "update needs a lookup first");
+  WKV_RETURN_IF_ERROR(plan.check_versions());
+  return backend_->update(plan);
+}
+
+}  // namespace wkv

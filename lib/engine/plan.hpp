@@ -1,0 +1,77 @@
+// A plan: the reusable state of one decoding step for a batch of sequences at
+// one layer. Lookup fills the zones and the estimate, assemble fills the
+// execution buffer, attend and merge read both, update hands the access
+// record to the buffer manager. Buffers only grow, so steady-state decoding
+// allocates nothing.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "lib/common/meta_alloc.hpp"
+#include "lib/common/status.hpp"
+
+namespace wkv {
+
+class Engine;
+class Sequence;
+
+// One (sequence, KV head) of the step.
+//
+//   ret_ids[ret_off .. ret_off + n_ret)    retrieval-zone cluster ids
+//   est_ids[est_off .. est_off + n_est)    estimation-zone cluster ids
+//   logits[logits_off .. + G * clusters)   [G][clusters] scaled logits
+struct RunPlan {
+  uint32_t seq = 0, head = 0;
+  uint32_t clusters = 0, n_ret = 0, n_est = 0;
+  size_t ret_off = 0, est_off = 0, logits_off = 0;
+  uint64_t steady_tokens = 0, ret_tokens = 0;
+};
+
+class Plan {
+ public:
+  enum class Stage { kEmpty, kLookedUp, kAssembled };
+
+  explicit Plan(std::shared_ptr<Engine> engine) : engine_(std::move(engine)) {}
+  Engine &engine() const { return *engine_; }
+  const std::shared_ptr<Engine> &engine_ptr() const { return engine_; }
+
+  Stage stage = Stage::kEmpty;
+  uint32_t layer = 0;
+  uint32_t n_seqs = 0;
+  uint32_t epoch = 0;  // the lookup's epoch, for recency
+  std::vector<std::shared_ptr<Sequence>> seqs;  // held until the next lookup
+  std::vector<uint64_t> seq_versions;           // layer versions at lookup
+
+  std::vector<float> q;             // [n_seqs][n_q_heads][d]
+  std::vector<RunPlan> runs;        // [n_seqs * n_kv_heads]
+  std::vector<uint32_t> ret_ids, est_ids;
+  std::vector<float> logits;        // concatenated [G][clusters] per run
+  std::vector<float> scores;        // concatenated [clusters] per run
+  std::vector<uint32_t> scratch;    // concatenated [clusters] per run
+  std::vector<float> est_out;       // [n_seqs][n_q_heads][d]
+  std::vector<float> est_lse;       // [n_seqs][n_q_heads]
+
+  // Execution buffer: ragged runs, see wkv_xbuf_view in wavekv.h.
+  std::vector<int32_t> offsets;     // [runs + 1]
+  std::vector<uint8_t> xk, xv;      // [tokens][d] in the storage dtype
+
+  // Scratch of attend: [n_seqs][n_q_heads][d] and [n_seqs][n_q_heads].
+  std::vector<float> exact_out, exact_lse;
+
+  // Checks that no sequence changed since the lookup.
+  Status check_versions() const;
+
+ private:
+  std::shared_ptr<Engine> engine_;
+};
+
+// Grows v to n elements without giving capacity back, geometrically, so that
+// repeated steps of similar size reallocate only a few times in all.
+template <typename V> void grow_to(V &v, size_t n) {
+  if (n > v.capacity()) v.reserve(n + n / 2);
+  v.resize(n);
+}
+
+}  // namespace wkv

@@ -1,0 +1,68 @@
+// A sequence: one request's context across all layers and KV heads.
+//
+// Per layer, tokens [0, sink) sit in the sink, tokens [tail_begin, tokens)
+// in the unclustered tail, and everything between in clustered segments
+// (HeadIndex). Sink and tail together are the steady zone.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "lib/common/status.hpp"
+#include "lib/index/meta_index.hpp"
+
+namespace wkv {
+
+class Engine;
+
+struct HeadState {
+  RowQueue sink;
+  RowQueue tail;
+  HeadIndex index;
+};
+
+struct LayerState {
+  uint64_t tokens = 0;      // appended to this layer
+  uint64_t tail_begin = 0;  // first unclustered token (>= sink tokens held)
+  bool generating = false;  // set by the first lookup
+  uint64_t version = 0;     // bumped by every change, checked by plans
+  std::vector<HeadState> heads;
+};
+
+class Sequence {
+ public:
+  Sequence(std::shared_ptr<Engine> engine, uint64_t id);
+  ~Sequence();  // returns its pages to the arena
+  Sequence(const Sequence &) = delete;
+  Sequence &operator=(const Sequence &) = delete;
+
+  uint64_t id() const { return id_; }
+  Engine &engine() const { return *engine_; }
+  const std::shared_ptr<Engine> &engine_ptr() const { return engine_; }
+  LayerState &layer(uint32_t l) { return layers_[l]; }
+  const LayerState &layer(uint32_t l) const { return layers_[l]; }
+  uint32_t n_layers() const { return static_cast<uint32_t>(layers_.size()); }
+
+  // Appends n tokens to a layer; k and v point at token 0, head 0, with
+  // strides in elements. All or nothing.
+  Status append(uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
+                int64_t token_stride, int64_t head_stride);
+
+  // Ends the prompt phase of a layer: clusters what remains of the prompt
+  // beyond the window and switches the layer to generated-token segments.
+  // No-op once generating. All or nothing.
+  Status finish_prompt(uint32_t layer);
+
+ private:
+  // Clusters `count` segments of `seg_tokens` tokens (the last may be
+  // `last_tokens`) from the front of the layer's tail.
+  Status cluster_front(uint32_t layer, uint32_t count, uint32_t seg_tokens, uint32_t last_tokens,
+                       bool generated);
+
+  std::shared_ptr<Engine> engine_;
+  uint64_t id_;
+  std::vector<LayerState> layers_;
+};
+
+}  // namespace wkv
