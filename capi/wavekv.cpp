@@ -368,6 +368,12 @@ void wkv_plan_destroy(wkv_plan *plan) {
 static int lookup_impl(const char *fn, wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
                        uint32_t layer, const void *q, int64_t seq_stride, int64_t head_stride) {
   if (int rc = check_plan(plan, fn)) return rc;
+  // The batch never outlives the call (it holds sequences alive), and a
+  // failed lookup leaves the plan with no step.
+  struct ClearBatch {
+    ~ClearBatch() { t_batch.clear(); }
+  } clear_batch;
+  plan->p->stage = wkv::Plan::Stage::kEmpty;
   wkv::Engine &e = plan->p->engine();
   if (int rc = collect_seqs(plan, seqs, n_seqs, fn, &t_batch)) return rc;
   if (int rc = check_layer(e, layer, fn)) return rc;
@@ -376,7 +382,6 @@ static int lookup_impl(const char *fn, wkv_plan *plan, wkv_seq *const *seqs, uin
   if (int rc = check_strides(fn, "q", n_seqs, cfg.c.n_q_heads, cfg.c.head_dim, &seq_stride, &head_stride))
     return rc;
   wkv::Status s = e.lookup(*plan->p, t_batch.data(), n_seqs, layer, q, seq_stride, head_stride);
-  t_batch.clear();
   if (!s.is_ok()) return fail(s.code(), std::string(fn) + ": " + s.message());
   return WKV_OK;
 }

@@ -164,8 +164,8 @@ TEST(Decode, DefaultBudgetBeatsSinkAndWindow) {
       base.push_back(rel_l2(sw, ref));
     }
   }
-  EXPECT_LT(median(ours), median(base));
-  EXPECT_LT(median(ours), 0.2);
+  std::printf("median rel. L2 error %.4f, sink+window %.4f\n", median(ours), median(base));
+  EXPECT_LT(median(ours), 0.5 * median(base));
 }
 
 TEST(Index, GrowsBySegmentsAsTokensAreGenerated) {

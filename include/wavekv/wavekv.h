@@ -125,7 +125,12 @@ enum {
  * Everything an engine is opened with. Call wkv_config_init() first: it sets
  * `size` and every default below, then set the model shape.
  *
- * The shape fields (n_layers .. dtype) have no default and must be set.
+ * The shape fields n_layers .. head_dim have no default and must be set.
+ * Environment variables override fields at open time, for tuning without a
+ * rebuild: WKV_THREADS, WKV_SEGMENT_TOKENS, WKV_UPDATE_SEGMENT_TOKENS,
+ * WKV_CLUSTER_TOKENS, WKV_KMEANS_ITERS, WKV_SINK_TOKENS, WKV_WINDOW_TOKENS,
+ * WKV_RETRIEVAL_FRAC, WKV_ESTIMATION_FRAC, WKV_HOST_BUDGET_BYTES,
+ * WKV_HOST_CHUNK_BYTES, WKV_DEVICE_CACHE_BYTES.
  */
 typedef struct wkv_config {
   uint32_t size;            /* sizeof(wkv_config), set by wkv_config_init */
@@ -135,7 +140,7 @@ typedef struct wkv_config {
   uint32_t n_q_heads;       /* query heads (required) */
   uint32_t n_kv_heads;      /* KV heads; must divide n_q_heads (required) */
   uint32_t head_dim;        /* 64, 80, 96, 128 or 256 (required) */
-  uint32_t dtype;           /* WKV_DTYPE_* of K, V, q and outputs (required) */
+  uint32_t dtype;           /* WKV_DTYPE_* of K, V, q and outputs (F16) */
   uint32_t segment_tokens;  /* prompt tokens clustered together (8192) */
   uint32_t update_segment_tokens; /* generated tokens clustered together (1024) */
   uint32_t cluster_tokens;  /* mean tokens per cluster (16) */
@@ -311,6 +316,8 @@ WKV_API void wkv_plan_destroy(wkv_plan *plan);
  * listed twice, a sequence with no tokens at this layer), WKV_ERR_INVALID_HANDLE
  * (a sequence of another engine), WKV_ERR_OUT_OF_RANGE (layer),
  * WKV_ERR_BUDGET / WKV_ERR_OUT_OF_MEMORY (clustering the prompt's remainder).
+ * On any failure the plan holds no step (assemble and attend need a new
+ * lookup).
  */
 WKV_API int wkv_lookup(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
                        uint32_t layer, const void *q, int64_t seq_stride,

@@ -3,12 +3,49 @@
 namespace wkv {
 namespace {
 
-// Without F16C, _Float16 conversion is a libgcc call per element (~6 ns); the
-// x86-64-v3 clone converts in hardware, about 15 times faster. Attention over
-// f16 storage converts every K and V row it reads, so this loop is hot.
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// f16 to float with integer operations, branch-free so that it vectorises
+// on baseline x86-64: without F16C a _Float16 cast is a libgcc call per
+// element (~6 ns), and GCC does not vectorise the cast even with F16C; this
+// runs at ~0.55 ns (SSE2) and ~0.35 ns (x86-64-v3 clone) per element.
+// Attention converts every K and V row it reads from f16 storage. No float operand is ever subnormal, so a caller that
+// set flush-to-zero or denormals-are-zero still gets exact values.
+// Bit-identical to f16_to_float for all 65536 inputs (signalling NaNs come
+// out quiet in both).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && \
+    !defined(WKV_NO_TARGET_CLONES)
 __attribute__((target_clones("arch=x86-64-v3", "default")))
-void f16_to_float_n(const f16 *src, float *dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = load(src, i);
+#endif
+void f16_to_float_n(const f16 *__restrict src, float *__restrict dst,
+                    size_t n) {
+  // Exponent and mantissa in a float's position; compared as int32 (they
+  // fit in 31 bits) because SSE2 has no unsigned compare.
+  constexpr int32_t kMinNormal = 0x0400 << 13;
+  constexpr int32_t kInf = 0x7c00 << 13;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t h = src[i].bits;
+    const int32_t em = static_cast<int32_t>((h & 0x7fffu) << 13);
+    const uint32_t normal = uint32_t(em) + ((127u - 15u) << 23);
+    const uint32_t subnormal = float_to_bits(
+        static_cast<float>(static_cast<int32_t>(h & 0x3ffu)) * 0x1p-24f);
+    const uint32_t special =
+        uint32_t(em) | 0x7f800000u | (em > kInf ? 0x00400000u : 0u);
+    const uint32_t is_sub = 0u - uint32_t(em < kMinNormal);
+    const uint32_t is_special = 0u - uint32_t(em >= kInf);
+    const uint32_t bits = (subnormal & is_sub) | (special & is_special) |
+                          (normal & ~(is_sub | is_special));
+    dst[i] = bits_to_float(bits | ((h & 0x8000u) << 16));
+  }
 }
 
 }  // namespace

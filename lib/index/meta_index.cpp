@@ -21,8 +21,10 @@ void RowQueue::reserve_more(size_t n) {
   size_t grow = std::max(need, k_.size() + k_.size() / 2);
   // Strong guarantee: resize the copy that may fail first.
   MetaVector<uint8_t> nk(grow), nv(grow);
-  std::memcpy(nk.data(), k_.data(), end_ * row_bytes_);
-  std::memcpy(nv.data(), v_.data(), end_ * row_bytes_);
+  if (end_ > 0) {
+    std::memcpy(nk.data(), k_.data(), end_ * row_bytes_);
+    std::memcpy(nv.data(), v_.data(), end_ * row_bytes_);
+  }
   k_.swap(nk);
   v_.swap(nv);
 }

@@ -55,11 +55,11 @@ Status CpuBackend::lookup(Plan &plan) {
     float *score = &plan.scores[r.logits_off / G];
     uint32_t *scratch = &plan.scratch[r.logits_off / G];
     kernels::score_clusters(q, G, meta.centroid.data(), r.clusters, d, scale, logits, score);
-    kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, &plan.ret_ids[r.ret_off],
-                          &plan.est_ids[r.est_off], scratch);
+    kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, plan.ret_ids.data() + r.ret_off,
+                          plan.est_ids.data() + r.est_off, scratch);
     for (uint32_t g = 0; g < G; ++g)
       est_lse[g] = kernels::estimate_zone(logits + static_cast<size_t>(g) * r.clusters,
-                                          &plan.est_ids[r.est_off], r.n_est, meta.value_sum.data(),
+                                          plan.est_ids.data() + r.est_off, r.n_est, meta.value_sum.data(),
                                           meta.size.data(), d, est_out + static_cast<size_t>(g) * d);
     uint64_t toks = 0;
     for (uint32_t i = 0; i < r.n_ret; ++i) toks += meta.size[plan.ret_ids[r.ret_off + i]];
