@@ -1,0 +1,71 @@
+// Device-side layouts shared by the CUDA kernels and the CUDA backend's host
+// code. Plain structs of raw pointers and sizes: no CUDA types, so host C++
+// compiled without nvcc can fill them.
+//
+// A decoding step works on R runs, one per (sequence, KV head), r = s * H + h.
+// Everything below lives in device memory unless it says otherwise.
+#pragma once
+
+#include <cstdint>
+
+namespace wkv::kernels {
+
+// One (sequence, KV head) as the decoding kernels see it.
+//
+// Meta index (device, f32):
+//   centroid[c * d + i], value_sum[c * d + i], size[c]   for c < clusters
+// Mapping-table mirror:
+//   first_slot[c]      token slot of the cluster's first member in the head's
+//                      page list: page first_slot / page_tokens, row
+//                      first_slot % page_tokens; members are consecutive slots
+//   pages[p]           device-accessible address of page p of the head: a slot
+//                      of the device block cache, or a pinned, mapped host page.
+//                      A page holds K rows [page_tokens][d] then V rows
+//                      [page_tokens][d] in the storage dtype (page_stride bytes
+//                      apart is not needed: V starts at page_tokens * row_bytes).
+//                      Entries are 8-byte words the buffer manager swaps
+//                      between a host page and a cache slot while steps run.
+// Steady zone (device rows, [tokens][d] in the storage dtype, contiguous):
+//   sink_k/sink_v      sink_tokens rows
+//   tail_k/tail_v      tail_tokens rows
+struct DevRun {
+  const float *centroid;
+  const float *value_sum;
+  const uint32_t *size;
+  const uint32_t *first_slot;
+  const uint8_t *const *pages;
+  const uint8_t *sink_k, *sink_v;
+  const uint8_t *tail_k, *tail_v;
+  uint32_t clusters;
+  uint32_t n_ret;        // retrieval-zone clusters to select
+  uint32_t n_est;        // estimation-zone clusters to select
+  uint32_t sink_tokens;
+  uint32_t tail_tokens;
+  uint32_t ret_off;      // this run's first entry in ret_ids / ret_pos
+  uint32_t est_off;      // this run's first entry in est_ids
+  uint32_t scratch_off;  // this run's first float in the [G][clusters] logits scratch
+};
+
+// The output of lookup for all runs (device):
+//   ret_ids[ret_off + i], i < n_ret     retrieval cluster ids, ascending
+//   ret_pos[ret_off + i]                exclusive prefix sum of their sizes:
+//                                       where cluster i's rows start in the
+//                                       run after the steady zone
+//   est_ids[est_off + i], i < n_est     estimation cluster ids, ascending
+//   run_tokens[r]                       steady + retrieval tokens of run r
+//   est_out[(r * G + g) * d + i]        estimate of query head g of run r
+//   est_lse[r * G + g]                  its log-denominator (-inf if empty)
+//   offsets[r], r <= R                  exclusive prefix of run_tokens: the
+//                                       execution buffer's ragged offsets
+struct DevLookup {
+  uint32_t *ret_ids;
+  uint32_t *ret_pos;
+  uint32_t *est_ids;
+  uint32_t *run_tokens;
+  float *est_out;
+  float *est_lse;
+  int32_t *offsets;
+  float *logits;  // scratch: [G][clusters] per run at scratch_off
+};
+
+}  // namespace wkv::kernels
