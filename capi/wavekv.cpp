@@ -295,7 +295,7 @@ void wkv_seq_destroy(wkv_seq *seq) {
 }
 
 int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k, const void *v, uint32_t n_tokens,
-                   int64_t token_stride, int64_t head_stride) {
+                   int64_t token_stride, int64_t head_stride, void *stream) {
   return guarded("wkv_seq_append", [&] {
     const char *fn = "wkv_seq_append";
     if (int rc = check_seq(seq, fn)) return rc;
@@ -309,7 +309,7 @@ int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k, const void *v, u
                                &head_stride))
       return rc;
     return done(seq->s->append(layer, static_cast<const uint8_t *>(k), static_cast<const uint8_t *>(v),
-                               n_tokens, token_stride, head_stride));
+                               n_tokens, token_stride, head_stride, stream));
   });
 }
 
@@ -366,7 +366,8 @@ void wkv_plan_destroy(wkv_plan *plan) {
 }
 
 static int lookup_impl(const char *fn, wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
-                       uint32_t layer, const void *q, int64_t seq_stride, int64_t head_stride) {
+                       uint32_t layer, const void *q, int64_t seq_stride, int64_t head_stride,
+                       void *stream) {
   if (int rc = check_plan(plan, fn)) return rc;
   // The batch never outlives the call (it holds sequences alive), and a
   // failed lookup leaves the plan with no step.
@@ -381,25 +382,23 @@ static int lookup_impl(const char *fn, wkv_plan *plan, wkv_seq *const *seqs, uin
   const wkv::Config &cfg = e.config();
   if (int rc = check_strides(fn, "q", n_seqs, cfg.c.n_q_heads, cfg.c.head_dim, &seq_stride, &head_stride))
     return rc;
-  wkv::Status s = e.lookup(*plan->p, t_batch.data(), n_seqs, layer, q, seq_stride, head_stride);
+  wkv::Status s = e.lookup(*plan->p, t_batch.data(), n_seqs, layer, q, seq_stride, head_stride, stream);
   if (!s.is_ok()) return fail(s.code(), std::string(fn) + ": " + s.message());
   return WKV_OK;
 }
 
 int wkv_lookup(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t layer, const void *q,
                int64_t seq_stride, int64_t head_stride, void *stream) {
-  (void)stream;
   return guarded("wkv_lookup", [&] {
-    int rc = lookup_impl("wkv_lookup", plan, seqs, n_seqs, layer, q, seq_stride, head_stride);
+    int rc = lookup_impl("wkv_lookup", plan, seqs, n_seqs, layer, q, seq_stride, head_stride, stream);
     return rc ? rc : done(wkv::Status::ok());
   });
 }
 
 int wkv_assemble(wkv_plan *plan, void *stream) {
-  (void)stream;
   return guarded("wkv_assemble", [&] {
     if (int rc = check_plan(plan, "wkv_assemble")) return rc;
-    return done(plan->p->engine().assemble(*plan->p));
+    return done(plan->p->engine().assemble(*plan->p, stream));
   });
 }
 
@@ -440,18 +439,16 @@ static int out_strides(const char *fn, const wkv::Plan &p, int64_t *seq_stride, 
 
 int wkv_attend(wkv_plan *plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
                void *stream) {
-  (void)stream;
   return guarded("wkv_attend", [&] {
     if (int rc = check_plan(plan, "wkv_attend")) return rc;
     CHECK_ARG(out, "wkv_attend: out is NULL");
     if (int rc = out_strides("wkv_attend", *plan->p, &seq_stride, &head_stride)) return rc;
-    return done(plan->p->engine().attend(*plan->p, out, seq_stride, head_stride, lse));
+    return done(plan->p->engine().attend(*plan->p, out, seq_stride, head_stride, lse, stream));
   });
 }
 
 int wkv_merge(wkv_plan *plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
               int64_t lse_seq_stride, void *stream) {
-  (void)stream;
   return guarded("wkv_merge", [&] {
     if (int rc = check_plan(plan, "wkv_merge")) return rc;
     CHECK_ARG(out, "wkv_merge: out is NULL");
@@ -465,22 +462,20 @@ int wkv_merge(wkv_plan *plan, void *out, int64_t seq_stride, int64_t head_stride
     CHECK_ARG(lse_seq_stride >= static_cast<int64_t>(nq) || p.n_seqs == 1,
               "wkv_merge: lse_seq_stride %lld is smaller than n_q_heads %u",
               static_cast<long long>(lse_seq_stride), nq);
-    return done(plan->p->engine().merge(*plan->p, out, seq_stride, head_stride, lse, lse_seq_stride));
+    return done(plan->p->engine().merge(*plan->p, out, seq_stride, head_stride, lse, lse_seq_stride, stream));
   });
 }
 
 int wkv_update(wkv_plan *plan, void *stream) {
-  (void)stream;
   return guarded("wkv_update", [&] {
     if (int rc = check_plan(plan, "wkv_update")) return rc;
-    return done(plan->p->engine().update(*plan->p));
+    return done(plan->p->engine().update(*plan->p, stream));
   });
 }
 
 int wkv_decode(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t layer, const void *q,
                int64_t q_seq_stride, int64_t q_head_stride, void *out, int64_t out_seq_stride,
                int64_t out_head_stride, void *stream) {
-  (void)stream;
   return guarded("wkv_decode", [&] {
     const char *fn = "wkv_decode";
     if (int rc = check_plan(plan, fn)) return rc;
@@ -492,11 +487,11 @@ int wkv_decode(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t l
       out_seq_stride = a;
       out_head_stride = b;
     }
-    if (int rc = lookup_impl(fn, plan, seqs, n_seqs, layer, q, q_seq_stride, q_head_stride)) return rc;
+    if (int rc = lookup_impl(fn, plan, seqs, n_seqs, layer, q, q_seq_stride, q_head_stride, stream)) return rc;
     wkv::Engine &e = plan->p->engine();
-    wkv::Status s = e.assemble(*plan->p);
-    if (s.is_ok()) s = e.attend(*plan->p, out, out_seq_stride, out_head_stride, nullptr);
-    if (s.is_ok()) s = e.update(*plan->p);
+    wkv::Status s = e.assemble(*plan->p, stream);
+    if (s.is_ok()) s = e.attend(*plan->p, out, out_seq_stride, out_head_stride, nullptr, stream);
+    if (s.is_ok()) s = e.update(*plan->p, stream);
     if (!s.is_ok()) return fail(s.code(), std::string(fn) + ": " + s.message());
     return done(wkv::Status::ok());
   });

@@ -184,7 +184,7 @@ static int append_from(wkv_seq *seq, const ref_seq *r, uint32_t layer, uint32_t 
     case LAYOUT_HEAD_MAJOR: ts = D; hs = (int64_t)n * D; break;
     case LAYOUT_PADDED: ts = PAD_TOKEN; hs = PAD_HEAD; break;
   }
-  rc = wkv_seq_append(seq, layer, kp, vp, n, ts, hs);
+  rc = wkv_seq_append(seq, layer, kp, vp, n, ts, hs, NULL);
   free(kb);
   free(vb);
   return rc;
@@ -737,21 +737,21 @@ static void test_append_errors(void) {
   phase("append_errors");
   for (i = 0; i < sizeof k / sizeof k[0]; ++i) k[i] = v[i] = frand();
   EXPECT_OK(wkv_plan_create(g_x, &p));
-  EXPECT_ERR(wkv_seq_append(NULL, 0, k, v, 1, 0, 0), WKV_ERR_INVALID_HANDLE);
-  EXPECT_ERR(wkv_seq_append((wkv_seq *)(void *)p, 0, k, v, 1, 0, 0), WKV_ERR_INVALID_HANDLE);
-  EXPECT_ERR(wkv_seq_append((wkv_seq *)(void *)g_x, 0, k, v, 1, 0, 0), WKV_ERR_INVALID_HANDLE);
-  EXPECT_ERR(wkv_seq_append(g_xa, 0, NULL, v, 1, 0, 0), WKV_ERR_INVALID_ARGUMENT);
-  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, NULL, 1, 0, 0), WKV_ERR_INVALID_ARGUMENT);
-  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, v, 0, 0, 0), WKV_ERR_INVALID_ARGUMENT);
-  EXPECT_ERR(wkv_seq_append(g_xa, NL, k, v, 1, 0, 0), WKV_ERR_OUT_OF_RANGE);
-  EXPECT_ERR(wkv_seq_append(g_xa, 0xffffffffu, k, v, 1, 0, 0), WKV_ERR_OUT_OF_RANGE);
+  EXPECT_ERR(wkv_seq_append(NULL, 0, k, v, 1, 0, 0, NULL), WKV_ERR_INVALID_HANDLE);
+  EXPECT_ERR(wkv_seq_append((wkv_seq *)(void *)p, 0, k, v, 1, 0, 0, NULL), WKV_ERR_INVALID_HANDLE);
+  EXPECT_ERR(wkv_seq_append((wkv_seq *)(void *)g_x, 0, k, v, 1, 0, 0, NULL), WKV_ERR_INVALID_HANDLE);
+  EXPECT_ERR(wkv_seq_append(g_xa, 0, NULL, v, 1, 0, 0, NULL), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, NULL, 1, 0, 0, NULL), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, v, 0, 0, 0, NULL), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_ERR(wkv_seq_append(g_xa, NL, k, v, 1, 0, 0, NULL), WKV_ERR_OUT_OF_RANGE);
+  EXPECT_ERR(wkv_seq_append(g_xa, 0xffffffffu, k, v, 1, 0, 0, NULL), WKV_ERR_OUT_OF_RANGE);
   /* head_stride 10 < head_dim 64: the rows of two heads overlap. */
-  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, v, 2, 0, 10), WKV_ERR_INVALID_ARGUMENT);
-  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, v, 2, 2 * 10, 10), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, v, 2, 0, 10, NULL), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, v, 2, 2 * 10, 10, NULL), WKV_ERR_INVALID_ARGUMENT);
   /* token_stride smaller than the heads of a token. */
-  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, v, 2, D, D), WKV_ERR_INVALID_ARGUMENT);
-  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, v, 2, -NKV * D, 0), WKV_ERR_INVALID_ARGUMENT);
-  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, v, 2, 0, -D), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, v, 2, D, D, NULL), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, v, 2, -NKV * D, 0, NULL), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_ERR(wkv_seq_append(g_xa, 0, k, v, 2, 0, -D, NULL), WKV_ERR_INVALID_ARGUMENT);
   expect_info(g_xa, 0, 600, 4, 84, 2, 0, "failed appends appended nothing");
   wkv_plan_destroy(p);
 }
@@ -1092,7 +1092,7 @@ static void test_lookup_errors(void) {
   EXPECT_OK(wkv_plan_create(g_e, &pe));
   EXPECT_OK(wkv_seq_create(g_x, &empty));
   EXPECT_OK(wkv_seq_create(g_x, &half));
-  EXPECT_OK(wkv_seq_append(half, 0, k, v, 1, 0, 0));
+  EXPECT_OK(wkv_seq_append(half, 0, k, v, 1, 0, 0, NULL));
   both[0] = g_xa; both[1] = g_xb;
   twice[0] = g_xa; twice[1] = g_xa;
   withnull[0] = g_xa; withnull[1] = NULL;
@@ -1331,7 +1331,7 @@ static void test_release_after_failed_lookup(void) {
   EXPECT_OK(wkv_engine_stats(g_e, &st));
   before = st.sequences;
   EXPECT_OK(wkv_seq_create(g_e, &t));
-  EXPECT_OK(wkv_seq_append(t, 0, k, v, 1, 0, 0));
+  EXPECT_OK(wkv_seq_append(t, 0, k, v, 1, 0, 0, NULL));
   EXPECT_OK(wkv_plan_create(g_e, &p));
   twice[0] = t;
   twice[1] = t;

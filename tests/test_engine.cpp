@@ -50,7 +50,7 @@ struct Mirror {
     for (float &x : v) x = round_to(s.dtype, x);
     auto kb = pack(s.dtype, k), vb = pack(s.dtype, v);
     for (uint32_t l = 0; l < s.layers; ++l) {
-      int rc = wkv_seq_append(seq.get(), l, kb.data(), vb.data(), n, 0, 0);
+      int rc = wkv_seq_append(seq.get(), l, kb.data(), vb.data(), n, 0, 0, nullptr);
       if (rc != WKV_OK) return rc;
       for (uint32_t t = 0; t < n; ++t)
         for (uint32_t h = 0; h < s.kv_heads; ++h) {

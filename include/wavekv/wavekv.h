@@ -27,7 +27,7 @@
  *
  * A decoding step for one layer (letting wavekv attend):
  *
- *     wkv_seq_append(seq, layer, k, v, 1, 0, 0);          // the new token
+ *     wkv_seq_append(seq, layer, k, v, 1, 0, 0, stream);  // the new token
  *     wkv_decode(plan, &seq, 1, layer, q, 0, 0, out, 0, 0, stream);
  *
  * or, attending with the runtime's own kernel:
@@ -243,7 +243,10 @@ WKV_API int wkv_seq_create(wkv_engine *engine, wkv_seq **out);
 WKV_API void wkv_seq_destroy(wkv_seq *seq);
 
 /*
- * Appends n_tokens tokens' keys and values for one layer.
+ * Appends n_tokens tokens' keys and values for one layer. On a CUDA engine k
+ * and v are device pointers read in order on `stream`; the call returns
+ * without waiting for the copy, except when a segment completes and is
+ * clustered (an index growth), which waits for the stream.
  *
  * k and v are [n_tokens][n_kv_heads][head_dim] in the engine's dtype, with
  * token_stride and head_stride in elements between consecutive tokens and
@@ -264,7 +267,8 @@ WKV_API void wkv_seq_destroy(wkv_seq *seq);
  */
 WKV_API int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k,
                            const void *v, uint32_t n_tokens,
-                           int64_t token_stride, int64_t head_stride);
+                           int64_t token_stride, int64_t head_stride,
+                           void *stream);
 
 /* What one layer of a sequence holds. */
 typedef struct wkv_seq_info {

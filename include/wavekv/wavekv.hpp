@@ -85,8 +85,8 @@ class Sequence : public Handle<wkv_seq, wkv_seq_destroy> {
  public:
   explicit Sequence(const Engine &e) : Handle(create(e)) {}
   void append(uint32_t layer, const void *k, const void *v, uint32_t n_tokens, int64_t token_stride = 0,
-              int64_t head_stride = 0) {
-    check(wkv_seq_append(get(), layer, k, v, n_tokens, token_stride, head_stride));
+              int64_t head_stride = 0, void *stream = nullptr) {
+    check(wkv_seq_append(get(), layer, k, v, n_tokens, token_stride, head_stride, stream));
   }
   wkv_seq_info info(uint32_t layer) const {
     wkv_seq_info i;

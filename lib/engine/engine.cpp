@@ -125,7 +125,7 @@ Status Plan::check_versions() const {
 }
 
 Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_t n, uint32_t layer,
-                      const void *q, int64_t seq_stride, int64_t head_stride) {
+                      const void *q, int64_t seq_stride, int64_t head_stride, void *stream) {
   const wkv_config &c = cfg_.c;
   const uint32_t d = c.head_dim, nq = c.n_q_heads, H = c.n_kv_heads, G = cfg_.group();
   for (uint32_t i = 0; i < n; ++i) {
@@ -133,9 +133,10 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
       return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "sequence %u has no tokens at layer %u", i, layer);
   }
   // 1. The prompt of a layer ends at its first lookup.
-  for (uint32_t i = 0; i < n; ++i) WKV_RETURN_IF_ERROR(seqs[i]->finish_prompt(layer));
+  for (uint32_t i = 0; i < n; ++i) WKV_RETURN_IF_ERROR(seqs[i]->finish_prompt(layer, stream));
 
   plan.stage = Plan::Stage::kEmpty;
+  plan.stream = stream;
   try {
     // 2. Hold the sequences, copy the query, size the runs.
     plan.seqs.assign(seqs, seqs + n);
@@ -144,13 +145,19 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
     plan.layer = layer;
     plan.n_seqs = n;
     plan.epoch = counters_.epoch.fetch_add(1) + 1;
-    grow_to(plan.q, static_cast<size_t>(n) * nq * d);
-    const size_t esz = dtype_bytes(cfg_.dtype());
-    for (uint32_t i = 0; i < n; ++i)
-      for (uint32_t h = 0; h < nq; ++h)
-        to_float(cfg_.dtype(),
-                 static_cast<const uint8_t *>(q) + (static_cast<size_t>(i) * seq_stride + static_cast<size_t>(h) * head_stride) * esz,
-                 &plan.q[(static_cast<size_t>(i) * nq + h) * d], d);
+    plan.q_src = q;
+    plan.q_seq_stride = seq_stride;
+    plan.q_head_stride = head_stride;
+    if (backend_->device() == WKV_DEVICE_CPU) {
+      grow_to(plan.q, static_cast<size_t>(n) * nq * d);
+      const size_t esz = dtype_bytes(cfg_.dtype());
+      for (uint32_t i = 0; i < n; ++i)
+        for (uint32_t h = 0; h < nq; ++h)
+          to_float(cfg_.dtype(),
+                   static_cast<const uint8_t *>(q) +
+                       (static_cast<size_t>(i) * seq_stride + static_cast<size_t>(h) * head_stride) * esz,
+                   &plan.q[(static_cast<size_t>(i) * nq + h) * d], d);
+    }
     grow_to(plan.runs, static_cast<size_t>(n) * H);
     size_t ret = 0, est = 0, lg = 0, sc = 0;
     for (uint32_t i = 0; i < n; ++i) {
@@ -192,7 +199,8 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
   return Status::ok();
 }
 
-Status Engine::assemble(Plan &plan) {
+Status Engine::assemble(Plan &plan, void *stream) {
+  plan.stream = stream;
   if (plan.stage == Plan::Stage::kEmpty) return WKV_ERROR(WKV_ERR_STATE, "assemble needs a lookup first");
   WKV_RETURN_IF_ERROR(plan.check_versions());
   WKV_RETURN_IF_ERROR(backend_->assemble(plan));
@@ -200,7 +208,9 @@ Status Engine::assemble(Plan &plan) {
   return Status::ok();
 }
 
-Status Engine::attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse) {
+Status Engine::attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
+                      void *stream) {
+  plan.stream = stream;
   if (plan.stage != Plan::Stage::kAssembled)
     return WKV_ERROR(WKV_ERR_STATE, "attend needs a lookup and an assemble first");
   WKV_RETURN_IF_ERROR(plan.check_versions());
@@ -208,12 +218,14 @@ Status Engine::attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_st
 }
 
 Status Engine::merge(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
-                     int64_t lse_seq_stride) {
+                     int64_t lse_seq_stride, void *stream) {
+  plan.stream = stream;
   if (plan.stage == Plan::Stage::kEmpty) return WKV_ERROR(WKV_ERR_STATE, "merge needs a lookup first");
   return backend_->merge(plan, out, seq_stride, head_stride, lse, lse_seq_stride);
 }
 
-Status Engine::update(Plan &plan) {
+Status Engine::update(Plan &plan, void *stream) {
+  plan.stream = stream;
   if (plan.stage == Plan::Stage::kEmpty) return WKV_ERROR(WKV_ERR_STATE, "update needs a lookup first");
   WKV_RETURN_IF_ERROR(plan.check_versions());
   return backend_->update(plan);

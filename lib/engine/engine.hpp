@@ -58,12 +58,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   // The decoding verbs, in the order of a step.
   Status lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_t n, uint32_t layer,
-                const void *q, int64_t seq_stride, int64_t head_stride);
-  Status assemble(Plan &plan);
-  Status attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse);
+                const void *q, int64_t seq_stride, int64_t head_stride, void *stream);
+  Status assemble(Plan &plan, void *stream);
+  Status attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
+                void *stream);
   Status merge(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
-               int64_t lse_seq_stride);
-  Status update(Plan &plan);
+               int64_t lse_seq_stride, void *stream);
+  Status update(Plan &plan, void *stream);
 
  private:
   Engine() = default;

@@ -41,10 +41,13 @@ class Plan {
   uint32_t layer = 0;
   uint32_t n_seqs = 0;
   uint32_t epoch = 0;  // the lookup's epoch, for recency
+  void *stream = nullptr;  // the caller's stream of the current verb
   std::vector<std::shared_ptr<Sequence>> seqs;  // held until the next lookup
   std::vector<uint64_t> seq_versions;           // layer versions at lookup
 
-  std::vector<float> q;             // [n_seqs][n_q_heads][d]
+  std::vector<float> q;             // [n_seqs][n_q_heads][d] (CPU backend)
+  const void *q_src = nullptr;      // the caller's q of the lookup (valid during it)
+  int64_t q_seq_stride = 0, q_head_stride = 0;
   std::vector<RunPlan> runs;        // [n_seqs * n_kv_heads]
   std::vector<uint32_t> ret_ids, est_ids;
   std::vector<float> logits;        // concatenated [G][clusters] per run

@@ -26,6 +26,7 @@ Sequence::Sequence(std::shared_ptr<Engine> engine, uint64_t id)
 }
 
 Sequence::~Sequence() {
+  engine_->backend().on_destroy(*this);
   EngineCounters &ctr = engine_->counters();
   for (LayerState &l : layers_) {
     ctr.tokens.fetch_sub(l.tokens);
@@ -40,7 +41,17 @@ Sequence::~Sequence() {
 }
 
 Status Sequence::append(uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
-                        int64_t token_stride, int64_t head_stride) {
+                        int64_t token_stride, int64_t head_stride, void *stream) {
+  return engine_->backend().append(*this, layer, k, v, n, token_stride, head_stride, stream);
+}
+
+Status Sequence::finish_prompt(uint32_t layer, void *stream) {
+  if (layers_[layer].generating) return Status::ok();
+  return engine_->backend().finish_prompt(*this, layer, stream);
+}
+
+Status Sequence::append_host(uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
+                             int64_t token_stride, int64_t head_stride) {
   const Config &cfg = engine_->config();
   LayerState &L = layers_[layer];
   const uint32_t sink = cfg.c.sink_tokens;
@@ -96,7 +107,7 @@ Status Sequence::append(uint32_t layer, const uint8_t *k, const uint8_t *v, uint
   return Status::ok();
 }
 
-Status Sequence::finish_prompt(uint32_t layer) {
+Status Sequence::finish_prompt_host(uint32_t layer) {
   LayerState &L = layers_[layer];
   if (L.generating) return Status::ok();
   const Config &cfg = engine_->config();

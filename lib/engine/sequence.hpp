@@ -17,9 +17,10 @@ namespace wkv {
 class Engine;
 
 struct HeadState {
-  RowQueue sink;
-  RowQueue tail;
+  RowQueue sink;  // host rows (CPU backend)
+  RowQueue tail;  // host rows (CPU backend)
   HeadIndex index;
+  std::shared_ptr<void> dev;  // the backend's device state of this head, if any
 };
 
 struct LayerState {
@@ -45,14 +46,21 @@ class Sequence {
   uint32_t n_layers() const { return static_cast<uint32_t>(layers_.size()); }
 
   // Appends n tokens to a layer; k and v point at token 0, head 0, with
-  // strides in elements. All or nothing.
+  // strides in elements, on the engine's device. All or nothing. Goes
+  // through the backend.
   Status append(uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
-                int64_t token_stride, int64_t head_stride);
+                int64_t token_stride, int64_t head_stride, void *stream);
 
   // Ends the prompt phase of a layer: clusters what remains of the prompt
   // beyond the window and switches the layer to generated-token segments.
-  // No-op once generating. All or nothing.
-  Status finish_prompt(uint32_t layer);
+  // No-op once generating. All or nothing. Goes through the backend.
+  Status finish_prompt(uint32_t layer, void *stream);
+
+  // The host implementations (CPU backend): rows in host RowQueues, k-means
+  // on the CPU, pages written by the CPU.
+  Status append_host(uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
+                     int64_t token_stride, int64_t head_stride);
+  Status finish_prompt_host(uint32_t layer);
 
  private:
   // Clusters `count` segments of `seg_tokens` tokens (the last may be

@@ -18,6 +18,13 @@ class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(Engine &e) : e_(e) {}
   uint32_t device() const override { return WKV_DEVICE_CPU; }
+  Status append(Sequence &seq, uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
+                int64_t token_stride, int64_t head_stride, void *) override {
+    return seq.append_host(layer, k, v, n, token_stride, head_stride);
+  }
+  Status finish_prompt(Sequence &seq, uint32_t layer, void *) override {
+    return seq.finish_prompt_host(layer);
+  }
   Status lookup(Plan &plan) override;
   Status assemble(Plan &plan) override;
   Status attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse) override;

@@ -1,0 +1,65 @@
+// Shared by the CUDA kernels: error checks that return a Status (never
+// abort), storage-type traits, and the dispatch of run-time head dims and
+// dtypes to compile-time constants.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "lib/common/dtype.hpp"
+#include "lib/common/status.hpp"
+
+namespace wkv::kernels {
+
+// Turns a CUDA error into a Status naming the statement, file and line.
+inline Status cuda_status(cudaError_t err, const char *stmt, const char *file, int line) {
+  if (err == cudaSuccess) return Status::ok();
+  int code = err == cudaErrorMemoryAllocation ? WKV_ERR_OUT_OF_MEMORY : WKV_ERR_DEVICE;
+  return Status(code, format("CUDA error %s (%s) in %s at %s:%d", cudaGetErrorName(err),
+                             cudaGetErrorString(err), stmt, file, line));
+}
+
+#define WKV_CUDA_CHECK(stmt)                                                        \
+  do {                                                                              \
+    cudaError_t wkv_err_ = (stmt);                                                  \
+    if (wkv_err_ != cudaSuccess)                                                    \
+      return ::wkv::kernels::cuda_status(wkv_err_, #stmt, __FILE__, __LINE__);      \
+  } while (0)
+
+// After a launch: the launch error, if any (does not synchronize).
+#define WKV_CUDA_CHECK_LAUNCH(name) WKV_CUDA_CHECK(cudaPeekAtLastError())
+
+// Storage types on the device: float, __half, __nv_bfloat16.
+template <typename T> struct DevType;
+template <> struct DevType<float> {
+  using type = float;
+  static __device__ __forceinline__ float to_f(float x) { return x; }
+  static __device__ __forceinline__ float from_f(float x) { return x; }
+};
+template <> struct DevType<f16> {
+  using type = __half;
+  static __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_f(float x) { return __float2half_rn(x); }
+};
+template <> struct DevType<bf16> {
+  using type = __nv_bfloat16;
+  static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
+};
+
+// Calls body with constexpr HEAD_DIM set to d, or returns WKV_ERR_UNSUPPORTED.
+#define WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, ...)                                      \
+  [&]() -> ::wkv::Status {                                                           \
+    switch (d) {                                                                     \
+      case 64: { constexpr uint32_t HEAD_DIM = 64; return __VA_ARGS__(); }           \
+      case 80: { constexpr uint32_t HEAD_DIM = 80; return __VA_ARGS__(); }           \
+      case 96: { constexpr uint32_t HEAD_DIM = 96; return __VA_ARGS__(); }           \
+      case 128: { constexpr uint32_t HEAD_DIM = 128; return __VA_ARGS__(); }         \
+      case 256: { constexpr uint32_t HEAD_DIM = 256; return __VA_ARGS__(); }         \
+      default:                                                                       \
+        return WKV_ERROR(WKV_ERR_UNSUPPORTED, "head_dim %u has no CUDA kernel", (unsigned)(d)); \
+    }                                                                                \
+  }()
+
+}  // namespace wkv::kernels

@@ -1,0 +1,288 @@
+#include "tools/common.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "tools/synth.hpp"
+
+namespace wkv_tool {
+
+void check(int rc, const char *call) {
+  if (rc == WKV_OK) return;
+  std::string msg = std::string(call) + " failed: " + wkv_status_name(rc);
+  const char *detail = wkv_last_error();
+  if (detail && *detail) msg += ": " + std::string(detail);
+  throw WkvError(msg);
+}
+
+uint32_t Options::dtype_id() const {
+  if (dtype == "f32") return WKV_DTYPE_F32;
+  if (dtype == "bf16") return WKV_DTYPE_BF16;
+  return WKV_DTYPE_F16;
+}
+
+unsigned Options::resolved_threads() const {
+  if (threads != 0) return static_cast<unsigned>(threads);
+  unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : n;
+}
+
+void add_shape_flags(Flags &flags, Options *o, bool with_layers) {
+  flags.add_uint("tokens", &o->tokens, 1, uint64_t{1} << 30, "prompt tokens");
+  flags.add_uint("heads", &o->heads, 1, 256, "KV heads");
+  flags.add_uint("q-heads", &o->q_heads, 1, 1024, "query heads (a multiple of --heads)");
+  flags.add_uint("head-dim", &o->head_dim, 1, 256, "head dimension: 64, 80, 96, 128 or 256");
+  if (with_layers) flags.add_uint("layers", &o->layers, 1, 64, "layers");
+  flags.add_uint("steps", &o->steps, 1, 100000, "decoding steps");
+  flags.add_choice("dtype", &o->dtype, {"f16", "bf16", "f32"}, "storage dtype");
+  flags.add_uint("threads", &o->threads, 0, 1024, "threads of the engine and the baseline; 0 = all cores");
+  flags.add_uint("seed", &o->seed, 0, UINT64_MAX, "seed of the synthetic context");
+  flags.add_switch("json", &o->json, "print one JSON object instead of the table");
+}
+
+void validate(const Options &o, const std::string &command) {
+  if (o.q_heads % o.heads != 0)
+    throw UsageError(command + ": --q-heads (" + std::to_string(o.q_heads) +
+                     ") must be a multiple of --heads (" + std::to_string(o.heads) + ")");
+  const uint64_t dims[] = {64, 80, 96, 128, 256};
+  if (std::find(std::begin(dims), std::end(dims), o.head_dim) == std::end(dims))
+    throw UsageError(command + ": --head-dim must be 64, 80, 96, 128 or 256, got " +
+                     std::to_string(o.head_dim));
+  if (o.tokens < 256)
+    throw UsageError(command + ": --tokens must be at least 256 (sink, window and a few documents), got " +
+                     std::to_string(o.tokens));
+  if (o.tokens + o.steps > (uint64_t{1} << 31))
+    throw UsageError(command + ": --tokens plus --steps must stay below 2^31");
+}
+
+Session::Session(const Options &o, unsigned threads) {
+  wkv_config c;
+  wkv_config_init(&c);
+  c.n_layers = static_cast<uint32_t>(o.layers);
+  c.n_q_heads = static_cast<uint32_t>(o.q_heads);
+  c.n_kv_heads = static_cast<uint32_t>(o.heads);
+  c.head_dim = static_cast<uint32_t>(o.head_dim);
+  c.dtype = o.dtype_id();
+  c.device = WKV_DEVICE_CPU;
+  c.threads = threads;
+  check(wkv_engine_open(&c, &engine), "wkv_engine_open");
+  try {
+    config.size = sizeof config;
+    check(wkv_engine_config(engine, &config), "wkv_engine_config");
+    check(wkv_seq_create(engine, &seq), "wkv_seq_create");
+    check(wkv_plan_create(engine, &plan), "wkv_plan_create");
+  } catch (...) {
+    wkv_plan_destroy(plan);
+    wkv_seq_destroy(seq);
+    wkv_engine_close(engine);
+    throw;
+  }
+}
+
+Session::~Session() {
+  wkv_plan_destroy(plan);
+  wkv_seq_destroy(seq);
+  wkv_engine_close(engine);
+}
+
+wkv_stats Session::stats() {
+  wkv_stats s;
+  wkv_stats_init(&s);
+  check(wkv_engine_stats(engine, &s), "wkv_engine_stats");
+  return s;
+}
+
+double ingest(Session &s, const SynthContext &ctx, uint32_t layer, uint64_t first, uint64_t n,
+              const char *label) {
+  // Chunks as a runtime's chunked prefill would send them; each segment is
+  // clustered by the append that completes it.
+  constexpr uint64_t kChunk = 1024;
+  const int64_t head_stride = static_cast<int64_t>(ctx.head_stride() * ctx.spec().head_dim);
+  const int64_t token_stride = ctx.spec().head_dim;
+  Progress p(label, n);
+  double secs = 0;
+  for (uint64_t done = 0; done < n;) {
+    const uint32_t m = static_cast<uint32_t>(std::min(kChunk, n - done));
+    auto t0 = Clock::now();
+    check(wkv_seq_append(s.seq, layer, ctx.k_store(0, first + done), ctx.v_store(0, first + done), m,
+                         token_stride, head_stride, nullptr),
+          "wkv_seq_append");
+    secs += seconds_since(t0);
+    done += m;
+    p.update(done);
+  }
+  p.finish();
+  return secs;
+}
+
+Progress::Progress(std::string label, uint64_t total)
+    : label_(std::move(label)), total_(total), tty_(isatty(STDERR_FILENO) == 1),
+      start_(Clock::now()) {}
+
+void Progress::update(uint64_t done) {
+  const double pct = total_ ? 100.0 * done / total_ : 100.0;
+  if (tty_) {
+    std::fprintf(stderr, "\r%s: %" PRIu64 "/%" PRIu64 " (%3.0f%%) %.1f s", label_.c_str(), done, total_,
+                 pct, seconds_since(start_));
+    std::fflush(stderr);
+    return;
+  }
+  const int quarter = static_cast<int>(pct / 25.0);
+  if (quarter > shown_quarter_ && done < total_) {
+    shown_quarter_ = quarter;
+    std::fprintf(stderr, "%s: %" PRIu64 "/%" PRIu64 " (%.0f%%) %.1f s\n", label_.c_str(), done, total_, pct,
+                 seconds_since(start_));
+  }
+}
+
+void Progress::finish() {
+  std::fprintf(stderr, "%s%s: %" PRIu64 "/%" PRIu64 " done in %.2f s\n", tty_ ? "\r" : "", label_.c_str(),
+               total_, total_, seconds_since(start_));
+}
+
+double quantile(std::vector<double> v, double q) {
+  v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return std::isnan(x); }), v.end());
+  if (v.empty()) return std::nan("");
+  std::sort(v.begin(), v.end());
+  const double pos = q * (v.size() - 1);
+  const size_t i = static_cast<size_t>(pos);
+  if (i + 1 >= v.size()) return v.back();
+  return v[i] + (pos - i) * (v[i + 1] - v[i]);
+}
+
+double rel_l2(const float *a, const double *ref, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double e = a[i] - ref[i];
+    num += e * e;
+    den += ref[i] * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : (num > 0 ? INFINITY : 0.0);
+}
+
+std::string fixed(double x, int digits) {
+  if (std::isnan(x)) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, x);
+  return buf;
+}
+
+std::string Table::str() const {
+  // A row shorter than the header lets its last cell run on: it does not
+  // widen its column.
+  const size_t cols = rows_.empty() ? 0 : rows_[0].size();
+  std::vector<size_t> width;
+  for (const auto &r : rows_)
+    for (size_t i = 0; i < r.size(); ++i) {
+      if (r.size() < cols && i + 1 == r.size()) continue;
+      if (width.size() <= i) width.push_back(0);
+      width[i] = std::max(width[i], r[i].size());
+    }
+  std::ostringstream o;
+  for (const auto &r : rows_) {
+    std::string line;
+    for (size_t i = 0; i < r.size(); ++i) {
+      line += r[i];
+      if (i + 1 < r.size()) line += std::string(width[i] - std::min(width[i], r[i].size()) + 3, ' ');
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    o << line << '\n';
+  }
+  return o.str();
+}
+
+void Json::key(const std::string &k) {
+  if (!body_.empty()) body_ += ',';
+  body_ += json_quote(k) + ':';
+}
+
+Json &Json::real(const std::string &k, double v) {
+  key(k);
+  if (!std::isfinite(v)) {
+    body_ += "null";
+  } else {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.6g", v);
+    body_ += buf;
+  }
+  return *this;
+}
+
+Json &Json::count(const std::string &k, uint64_t v) {
+  key(k);
+  body_ += std::to_string(v);
+  return *this;
+}
+
+Json &Json::str(const std::string &k, const std::string &v) {
+  key(k);
+  body_ += json_quote(v);
+  return *this;
+}
+
+Json &Json::obj(const std::string &k, const Json &v) {
+  key(k);
+  body_ += v.dump();
+  return *this;
+}
+
+std::string json_quote(const std::string &s) {
+  std::string o = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      o += '\\';
+      o += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      o += buf;
+    } else {
+      o += static_cast<char>(c);
+    }
+  }
+  return o + "\"";
+}
+
+std::string json_pretty(const std::string &in) {
+  std::string o;
+  int depth = 0;
+  bool in_str = false, esc = false;
+  auto newline = [&] { o += '\n' + std::string(2 * depth, ' '); };
+  for (size_t i = 0; i < in.size(); ++i) {
+    const char c = in[i];
+    if (in_str) {
+      o += c;
+      if (esc) esc = false;
+      else if (c == '\\') esc = true;
+      else if (c == '"') in_str = false;
+      continue;
+    }
+    switch (c) {
+      case '"': in_str = true; o += c; break;
+      case '{': case '[':
+        o += c;
+        if (i + 1 < in.size() && (in[i + 1] == '}' || in[i + 1] == ']')) {
+          o += in[++i];
+          break;
+        }
+        ++depth;
+        newline();
+        break;
+      case '}': case ']': --depth; newline(); o += c; break;
+      case ',': o += c; newline(); break;
+      case ':': o += ": "; break;
+      case ' ': case '\n': case '\t': case '\r': break;
+      default: o += c;
+    }
+  }
+  return o;
+}
+
+}  // namespace wkv_tool

@@ -1,0 +1,136 @@
+// What the subcommands of the wavekv command share: the flags every one of
+// them takes, errors, an engine session over the C API, progress lines,
+// summary statistics, and the table and JSON printers.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tools/args.hpp"
+#include "wavekv/wavekv.h"
+
+namespace wkv_tool {
+
+class SynthContext;
+
+// A failed wkv_* call; main prints it and exits with status 1.
+class WkvError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Throws WkvError naming the call, the status and wkv_last_error() unless
+// rc is WKV_OK.
+void check(int rc, const char *call);
+
+// The shape and run flags of demo, bench and stats.
+struct Options {
+  uint64_t tokens = 0;
+  uint64_t heads = 8;
+  uint64_t q_heads = 32;
+  uint64_t head_dim = 128;
+  uint64_t steps = 0;
+  uint64_t threads = 0;
+  uint64_t seed = 1;
+  uint64_t layers = 1;
+  std::string dtype = "f16";
+  bool json = false;
+
+  uint32_t dtype_id() const;
+  // threads, or the number of cores when 0.
+  unsigned resolved_threads() const;
+};
+
+// Declares the flags above on `flags` (layers only if with_layers).
+void add_shape_flags(Flags &flags, Options *o, bool with_layers);
+// Checks what the flags cannot check alone; throws UsageError.
+void validate(const Options &o, const std::string &command);
+
+// An engine with one sequence and one plan, closed in reverse order.
+class Session {
+ public:
+  Session(const Options &o, unsigned threads);
+  ~Session();
+  Session(const Session &) = delete;
+  Session &operator=(const Session &) = delete;
+
+  wkv_engine *engine = nullptr;
+  wkv_seq *seq = nullptr;
+  wkv_plan *plan = nullptr;
+  wkv_config config;  // effective, defaults and environment resolved
+
+  wkv_stats stats();
+};
+
+// Appends tokens [first, first + n) of every head of ctx to `layer` in
+// chunks, with a progress line; returns the wall seconds of the appends.
+double ingest(Session &s, const SynthContext &ctx, uint32_t layer, uint64_t first, uint64_t n,
+              const char *label);
+
+// Progress on stderr: one line rewritten in place on a terminal, a line per
+// quarter otherwise.
+class Progress {
+ public:
+  Progress(std::string label, uint64_t total);
+  void update(uint64_t done);
+  void finish();
+
+ private:
+  std::string label_;
+  uint64_t total_;
+  int shown_quarter_ = -1;
+  bool tty_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+using Clock = std::chrono::steady_clock;
+inline double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// The q-quantile (0..1) by linear interpolation; NaN for an empty set.
+double quantile(std::vector<double> v, double q);
+inline double median(const std::vector<double> &v) { return quantile(v, 0.5); }
+
+// ||a - ref|| / ||ref|| over n elements.
+double rel_l2(const float *a, const double *ref, size_t n);
+
+// A number with `digits` decimals, or "-" for NaN.
+std::string fixed(double x, int digits);
+
+// Rows of a left-aligned text table: the first row is the header.
+class Table {
+ public:
+  void row(std::vector<std::string> cells) { rows_.push_back(std::move(cells)); }
+  std::string str() const;
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+};
+
+// A JSON object built in order. Values: numbers (NaN becomes null),
+// strings, booleans, nested objects.
+class Json {
+ public:
+  Json &real(const std::string &key, double v);
+  Json &count(const std::string &key, uint64_t v);
+  Json &str(const std::string &key, const std::string &v);
+  Json &obj(const std::string &key, const Json &v);
+  std::string dump() const { return "{" + body_ + "}"; }
+
+ private:
+  void key(const std::string &k);
+  std::string body_;
+};
+
+// Quotes and escapes a string for JSON.
+std::string json_quote(const std::string &s);
+// Re-indents compact JSON text (two spaces per level).
+std::string json_pretty(const std::string &compact);
+
+}  // namespace wkv_tool
