@@ -420,13 +420,9 @@ int wkv_plan_xbuf(const wkv_plan *plan, wkv_xbuf_view *view) {
     wkv_xbuf_view full;
     wkv_xbuf_view_init(&full);
     const wkv::Config &cfg = p.engine().config();
-    full.n_runs = static_cast<uint32_t>(p.runs.size());
-    full.n_tokens = static_cast<uint64_t>(p.offsets[p.runs.size()]);
     full.head_dim = cfg.c.head_dim;
     full.dtype = cfg.c.dtype;
-    full.k = p.xk.data();
-    full.v = p.xv.data();
-    full.offsets = p.offsets.data();
+    p.engine().backend().xbuf(p, &full);
     copy_prefix(view, full);
     return done(wkv::Status::ok());
   });

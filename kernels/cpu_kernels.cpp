@@ -10,6 +10,10 @@
 #include <random>
 #include <type_traits>
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(WKV_NO_TARGET_CLONES)
+#include <immintrin.h>
+#endif
+
 namespace wkv::kernels {
 namespace {
 
@@ -30,6 +34,21 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 #endif
 // GCC inlines a helper into a clone of another -march only when forced.
 #define WKV_INLINE inline __attribute__((always_inline))
+
+// Loops that need F16C (f16 rows converted in registers) or explicit AVX2
+// register tiles are written with intrinsics under WKV_V3 and picked at run
+// time by has_v3(); each has a portable twin that gives the same result up
+// to rounding. Needs GCC or Clang on x86-64, not ifunc.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(WKV_NO_TARGET_CLONES)
+#define WKV_HAVE_V3 1
+#define WKV_V3 __attribute__((target("avx2,fma,f16c")))
+bool has_v3() {
+  static const bool yes = __builtin_cpu_supports("avx2") &&
+                          __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return yes;
+}
+#endif
 
 WKV_INLINE uint32_t round_up(uint32_t x, uint32_t m) { return (x + m - 1) / m * m; }
 
@@ -222,26 +241,26 @@ inline uint64_t uniform_below(std::mt19937_64 &rng, uint64_t n) {
 
 // Scoring ------------------------------------------------------------------
 
+template <typename T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::kF32; }
+template <> constexpr DType dtype_of<f16>() { return DType::kF16; }
+template <> constexpr DType dtype_of<bf16>() { return DType::kBF16; }
+
+
 // Centroid rows per pass over the heads: 16 KiB at d = 128, kept in L1
 // while every head pair reads them.
 constexpr uint32_t kScoreRows = 32;
 
-// The body of score_clusters, cloned: every decoding step scores every
-// cluster of every sequence, layer and kv head, as much work as the exact
-// attention itself.
-WKV_HOT void score_impl(const float *q, uint32_t G, const float *centroid,
-                        uint32_t C, uint32_t d, float scale, float *logits,
-                        float *score) {
-  for (uint32_t c0 = 0; c0 < C; c0 += kScoreRows)
-    block_logits(q, G, centroid + size_t(c0) * d, std::min(kScoreRows, C - c0),
-                 d, logits + c0, C);
+// Turns the scaled logits [G][C] into the group's scores: score[c] is the
+// sum over heads of softmax_c(logits[g][.])[c].
+WKV_HOT void score_softmax(const float *logits, uint32_t G, uint32_t C,
+                           float *score) {
   std::fill(score, score + C, 0.f);
   for (uint32_t g = 0; g < G; ++g) {
-    float *lg = logits + size_t(g) * C;
-#pragma omp simd
-    for (uint32_t c = 0; c < C; ++c) lg[c] *= scale;
+    const float *lg = logits + size_t(g) * C;
+    // NaN logits are skipped (a NaN compare is false), as std::max does.
     float m = kNegInf;
-    for (uint32_t c = 0; c < C; ++c) m = std::max(m, lg[c]);
+    for (uint32_t c = 0; c < C; ++c) m = lg[c] > m ? lg[c] : m;
     if (m == kNegInf) continue;  // no cluster has any weight for this head
     // The weights are computed twice rather than stored: the kernel has no
     // scratch, and the exp is cheap next to the logits.
@@ -252,6 +271,374 @@ WKV_HOT void score_impl(const float *q, uint32_t G, const float *centroid,
 #pragma omp simd
     for (uint32_t c = 0; c < C; ++c) score[c] += exp_nonpos(lg[c] - m) * inv;
   }
+}
+
+// Unscaled logits of G heads over nt f32 rows into s[g * ld + c], cloned:
+// every decoding step scores every cluster of every sequence, layer and kv
+// head.
+WKV_HOT void logits_rows(const float *q, uint32_t G, const float *rows,
+                         uint32_t nt, uint32_t d, float *s, size_t ld) {
+  for (uint32_t c0 = 0; c0 < nt; c0 += kScoreRows)
+    block_logits(q, G, rows + size_t(c0) * d, std::min(kScoreRows, nt - c0),
+                 d, s + c0, ld);
+}
+
+WKV_HOT void scale_in_place(float *x, size_t n, float scale) {
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) x[i] *= scale;
+}
+
+// Scaled logits over 16-bit centroids, portable: each block of rows is
+// converted to f32 on the stack first.
+constexpr uint32_t kScoreBufFloats = 8192;
+template <typename T>
+void score_logits_16(const float *q, uint32_t G, const T *centroid, uint32_t C,
+                     uint32_t d, float scale, float *logits) {
+  if (d > kScoreBufFloats) {  // rows longer than the buffer: one at a time
+    for (uint32_t c = 0; c < C; ++c)
+      for (uint32_t g = 0; g < G; ++g) {
+        const float *qg = q + size_t(g) * d;
+        const T *r = centroid + size_t(c) * d;
+        float acc = 0.f;
+        for (uint32_t j = 0; j < d; ++j) acc += qg[j] * load(r, j);
+        logits[size_t(g) * C + c] = acc;
+      }
+  } else {
+    alignas(64) float buf[kScoreBufFloats];
+    const uint32_t rows = std::max(1u, std::min(kScoreRows, kScoreBufFloats / std::max(d, 1u)));
+    for (uint32_t c0 = 0; c0 < C; c0 += rows) {
+      const uint32_t nr = std::min(rows, C - c0);
+      to_float(dtype_of<T>(), centroid + size_t(c0) * d, buf, size_t(nr) * d);
+      logits_rows(q, G, buf, nr, d, logits + c0, C);
+    }
+  }
+  scale_in_place(logits, size_t(G) * C, scale);
+}
+
+#if defined(WKV_HAVE_V3)
+WKV_V3 inline __m256 load8_f16(const uint16_t *p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+}
+
+// Sums of eight vectors, in order: [sum a0, sum a1, ..., sum a7].
+WKV_V3 inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
+                           __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                       _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+// Scaled logits of G heads over C f16 centroid rows, converted in
+// registers: two rows by four heads per pass, eight accumulation chains.
+// Scoring streams the whole mirror every step, so this is bound by memory
+// bandwidth; halving the bytes against f32 is the point. Pre: d % 8 == 0.
+WKV_V3 void score_logits_f16_v3(const float *q, uint32_t G,
+                                const uint16_t *centroid, uint32_t C,
+                                uint32_t d, float scale, float *logits) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (uint32_t c0 = 0; c0 < C; c0 += kScoreRows) {
+    const uint32_t ce = std::min(C, c0 + kScoreRows);
+    for (uint32_t g0 = 0; g0 < G; g0 += 4) {
+      const uint32_t gn = std::min(4u, G - g0);
+      // Heads past G repeat the last one; their results are dropped.
+      const float *q0 = q + size_t(g0) * d;
+      const float *q1 = q + size_t(g0 + std::min(1u, gn - 1)) * d;
+      const float *q2 = q + size_t(g0 + std::min(2u, gn - 1)) * d;
+      const float *q3 = q + size_t(g0 + std::min(3u, gn - 1)) * d;
+      float *lg = logits + size_t(g0) * C;
+      for (uint32_t c = c0; c < ce; c += 2) {
+        const uint16_t *r0 = centroid + size_t(c) * d;
+        const uint16_t *r1 = c + 1 < ce ? r0 + d : r0;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (uint32_t j = 0; j < d; j += 8) {
+          const __m256 k0 = load8_f16(r0 + j), k1 = load8_f16(r1 + j);
+          __m256 x = _mm256_loadu_ps(q0 + j);
+          a0 = _mm256_fmadd_ps(x, k0, a0);
+          b0 = _mm256_fmadd_ps(x, k1, b0);
+          x = _mm256_loadu_ps(q1 + j);
+          a1 = _mm256_fmadd_ps(x, k0, a1);
+          b1 = _mm256_fmadd_ps(x, k1, b1);
+          x = _mm256_loadu_ps(q2 + j);
+          a2 = _mm256_fmadd_ps(x, k0, a2);
+          b2 = _mm256_fmadd_ps(x, k1, b2);
+          x = _mm256_loadu_ps(q3 + j);
+          a3 = _mm256_fmadd_ps(x, k0, a3);
+          b3 = _mm256_fmadd_ps(x, k1, b3);
+        }
+        alignas(32) float s[8];
+        _mm256_store_ps(s, _mm256_mul_ps(hsum8(a0, a1, a2, a3, b0, b1, b2, b3), vscale));
+        for (uint32_t g = 0; g < gn; ++g) lg[size_t(g) * C + c] = s[g];
+        if (c + 1 < ce)
+          for (uint32_t g = 0; g < gn; ++g) lg[size_t(g) * C + c + 1] = s[4 + g];
+      }
+    }
+  }
+}
+#endif
+
+// Selection --------------------------------------------------------------
+
+// An order-preserving integer key of a score: a larger score has a larger
+// key. NaN ranks as -infinity and -0 as +0, the strict order of
+// select_zones (score descending, then id ascending).
+// Integer operations only, so that the loops over it have no branch.
+WKV_INLINE uint32_t score_key(float s) {
+  uint32_t u = float_to_bits(s + 0.f);  // -0 + 0 is +0
+  const uint32_t nan = 0u - uint32_t((u & 0x7fffffffu) > 0x7f800000u);
+  u = (u & ~nan) | (0xff800000u & nan);  // -infinity's bits
+  const uint32_t neg = 0u - (u >> 31);
+  return u ^ (neg | 0x80000000u);
+}
+
+// Radix selection: the top 11 bits of every key, then the next 11 and the
+// last 10 bits of the few keys that share the top bits of the one sought.
+constexpr uint32_t kRadixBins = 2048;
+
+// Walks a histogram from its highest bin down to the bin that holds the
+// k-th largest element (1-based). On return k is the rank within that bin.
+inline uint32_t radix_walk(const uint32_t *hist, uint32_t bins, uint32_t *k) {
+  uint32_t b = bins - 1;
+  while (*k > hist[b]) *k -= hist[b--];
+  return b;
+}
+
+// The key of rank k and how many elements equal to it rank within the top k
+// (the lowest ids among them under the tie rule).
+struct RankKey {
+  uint32_t key;
+  uint32_t take;
+};
+
+// Finishes a radix selection among n keys that share their top 11 bits
+// `top`: k is the rank sought among them. Reads the keys only, so that two
+// ranks can be sought among the same keys.
+inline RankKey radix_finish(const uint32_t *keys, uint32_t n, uint32_t top,
+                            uint32_t k, uint32_t *hist) {
+  std::fill(hist, hist + kRadixBins, 0u);
+  for (uint32_t i = 0; i < n; ++i) ++hist[(keys[i] >> 10) & 0x7ffu];
+  const uint32_t mid = radix_walk(hist, kRadixBins, &k);
+  std::fill(hist, hist + 1024, 0u);
+  for (uint32_t i = 0; i < n; ++i)
+    hist[keys[i] & 0x3ffu] += ((keys[i] >> 10) & 0x7ffu) == mid;
+  const uint32_t low = radix_walk(hist, 1024, &k);
+  return RankKey{(top << 21) | (mid << 10) | low, k};
+}
+
+// Estimation -------------------------------------------------------------
+
+// Clusters whose weights are computed per pass of estimate_zone_group.
+constexpr uint32_t kEstChunk = 64;
+// Value rows prefetched ahead of the one being accumulated: the ids are
+// sorted but sparse, which the hardware prefetcher does not follow.
+constexpr uint32_t kEstPrefetch = 8;
+// Columns of 16-bit value rows converted to f32 per pass.
+constexpr uint32_t kEstSlice = 256;
+
+// Prefetches the value rows of clusters ids[from, to).
+template <typename V>
+WKV_INLINE void est_prefetch(const uint32_t *ids, uint32_t from, uint32_t to,
+                             const V *rows, uint32_t d) {
+  const size_t bytes = size_t(d) * sizeof(V);
+  for (uint32_t p = from; p < to; ++p) {
+    const char *r = reinterpret_cast<const char *>(rows + size_t(ids[p]) * d);
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(r + off);
+  }
+}
+
+// o_g[j] += w[g][i] x0[j] + ... + w[g][i + 3] x3[j] for j < len and GN <= 4
+// heads, the terms added one by one in cluster order as estimate_zone adds
+// them: each row is read once for all heads.
+template <uint32_t GN>
+WKV_INLINE void est_fma4(const float (*w)[kEstChunk], uint32_t i,
+                         const float *x0, const float *x1, const float *x2,
+                         const float *x3, uint32_t len, float *const *o,
+                         uint32_t j0) {
+  constexpr uint32_t g1 = GN > 1 ? 1 : 0, g2 = GN > 2 ? 2 : 0, g3 = GN > 3 ? 3 : 0;
+  float *o0 = o[0] + j0, *o1 = o[g1] + j0, *o2 = o[g2] + j0, *o3 = o[g3] + j0;
+  const float w00 = w[0][i], w01 = w[0][i + 1], w02 = w[0][i + 2], w03 = w[0][i + 3];
+  const float w10 = w[g1][i], w11 = w[g1][i + 1], w12 = w[g1][i + 2], w13 = w[g1][i + 3];
+  const float w20 = w[g2][i], w21 = w[g2][i + 1], w22 = w[g2][i + 2], w23 = w[g2][i + 3];
+  const float w30 = w[g3][i], w31 = w[g3][i + 1], w32 = w[g3][i + 2], w33 = w[g3][i + 3];
+#pragma omp simd
+  for (uint32_t j = 0; j < len; ++j) {
+    const float a0 = x0[j], a1 = x1[j], a2 = x2[j], a3 = x3[j];
+    float r = o0[j];
+    r += w00 * a0;
+    r += w01 * a1;
+    r += w02 * a2;
+    r += w03 * a3;
+    o0[j] = r;
+    if (GN > 1) {
+      float t = o1[j];
+      t += w10 * a0;
+      t += w11 * a1;
+      t += w12 * a2;
+      t += w13 * a3;
+      o1[j] = t;
+    }
+    if (GN > 2) {
+      float t = o2[j];
+      t += w20 * a0;
+      t += w21 * a1;
+      t += w22 * a2;
+      t += w23 * a3;
+      o2[j] = t;
+    }
+    if (GN > 3) {
+      float t = o3[j];
+      t += w30 * a0;
+      t += w31 * a1;
+      t += w32 * a2;
+      t += w33 * a3;
+      o3[j] = t;
+    }
+  }
+}
+
+// o_g[j] += w[g][i] x[j] for j < len.
+template <uint32_t GN>
+WKV_INLINE void est_fma1(const float (*w)[kEstChunk], uint32_t i,
+                         const float *x, uint32_t len, float *const *o,
+                         uint32_t j0) {
+  for (uint32_t g = 0; g < GN; ++g) {
+    const float wg = w[g][i];
+    float *og = o[g] + j0;
+#pragma omp simd
+    for (uint32_t j = 0; j < len; ++j) og[j] += wg * x[j];
+  }
+}
+
+// Accumulates the value rows (V = float: value sums; f16: value means) of
+// the chunk's nc clusters ids[0, nc) into o for GN heads; ids[nc, pf_n)
+// are prefetched ahead.
+template <uint32_t GN, typename V>
+WKV_INLINE void est_accumulate(const float (*w)[kEstChunk], const uint32_t *ids,
+                               uint32_t pf_n, uint32_t nc, const V *rows,
+                               uint32_t d, float *const *o) {
+  alignas(64) float buf[std::is_same_v<V, float> ? 1 : 4][kEstSlice];
+  uint32_t i = 0;
+  for (; i + 4 <= nc; i += 4) {
+    est_prefetch(ids, std::min(i + kEstPrefetch, pf_n), std::min(i + kEstPrefetch + 4, pf_n), rows, d);
+    const V *r0 = rows + size_t(ids[i]) * d, *r1 = rows + size_t(ids[i + 1]) * d,
+            *r2 = rows + size_t(ids[i + 2]) * d, *r3 = rows + size_t(ids[i + 3]) * d;
+    if constexpr (std::is_same_v<V, float>) {
+      est_fma4<GN>(w, i, r0, r1, r2, r3, d, o, 0);
+    } else {
+      for (uint32_t j0 = 0; j0 < d; j0 += kEstSlice) {
+        const uint32_t len = std::min(kEstSlice, d - j0);
+        to_float(dtype_of<V>(), r0 + j0, buf[0], len);
+        to_float(dtype_of<V>(), r1 + j0, buf[1], len);
+        to_float(dtype_of<V>(), r2 + j0, buf[2], len);
+        to_float(dtype_of<V>(), r3 + j0, buf[3], len);
+        est_fma4<GN>(w, i, buf[0], buf[1], buf[2], buf[3], len, o, j0);
+      }
+    }
+  }
+  for (; i < nc; ++i) {
+    const V *r = rows + size_t(ids[i]) * d;
+    if constexpr (std::is_same_v<V, float>) {
+      est_fma1<GN>(w, i, r, d, o, 0);
+    } else {
+      for (uint32_t j0 = 0; j0 < d; j0 += kEstSlice) {
+        const uint32_t len = std::min(kEstSlice, d - j0);
+        to_float(dtype_of<V>(), r + j0, buf[0], len);
+        est_fma1<GN>(w, i, buf[0], len, o, j0);
+      }
+    }
+  }
+}
+
+// estimate_zone for heads [0, gn) of a group, gn <= 4, all at once, from
+// value sums (V = float) or f16 value means (V = f16; the sizes then go
+// into the weights).
+template <typename V>
+WKV_INLINE void estimate_heads(const float *logits, uint32_t gn, size_t ld,
+                               const uint32_t *ids, uint32_t n, const V *rows,
+                               const uint32_t *size, uint32_t d, float *out,
+                               float *lse) {
+  constexpr bool kMeans = !std::is_same_v<V, float>;
+  // 1. Per head the max-shift over the zone. A head with no finite logit
+  //    shifts by 0, so that its weights come out 0 rather than NaN.
+  float m[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
+  for (uint32_t g = 0; g < gn; ++g) {
+    const float *lg = logits + size_t(g) * ld;
+    float mg = kNegInf;
+    for (uint32_t i = 0; i < n; ++i) {
+      const float x = lg[ids[i]];
+      mg = x > mg ? x : mg;
+    }
+    m[g] = mg;
+  }
+  float *o[4];
+  double den[4] = {0.0, 0.0, 0.0, 0.0};
+  for (uint32_t g = 0; g < gn; ++g) {
+    o[g] = out + size_t(g) * d;
+    std::fill(o[g], o[g] + d, 0.f);
+  }
+  // 2. Weights of a chunk of clusters, then their value rows.
+  alignas(64) float w[4][kEstChunk];
+  for (uint32_t i0 = 0; i0 < n; i0 += kEstChunk) {
+    const uint32_t nc = std::min(kEstChunk, n - i0);
+    const uint32_t *cid = ids + i0;
+    for (uint32_t g = 0; g < gn; ++g) {
+      const float *lg = logits + size_t(g) * ld;
+      const float shift = m[g] == kNegInf ? 0.f : m[g];
+      float *wg = w[g];
+      double dsum = 0.0;
+      if (kMeans) {
+#pragma omp simd reduction(+ : dsum)
+        for (uint32_t i = 0; i < nc; ++i) {
+          wg[i] = exp_nonpos(lg[cid[i]] - shift) * float(size[cid[i]]);
+          dsum += double(wg[i]);
+        }
+      } else {
+#pragma omp simd reduction(+ : dsum)
+        for (uint32_t i = 0; i < nc; ++i) {
+          wg[i] = exp_nonpos(lg[cid[i]] - shift);
+          dsum += double(wg[i]) * size[cid[i]];
+        }
+      }
+      den[g] += dsum;
+    }
+    switch (gn) {
+      case 1: est_accumulate<1>(w, cid, n - i0, nc, rows, d, o); break;
+      case 2: est_accumulate<2>(w, cid, n - i0, nc, rows, d, o); break;
+      case 3: est_accumulate<3>(w, cid, n - i0, nc, rows, d, o); break;
+      default: est_accumulate<4>(w, cid, n - i0, nc, rows, d, o); break;
+    }
+  }
+  // 3. Normalise.
+  for (uint32_t g = 0; g < gn; ++g) {
+    if (m[g] == kNegInf || !(den[g] > 0.0)) {  // empty, no weight, or size 0
+      std::fill(o[g], o[g] + d, 0.f);
+      lse[g] = kNegInf;
+      continue;
+    }
+    const float inv = static_cast<float>(1.0 / den[g]);
+#pragma omp simd
+    for (uint32_t j = 0; j < d; ++j) o[g][j] *= inv;
+    lse[g] = m[g] + static_cast<float>(std::log(den[g]));
+  }
+}
+
+WKV_HOT void estimate_group_sums(const float *logits, uint32_t G, size_t ld,
+                                 const uint32_t *ids, uint32_t n,
+                                 const float *value_sum, const uint32_t *size,
+                                 uint32_t d, float *out, float *lse) {
+  for (uint32_t g0 = 0; g0 < G; g0 += 4)
+    estimate_heads(logits + size_t(g0) * ld, std::min(4u, G - g0), ld, ids, n,
+                   value_sum, size, d, out + size_t(g0) * d, lse + g0);
+}
+
+WKV_HOT void estimate_group_means(const float *logits, uint32_t G, size_t ld,
+                                  const uint32_t *ids, uint32_t n,
+                                  const f16 *value_mean, const uint32_t *size,
+                                  uint32_t d, float *out, float *lse) {
+  for (uint32_t g0 = 0; g0 < G; g0 += 4)
+    estimate_heads(logits + size_t(g0) * ld, std::min(4u, G - g0), ld, ids, n,
+                   value_mean, size, d, out + size_t(g0) * d, lse + g0);
 }
 
 // Attention ----------------------------------------------------------------
@@ -322,11 +709,6 @@ WKV_HOT void attend_block(const float *q, uint32_t G, const float *kb,
     }
   }
 }
-
-template <typename T> constexpr DType dtype_of();
-template <> constexpr DType dtype_of<float>() { return DType::kF32; }
-template <> constexpr DType dtype_of<f16>() { return DType::kF16; }
-template <> constexpr DType dtype_of<bf16>() { return DType::kBF16; }
 
 // Writes the normalised output and lse of heads [0, G) from their running
 // state.
@@ -409,6 +791,134 @@ void attend_impl(const float *q, uint32_t G, const T *k, const T *v,
     finish_heads(gn, d, m, l, og, lse + g0);
   }
 }
+
+#if defined(WKV_HAVE_V3)
+// Eight elements of a K or V row as f32: converted in registers.
+WKV_V3 inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+WKV_V3 inline __m256 load8(const f16 *p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+}
+WKV_V3 inline __m256 load8(const bf16 *p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Tokens per block of the v3 attention: their K and V rows (16 KiB in f16
+// at d = 128) stay in L1 while every group of four heads reads them.
+constexpr uint32_t kV3Block = 32;
+
+// Online-softmax step of GN <= 4 heads q [GN][d] over nt <= kV3Block tokens
+// k, v [nt][d] read straight from storage: K and V are converted in
+// registers rather than through a buffer, the logits of two tokens by GN
+// heads come from one pass over q, and P.V keeps sixteen output lanes of
+// every head in registers across the block. m, l, o as in attend_block.
+// Pre: d % 8 == 0.
+template <uint32_t GN, typename T>
+WKV_V3 void attend_block_v3(const float *q, const T *k, const T *v,
+                            uint32_t nt, uint32_t d, float scale, float *m,
+                            float *l, float *o) {
+  alignas(32) float p[4][kV3Block];
+  const __m256 vscale = _mm256_set1_ps(scale);
+  // 1. Logits.
+  for (uint32_t t = 0; t < nt; t += 2) {
+    const T *k0 = k + size_t(t) * d;
+    const T *k1 = t + 1 < nt ? k0 + d : k0;
+    __m256 a[4], b[4];
+    for (uint32_t g = 0; g < 4; ++g) a[g] = b[g] = _mm256_setzero_ps();
+    for (uint32_t j = 0; j < d; j += 8) {
+      const __m256 x0 = load8(k0 + j), x1 = load8(k1 + j);
+      for (uint32_t g = 0; g < GN; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + size_t(g) * d + j);
+        a[g] = _mm256_fmadd_ps(qv, x0, a[g]);
+        b[g] = _mm256_fmadd_ps(qv, x1, b[g]);
+      }
+    }
+    alignas(32) float s[8];
+    _mm256_store_ps(s, _mm256_mul_ps(hsum8(a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]), vscale));
+    for (uint32_t g = 0; g < GN; ++g) {
+      p[g][t] = s[g];
+      p[g][t + 1] = s[4 + g];  // t + 1 < kV3Block: the block is even
+    }
+  }
+  // 2. Weights against the running max; o is rescaled in step 3.
+  float alpha[4];
+  for (uint32_t g = 0; g < GN; ++g) {
+    float *pg = p[g];
+    float bmax = kNegInf;
+    for (uint32_t t = 0; t < nt; ++t) bmax = pg[t] > bmax ? pg[t] : bmax;
+    const float new_m = std::max(m[g], bmax);
+    if (new_m == kNegInf) {  // nothing has weight yet
+      std::fill(pg, pg + nt, 0.f);
+      alpha[g] = 1.f;
+      continue;
+    }
+    alpha[g] = exp_nonpos(m[g] - new_m);  // 0 on the first block
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (uint32_t t = 0; t < nt; ++t) {
+      pg[t] = exp_nonpos(pg[t] - new_m);
+      sum += pg[t];
+    }
+    l[g] = l[g] * alpha[g] + sum;
+    m[g] = new_m;
+  }
+  // 3. o = alpha o + P.V, sixteen lanes of every head at a time: 2 GN
+  //    independent accumulation chains.
+  for (uint32_t j = 0; j < d; j += 16) {
+    const bool two = j + 16 <= d;  // d % 16 == 8 leaves eight lanes at the end
+    __m256 acc0[4], acc1[4];
+    for (uint32_t g = 0; g < GN; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
+    for (uint32_t t = 0; t < nt; ++t) {
+      const T *vr = v + size_t(t) * d + j;
+      const __m256 x0 = load8(vr);
+      const __m256 x1 = two ? load8(vr + 8) : _mm256_setzero_ps();
+      for (uint32_t g = 0; g < GN; ++g) {
+        const __m256 w = _mm256_broadcast_ss(&p[g][t]);
+        acc0[g] = _mm256_fmadd_ps(w, x0, acc0[g]);
+        acc1[g] = _mm256_fmadd_ps(w, x1, acc1[g]);
+      }
+    }
+    for (uint32_t g = 0; g < GN; ++g) {
+      float *og = o + size_t(g) * d + j;
+      const __m256 al = _mm256_set1_ps(alpha[g]);
+      _mm256_storeu_ps(og, _mm256_fmadd_ps(al, _mm256_loadu_ps(og), acc0[g]));
+      if (two) _mm256_storeu_ps(og + 8, _mm256_fmadd_ps(al, _mm256_loadu_ps(og + 8), acc1[g]));
+    }
+  }
+}
+
+// attend_impl on the v3 path: heads in groups of up to 32 whose running
+// state sits on the stack, tokens in blocks, and within a block the heads
+// four at a time. Pre: d % 8 == 0.
+template <typename T>
+WKV_V3 void attend_v3(const float *q, uint32_t G, const T *k, const T *v,
+                      uint32_t n, uint32_t d, float scale, float *out,
+                      float *lse) {
+  float m[kHeadGroup], l[kHeadGroup];
+  for (uint32_t h0 = 0; h0 < G; h0 += kHeadGroup) {
+    const uint32_t hn = std::min(kHeadGroup, G - h0);
+    float *oh = out + size_t(h0) * d;
+    std::fill(oh, oh + size_t(hn) * d, 0.f);
+    std::fill(m, m + hn, kNegInf);
+    std::fill(l, l + hn, 0.f);
+    for (uint32_t t0 = 0; t0 < n; t0 += kV3Block) {
+      const uint32_t nt = std::min(kV3Block, n - t0);
+      const T *kb = k + size_t(t0) * d, *vb = v + size_t(t0) * d;
+      for (uint32_t g = 0; g < hn; g += 4) {
+        const float *qg = q + size_t(h0 + g) * d;
+        float *og = oh + size_t(g) * d;
+        switch (std::min(4u, hn - g)) {
+          case 1: attend_block_v3<1>(qg, kb, vb, nt, d, scale, m + g, l + g, og); break;
+          case 2: attend_block_v3<2>(qg, kb, vb, nt, d, scale, m + g, l + g, og); break;
+          case 3: attend_block_v3<3>(qg, kb, vb, nt, d, scale, m + g, l + g, og); break;
+          default: attend_block_v3<4>(qg, kb, vb, nt, d, scale, m + g, l + g, og); break;
+        }
+      }
+    }
+    finish_heads(hn, d, m, l, oh, lse + h0);
+  }
+}
+#endif
 
 }  // namespace
 
@@ -547,42 +1057,96 @@ void kmeans_segment(const KMeansParams &p, const float *keys,
 void score_clusters(const float *q, uint32_t G, const float *centroid,
                     uint32_t C, uint32_t d, float scale, float *logits,
                     float *score) {
-  score_impl(q, G, centroid, C, d, scale, logits, score);
+  logits_rows(q, G, centroid, C, d, logits, C);
+  scale_in_place(logits, size_t(G) * C, scale);
+  score_softmax(logits, G, C, score);
 }
 
-// Selection runs two nth_element passes over scratch under one strict total
-// order (score descending, id ascending; NaN ranks with -inf), then reads
-// the two boundary elements back as thresholds in one scan over ids, so the
-// outputs come out sorted without a sort: O(C) expected.
+void score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
+                    uint32_t C, uint32_t d, float scale, float *logits,
+                    float *score) {
+  switch (t) {
+    case DType::kF32:
+      score_clusters(q, G, static_cast<const float *>(centroid), C, d, scale,
+                     logits, score);
+      return;
+    case DType::kF16:
+#if defined(WKV_HAVE_V3)
+      if (has_v3() && d % 8 == 0) {
+        score_logits_f16_v3(q, G, static_cast<const uint16_t *>(centroid), C,
+                            d, scale, logits);
+        break;
+      }
+#endif
+      score_logits_16(q, G, static_cast<const f16 *>(centroid), C, d, scale,
+                      logits);
+      break;
+    case DType::kBF16:
+      score_logits_16(q, G, static_cast<const bf16 *>(centroid), C, d, scale,
+                      logits);
+      break;
+  }
+  score_softmax(logits, G, C, score);
+}
+
+// Selection finds the keys of the n_sel-th and n_ret-th ranked clusters by
+// radix selection over order-preserving integer keys of the scores, then
+// reads the ids out in one scan, so the outputs come out sorted without a
+// sort: O(C), and branch-free but for the short walks over histograms.
 void select_zones(const float *score, uint32_t C, uint32_t n_ret,
                   uint32_t n_est, uint32_t *ret, uint32_t *est,
                   uint32_t *scratch) {
   const uint32_t n_sel = n_ret + n_est;
   if (n_sel == 0) return;
-  auto key = [score](uint32_t i) {
-    const float s = score[i];
-    return std::isnan(s) ? kNegInf : s;
-  };
-  auto before = [&key](uint32_t a, uint32_t b) {
-    const float sa = key(a), sb = key(b);
-    return sa > sb || (sa == sb && a < b);
-  };
-  for (uint32_t i = 0; i < C; ++i) scratch[i] = i;
-  std::nth_element(scratch, scratch + (n_sel - 1), scratch + C, before);
-  const uint32_t last_sel = scratch[n_sel - 1];
-  uint32_t last_ret = 0;
-  if (n_ret > 0) {
-    std::nth_element(scratch, scratch + (n_ret - 1), scratch + n_sel, before);
-    last_ret = scratch[n_ret - 1];
-  }
-  uint32_t nr = 0, ne = 0;
+  // 1. The top bits' histogram, and the bins of both ranks sought.
+  // Scores cluster in few bins, and consecutive increments of one counter
+  // wait on each other through memory: four histograms break the chain.
+  uint32_t part[4][kRadixBins] = {};
+  uint32_t i4 = 0;
+  for (; i4 + 4 <= C; i4 += 4)
+    for (uint32_t p = 0; p < 4; ++p) ++part[p][score_key(score[i4 + p]) >> 21];
+  for (; i4 < C; ++i4) ++part[0][score_key(score[i4]) >> 21];
+  uint32_t hist[kRadixBins];
+#pragma omp simd
+  for (uint32_t b = 0; b < kRadixBins; ++b)
+    hist[b] = (part[0][b] + part[1][b]) + (part[2][b] + part[3][b]);
+  uint32_t k_sel = n_sel, k_ret = std::max(n_ret, 1u);
+  const uint32_t b_sel = radix_walk(hist, kRadixBins, &k_sel);
+  const uint32_t b_ret = radix_walk(hist, kRadixBins, &k_ret);
+  // 2. The keys of those bins: b_sel's from the front of scratch, b_ret's
+  //    (when another bin) from the back. Before element i at most i keys
+  //    are kept, so neither store can land on a kept key of the other side
+  //    but with the same value.
+  uint32_t nf = 0, nb = 0;
   for (uint32_t i = 0; i < C; ++i) {
-    if (before(last_sel, i)) continue;  // ranks below the selection
-    if (n_ret > 0 && !before(last_ret, i)) {
-      ret[nr++] = i;
-    } else {
-      est[ne++] = i;
-    }
+    const uint32_t key = score_key(score[i]);
+    const uint32_t top = key >> 21;
+    scratch[C - 1 - nb] = key;
+    nb += top == b_ret && b_ret != b_sel;
+    scratch[nf] = key;
+    nf += top == b_sel;
+  }
+  // 3. The exact keys.
+  const RankKey sk = radix_finish(scratch, nf, b_sel, k_sel, hist);
+  RankKey rk{UINT32_MAX, 0};  // no key reaches it: nothing retrieved
+  if (n_ret > 0)
+    rk = b_ret == b_sel ? radix_finish(scratch, nf, b_ret, k_ret, hist)
+                        : radix_finish(scratch + C - nb, nb, b_ret, k_ret, hist);
+  // 4. Ids in ascending order: above a threshold, or equal to it and among
+  //    the first `take` such ids. The store goes to a sink when the id is
+  //    in neither zone, so the loop has no branch to mispredict.
+  uint32_t nr = 0, ne = 0, eq_r = 0, eq_s = 0, sink = 0;
+  for (uint32_t i = 0; i < C; ++i) {
+    const uint32_t key = score_key(score[i]);
+    const bool at_r = key == rk.key, at_s = key == sk.key;
+    const bool in_r = key > rk.key || (at_r && eq_r < rk.take);
+    const bool in_s = key > sk.key || (at_s && eq_s < sk.take);
+    eq_r += at_r;
+    eq_s += at_s;
+    uint32_t *dst = in_r ? ret + nr : in_s ? est + ne : &sink;
+    *dst = i;
+    nr += in_r;
+    ne += in_s & !in_r;
   }
 }
 
@@ -610,6 +1174,20 @@ float estimate_zone(const float *logits, const uint32_t *ids, uint32_t n,
 #pragma omp simd
   for (uint32_t j = 0; j < d; ++j) out[j] *= inv;
   return m + static_cast<float>(std::log(den));
+}
+
+void estimate_zone_group(const float *logits, uint32_t G, size_t ld,
+                         const uint32_t *ids, uint32_t n,
+                         const float *value_sum, const uint32_t *size,
+                         uint32_t d, float *out, float *lse) {
+  estimate_group_sums(logits, G, ld, ids, n, value_sum, size, d, out, lse);
+}
+
+void estimate_zone_group_means(const float *logits, uint32_t G, size_t ld,
+                               const uint32_t *ids, uint32_t n,
+                               const f16 *value_mean, const uint32_t *size,
+                               uint32_t d, float *out, float *lse) {
+  estimate_group_means(logits, G, ld, ids, n, value_mean, size, d, out, lse);
 }
 
 float merge_partials(const float *o_a, float lse_a, const float *o_b,
@@ -645,6 +1223,13 @@ void attend_exact(DType t, const float *q, uint32_t G, const void *k,
     return;
   }
   WKV_DISPATCH_DTYPE(t, T, [&] {
+#if defined(WKV_HAVE_V3)
+    if (has_v3() && d % 8 == 0) {
+      attend_v3(q, G, static_cast<const T *>(k), static_cast<const T *>(v), n,
+                d, scale, out, lse);
+      return;
+    }
+#endif
     attend_impl(q, G, static_cast<const T *>(k), static_cast<const T *>(v),
                 n, d, scale, out, lse);
   });

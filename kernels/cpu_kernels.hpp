@@ -61,6 +61,14 @@ void score_clusters(const float *q, uint32_t G, const float *centroid,
                     uint32_t C, uint32_t d, float scale, float *logits,
                     float *score);
 
+// The same from centroids stored as `t`: f32, or the meta index's compact
+// 16-bit mirror (f16 or bf16), converted as they are read; the dot products
+// accumulate in f32. Logits and scores mean the same as above, computed from
+// the rounded centroids.
+void score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
+                    uint32_t C, uint32_t d, float scale, float *logits,
+                    float *score);
+
 // Picks the n_ret highest scores (retrieval) and the next n_est (estimation)
 // among C. Ties break to the lower id. ret and est are sorted ascending by id.
 // Pre: n_ret + n_est <= C. `scratch` holds at least C entries.
@@ -80,6 +88,25 @@ void select_zones(const float *score, uint32_t C, uint32_t n_ret,
 float estimate_zone(const float *logits, const uint32_t *ids, uint32_t n,
                     const float *value_sum, const uint32_t *size, uint32_t d,
                     float *out);
+
+// estimate_zone for all G heads of a query group at once: each value-sum
+// row is read once for the group rather than once per head.
+//   logits [G][ld] the heads' logits (row g at logits + g * ld)
+//   out    [G][d], lse [G]: what G calls of estimate_zone would give, up to
+//          rounding (the same terms in the same order per head)
+void estimate_zone_group(const float *logits, uint32_t G, size_t ld,
+                         const uint32_t *ids, uint32_t n,
+                         const float *value_sum, const uint32_t *size,
+                         uint32_t d, float *out, float *lse);
+
+// estimate_zone_group from the meta index's compact mirror: value means
+// VS_i / s_i stored in f16 rather than value sums in f32, half the bytes
+// of the rows estimation reads. The weights become s_i exp(l_i); out and
+// lse mean the same, computed from the rounded means.
+void estimate_zone_group_means(const float *logits, uint32_t G, size_t ld,
+                               const uint32_t *ids, uint32_t n,
+                               const f16 *value_mean, const uint32_t *size,
+                               uint32_t d, float *out, float *lse);
 
 // Merges two partial attentions (o_a, lse_a) and (o_b, lse_b) over disjoint
 // token sets into out[d] and returns the merged lse. Either side may be

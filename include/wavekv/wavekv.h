@@ -354,7 +354,9 @@ WKV_API int wkv_assemble(wkv_plan *plan, void *stream);
 typedef struct wkv_xbuf_view {
   uint32_t size;          /* sizeof(wkv_xbuf_view), set by wkv_xbuf_view_init */
   uint32_t n_runs;        /* n_seqs * n_kv_heads */
-  uint64_t n_tokens;      /* offsets[n_runs] */
+  uint64_t n_tokens;      /* offsets[n_runs] (CPU); on a CUDA engine the
+                             buffer's capacity, a bound on offsets[n_runs],
+                             which is known on the device only */
   uint32_t head_dim;
   uint32_t dtype;         /* WKV_DTYPE_* */
   const void *k;          /* [n_tokens][head_dim] */

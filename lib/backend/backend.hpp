@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "lib/common/status.hpp"
+#include "wavekv/wavekv.h"
 
 namespace wkv {
 
@@ -28,6 +29,10 @@ class Backend {
   virtual Status finish_prompt(Sequence &seq, uint32_t layer, void *stream) = 0;
   // A sequence is being destroyed: forget anything cached of it.
   virtual void on_destroy(Sequence &seq) { (void)seq; }
+  // Describes the plan's assembled execution buffer (pointers on the device).
+  virtual void xbuf(const Plan &plan, wkv_xbuf_view *view) = 0;
+  // Adds the backend's own figures (cache) to *out.
+  virtual void fill_stats(wkv_stats *out) { (void)out; }
   // Scores clusters, selects the zones and estimates the estimation zone.
   virtual Status lookup(Plan &plan) = 0;
   // Lays out steady and retrieval tokens in the execution buffer.

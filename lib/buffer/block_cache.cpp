@@ -51,6 +51,7 @@ BlockCache::Admission BlockCache::admit(const PageKey &key, uint64_t epoch) {
       uint32_t s = static_cast<uint32_t>(v);
       a.evicted = true;
       a.victim = owner_[s];
+      a.victim_slot = s;
       map_.erase(owner_[s]);
       policy_->on_erase(s);
       occupied_[s] = 0;
@@ -96,6 +97,15 @@ void BlockCache::release_quarantine(uint64_t safe_epoch) {
     return false;
   });
   quarantine_.erase(keep, quarantine_.end());
+}
+
+}  // namespace wkv
+
+namespace wkv {
+
+void BlockCache::restamp_quarantine(uint64_t from, uint64_t to) {
+  for (Quarantined &q : quarantine_)
+    if (q.epoch == from) q.epoch = to;
 }
 
 }  // namespace wkv

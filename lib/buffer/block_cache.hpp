@@ -75,6 +75,7 @@ class BlockCache {
     int64_t slot = -1;      // -1: nothing could be freed
     bool evicted = false;   // the slot's previous page was evicted
     PageKey victim{};       // that page
+    uint32_t victim_slot = 0;  // and the slot it held (now quarantined)
   };
 
   BlockCache(uint32_t slots, std::unique_ptr<ReplacementPolicy> policy);
@@ -98,6 +99,11 @@ class BlockCache {
 
   // Frees quarantined slots evicted at an epoch < safe_epoch.
   void release_quarantine(uint64_t safe_epoch);
+
+  // Re-stamps quarantined slots of epoch `from` with `to`: a caller that
+  // learns the true eviction epoch only later (after the device mirror has
+  // switched) admits with a provisional epoch and fixes it here.
+  void restamp_quarantine(uint64_t from, uint64_t to);
 
  private:
   struct Quarantined {

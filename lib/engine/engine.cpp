@@ -83,6 +83,7 @@ void Engine::fill_stats(wkv_stats *out) {
   out->cache_misses = counters_.cache_misses.load();
   out->device_cache_bytes = 0;
   out->kmeans_ns = counters_.kmeans_ns.load();
+  backend_->fill_stats(out);
 }
 
 std::string Engine::stats_json() {

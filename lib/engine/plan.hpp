@@ -63,6 +63,9 @@ class Plan {
   // Scratch of attend: [n_seqs][n_q_heads][d] and [n_seqs][n_q_heads].
   std::vector<float> exact_out, exact_lse;
 
+  // The backend's own state of this plan (device buffers), if any.
+  std::shared_ptr<void> dev;
+
   // Checks that no sequence changed since the lookup.
   Status check_versions() const;
 

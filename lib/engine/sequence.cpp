@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <new>
 #include <vector>
@@ -214,6 +215,10 @@ Status Sequence::cluster_front(uint32_t layer, uint32_t count, uint32_t seg_toke
         if (v.size() + more > v.capacity()) v.reserve(std::max(v.size() + more, v.capacity() * 2));
       };
       reserve(ix.meta.centroid, add_c * d);
+      if (dt != DType::kF32 && ix.meta.centroid_f16.size() == ix.meta.centroid.size()) {
+        reserve(ix.meta.centroid_f16, add_c * d);
+        reserve(ix.meta.value_mean_f16, add_c * d);
+      }
       reserve(ix.meta.value_sum, add_c * d);
       reserve(ix.meta.size, add_c);
       reserve(ix.map, add_c);
@@ -255,6 +260,30 @@ Status Sequence::cluster_front(uint32_t layer, uint32_t count, uint32_t seg_toke
         desc.last_access = 0;
         ix.map.push_back(desc);
         ix.meta.size.push_back(sc.size[c]);
+      }
+      // With 16-bit storage, the f16 mirror follows while every value fits
+      // in f16 (K and V stored in f32 are read in f32).
+      if (dt != DType::kF32 && ix.meta.centroid_f16.size() == ix.meta.centroid.size()) {
+        const size_t n = sc.centroid.size();
+        bool fits = true;
+        for (float x : sc.centroid) fits &= std::fabs(x) <= 65504.0f;  // false for NaN
+        for (uint32_t c = 0; c < sc.n_clusters; ++c)
+          for (uint32_t j = 0; j < d; ++j)
+            fits &= std::fabs(sc.value_sum[static_cast<size_t>(c) * d + j] / sc.size[c]) <= 65504.0f;
+        if (fits) {
+          const size_t at = ix.meta.centroid_f16.size();
+          ix.meta.centroid_f16.resize(at + n);
+          ix.meta.value_mean_f16.resize(at + n);
+          from_float(DType::kF16, sc.centroid.data(), ix.meta.centroid_f16.data() + at, n);
+          float mean[256];  // head_dim <= 256 (checked at open)
+          for (uint32_t c = 0; c < sc.n_clusters; ++c) {
+            for (uint32_t j = 0; j < d; ++j) mean[j] = sc.value_sum[static_cast<size_t>(c) * d + j] / sc.size[c];
+            from_float(DType::kF16, mean, ix.meta.value_mean_f16.data() + at + static_cast<size_t>(c) * d, d);
+          }
+        } else {
+          MetaVector<uint16_t>().swap(ix.meta.centroid_f16);
+          MetaVector<uint16_t>().swap(ix.meta.value_mean_f16);
+        }
       }
       ix.meta.centroid.insert(ix.meta.centroid.end(), sc.centroid.begin(), sc.centroid.end());
       ix.meta.value_sum.insert(ix.meta.value_sum.end(), sc.value_sum.begin(), sc.value_sum.end());

@@ -5,6 +5,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <chrono>
+#include <cstdio>
+#include <atomic>
 
 #include "kernels/cpu_kernels.hpp"
 #include "lib/engine/engine.hpp"
@@ -13,6 +16,8 @@
 
 namespace wkv {
 namespace {
+struct Prof { std::atomic<long> t[8]; ~Prof(){ fprintf(stderr,"PROF score %.1f select %.1f est %.1f assemble %.1f attend %.1f (ms cpu total)\n", t[0]/1e6,t[1]/1e6,t[2]/1e6,t[3]/1e6,t[4]/1e6);} } g_prof;
+inline long nowns(){ return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 class CpuBackend final : public Backend {
  public:
@@ -31,6 +36,13 @@ class CpuBackend final : public Backend {
   Status merge(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
                int64_t lse_seq_stride) override;
   Status update(Plan &plan) override;
+  void xbuf(const Plan &plan, wkv_xbuf_view *view) override {
+    view->n_runs = static_cast<uint32_t>(plan.runs.size());
+    view->n_tokens = static_cast<uint64_t>(plan.offsets[plan.runs.size()]);
+    view->k = plan.xk.data();
+    view->v = plan.xv.data();
+    view->offsets = plan.offsets.data();
+  }
 
  private:
   Engine &e_;
@@ -61,13 +73,27 @@ Status CpuBackend::lookup(Plan &plan) {
     // The per-run offset into scores/scratch is logits_off / G.
     float *score = &plan.scores[r.logits_off / G];
     uint32_t *scratch = &plan.scratch[r.logits_off / G];
-    kernels::score_clusters(q, G, meta.centroid.data(), r.clusters, d, scale, logits, score);
-    kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, plan.ret_ids.data() + r.ret_off,
-                          plan.est_ids.data() + r.est_off, scratch);
-    for (uint32_t g = 0; g < G; ++g)
-      est_lse[g] = kernels::estimate_zone(logits + static_cast<size_t>(g) * r.clusters,
-                                          plan.est_ids.data() + r.est_off, r.n_est, meta.value_sum.data(),
-                                          meta.size.data(), d, est_out + static_cast<size_t>(g) * d);
+    // Scoring and estimation read the f16 mirror of the meta index where
+    // there is one.
+    const uint32_t *est_ids = plan.est_ids.data() + r.est_off;
+    if (meta.has_f16()) {
+      long a = nowns();
+      kernels::score_clusters(DType::kF16, q, G, meta.centroid_f16.data(), r.clusters, d, scale, logits, score);
+      long b = nowns(); g_prof.t[0] += b - a;
+      kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, plan.ret_ids.data() + r.ret_off,
+                            plan.est_ids.data() + r.est_off, scratch);
+      long c = nowns(); g_prof.t[1] += c - b;
+      struct G2 { long c; ~G2(){ g_prof.t[2] += nowns() - c; } } g2{c};
+      kernels::estimate_zone_group_means(logits, G, r.clusters, est_ids, r.n_est,
+                                         reinterpret_cast<const f16 *>(meta.value_mean_f16.data()),
+                                         meta.size.data(), d, est_out, est_lse);
+    } else {
+      kernels::score_clusters(q, G, meta.centroid.data(), r.clusters, d, scale, logits, score);
+      kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, plan.ret_ids.data() + r.ret_off,
+                            plan.est_ids.data() + r.est_off, scratch);
+      kernels::estimate_zone_group(logits, G, r.clusters, est_ids, r.n_est, meta.value_sum.data(),
+                                   meta.size.data(), d, est_out, est_lse);
+    }
     uint64_t toks = 0;
     for (uint32_t i = 0; i < r.n_ret; ++i) toks += meta.size[plan.ret_ids[r.ret_off + i]];
     r.ret_tokens = toks;
@@ -101,6 +127,7 @@ Status CpuBackend::assemble(Plan &plan) {
   // 2. Steady zone, then the retrieval clusters page by page.
   HostArena &arena = e_.arena();
   e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
+    struct G2 { long c; ~G2(){ g_prof.t[3] += nowns() - c; } } g2{nowns()};
     const RunPlan &r = plan.runs[ri];
     const HeadState &hs = plan.seqs[r.seq]->layer(plan.layer).heads[r.head];
     uint8_t *xk = plan.xk.data() + static_cast<size_t>(plan.offsets[ri]) * row;
@@ -143,6 +170,7 @@ Status CpuBackend::attend(Plan &plan, void *out, int64_t seq_stride, int64_t hea
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for attention scratch");
   }
   e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
+    struct G2 { long c; ~G2(){ g_prof.t[4] += nowns() - c; } } g2{nowns()};
     const RunPlan &r = plan.runs[ri];
     const size_t qh = static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G;
     float *o = &plan.exact_out[qh * d];

@@ -1,0 +1,636 @@
+// Exact attention over the ragged execution buffer on the GPU (flash-decoding)
+// merged with the estimate: the CUDA counterpart of attend_exact +
+// merge_partials (kernels/cpu_kernels.cpp).
+//
+// attend_kernel, grid (R, n_splits), 4 warps: CTA (r, split) attends its
+// slice of run r's tokens for all G query heads. Each warp streams blocks of
+// rows through its own cp.async pipeline in shared memory (K and V read once
+// from device memory with 16-byte copies); warps take blocks in turn, and
+// when G > 8 the heads are split over warps that read the same rows.
+//
+// Inside a warp, a row of d elements is spread over kLpr lanes (8 elements a
+// lane, 16-byte reads), so 32 / kLpr rows are in flight per step. A lane
+// holds q and the output accumulator of its 8 elements for HC <= 8 heads in
+// registers. Per row, the HC partial dot products are reduced over the kLpr
+// lanes with a transposing butterfly (HC - 1 + log2(kLpr / HC) shuffles for
+// all heads, not HC log2 kLpr), after which lane j holds the logit of head
+// head_of_lane(j). The online softmax runs once per block of kU steps; the
+// probabilities go through shared memory to every lane for the V update.
+//
+// combine_kernel, one CTA per (run, head): merges the splits in log space,
+// then the estimate exactly as merge_partials does, and writes the output
+// in the storage dtype (and the lse).
+#include <cmath>
+
+#include "kernels/attention_cuda.hpp"
+#include "kernels/cuda_common.cuh"
+
+namespace wkv::kernels {
+namespace {
+
+constexpr float kNegInf = -INFINITY;
+constexpr uint32_t kFull = 0xffffffffu;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+constexpr uint32_t kWarps = 4;
+constexpr uint32_t kThreads = kWarps * 32;
+constexpr uint32_t kU = 4;            // row steps per softmax block
+constexpr uint32_t kE = 8;            // elements of a row per lane
+constexpr uint32_t kMaxG = 32;        // query heads per KV head
+constexpr uint32_t kMinChunk = 64;    // fewest tokens worth a split of its own
+constexpr uint32_t kMaxCtas = 2048;   // bound of R * n_splits (sizes the scratch)
+constexpr uint32_t kCombineThreads = 128;
+
+constexpr uint32_t pow2ceil(uint32_t x) {
+  uint32_t p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+constexpr uint32_t clampu(uint32_t x, uint32_t lo, uint32_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// Compile-time geometry of one (storage type, head_dim).
+template <typename Tag, uint32_t D>
+struct Shape {
+  static constexpr uint32_t kVec = 16 / sizeof(Tag);           // elements per 16-byte slot
+  static constexpr uint32_t kSlots = D / kVec;                 // slots per row
+  static constexpr uint32_t kLpr = pow2ceil(D / kE);           // lanes per row: 8, 16 or 32
+  static constexpr uint32_t kRpw = 32 / kLpr;                  // rows per warp step
+  static constexpr uint32_t kSpl = kE / kVec;                  // slots per lane: 1 or 2
+  static constexpr uint32_t kRows = kU * kRpw;                 // rows per block
+  static constexpr uint32_t kRowBytes = D * sizeof(Tag);
+  static constexpr uint32_t kBlockBytes = kRows * kRowBytes;   // K (or V) of one block
+  static constexpr uint32_t kStages = clampu(16384 / (2 * kBlockBytes), 2, 6);
+  static constexpr uint32_t kWarpBytes = kStages * 2 * kBlockBytes;
+  static constexpr uint32_t kPsFloats = kRows * 8 + 8;         // p [kRows][HC] and alpha [HC]
+  static_assert(D % kVec == 0 && kLpr * kE >= D && kLpr <= 32, "row does not fit a warp");
+  static_assert(kRowBytes % 16 == 0, "rows must be whole 16-byte slots");
+};
+
+template <uint32_t HC, typename Tag, uint32_t D>
+constexpr size_t attend_smem_bytes() {
+  using S = Shape<Tag, D>;
+  const size_t pipe = static_cast<size_t>(kWarps) * S::kWarpBytes + kWarps * S::kPsFloats * sizeof(float);
+  const size_t comb = (2 * kWarps * kMaxG + static_cast<size_t>(kWarps) * HC * D) * sizeof(float);
+  return pipe > comb ? pipe : comb;
+}
+
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool ok) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// 16 bytes of storage to floats.
+template <typename Tag> __device__ __forceinline__ void slot_to_float(const uint4 &v, float *f);
+template <> __device__ __forceinline__ void slot_to_float<float>(const uint4 &v, float *f) {
+  f[0] = __uint_as_float(v.x);
+  f[1] = __uint_as_float(v.y);
+  f[2] = __uint_as_float(v.z);
+  f[3] = __uint_as_float(v.w);
+}
+template <> __device__ __forceinline__ void slot_to_float<f16>(const uint4 &v, float *f) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __half2 h;
+    memcpy(&h, &w[i], 4);
+    const float2 x = __half22float2(h);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+template <> __device__ __forceinline__ void slot_to_float<bf16>(const uint4 &v, float *f) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+// The kE elements of lane j of a row in shared memory (zeros past the row).
+template <typename Tag, uint32_t D>
+__device__ __forceinline__ void load_row(const uint8_t *row, uint32_t j, float *f) {
+  using S = Shape<Tag, D>;
+#pragma unroll
+  for (uint32_t w = 0; w < S::kSpl; ++w) {
+    const uint32_t slot = j + S::kLpr * w;
+    if (slot < S::kSlots) {
+      slot_to_float<Tag>(*reinterpret_cast<const uint4 *>(row + slot * 16), f + w * S::kVec);
+    } else {
+#pragma unroll
+      for (uint32_t i = 0; i < S::kVec; ++i) f[w * S::kVec + i] = 0.f;
+    }
+  }
+}
+
+// The head whose full dot product lane j holds after reduce_heads: the
+// bit reversal of j's low log2(HC) bits.
+template <uint32_t HC>
+__device__ __forceinline__ uint32_t head_of_lane(uint32_t j) {
+  uint32_t h = 0;
+#pragma unroll
+  for (uint32_t b = 1, w = HC / 2; b < HC; b <<= 1, w >>= 1)
+    if (j & b) h += w;
+  return h;
+}
+
+// Sums v[h] over the kLpr lanes of a row for every head h: each halving step
+// keeps half of the heads (chosen by one lane bit) and adds the partner's
+// copy of that half, so after log2(HC) steps one value is left, which the
+// remaining butterfly steps complete. Returns the sum for head_of_lane.
+template <uint32_t HC, uint32_t kLpr>
+__device__ __forceinline__ float reduce_heads(float (&v)[HC], uint32_t lane) {
+#pragma unroll
+  for (uint32_t n = HC, m = 1; n > 1; n >>= 1, m <<= 1) {
+    const bool upper = lane & m;
+#pragma unroll
+    for (uint32_t i = 0; i < n / 2; ++i) {
+      const float send = upper ? v[i] : v[i + n / 2];
+      const float keep = upper ? v[i + n / 2] : v[i];
+      v[i] = keep + __shfl_xor_sync(kFull, send, m);
+    }
+  }
+  float x = v[0];
+#pragma unroll
+  for (uint32_t m = HC; m < kLpr; m <<= 1) x += __shfl_xor_sync(kFull, x, m);
+  return x;
+}
+
+template <typename Tag, uint32_t D, uint32_t HC>
+__global__ void __launch_bounds__(kThreads, 2)
+    attend_kernel(const int32_t *__restrict__ offsets, const uint8_t *__restrict__ xk,
+                  const uint8_t *__restrict__ xv, const float *__restrict__ q, uint32_t G, float qscale,
+                  uint32_t chunk, uint32_t n_splits, float *__restrict__ part_o,
+                  float *__restrict__ part_lse) {
+  using S = Shape<Tag, D>;
+  extern __shared__ uint4 dyn_smem[];
+  uint8_t *smem = reinterpret_cast<uint8_t *>(dyn_smem);
+  const uint32_t r = blockIdx.x, split = blockIdx.y;
+  const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int32_t beg = offsets[r];
+  const uint32_t n = static_cast<uint32_t>(offsets[r + 1] - beg);
+  const uint64_t t0_wide = static_cast<uint64_t>(split) * chunk;
+  float *po = part_o + (static_cast<size_t>(r) * n_splits + split) * G * D;
+  float *pl = part_lse + (static_cast<size_t>(r) * n_splits + split) * G;
+  if (t0_wide >= n) {  // past the run's end: an empty partial
+    for (uint32_t i = tid; i < G * D; i += kThreads) po[i] = 0.f;
+    for (uint32_t g = tid; g < G; g += kThreads) pl[g] = kNegInf;
+    return;
+  }
+  const uint32_t t0 = static_cast<uint32_t>(t0_wide);
+  const uint32_t t1 = split + 1 == n_splits ? n : min(n, t0 + chunk);
+
+  // Warp roles: head group hg (heads g0 .. g0 + HC) and token warp tw.
+  const uint32_t hgn = (G + HC - 1) / HC;
+  const uint32_t hgp = hgn <= 1 ? 1 : (hgn <= 2 ? 2 : 4);
+  const uint32_t ntw = kWarps / hgp, hg = warp % hgp, tw = warp / hgp;
+  const uint32_t g0 = hg * HC;
+  const bool active = g0 < G;
+  const uint32_t rg = lane / S::kLpr, j = lane % S::kLpr;
+  const uint32_t hid = head_of_lane<HC>(j);
+
+  // q of this lane's elements, in log2 units.
+  float qf[HC][kE];
+#pragma unroll
+  for (uint32_t h = 0; h < HC; ++h) {
+    const uint32_t g = g0 + h;
+#pragma unroll
+    for (uint32_t w = 0; w < S::kSpl; ++w) {
+      const uint32_t slot = j + S::kLpr * w;
+      const bool ok = g < G && slot < S::kSlots;
+      const float *src = q + (static_cast<size_t>(r) * G + (ok ? g : 0)) * D + (ok ? slot : 0) * S::kVec;
+#pragma unroll
+      for (uint32_t i = 0; i < S::kVec; i += 4) {
+        const float4 x = ok ? __ldg(reinterpret_cast<const float4 *>(src + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        qf[h][w * S::kVec + i + 0] = x.x * qscale;
+        qf[h][w * S::kVec + i + 1] = x.y * qscale;
+        qf[h][w * S::kVec + i + 2] = x.z * qscale;
+        qf[h][w * S::kVec + i + 3] = x.w * qscale;
+      }
+    }
+  }
+
+  float acc[HC][kE];
+#pragma unroll
+  for (uint32_t h = 0; h < HC; ++h)
+#pragma unroll
+    for (uint32_t e = 0; e < kE; ++e) acc[h][e] = 0.f;
+  float m_run = kNegInf, l_run = 0.f;
+
+  const uint32_t nblk = (t1 - t0 + S::kRows - 1) / S::kRows;
+  const uint32_t mine = active && nblk > tw ? (nblk - tw + ntw - 1) / ntw : 0;
+  uint8_t *wsm = smem + warp * S::kWarpBytes;
+  float *ps = reinterpret_cast<float *>(smem + kWarps * S::kWarpBytes) + warp * S::kPsFloats;
+  float *alpha_s = ps + S::kRows * HC;
+
+  // Copies block i of this warp into its stage; rows past t1 are zero-filled
+  // (from a valid address, reading nothing). Always commits a group, empty
+  // past the end, so that the wait count stays fixed.
+  auto issue = [&](uint32_t i) {
+    if (i < mine) {
+      const uint32_t rb = t0 + (tw + i * ntw) * S::kRows;
+      const uint32_t valid = min(S::kRows, t1 - rb) * S::kRowBytes;
+      const size_t src = (static_cast<size_t>(beg) + rb) * S::kRowBytes;
+      uint8_t *dk = wsm + (i % S::kStages) * 2 * S::kBlockBytes;
+      uint8_t *dv = dk + S::kBlockBytes;
+#pragma unroll
+      for (uint32_t c = lane * 16; c < S::kBlockBytes; c += 512) {
+        const bool ok = c < valid;
+        cp_async16(dk + c, ok ? xk + src + c : xk, ok);
+        cp_async16(dv + c, ok ? xv + src + c : xv, ok);
+      }
+    }
+    cp_async_commit();
+  };
+
+#pragma unroll
+  for (uint32_t i = 0; i + 1 < S::kStages; ++i) issue(i);
+  for (uint32_t i = 0; i < mine; ++i) {
+    issue(i + S::kStages - 1);
+    cp_async_wait<S::kStages - 1>();
+    __syncwarp();
+    const uint8_t *sk = wsm + (i % S::kStages) * 2 * S::kBlockBytes;
+    const uint8_t *sv = sk + S::kBlockBytes;
+    const uint32_t rb = t0 + (tw + i * ntw) * S::kRows;
+    const uint32_t nrows = min(S::kRows, t1 - rb);
+
+    // Logits of kU rows per lane group, for head hid.
+    float s[kU];
+#pragma unroll
+    for (uint32_t u = 0; u < kU; ++u) {
+      const uint32_t row = u * S::kRpw + rg;
+      float kf[kE];
+      load_row<Tag, D>(sk + row * S::kRowBytes, j, kf);
+      float part[HC];
+#pragma unroll
+      for (uint32_t h = 0; h < HC; ++h) {
+        float a = 0.f;
+#pragma unroll
+        for (uint32_t e = 0; e < kE; ++e) a = fmaf(qf[h][e], kf[e], a);
+        part[h] = a;
+      }
+      const float x = reduce_heads<HC, S::kLpr>(part, lane);
+      s[u] = row < nrows ? x : kNegInf;
+    }
+
+    // Online softmax over the block: one max shift per head.
+    float mx = s[0];
+#pragma unroll
+    for (uint32_t u = 1; u < kU; ++u) mx = fmaxf(mx, s[u]);
+#pragma unroll
+    for (uint32_t m = S::kLpr; m < 32; m <<= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, m));
+    const float m_new = fmaxf(m_run, mx);
+    const float alpha = m_new == kNegInf ? 1.f : exp2f(m_run - m_new);
+    float psum = 0.f;
+#pragma unroll
+    for (uint32_t u = 0; u < kU; ++u) {
+      s[u] = s[u] == kNegInf ? 0.f : exp2f(s[u] - m_new);
+      psum += s[u];
+    }
+    l_run = l_run * alpha + psum;
+    m_run = m_new;
+    if (j < HC) {
+#pragma unroll
+      for (uint32_t u = 0; u < kU; ++u) ps[(u * S::kRpw + rg) * HC + hid] = s[u];
+      if (rg == 0) alpha_s[hid] = alpha;
+    }
+    __syncwarp();
+
+    // Rescale, then accumulate p * V for every head.
+#pragma unroll
+    for (uint32_t h = 0; h < HC; ++h) {
+      const float a = alpha_s[h];
+#pragma unroll
+      for (uint32_t e = 0; e < kE; ++e) acc[h][e] *= a;
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < kU; ++u) {
+      const uint32_t row = u * S::kRpw + rg;
+      float vf[kE];
+      load_row<Tag, D>(sv + row * S::kRowBytes, j, vf);
+      float p[HC];
+      const float *pr = ps + row * HC;
+      if constexpr (HC % 4 == 0) {
+#pragma unroll
+        for (uint32_t h = 0; h < HC; h += 4) {
+          const float4 x = *reinterpret_cast<const float4 *>(pr + h);
+          p[h] = x.x;
+          p[h + 1] = x.y;
+          p[h + 2] = x.z;
+          p[h + 3] = x.w;
+        }
+      } else {
+#pragma unroll
+        for (uint32_t h = 0; h < HC; ++h) p[h] = pr[h];
+      }
+#pragma unroll
+      for (uint32_t h = 0; h < HC; ++h)
+#pragma unroll
+        for (uint32_t e = 0; e < kE; ++e) acc[h][e] = fmaf(p[h], vf[e], acc[h][e]);
+    }
+    __syncwarp();  // ps and this stage are rewritten next
+  }
+  cp_async_wait<0>();
+
+  // Rows of one warp share the max shift: sum over the row groups.
+#pragma unroll
+  for (uint32_t m = S::kLpr; m < 32; m <<= 1) {
+#pragma unroll
+    for (uint32_t h = 0; h < HC; ++h)
+#pragma unroll
+      for (uint32_t e = 0; e < kE; ++e) acc[h][e] += __shfl_xor_sync(kFull, acc[h][e], m);
+    l_run += __shfl_xor_sync(kFull, l_run, m);
+  }
+  __syncthreads();  // every warp is done with the pipeline's shared memory
+
+  // Merge the token warps in log space through shared memory.
+  float *cm = reinterpret_cast<float *>(smem);  // [kWarps][kMaxG]
+  float *cl = cm + kWarps * kMaxG;                 // [kWarps][kMaxG]
+  float *co = cl + kWarps * kMaxG;                 // [ntw][G][D]
+  if (active && rg == 0) {
+    if (j < HC && g0 + hid < G) {
+      cm[tw * kMaxG + g0 + hid] = m_run;
+      cl[tw * kMaxG + g0 + hid] = l_run;
+    }
+#pragma unroll
+    for (uint32_t h = 0; h < HC; ++h) {
+      const uint32_t g = g0 + h;
+      if (g >= G) continue;
+#pragma unroll
+      for (uint32_t w = 0; w < S::kSpl; ++w) {
+        const uint32_t slot = j + S::kLpr * w;
+        if (slot >= S::kSlots) continue;
+        float *dst = co + (static_cast<size_t>(tw) * G + g) * D + slot * S::kVec;
+#pragma unroll
+        for (uint32_t i = 0; i < S::kVec; ++i) dst[i] = acc[h][w * S::kVec + i];
+      }
+    }
+  }
+  __syncthreads();
+  for (uint32_t idx = tid; idx < G * D; idx += kThreads) {
+    const uint32_t g = idx / D, i = idx % D;
+    float M = kNegInf;
+    for (uint32_t t = 0; t < ntw; ++t) M = fmaxf(M, cm[t * kMaxG + g]);
+    float W = 0.f, o = 0.f;
+    if (M > kNegInf) {
+      for (uint32_t t = 0; t < ntw; ++t) {
+        const float mt = cm[t * kMaxG + g];
+        if (mt == kNegInf) continue;
+        const float e = exp2f(mt - M);
+        W = fmaf(cl[t * kMaxG + g], e, W);
+        o = fmaf(co[(static_cast<size_t>(t) * G + g) * D + i], e, o);
+      }
+    }
+    const bool empty = !(M > kNegInf) || !(W > 0.f);
+    po[idx] = empty ? 0.f : o / W;
+    if (i == 0) pl[g] = empty ? kNegInf : (M + log2f(W)) * kLn2;
+  }
+}
+
+// Merges the splits of head g of run r, then the estimate, and writes out.
+template <typename Tag>
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_kernel(const float *__restrict__ part_o, const float *__restrict__ part_lse, uint32_t n_splits,
+                   uint32_t G, uint32_t D, uint32_t H, const float *__restrict__ est_out,
+                   const float *__restrict__ est_lse, typename DevType<Tag>::type *out, int64_t seq_stride,
+                   int64_t head_stride, float *lse) {
+  __shared__ float w_s[kMaxCtas];
+  __shared__ float tmp[32];
+  const uint32_t rh = blockIdx.x, r = rh / G, g = rh % G, sq = r / H, h = r % H;
+  const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  constexpr uint32_t nw = kCombineThreads / 32;
+  const float *pl = part_lse + static_cast<size_t>(r) * n_splits * G + g;
+
+  float M = kNegInf;
+  for (uint32_t s = tid; s < n_splits; s += kCombineThreads) M = fmaxf(M, pl[static_cast<size_t>(s) * G]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(kFull, M, o));
+  if (lane == 0) tmp[warp] = M;
+  __syncthreads();
+  M = tmp[0];
+  for (uint32_t w = 1; w < nw; ++w) M = fmaxf(M, tmp[w]);
+  __syncthreads();
+
+  float W = 0.f;
+  for (uint32_t s = tid; s < n_splits; s += kCombineThreads) {
+    const float l = pl[static_cast<size_t>(s) * G];
+    const float w = (M == kNegInf || l == kNegInf) ? 0.f : expf(l - M);
+    w_s[s] = w;
+    W += w;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) W += __shfl_xor_sync(kFull, W, o);
+  if (lane == 0) tmp[warp] = W;
+  __syncthreads();
+  W = 0.f;
+  for (uint32_t w = 0; w < nw; ++w) W += tmp[w];
+
+  // merge_partials of (exact, estimate).
+  const float la = (M == kNegInf || !(W > 0.f)) ? kNegInf : M + logf(W);
+  const float lb = est_lse ? est_lse[rh] : kNegInf;
+  const float mm = fmaxf(la, lb);
+  const bool empty = mm == kNegInf;
+  const float wa = empty ? 0.f : expf(la - mm), wb = empty ? 0.f : expf(lb - mm);
+  const float sum = wa + wb;
+  const float ca = empty ? 0.f : wa / sum, cb = empty ? 0.f : wb / sum;
+  const float inv_w = W > 0.f ? 1.f / W : 0.f;
+  using T = typename DevType<Tag>::type;
+  T *dst = out + static_cast<int64_t>(sq) * seq_stride + static_cast<int64_t>(h * G + g) * head_stride;
+  const float *eo = est_out ? est_out + static_cast<size_t>(rh) * D : nullptr;
+  const float *po = part_o + static_cast<size_t>(r) * n_splits * G * D + static_cast<size_t>(g) * D;
+  const size_t split_stride = static_cast<size_t>(G) * D;
+  for (uint32_t i = tid; i < D; i += kCombineThreads) {
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    uint32_t s = 0;
+    if (wa != 0.f) {
+      for (; s + 4 <= n_splits; s += 4) {
+        a0 = fmaf(w_s[s], po[s * split_stride + i], a0);
+        a1 = fmaf(w_s[s + 1], po[(s + 1) * split_stride + i], a1);
+        a2 = fmaf(w_s[s + 2], po[(s + 2) * split_stride + i], a2);
+        a3 = fmaf(w_s[s + 3], po[(s + 3) * split_stride + i], a3);
+      }
+      for (; s < n_splits; ++s) a0 = fmaf(w_s[s], po[s * split_stride + i], a0);
+    }
+    const float oa = ((a0 + a1) + (a2 + a3)) * inv_w;
+    float o;
+    if (empty) {
+      o = 0.f;
+    } else if (wa == 0.f) {
+      o = eo[i];
+    } else if (wb == 0.f) {
+      o = oa;
+    } else {
+      o = ca * oa + cb * eo[i];
+    }
+    dst[i] = DevType<Tag>::from_f(o);
+  }
+  if (tid == 0 && lse)
+    lse[static_cast<size_t>(sq) * H * G + h * G + g] = empty ? kNegInf : mm + logf(sum);
+}
+
+// One warp per (sequence, q head): the caller's output and lse merged with
+// the estimate in place.
+template <typename Tag>
+__global__ void __launch_bounds__(128)
+    merge_kernel(typename DevType<Tag>::type *out, int64_t seq_stride, int64_t head_stride, float *lse,
+                 int64_t lse_seq_stride, const float *__restrict__ est_out, const float *__restrict__ est_lse,
+                 uint32_t n_seqs, uint32_t nq, uint32_t D) {
+  const uint32_t lane = threadIdx.x % 32;
+  const uint64_t row = static_cast<uint64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
+  if (row >= static_cast<uint64_t>(n_seqs) * nq) return;
+  const uint32_t sq = static_cast<uint32_t>(row / nq), h = static_cast<uint32_t>(row % nq);
+  using T = typename DevType<Tag>::type;
+  T *o = out + static_cast<int64_t>(sq) * seq_stride + static_cast<int64_t>(h) * head_stride;
+  float *l = lse + static_cast<int64_t>(sq) * lse_seq_stride + h;
+  const float *eo = est_out + row * D;
+  const float la = *l, lb = est_lse[row];
+  const float mm = fmaxf(la, lb);
+  const bool empty = mm == kNegInf;
+  const float wa = empty ? 0.f : expf(la - mm), wb = empty ? 0.f : expf(lb - mm);
+  const float sum = wa + wb;
+  const float ca = empty ? 0.f : wa / sum, cb = empty ? 0.f : wb / sum;
+  for (uint32_t i = lane; i < D; i += 32) {
+    float v;
+    if (empty) {
+      v = 0.f;
+    } else if (wa == 0.f) {
+      v = eo[i];
+    } else if (wb == 0.f) {
+      v = DevType<Tag>::to_f(o[i]);
+    } else {
+      v = ca * DevType<Tag>::to_f(o[i]) + cb * eo[i];
+    }
+    o[i] = DevType<Tag>::from_f(v);
+  }
+  __syncwarp();  // every lane has read *l
+  if (lane == 0) *l = empty ? kNegInf : mm + logf(sum);
+}
+
+// Splits per run: enough to fill the device once, never shorter than
+// kMinChunk tokens, and R * n_splits <= max(R, kMaxCtas).
+uint32_t split_bound(uint32_t R, uint32_t max_tokens) {
+  const uint32_t by_tokens = (max_tokens + kMinChunk - 1) / kMinChunk;
+  const uint32_t by_ctas = R >= kMaxCtas ? 1u : kMaxCtas / R;
+  uint32_t n = by_tokens < by_ctas ? by_tokens : by_ctas;
+  return n < 1 ? 1u : n;
+}
+
+template <typename Tag, uint32_t D, uint32_t HC>
+Status attend_impl(const int32_t *offsets, const void *xk, const void *xv, const float *q, uint32_t R,
+                   uint32_t H, uint32_t G, float scale, uint32_t max_tokens, const float *est_out,
+                   const float *est_lse, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
+                   float *scratch, size_t scratch_floats, cudaStream_t s) {
+  auto *kernel = attend_kernel<Tag, D, HC>;
+  constexpr size_t smem = attend_smem_bytes<HC, Tag, D>();
+  // Device facts, read once per kernel instance.
+  static const int fill = [&]() -> int {
+    int dev = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
+            cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return sms * (per_sm > 0 ? per_sm : 1);
+  }();
+  // Set on every call: the attribute belongs to the current device.
+  WKV_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const uint32_t bound = split_bound(R, max_tokens);
+  const uint32_t target = fill > 0 ? static_cast<uint32_t>(fill < static_cast<int>(kMaxCtas) ? fill : kMaxCtas) : 264u;
+  uint32_t n_splits = target / R;
+  if (n_splits > bound) n_splits = bound;
+  if (n_splits < 1) n_splits = 1;
+  const size_t need = static_cast<size_t>(R) * n_splits * G * (D + 1);
+  if (scratch_floats < need || scratch == nullptr)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "attend_ragged: scratch of %zu floats, %zu needed", scratch_floats,
+                     need);
+  const uint32_t chunk = max_tokens == 0 ? 1u : (max_tokens + n_splits - 1) / n_splits;
+  float *part_o = scratch;
+  float *part_lse = scratch + static_cast<size_t>(R) * n_splits * G * D;
+  kernel<<<dim3(R, n_splits), kThreads, smem, s>>>(offsets, static_cast<const uint8_t *>(xk),
+                                                   static_cast<const uint8_t *>(xv), q, G, scale * kLog2e, chunk,
+                                                   n_splits, part_o, part_lse);
+  WKV_CUDA_CHECK_LAUNCH("attend_kernel");
+  combine_kernel<Tag><<<R * G, kCombineThreads, 0, s>>>(
+      part_o, part_lse, n_splits, G, D, H, est_out, est_lse, static_cast<typename DevType<Tag>::type *>(out),
+      seq_stride, head_stride, lse);
+  WKV_CUDA_CHECK_LAUNCH("combine_kernel");
+  return Status::ok();
+}
+
+template <typename Tag, uint32_t D>
+Status attend_dispatch_group(uint32_t G, const int32_t *offsets, const void *xk, const void *xv, const float *q,
+                             uint32_t R, uint32_t H, float scale, uint32_t max_tokens, const float *est_out,
+                             const float *est_lse, void *out, int64_t seq_stride, int64_t head_stride,
+                             float *lse, float *scratch, size_t scratch_floats, cudaStream_t s) {
+#define WKV_ATTEND_HC(HC)                                                                                   \
+  attend_impl<Tag, D, HC>(offsets, xk, xv, q, R, H, G, scale, max_tokens, est_out, est_lse, out, seq_stride, \
+                          head_stride, lse, scratch, scratch_floats, s)
+  if (G <= 1) return WKV_ATTEND_HC(1);
+  if (G <= 2) return WKV_ATTEND_HC(2);
+  if (G <= 4) return WKV_ATTEND_HC(4);
+  return WKV_ATTEND_HC(8);
+#undef WKV_ATTEND_HC
+}
+
+}  // namespace
+
+size_t attend_ragged_scratch_floats(uint32_t R, uint32_t G, uint32_t d, uint32_t max_tokens) {
+  return static_cast<size_t>(R) * split_bound(R, max_tokens) * G * (d + 1);
+}
+
+Status attend_ragged(DType t, const int32_t *offsets, const void *xk, const void *xv, const float *q,
+                     uint32_t R, uint32_t H, uint32_t G, uint32_t d, float scale, uint32_t max_tokens,
+                     const float *est_out, const float *est_lse, void *out, int64_t seq_stride,
+                     int64_t head_stride, float *lse, float *scratch, size_t scratch_floats, void *stream) {
+  if (G == 0 || G > kMaxG)
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "attend_ragged: %u query heads per KV head (1..%u supported)", G, kMaxG);
+  if (H == 0 || R % H != 0)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "attend_ragged: %u runs are not a multiple of %u KV heads", R, H);
+  if ((est_out == nullptr) != (est_lse == nullptr))
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "attend_ragged: est_out and est_lse must be both given or both NULL");
+  if (R == 0) return Status::ok();
+  if (offsets == nullptr || xk == nullptr || xv == nullptr || q == nullptr || out == nullptr)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "attend_ragged: a null device pointer");
+  if (reinterpret_cast<uintptr_t>(xk) % 16 != 0 || reinterpret_cast<uintptr_t>(xv) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(q) % 16 != 0)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "attend_ragged: xk, xv and q must be 16-byte aligned");
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> Status {
+    return WKV_DISPATCH_DTYPE(t, Tag, [&]() -> Status {
+      return attend_dispatch_group<Tag, HEAD_DIM>(G, offsets, xk, xv, q, R, H, scale, max_tokens, est_out, est_lse,
+                                                  out, seq_stride, head_stride, lse, scratch, scratch_floats, s);
+    });
+  });
+}
+
+Status merge_estimate(DType t, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
+                      int64_t lse_seq_stride, const float *est_out, const float *est_lse, uint32_t n_seqs,
+                      uint32_t n_q_heads, uint32_t d, void *stream) {
+  const uint64_t rows = static_cast<uint64_t>(n_seqs) * n_q_heads;
+  if (rows == 0) return Status::ok();
+  if (out == nullptr || lse == nullptr || est_out == nullptr || est_lse == nullptr)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "merge_estimate: a null device pointer");
+  if (d == 0 || d > 256) return WKV_ERROR(WKV_ERR_UNSUPPORTED, "merge_estimate: head_dim %u", d);
+  if ((rows + 3) / 4 > 0x7fffffffu) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "merge_estimate: too many rows");
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const uint32_t blocks = static_cast<uint32_t>((rows + 3) / 4);
+  return WKV_DISPATCH_DTYPE(t, Tag, [&]() -> Status {
+    merge_kernel<Tag><<<blocks, 128, 0, s>>>(static_cast<typename DevType<Tag>::type *>(out), seq_stride,
+                                             head_stride, lse, lse_seq_stride, est_out, est_lse, n_seqs, n_q_heads,
+                                             d);
+    WKV_CUDA_CHECK_LAUNCH("merge_kernel");
+    return Status::ok();
+  });
+}
+
+}  // namespace wkv::kernels

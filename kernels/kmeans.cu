@@ -1,0 +1,1172 @@
+// Device k-means over a batch of segments, and the page writes that follow
+// it. The algorithm is kmeans_segment's (kernels/cpu_kernels.cpp); see
+// kmeans_cuda.hpp for the contract.
+//
+// One batch runs as a fixed sequence of launches on one stream:
+//   1. descriptors to the device (by value through kernel parameters, so no
+//      host copy is enqueued and the call can be captured in a graph);
+//   2. the mean key of every segment (double partials, then a fixed-order
+//      sum), and the centered, normalised keys X as f16 rows;
+//   3. k initial directions per segment: X rows at k distinct positions
+//      drawn by a seeded permutation of [0, T);
+//   4. `iters` rounds of
+//        assign  argmax over the directions of every point, emitting the
+//                sort key (segment, cluster) and a count per cluster,
+//        sort    a stable radix sort of the keys over the whole batch: the
+//                members of each cluster, ascending by token,
+//        scan    cluster starts in the sorted order,
+//        update  normalised member sums (not after the last assignment);
+//   5. compaction: renumbering without empty clusters, begin, order, size,
+//      and the centroids and value sums from the original rows (double).
+//
+// Determinism: nothing is summed by float atomics. Counts are integer
+// atomics; every float sum runs in a fixed order (sorted members, fixed
+// shuffle patterns), so a seed and an input give the same bits on one GPU
+// model.
+//
+// Precision: X and the directions are f16. They are unit vectors, so f16's
+// 11-bit significand (finer than bf16's 8 bits at the same cost) holds them
+// to 2^-12; dot products accumulate in f32. Near-ties may resolve
+// differently from the CPU's f32 products, which changes no guarantee.
+//
+// Workspace layout (each region 256-byte aligned, in this order), for S
+// segments, Tm = largest T, Km = largest k, N = sum of T, R = rounds:
+//   segs      [S] DevSeg
+//   mean_part [S][ceil(Tm / kMeanRows)][d] double
+//   mean      [S][d] float
+//   x         [S][Tm][d] f16, row (s, i) at s * Tm + i (rows >= T zero)
+//   dirs      [S][Km][d] f16 (rows >= k zero)
+//   assign    [S][Tm] uint32
+//   flags     [R][S] uint32: round r changed segment s's assignment
+//   keys0/1, vals0/1 [N] uint32: sort double buffers (key s * Km + c,
+//             value s * Tm + i), segment s at tok_off[s]
+//   counts, starts, renum [S][Km] uint32
+//   cub       radix sort / scan temporary storage
+//   scores    kCublas only: [chunk][Tm][Km] float
+#include "kernels/kmeans_cuda.hpp"
+
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cstring>
+#include <cub/cub.cuh>
+#include <limits>
+#include <vector>
+
+#include "kernels/cuda_common.cuh"
+
+namespace wkv::kernels {
+namespace {
+
+constexpr uint32_t kMeanRows = 512;    // rows per mean partial
+constexpr uint32_t kNormRows = 64;     // rows per CTA of the normalisation
+constexpr uint32_t kSegsPerUpload = 48;
+
+// A segment as the kernels see it.
+struct DevSeg {
+  const void *keys;
+  const void *values;
+  uint32_t T;        // tokens
+  uint32_t k;        // clamped cluster count
+  uint32_t tok_off;  // first entry in order / sort buffers
+  uint32_t clu_off;  // first cluster slot in the outputs
+  uint64_t seed;
+};
+
+struct SegUpload {
+  DevSeg seg[kSegsPerUpload];
+};
+
+__global__ void upload_segs_kernel(const __grid_constant__ SegUpload u, uint32_t n, DevSeg *dst) {
+  if (threadIdx.x < n) dst[threadIdx.x] = u.seg[threadIdx.x];
+}
+
+bool head_dim_ok(uint32_t d) { return d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
+
+inline size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
+
+uint32_t clamp_k(uint32_t k, uint32_t T) { return std::clamp<uint32_t>(k, 1, std::max<uint32_t>(T, 1)); }
+
+uint32_t bit_width(uint64_t x) {
+  uint32_t b = 0;
+  while (x) ++b, x >>= 1;
+  return b;
+}
+
+// The workspace regions for one shape.
+struct Layout {
+  size_t segs, mean_part, mean, x, dirs, assign, flags, keys0, keys1, vals0, vals1;
+  size_t counts, starts, renum, cub, scores, total;
+  size_t cub_bytes;
+  uint32_t nchunk, rounds, score_chunk;
+};
+
+Status cub_temp_bytes(uint64_t n_items, uint64_t n_clusters, int end_bit, size_t *bytes) {
+  size_t sort_bytes = 0, scan_bytes = 0;
+  cub::DoubleBuffer<uint32_t> k(nullptr, nullptr), v(nullptr, nullptr);
+  WKV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, k, v,
+                                                 static_cast<int>(n_items), 0, end_bit));
+  WKV_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<uint32_t *>(nullptr),
+                                               static_cast<uint32_t *>(nullptr),
+                                               static_cast<int>(n_clusters)));
+  *bytes = std::max(sort_bytes, scan_bytes);
+  return Status::ok();
+}
+
+Status make_layout(const KMeansBatchParams &p, const KMeansBatchShape &sh, int end_bit, Layout *L) {
+  const uint64_t S = sh.segments, Tm = sh.max_tokens, Km = sh.max_clusters, N = sh.total_tokens;
+  const uint64_t d = p.head_dim;
+  if (S == 0 || Tm == 0 || Km == 0 || N == 0)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means shape has a zero field");
+  if (Tm > kKMeansMaxTokens || Km > Tm)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means shape: max_tokens %llu (limit %u), max_clusters %llu",
+                     (unsigned long long)Tm, kKMeansMaxTokens, (unsigned long long)Km);
+  if (S > 65535 || N > (1ull << 31) - 1 || S * Km > (1ull << 31) - 1 || S * Tm > 0xffffffffull)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means batch too large: %llu segments, %llu tokens",
+                     (unsigned long long)S, (unsigned long long)N);
+  L->nchunk = static_cast<uint32_t>((Tm + kMeanRows - 1) / kMeanRows);
+  L->rounds = std::max<uint32_t>(p.iters, 1);
+  WKV_RETURN_IF_ERROR(cub_temp_bytes(N, S * Km, end_bit, &L->cub_bytes));
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    size_t at = off;
+    off += align256(bytes);
+    return at;
+  };
+  L->segs = take(S * sizeof(DevSeg));
+  L->mean_part = take(S * L->nchunk * d * sizeof(double));
+  L->mean = take(S * d * sizeof(float));
+  L->x = take(S * Tm * d * 2);
+  L->dirs = take(S * Km * d * 2);
+  L->assign = take(S * Tm * 4);
+  L->flags = take(uint64_t(L->rounds) * S * 4);
+  L->keys0 = take(N * 4);
+  L->keys1 = take(N * 4);
+  L->vals0 = take(N * 4);
+  L->vals1 = take(N * 4);
+  L->counts = take(S * Km * 4);
+  L->starts = take(S * Km * 4);
+  L->renum = take(S * Km * 4);
+  L->cub = take(L->cub_bytes);
+  L->score_chunk = 0;
+  L->scores = off;
+  if (p.assign == KMeansAssign::kCublas) {
+    const uint64_t one = Tm * Km * 4;
+    L->score_chunk = static_cast<uint32_t>(std::clamp<uint64_t>(p.score_bytes / one, 1, S));
+    L->scores = take(L->score_chunk * one);
+  }
+  L->total = off;
+  return Status::ok();
+}
+
+// Device helpers --------------------------------------------------------------
+
+template <typename T> struct Storage;
+template <> struct Storage<float> { using type = float; };
+template <> struct Storage<f16> { using type = __half; };
+template <> struct Storage<bf16> { using type = __nv_bfloat16; };
+
+
+// Elements e .. e + 3 (e a multiple of 4) of a row array as floats, in one
+// 8-byte (16-bit types) or 16-byte (f32) load. Rows of d elements, d a
+// multiple of 16, keep every such group aligned.
+template <typename T> __device__ __forceinline__ float4 load4(const void *base, size_t e);
+template <> __device__ __forceinline__ float4 load4<float>(const void *base, size_t e) {
+  return __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(base) + e));
+}
+template <> __device__ __forceinline__ float4 load4<f16>(const void *base, size_t e) {
+  const uint2 u = __ldg(reinterpret_cast<const uint2 *>(static_cast<const __half *>(base) + e));
+  __half2 a, b;
+  memcpy(&a, &u.x, 4);
+  memcpy(&b, &u.y, 4);
+  const float2 fa = __half22float2(a), fb = __half22float2(b);
+  return make_float4(fa.x, fa.y, fb.x, fb.y);
+}
+template <> __device__ __forceinline__ float4 load4<bf16>(const void *base, size_t e) {
+  const uint2 u = __ldg(reinterpret_cast<const uint2 *>(static_cast<const __nv_bfloat16 *>(base) + e));
+  __nv_bfloat162 a, b;
+  memcpy(&a, &u.x, 4);
+  memcpy(&b, &u.y, 4);
+  const float2 fa = __bfloat1622float2(a), fb = __bfloat1622float2(b);
+  return make_float4(fa.x, fa.y, fb.x, fb.y);
+}
+
+// (v, i) ranks above (bv, bi): larger value, then lower index.
+__device__ __forceinline__ bool better(float v, uint32_t i, float bv, uint32_t bi) {
+  return v > bv || (v == bv && i < bi);
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// A seeded bijection of [0, T): a 4-round Feistel network on the smallest
+// even-bit domain holding T, cycle-walked back into range. The first k
+// images of 0, 1, 2, ... are k distinct, well-spread tokens.
+__device__ uint32_t seeded_perm(uint32_t x, uint32_t T, uint64_t seed) {
+  uint32_t bits = 2;
+  while ((1u << bits) < T) ++bits;
+  bits += bits & 1;
+  const uint32_t half = bits / 2, mask = (1u << half) - 1;
+  const uint32_t s0 = static_cast<uint32_t>(seed), s1 = static_cast<uint32_t>(seed >> 32);
+  do {
+    uint32_t L = x >> half, R = x & mask;
+#pragma unroll
+    for (uint32_t r = 0; r < 4; ++r) {
+      const uint32_t rk = mix32(s0 ^ mix32(s1 + 0x9e3779b9u * (r + 1)));
+      const uint32_t F = mix32(R ^ rk) & mask;
+      const uint32_t nl = R;
+      R = L ^ F;
+      L = nl;
+    }
+    x = (L << half) | R;
+  } while (x >= T);
+  return x;
+}
+
+// 2. Mean and normalisation ----------------------------------------------------
+
+// Partial column sums (double) of kMeanRows rows: part[s][chunk][d]. Each
+// thread sums 4 columns of every kRows-th row.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) mean_partial_kernel(const DevSeg *segs, uint32_t nchunk,
+                                                           double *part) {
+  constexpr int kGroups = D / 4;          // 4-column groups per row
+  constexpr int kRows = 256 / kGroups;    // rows per pass
+  constexpr int kActive = kRows * kGroups;
+  __shared__ double red[kRows][D];
+  const uint32_t s = blockIdx.y, chunk = blockIdx.x;
+  const uint32_t Tn = segs[s].T;
+  const void *keys = segs[s].keys;
+  const int t = threadIdx.x, g = t % kGroups, r0 = t / kGroups;
+  double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+  const uint32_t rb = chunk * kMeanRows;
+  if (t < kActive && rb < Tn) {
+    const uint32_t re = min(Tn, rb + kMeanRows);
+#pragma unroll 4
+    for (uint32_t r = rb + r0; r < re; r += kRows) {
+      const float4 v = load4<T>(keys, size_t(r) * D + 4 * g);
+      a0 += v.x;
+      a1 += v.y;
+      a2 += v.z;
+      a3 += v.w;
+    }
+  }
+  if (t < kActive) {
+    red[r0][4 * g] = a0;
+    red[r0][4 * g + 1] = a1;
+    red[r0][4 * g + 2] = a2;
+    red[r0][4 * g + 3] = a3;
+  }
+  __syncthreads();
+  for (int j = t; j < D; j += 256) {
+    double sum = 0.0;
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) sum += red[q][j];
+    part[(size_t(s) * nchunk + chunk) * D + j] = sum;
+  }
+}
+
+template <int D>
+__global__ void mean_final_kernel(const DevSeg *segs, uint32_t nchunk, const double *part, float *mean) {
+  const uint32_t s = blockIdx.x;
+  for (int j = threadIdx.x; j < D; j += blockDim.x) {
+    double sum = 0.0;
+    for (uint32_t c = 0; c < nchunk; ++c) sum += part[(size_t(s) * nchunk + c) * D + j];
+    mean[size_t(s) * D + j] = static_cast<float>(sum / segs[s].T);
+  }
+}
+
+// x[s][i] = (key_i - mean) / |key_i - mean| as f16 (zero for a zero vector,
+// and for the padding rows T <= i < Tm). One warp per row, 4 columns per
+// lane and step.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) normalize_kernel(const DevSeg *segs, const float *mean, uint32_t Tm,
+                                                        __half *x) {
+  constexpr int G = D / 4, Q = (G + 31) / 32;
+  __shared__ float4 m[G];
+  const uint32_t s = blockIdx.y;
+  for (int g = threadIdx.x; g < G; g += blockDim.x) m[g] = reinterpret_cast<const float4 *>(mean + size_t(s) * D)[g];
+  __syncthreads();
+  const uint32_t Tn = segs[s].T;
+  const void *keys = segs[s].keys;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (uint32_t r = blockIdx.x * kNormRows + warp; r < min(Tm, (blockIdx.x + 1) * kNormRows); r += 8) {
+    uint2 *dst = reinterpret_cast<uint2 *>(x + (size_t(s) * Tm + r) * D);
+    float4 v[Q];
+    float n2 = 0.f;
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      const int g = lane + 32 * q;
+      v[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (g < G && r < Tn) {
+        const float4 k = load4<T>(keys, size_t(r) * D + 4 * g), mu = m[g];
+        v[q] = make_float4(k.x - mu.x, k.y - mu.y, k.z - mu.z, k.w - mu.w);
+      }
+      n2 += v[q].x * v[q].x + v[q].y * v[q].y + v[q].z * v[q].z + v[q].w * v[q].w;
+    }
+    n2 = warp_sum(n2);
+    const float inv = n2 > 0.f ? 1.f / sqrtf(n2) : 0.f;
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      const int g = lane + 32 * q;
+      if (g < G) {
+        const __half2 a = __floats2half2_rn(v[q].x * inv, v[q].y * inv);
+        const __half2 b = __floats2half2_rn(v[q].z * inv, v[q].w * inv);
+        uint2 u;
+        memcpy(&u.x, &a, 4);
+        memcpy(&u.y, &b, 4);
+        dst[g] = u;
+      }
+    }
+  }
+}
+
+// 3. Initial directions: dirs[s][c] = x[s][perm(c)] for c < k, zero above.
+// One thread per 16-byte chunk.
+template <int D>
+__global__ void init_dirs_kernel(const DevSeg *segs, const __half *x, uint32_t Tm, uint32_t Km,
+                                 uint64_t n_chunks, __half *dirs) {
+  constexpr uint32_t CH = D / 8;
+  const uint64_t q = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (q >= n_chunks) return;
+  const uint32_t cid = static_cast<uint32_t>(q / CH), ch = static_cast<uint32_t>(q % CH);
+  const uint32_t s = cid / Km, c = cid % Km;
+  int4 val = make_int4(0, 0, 0, 0);
+  if (c < segs[s].k) {
+    const uint32_t i = seeded_perm(c, segs[s].T, segs[s].seed);
+    val = reinterpret_cast<const int4 *>(x + (size_t(s) * Tm + i) * D)[ch];
+  }
+  reinterpret_cast<int4 *>(dirs + size_t(cid) * D)[ch] = val;
+}
+
+// 4. Assignment -----------------------------------------------------------------
+
+// What an assignment writes for each point.
+struct AssignOut {
+  uint32_t *assign;  // [S][Tm]
+  uint32_t *flags;   // [R][S]
+  uint32_t *counts;  // [S][Km]
+  uint32_t *keys;    // [N]
+  uint32_t *vals;    // [N]
+};
+
+// Records point i of segment s going to cluster a.
+__device__ __forceinline__ void emit(const AssignOut &o, uint32_t s, uint32_t i, uint32_t a, uint32_t Tm,
+                                     uint32_t Km, uint32_t S, uint32_t tok_off, uint32_t round) {
+  const uint32_t g = s * Tm + i;
+  if (round == 0 || o.assign[g] != a) o.flags[round * S + s] = 1;
+  o.assign[g] = a;
+  atomicAdd(&o.counts[s * Km + a], 1u);
+  o.keys[tok_off + i] = s * Km + a;
+  o.vals[tok_off + i] = g;
+}
+
+// A converged segment (its previous round changed nothing) keeps its
+// assignment: the rows are re-emitted for this round's sort.
+__device__ __forceinline__ bool converged(const uint32_t *flags, uint32_t S, uint32_t s, uint32_t round) {
+  return round > 0 && flags[(round - 1) * S + s] == 0;
+}
+
+template <int D> struct FusedCfg {
+  static constexpr int BM = 128;                 // points per CTA
+  static constexpr int BN = D > 128 ? 64 : 128;  // directions per tile
+  static constexpr int WN = BN / 2;              // directions per warp (8 warps: 4 x 2)
+  static constexpr int NT = WN / 8;              // n8 tiles per warp
+  static constexpr int LDS = D + 8;              // smem row pitch (halves): ldmatrix without conflicts
+  static constexpr int CH = D / 8;               // 16-byte chunks per row
+  static constexpr size_t kSmem = size_t(BM + 2 * BN) * LDS * sizeof(__half);
+  static constexpr int kMinBlocks = D > 128 ? 1 : 2;
+};
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;  // 0: fill with zeros, read nothing
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Fused assignment: a CTA holds 128 points of one segment in shared memory
+// and streams the segment's directions past them in double-buffered tiles;
+// tensor cores (mma.sync m16n8k16, f16 in, f32 accumulate) give the dot
+// products and each thread keeps the running argmax of its 4 rows. Warps
+// are 4 (rows) x 2 (directions); the two halves meet in shared memory.
+// Directions are visited in ascending order within each thread, and every
+// merge prefers the lower index on equal values: ties go to the lower index.
+template <int D>
+__global__ void __launch_bounds__(256, FusedCfg<D>::kMinBlocks)
+    assign_fused_kernel(const DevSeg *segs, const __half *x, const __half *dirs, uint32_t Tm, uint32_t Km,
+                        uint32_t S, uint32_t round, AssignOut o) {
+  using C = FusedCfg<D>;
+  const uint32_t s = blockIdx.y;
+  const uint32_t Tn = segs[s].T, k = segs[s].k, tok_off = segs[s].tok_off;
+  const uint32_t row0 = blockIdx.x * C::BM;
+  if (row0 >= Tn) return;
+  const int tid = threadIdx.x;
+  if (converged(o.flags, S, s, round)) {
+    if (tid < C::BM && row0 + tid < Tn)
+      emit(o, s, row0 + tid, o.assign[s * Tm + row0 + tid], Tm, Km, S, tok_off, round);
+    return;
+  }
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __half *sA = reinterpret_cast<__half *>(smem_raw);
+  __half *sB = sA + C::BM * C::LDS;
+  __shared__ float red_v[C::BM];
+  __shared__ uint32_t red_i[C::BM];
+  const int lane = tid & 31, warp = tid >> 5, wm = warp & 3, wn = warp >> 2;
+
+  const __half *xs = x + size_t(s) * Tm * D;
+  for (int q = tid; q < C::BM * C::CH; q += 256) {
+    const int r = q / C::CH, c = q % C::CH;
+    const bool v = row0 + r < Tn;
+    cp_async16(sA + r * C::LDS + c * 8, xs + size_t(v ? row0 + r : 0) * D + c * 8, v);
+  }
+  const __half *ds = dirs + size_t(s) * Km * D;
+  auto load_tile = [&](int tile, int buf) {
+    __half *dst = sB + buf * C::BN * C::LDS;
+    for (int q = tid; q < C::BN * C::CH; q += 256) {
+      const int r = q / C::CH, c = q % C::CH;
+      const uint32_t col = tile * C::BN + r;
+      const bool v = col < k;
+      cp_async16(dst + r * C::LDS + c * 8, ds + size_t(v ? col : 0) * D + c * 8, v);
+    }
+  };
+  const int ntiles = (k + C::BN - 1) / C::BN;
+  load_tile(0, 0);
+  cp_async_commit();
+
+  float best[4];
+  uint32_t bidx[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) best[j] = -INFINITY, bidx[j] = 0;
+
+  for (int t = 0; t < ntiles; ++t) {
+    if (t + 1 < ntiles) {
+      load_tile(t + 1, (t + 1) & 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const __half *b = sB + (t & 1) * C::BN * C::LDS;
+    float acc[2][C::NT][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < C::NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[2][4];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+        ldmatrix_x4(a[mi], sA + (wm * 32 + mi * 16 + (lane & 15)) * C::LDS + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int nj = 0; nj < C::NT / 2; ++nj) {
+        uint32_t r[4];
+        ldmatrix_x4(r, b + (wn * C::WN + nj * 16 + (lane & 7) + ((lane >> 4) << 3)) * C::LDS + kk * 16 +
+                           ((lane >> 3) & 1) * 8);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          mma16816(acc[mi][2 * nj], a[mi], r[0], r[1]);
+          mma16816(acc[mi][2 * nj + 1], a[mi], r[2], r[3]);
+        }
+      }
+    }
+    // Fragment layout: acc[mi][ni][h * 2 + e] is row wm*32 + mi*16 + h*8 +
+    // lane/4, column wn*WN + ni*8 + 2*(lane%4) + e of the tile.
+    const uint32_t cbase = t * C::BN + wn * C::WN + 2 * (lane & 3);
+#pragma unroll
+    for (int ni = 0; ni < C::NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t col = cbase + ni * 8 + e;
+        if (col < k) {
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float v = acc[mi][ni][h * 2 + e];
+              if (v > best[mi * 2 + h]) best[mi * 2 + h] = v, bidx[mi * 2 + h] = col;
+            }
+        }
+      }
+    __syncthreads();  // the buffer of tile t is refilled next iteration
+  }
+  // Merge the 4 lanes of a row, then the two column halves.
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, best[j], off);
+      const uint32_t oi = __shfl_xor_sync(0xffffffffu, bidx[j], off);
+      if (better(ov, oi, best[j], bidx[j])) best[j] = ov, bidx[j] = oi;
+    }
+  if (wn == 1 && (lane & 3) == 0) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = wm * 32 + (j >> 1) * 16 + (j & 1) * 8 + (lane >> 2);
+      red_v[row] = best[j];
+      red_i[row] = bidx[j];
+    }
+  }
+  __syncthreads();
+  if (wn == 0 && (lane & 3) == 0) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = wm * 32 + (j >> 1) * 16 + (j & 1) * 8 + (lane >> 2);
+      uint32_t a = bidx[j];
+      if (better(red_v[row], red_i[row], best[j], bidx[j])) a = red_i[row];
+      if (row0 + row < Tn) emit(o, s, row0 + row, a, Tm, Km, S, tok_off, round);
+    }
+  }
+}
+
+// cuBLAS path: argmax of score rows [Tm][Km] of segments s0.., one warp per
+// point.
+__global__ void argmax_scores_kernel(const DevSeg *segs, const float *scores, uint32_t s0, uint32_t n_segs,
+                                     uint32_t Tm, uint32_t Km, uint32_t S, uint32_t round, AssignOut o) {
+  const uint64_t w = (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (w >= uint64_t(n_segs) * Tm) return;
+  const uint32_t sl = static_cast<uint32_t>(w / Tm), i = static_cast<uint32_t>(w % Tm), s = s0 + sl;
+  if (i >= segs[s].T) return;
+  const uint32_t k = segs[s].k;
+  const float *row = scores + (size_t(sl) * Tm + i) * Km;
+  float best = -INFINITY;
+  uint32_t bi = 0;
+  for (uint32_t c = lane; c < k; c += 32) {
+    const float v = row[c];
+    if (v > best) best = v, bi = c;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, best, off);
+    const uint32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
+    if (better(ov, oi, best, bi)) best = ov, bi = oi;
+  }
+  if (lane == 0) emit(o, s, i, bi, Tm, Km, S, segs[s].tok_off, round);
+}
+
+// Update: direction of cluster (s, c) = normalised sum of its members' x
+// rows in sorted (ascending token) order. Empty and zero-sum clusters, and
+// clusters of segments whose last assignment changed nothing, keep theirs.
+// One warp per cluster; a cluster of more than kBigCluster members goes on
+// a list for update_big_kernel, which spreads it over a CTA, so that one
+// huge cluster (repeated tokens) does not serialise the round.
+
+template <int D> struct Vec4 {
+  static constexpr int G = D / 4;             // 4-element groups per row
+  static constexpr int Q = (G + 31) / 32;     // groups per lane
+};
+
+// acc += rows mem[b .. e) of x, lane's groups; in member order.
+template <int D>
+__device__ __forceinline__ void sum_x_rows(const __half *x, const uint32_t *mem, uint32_t b, uint32_t e, int lane,
+                                           float4 (&acc)[Vec4<D>::Q]) {
+  using V = Vec4<D>;
+  auto add = [&](uint32_t row) {
+#pragma unroll
+    for (int q = 0; q < V::Q; ++q) {
+      const int g = lane + 32 * q;
+      if (g < V::G) {
+        const float4 f = load4<f16>(x, size_t(row) * D + 4 * g);
+        acc[q].x += f.x;
+        acc[q].y += f.y;
+        acc[q].z += f.z;
+        acc[q].w += f.w;
+      }
+    }
+  };
+  uint32_t m = b;
+  for (; m + 4 <= e; m += 4) {
+    const uint32_t r0 = mem[m], r1 = mem[m + 1], r2 = mem[m + 2], r3 = mem[m + 3];
+    add(r0);
+    add(r1);
+    add(r2);
+    add(r3);
+  }
+  for (; m < e; ++m) add(mem[m]);
+}
+
+// Writes the normalised sum (whole warp) unless it is zero.
+template <int D>
+__device__ __forceinline__ void write_dir(const float4 (&acc)[Vec4<D>::Q], int lane, __half *dir) {
+  using V = Vec4<D>;
+  float n2 = 0.f;
+#pragma unroll
+  for (int q = 0; q < V::Q; ++q)
+    n2 += acc[q].x * acc[q].x + acc[q].y * acc[q].y + acc[q].z * acc[q].z + acc[q].w * acc[q].w;
+  n2 = warp_sum(n2);
+  if (!(n2 > 0.f)) return;
+  const float inv = 1.f / sqrtf(n2);
+#pragma unroll
+  for (int q = 0; q < V::Q; ++q) {
+    const int g = lane + 32 * q;
+    if (g < V::G) {
+      const __half2 a = __floats2half2_rn(acc[q].x * inv, acc[q].y * inv);
+      const __half2 b = __floats2half2_rn(acc[q].z * inv, acc[q].w * inv);
+      uint2 u;
+      memcpy(&u.x, &a, 4);
+      memcpy(&u.y, &b, 4);
+      reinterpret_cast<uint2 *>(dir)[g] = u;
+    }
+  }
+}
+
+// Clusters above this many members are summed by a whole CTA.
+constexpr uint32_t kBigCluster = 256;
+constexpr int kBigWarps = 16;        // warps per big-cluster CTA (update)
+constexpr int kBigWarpsSums = 8;     // warps per big-cluster CTA (centroids: double partials)
+constexpr unsigned kBigBlocks = 264;  // CTAs walking the big-cluster list
+
+// Big-cluster list: *big_n clusters, ids in big_ids. Order of appends is
+// not deterministic; each cluster's result is.
+template <int D>
+__global__ void __launch_bounds__(256) update_kernel(const DevSeg *segs, const __half *x, const uint32_t *counts,
+                                                     const uint32_t *starts, const uint32_t *vals, uint32_t Km,
+                                                     uint32_t S, uint32_t round, const uint32_t *flags,
+                                                     uint32_t *big_n, uint32_t *big_ids, __half *dirs) {
+  const uint32_t cid = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (cid >= S * Km) return;
+  const uint32_t s = cid / Km, c = cid % Km;
+  if (c >= segs[s].k || flags[round * S + s] == 0) return;
+  const uint32_t cnt = counts[cid];
+  if (cnt == 0) return;
+  if (cnt > kBigCluster) {
+    if (lane == 0) big_ids[atomicAdd(big_n, 1u)] = cid;
+    return;
+  }
+  float4 acc[Vec4<D>::Q];
+#pragma unroll
+  for (int q = 0; q < Vec4<D>::Q; ++q) acc[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+  sum_x_rows<D>(x, vals + starts[cid], 0, cnt, lane, acc);
+  write_dir<D>(acc, lane, dirs + size_t(cid) * D);
+}
+
+// The listed big clusters: warp w sums the w-th contiguous share of the
+// members, and warp 0 adds the shares in warp order.
+template <int D>
+__global__ void __launch_bounds__(kBigWarps * 32) update_big_kernel(const __half *x, const uint32_t *counts,
+                                                                    const uint32_t *starts, const uint32_t *vals,
+                                                                    const uint32_t *big_n, const uint32_t *big_ids,
+                                                                    __half *dirs) {
+  using V = Vec4<D>;
+  __shared__ float4 part[kBigWarps][V::G];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t n = *big_n;
+  for (uint32_t b = blockIdx.x; b < n; b += gridDim.x) {
+    const uint32_t cid = big_ids[b], cnt = counts[cid];
+    const uint32_t lo = static_cast<uint32_t>(uint64_t(cnt) * warp / kBigWarps);
+    const uint32_t hi = static_cast<uint32_t>(uint64_t(cnt) * (warp + 1) / kBigWarps);
+    float4 acc[V::Q];
+#pragma unroll
+    for (int q = 0; q < V::Q; ++q) acc[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+    sum_x_rows<D>(x, vals + starts[cid], lo, hi, lane, acc);
+#pragma unroll
+    for (int q = 0; q < V::Q; ++q)
+      if (lane + 32 * q < V::G) part[warp][lane + 32 * q] = acc[q];
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (int q = 0; q < V::Q; ++q) {
+        acc[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+        const int g = lane + 32 * q;
+        if (g < V::G)
+          for (int w = 0; w < kBigWarps; ++w) {
+            const float4 p = part[w][g];
+            acc[q].x += p.x;
+            acc[q].y += p.y;
+            acc[q].z += p.z;
+            acc[q].w += p.w;
+          }
+      }
+      write_dir<D>(acc, lane, dirs + size_t(cid) * D);
+    }
+    __syncthreads();
+  }
+}
+
+// 5. Compaction -------------------------------------------------------------------
+
+// One CTA per segment: renumbers the non-empty clusters in index order and
+// writes n_clusters, begin and size.
+__global__ void __launch_bounds__(256) finalize_kernel(const DevSeg *segs, const uint32_t *counts,
+                                                       const uint32_t *starts, uint32_t Km, uint32_t *renum,
+                                                       KMeansBatchOut out) {
+  using Scan = cub::BlockScan<uint32_t, 256>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ uint32_t carry;
+  const uint32_t s = blockIdx.x, tid = threadIdx.x;
+  const DevSeg sg = segs[s];
+  const size_t base = size_t(s) * Km;
+  if (tid == 0) carry = 0;
+  __syncthreads();
+  for (uint32_t c0 = 0; c0 < sg.k; c0 += 256) {
+    const uint32_t c = c0 + tid;
+    const uint32_t cnt = c < sg.k ? counts[base + c] : 0;
+    uint32_t ex, agg;
+    Scan(tmp).ExclusiveSum(cnt > 0 ? 1u : 0u, ex, agg);
+    const uint32_t o = carry + ex;
+    if (c < sg.k) {
+      renum[base + c] = cnt > 0 ? o : 0xffffffffu;
+      if (cnt > 0) {
+        out.begin[sg.clu_off + s + o] = starts[base + c] - sg.tok_off;
+        out.size[sg.clu_off + o] = cnt;
+      }
+    }
+    __syncthreads();
+    if (tid == 0) carry += agg;
+    __syncthreads();
+  }
+  const uint32_t n = carry;
+  if (tid == 0) out.n_clusters[s] = n;
+  for (uint32_t o = n + tid; o <= sg.k; o += 256) out.begin[sg.clu_off + s + o] = sg.T;
+  for (uint32_t o = n + tid; o < sg.k; o += 256) out.size[sg.clu_off + o] = 0;
+}
+
+// order[p] = segment-local token of sorted entry p.
+__global__ void order_kernel(const uint32_t *vals, uint32_t N, uint32_t Tm, uint32_t *order) {
+  const uint32_t p = blockIdx.x * blockDim.x + threadIdx.x;
+  if (p < N) order[p] = vals[p] % Tm;
+}
+
+// Centroid (mean of original keys) and value sum (of original values) of
+// every kept cluster, in double over the members in ascending token order;
+// one warp per cluster, big clusters listed for centroid_big_kernel. Unused
+// slots (c >= n_clusters) are zeroed.
+
+// ks, vs += original key and value rows of members mem[b .. e) (slots
+// s * Tm + i), lane's groups.
+template <typename T, int D>
+__device__ __forceinline__ void sum_kv_rows(const DevSeg &sg, const uint32_t *mem, uint32_t b, uint32_t e,
+                                            uint32_t Tm, int lane, double (&ks)[Vec4<D>::Q][4],
+                                            double (&vs)[Vec4<D>::Q][4]) {
+  using V = Vec4<D>;
+  auto add = [&](uint32_t i) {
+#pragma unroll
+    for (int q = 0; q < V::Q; ++q) {
+      const int g = lane + 32 * q;
+      if (g < V::G) {
+        const float4 k = load4<T>(sg.keys, size_t(i) * D + 4 * g);
+        const float4 v = load4<T>(sg.values, size_t(i) * D + 4 * g);
+        ks[q][0] += k.x, ks[q][1] += k.y, ks[q][2] += k.z, ks[q][3] += k.w;
+        vs[q][0] += v.x, vs[q][1] += v.y, vs[q][2] += v.z, vs[q][3] += v.w;
+      }
+    }
+  };
+  uint32_t m = b;
+  for (; m + 2 <= e; m += 2) {
+    const uint32_t i0 = mem[m] % Tm, i1 = mem[m + 1] % Tm;
+    add(i0);
+    add(i1);
+  }
+  if (m < e) add(mem[m] % Tm);
+}
+
+template <int D>
+__device__ __forceinline__ void write_sums(const double (&ks)[Vec4<D>::Q][4], const double (&vs)[Vec4<D>::Q][4],
+                                           uint32_t cnt, int lane, float *centroid, float *value_sum) {
+  const double inv = 1.0 / cnt;
+#pragma unroll
+  for (int q = 0; q < Vec4<D>::Q; ++q) {
+    const int g = lane + 32 * q;
+    if (g < Vec4<D>::G) {
+      reinterpret_cast<float4 *>(centroid)[g] =
+          make_float4(static_cast<float>(ks[q][0] * inv), static_cast<float>(ks[q][1] * inv),
+                      static_cast<float>(ks[q][2] * inv), static_cast<float>(ks[q][3] * inv));
+      reinterpret_cast<float4 *>(value_sum)[g] =
+          make_float4(static_cast<float>(vs[q][0]), static_cast<float>(vs[q][1]), static_cast<float>(vs[q][2]),
+                      static_cast<float>(vs[q][3]));
+    }
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(256) centroid_kernel(const DevSeg *segs, const uint32_t *counts,
+                                                       const uint32_t *starts, const uint32_t *renum,
+                                                       const uint32_t *vals, uint32_t Tm, uint32_t Km,
+                                                       uint32_t S, uint32_t *big_n, uint32_t *big_ids,
+                                                       KMeansBatchOut out) {
+  using V = Vec4<D>;
+  const uint32_t cid = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (cid >= S * Km) return;
+  const uint32_t s = cid / Km, c = cid % Km;
+  const DevSeg sg = segs[s];
+  if (c >= sg.k) return;
+  if (c >= out.n_clusters[s]) {
+    for (int j = lane; j < D; j += 32) {
+      out.centroid[size_t(sg.clu_off + c) * D + j] = 0.f;
+      out.value_sum[size_t(sg.clu_off + c) * D + j] = 0.f;
+    }
+  }
+  const uint32_t cnt = counts[cid];
+  if (cnt == 0) return;
+  if (cnt > kBigCluster) {
+    if (lane == 0) big_ids[atomicAdd(big_n, 1u)] = cid;
+    return;
+  }
+  double ks[V::Q][4] = {}, vs[V::Q][4] = {};
+  sum_kv_rows<T, D>(sg, vals + starts[cid], 0, cnt, Tm, lane, ks, vs);
+  const size_t o = size_t(sg.clu_off) + renum[cid];
+  write_sums<D>(ks, vs, cnt, lane, out.centroid + o * D, out.value_sum + o * D);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kBigWarpsSums * 32)
+    centroid_big_kernel(const DevSeg *segs, const uint32_t *counts, const uint32_t *starts, const uint32_t *renum,
+                        const uint32_t *vals, uint32_t Tm, uint32_t Km, const uint32_t *big_n,
+                        const uint32_t *big_ids, KMeansBatchOut out) {
+  using V = Vec4<D>;
+  __shared__ double part_k[kBigWarpsSums][D], part_v[kBigWarpsSums][D];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t n = *big_n;
+  for (uint32_t b = blockIdx.x; b < n; b += gridDim.x) {
+    const uint32_t cid = big_ids[b], cnt = counts[cid];
+    const DevSeg sg = segs[cid / Km];
+    const uint32_t lo = static_cast<uint32_t>(uint64_t(cnt) * warp / kBigWarpsSums);
+    const uint32_t hi = static_cast<uint32_t>(uint64_t(cnt) * (warp + 1) / kBigWarpsSums);
+    double ks[V::Q][4] = {}, vs[V::Q][4] = {};
+    sum_kv_rows<T, D>(sg, vals + starts[cid], lo, hi, Tm, lane, ks, vs);
+#pragma unroll
+    for (int q = 0; q < V::Q; ++q) {
+      const int g = lane + 32 * q;
+      if (g < V::G)
+        for (int e = 0; e < 4; ++e) part_k[warp][4 * g + e] = ks[q][e], part_v[warp][4 * g + e] = vs[q][e];
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (int q = 0; q < V::Q; ++q) {
+        const int g = lane + 32 * q;
+        for (int e = 0; e < 4; ++e) {
+          ks[q][e] = 0.0, vs[q][e] = 0.0;
+          if (g < V::G)
+            for (int w = 0; w < kBigWarpsSums; ++w) ks[q][e] += part_k[w][4 * g + e], vs[q][e] += part_v[w][4 * g + e];
+        }
+      }
+      const size_t o = size_t(sg.clu_off) + renum[cid];
+      write_sums<D>(ks, vs, cnt, lane, out.centroid + o * D, out.value_sum + o * D);
+    }
+    __syncthreads();
+  }
+}
+
+// Host side ---------------------------------------------------------------------
+
+const char *cublas_name(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default: return "cuBLAS error";
+  }
+}
+
+#define WKV_CUBLAS_CHECK(stmt)                                                                  \
+  do {                                                                                          \
+    cublasStatus_t wkv_cb_ = (stmt);                                                            \
+    if (wkv_cb_ != CUBLAS_STATUS_SUCCESS)                                                       \
+      return WKV_ERROR(wkv_cb_ == CUBLAS_STATUS_ALLOC_FAILED ? WKV_ERR_OUT_OF_MEMORY : WKV_ERR_DEVICE, \
+                       "%s (%d) in %s at %s:%d", cublas_name(wkv_cb_), int(wkv_cb_), #stmt, __FILE__, \
+                       __LINE__);                                                               \
+  } while (0)
+
+template <typename T, int D>
+Status run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hsegs, const KMeansBatchShape &sh,
+                 const Layout &L, int end_bit, const KMeansBatchOut &out, uint8_t *ws, void *cublas,
+                 cudaStream_t stream) {
+  const uint32_t S = sh.segments, Tm = sh.max_tokens, Km = sh.max_clusters;
+  const uint32_t N = static_cast<uint32_t>(sh.total_tokens);
+  DevSeg *segs = reinterpret_cast<DevSeg *>(ws + L.segs);
+  double *mean_part = reinterpret_cast<double *>(ws + L.mean_part);
+  float *mean = reinterpret_cast<float *>(ws + L.mean);
+  __half *x = reinterpret_cast<__half *>(ws + L.x);
+  __half *dirs = reinterpret_cast<__half *>(ws + L.dirs);
+  AssignOut ao;
+  ao.assign = reinterpret_cast<uint32_t *>(ws + L.assign);
+  ao.flags = reinterpret_cast<uint32_t *>(ws + L.flags);
+  ao.counts = reinterpret_cast<uint32_t *>(ws + L.counts);
+  uint32_t *keys0 = reinterpret_cast<uint32_t *>(ws + L.keys0), *keys1 = reinterpret_cast<uint32_t *>(ws + L.keys1);
+  uint32_t *vals0 = reinterpret_cast<uint32_t *>(ws + L.vals0), *vals1 = reinterpret_cast<uint32_t *>(ws + L.vals1);
+  ao.keys = keys0;
+  ao.vals = vals0;
+  uint32_t *starts = reinterpret_cast<uint32_t *>(ws + L.starts);
+  uint32_t *renum = reinterpret_cast<uint32_t *>(ws + L.renum);
+  void *cub_tmp = ws + L.cub;
+  float *scores = reinterpret_cast<float *>(ws + L.scores);
+
+  // 1. Descriptors.
+  for (uint32_t s0 = 0; s0 < S; s0 += kSegsPerUpload) {
+    SegUpload u;
+    std::memset(&u, 0, sizeof(u));
+    const uint32_t n = std::min(kSegsPerUpload, S - s0);
+    std::copy(hsegs.begin() + s0, hsegs.begin() + s0 + n, u.seg);
+    upload_segs_kernel<<<1, kSegsPerUpload, 0, stream>>>(u, n, segs + s0);
+    WKV_CUDA_CHECK_LAUNCH("upload_segs_kernel");
+  }
+  // 2. Mean and X.
+  mean_partial_kernel<T, D><<<dim3(L.nchunk, S), 256, 0, stream>>>(segs, L.nchunk, mean_part);
+  WKV_CUDA_CHECK_LAUNCH("mean_partial_kernel");
+  mean_final_kernel<D><<<S, std::min(D, 256), 0, stream>>>(segs, L.nchunk, mean_part, mean);
+  WKV_CUDA_CHECK_LAUNCH("mean_final_kernel");
+  normalize_kernel<T, D><<<dim3((Tm + kNormRows - 1) / kNormRows, S), 256, 0, stream>>>(segs, mean, Tm, x);
+  WKV_CUDA_CHECK_LAUNCH("normalize_kernel");
+  // 3. Initial directions.
+  {
+    const uint64_t chunks = uint64_t(S) * Km * (D / 8);
+    init_dirs_kernel<D><<<static_cast<unsigned>((chunks + 255) / 256), 256, 0, stream>>>(segs, x, Tm, Km, chunks,
+                                                                                         dirs);
+    WKV_CUDA_CHECK_LAUNCH("init_dirs_kernel");
+  }
+  WKV_CUDA_CHECK(cudaMemsetAsync(ao.flags, 0, size_t(L.rounds) * S * 4, stream));
+  using C = FusedCfg<D>;
+  if (p.assign == KMeansAssign::kFused)
+    WKV_CUDA_CHECK(cudaFuncSetAttribute(assign_fused_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(C::kSmem)));
+  if (p.assign == KMeansAssign::kCublas)
+    WKV_CUBLAS_CHECK(cublasSetStream(static_cast<cublasHandle_t>(cublas), stream));
+  const uint32_t n_cid = S * Km;
+  const unsigned warp_blocks = static_cast<unsigned>((uint64_t(n_cid) * 32 + 255) / 256);
+  const uint32_t *sorted_vals = vals0;
+  // 4. Rounds.
+  for (uint32_t r = 0; r < L.rounds; ++r) {
+    WKV_CUDA_CHECK(cudaMemsetAsync(ao.counts, 0, size_t(n_cid) * 4, stream));
+    if (p.assign == KMeansAssign::kFused) {
+      assign_fused_kernel<D><<<dim3((Tm + C::BM - 1) / C::BM, S), 256, C::kSmem, stream>>>(segs, x, dirs, Tm,
+                                                                                         Km, S, r, ao);
+      WKV_CUDA_CHECK_LAUNCH("assign_fused_kernel");
+    } else {
+      const float one = 1.f, zero = 0.f;
+      for (uint32_t s0 = 0; s0 < S; s0 += L.score_chunk) {
+        const uint32_t cs = std::min(L.score_chunk, S - s0);
+        // Column-major view: scores (Km x Tm, ld Km) = dirs^T (Km x d) * x (d x Tm),
+        // i.e. row-major scores[i][c] = x_i . dir_c.
+        WKV_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+            static_cast<cublasHandle_t>(cublas), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(Km),
+            static_cast<int>(Tm), D, &one, dirs + size_t(s0) * Km * D, CUDA_R_16F, D,
+            static_cast<long long>(Km) * D, x + size_t(s0) * Tm * D, CUDA_R_16F, D,
+            static_cast<long long>(Tm) * D, &zero, scores, CUDA_R_32F, static_cast<int>(Km),
+            static_cast<long long>(Tm) * Km, static_cast<int>(cs), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        const uint64_t threads = uint64_t(cs) * Tm * 32;
+        argmax_scores_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(
+            segs, scores, s0, cs, Tm, Km, S, r, ao);
+        WKV_CUDA_CHECK_LAUNCH("argmax_scores_kernel");
+      }
+    }
+    cub::DoubleBuffer<uint32_t> kb(keys0, keys1), vb(vals0, vals1);
+    size_t tmp_bytes = L.cub_bytes;
+    WKV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_tmp, tmp_bytes, kb, vb, static_cast<int>(N), 0, end_bit,
+                                                   stream));
+    sorted_vals = vb.Current();
+    tmp_bytes = L.cub_bytes;
+    WKV_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(cub_tmp, tmp_bytes, ao.counts, starts, static_cast<int>(n_cid),
+                                                 stream));
+    if (r + 1 < L.rounds) {
+      update_kernel<D><<<warp_blocks, 256, 0, stream>>>(segs, x, ao.counts, starts, sorted_vals, Km, S, r,
+                                                        ao.flags, dirs);
+      WKV_CUDA_CHECK_LAUNCH("update_kernel");
+    }
+  }
+  // 5. Compaction.
+  finalize_kernel<<<S, 256, 0, stream>>>(segs, ao.counts, starts, Km, renum, out);
+  WKV_CUDA_CHECK_LAUNCH("finalize_kernel");
+  order_kernel<<<(N + 255) / 256, 256, 0, stream>>>(sorted_vals, N, Tm, out.order);
+  WKV_CUDA_CHECK_LAUNCH("order_kernel");
+  centroid_kernel<T, D><<<warp_blocks, 256, 0, stream>>>(segs, ao.counts, starts, renum, sorted_vals, Tm, Km, S,
+                                                        out);
+  WKV_CUDA_CHECK_LAUNCH("centroid_kernel");
+  return Status::ok();
+}
+
+// Pages ---------------------------------------------------------------------------
+
+// Thread q of `stride` moves 16-byte chunks q, q + stride, ... of the job:
+// chunk (slot j, piece c) of K and of V.
+__device__ __forceinline__ void write_job(const WritePagesJob &job, uint32_t cpr, uint32_t row_bytes,
+                                          uint32_t pt, uint64_t q, uint64_t stride) {
+  const uint64_t total = uint64_t(job.tokens) * cpr;
+  for (; q < total; q += stride) {
+    const uint32_t j = static_cast<uint32_t>(q / cpr), c = static_cast<uint32_t>(q % cpr);
+    const uint32_t src = job.order[j];
+    uint8_t *page = job.pages[j / pt];
+    const uint32_t row = j % pt;
+    const int4 kv = __ldg(reinterpret_cast<const int4 *>(job.k + size_t(src) * row_bytes) + c);
+    const int4 vv = __ldg(reinterpret_cast<const int4 *>(job.v + size_t(src) * row_bytes) + c);
+    reinterpret_cast<int4 *>(page + size_t(row) * row_bytes)[c] = kv;
+    reinterpret_cast<int4 *>(page + size_t(pt + row) * row_bytes)[c] = vv;
+  }
+}
+
+__global__ void write_pages_kernel(const WritePagesJob job, uint32_t cpr, uint32_t row_bytes, uint32_t pt) {
+  write_job(job, cpr, row_bytes, pt, uint64_t(blockIdx.x) * blockDim.x + threadIdx.x,
+            uint64_t(gridDim.x) * blockDim.x);
+}
+
+__global__ void write_pages_batch_kernel(const WritePagesJob *jobs, uint32_t cpr, uint32_t row_bytes,
+                                         uint32_t pt) {
+  const WritePagesJob job = jobs[blockIdx.y];
+  write_job(job, cpr, row_bytes, pt, uint64_t(blockIdx.x) * blockDim.x + threadIdx.x,
+            uint64_t(gridDim.x) * blockDim.x);
+}
+
+Status check_page_args(uint32_t row_bytes, uint32_t page_tokens) {
+  if (row_bytes == 0 || row_bytes % 16 != 0)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "row_bytes %u is not a positive multiple of 16", row_bytes);
+  if (page_tokens == 0) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "page_tokens is 0");
+  return Status::ok();
+}
+
+constexpr uint32_t kPageBlocksMax = 2048;
+
+}  // namespace
+
+KMeansBatchShape kmeans_batch_shape(const KMeansSegmentDesc *segs, uint32_t n) {
+  KMeansBatchShape sh;
+  sh.segments = n;
+  for (uint32_t s = 0; s < n; ++s) {
+    sh.max_tokens = std::max(sh.max_tokens, segs[s].tokens);
+    sh.max_clusters = std::max(sh.max_clusters, clamp_k(segs[s].clusters, segs[s].tokens));
+    sh.total_tokens += segs[s].tokens;
+  }
+  return sh;
+}
+
+void kmeans_batch_offsets(const KMeansSegmentDesc *segs, uint32_t n, uint64_t *tok_off, uint64_t *clu_off) {
+  uint64_t t = 0, c = 0;
+  for (uint32_t s = 0; s < n; ++s) {
+    if (tok_off) tok_off[s] = t;
+    if (clu_off) clu_off[s] = c;
+    t += segs[s].tokens;
+    c += clamp_k(segs[s].clusters, segs[s].tokens);
+  }
+}
+
+Status kmeans_batch_workspace_size(const KMeansBatchParams &p, const KMeansBatchShape &shape, size_t *bytes) {
+  if (!bytes) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "bytes is null");
+  if (!head_dim_ok(p.head_dim))
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "head_dim %u has no CUDA k-means", p.head_dim);
+  Layout L;
+  WKV_RETURN_IF_ERROR(make_layout(p, shape, 32, &L));
+  *bytes = L.total;
+  return Status::ok();
+}
+
+Status kmeans_cublas_create(void **handle) {
+  if (!handle) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "handle is null");
+  cublasHandle_t h = nullptr;
+  WKV_CUBLAS_CHECK(cublasCreate(&h));
+  *handle = h;
+  return Status::ok();
+}
+
+void kmeans_cublas_destroy(void *handle) {
+  if (handle) cublasDestroy(static_cast<cublasHandle_t>(handle));
+}
+
+Status kmeans_batch_cuda(const KMeansBatchParams &p, const KMeansSegmentDesc *segs, uint32_t n,
+                         const KMeansBatchOut &out, void *workspace, size_t workspace_bytes, void *cublas,
+                         cudaStream_t stream) {
+  if (n == 0) return Status::ok();
+  if (!segs || !workspace || !out.n_clusters || !out.begin || !out.order || !out.centroid || !out.value_sum ||
+      !out.size)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means: a null pointer");
+  if (p.assign == KMeansAssign::kCublas && !cublas)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means: the cuBLAS path needs a cuBLAS handle");
+  if (p.assign != KMeansAssign::kFused && p.assign != KMeansAssign::kCublas)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means: unknown assignment path %u", unsigned(p.assign));
+  if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means workspace is not 256-byte aligned");
+  std::vector<DevSeg> hsegs(n);
+  uint64_t tok = 0, clu = 0;
+  for (uint32_t s = 0; s < n; ++s) {
+    const KMeansSegmentDesc &d = segs[s];
+    if (d.tokens == 0 || d.tokens > kKMeansMaxTokens)
+      return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means segment %u has %u tokens (1..%u)", s, d.tokens,
+                       kKMeansMaxTokens);
+    if (!d.keys || !d.values) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means segment %u: null rows", s);
+    hsegs[s] = DevSeg{d.keys, d.values, d.tokens, clamp_k(d.clusters, d.tokens), static_cast<uint32_t>(tok),
+                      static_cast<uint32_t>(clu), d.seed};
+    tok += d.tokens;
+    clu += hsegs[s].k;
+  }
+  const KMeansBatchShape sh = kmeans_batch_shape(segs, n);
+  const int end_bit = static_cast<int>(std::max<uint32_t>(1, bit_width(uint64_t(sh.segments) * sh.max_clusters - 1)));
+  Layout L;
+  WKV_RETURN_IF_ERROR(make_layout(p, sh, end_bit, &L));
+  if (L.total > workspace_bytes)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means workspace holds %zu bytes, the batch needs %zu",
+                     workspace_bytes, L.total);
+  uint8_t *ws = static_cast<uint8_t *>(workspace);
+  return WKV_DISPATCH_HEAD_DIM(p.head_dim, HD, [&]() -> Status {
+    switch (p.dtype) {
+      case DType::kF32: return run_batch<float, HD>(p, hsegs, sh, L, end_bit, out, ws, cublas, stream);
+      case DType::kF16: return run_batch<f16, HD>(p, hsegs, sh, L, end_bit, out, ws, cublas, stream);
+      case DType::kBF16: return run_batch<bf16, HD>(p, hsegs, sh, L, end_bit, out, ws, cublas, stream);
+    }
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "k-means: unknown dtype %u", unsigned(p.dtype));
+  });
+}
+
+Status write_pages_cuda(const WritePagesJob &job, uint32_t row_bytes, uint32_t page_tokens, cudaStream_t stream) {
+  WKV_RETURN_IF_ERROR(check_page_args(row_bytes, page_tokens));
+  if (job.tokens == 0) return Status::ok();
+  if (!job.order || !job.k || !job.v || !job.pages)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "write_pages: a null pointer");
+  const uint32_t cpr = row_bytes / 16;
+  const uint64_t chunks = uint64_t(job.tokens) * cpr;
+  const unsigned blocks = static_cast<unsigned>(std::min<uint64_t>((chunks + 255) / 256, kPageBlocksMax));
+  write_pages_kernel<<<blocks, 256, 0, stream>>>(job, cpr, row_bytes, page_tokens);
+  WKV_CUDA_CHECK_LAUNCH("write_pages_kernel");
+  return Status::ok();
+}
+
+Status write_pages_batch_cuda(const WritePagesJob *jobs, uint32_t n, uint32_t max_tokens, uint32_t row_bytes,
+                              uint32_t page_tokens, cudaStream_t stream) {
+  WKV_RETURN_IF_ERROR(check_page_args(row_bytes, page_tokens));
+  if (n == 0 || max_tokens == 0) return Status::ok();
+  if (!jobs) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "write_pages: jobs is null");
+  if (n > 65535) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "write_pages: %u jobs (at most 65535)", n);
+  const uint32_t cpr = row_bytes / 16;
+  const uint64_t chunks = uint64_t(max_tokens) * cpr;
+  const unsigned bx = static_cast<unsigned>(std::min<uint64_t>((chunks + 255) / 256, 256));
+  write_pages_batch_kernel<<<dim3(bx, n), 256, 0, stream>>>(jobs, cpr, row_bytes, page_tokens);
+  WKV_CUDA_CHECK_LAUNCH("write_pages_batch_kernel");
+  return Status::ok();
+}
+
+}  // namespace wkv::kernels

@@ -1,0 +1,625 @@
+// Lookup on the GPU: the CUDA counterpart of score_clusters, select_zones and
+// estimate_zone (kernels/cpu_kernels.cpp), for all runs of a step at once.
+//
+// Four kernels, in stream order:
+//   1. logits_kernel    grid (cluster tiles, R): logits [G][clusters] of each
+//                       run into out.logits; reads every centroid once.
+//   2. select_kernel    one CTA per run: per-head softmax statistics, scores,
+//                       a radix select of the two thresholds, compaction in
+//                       id order, ret_pos and run_tokens.
+//   3. estimate_kernel  (run, head) pairs, each split over a cluster of 8
+//                       CTAs on sm_90 that merge through distributed shared
+//                       memory: est_out and est_lse.
+//   4. offsets_kernel   one CTA: exclusive prefix of run_tokens.
+#include <cooperative_groups.h>
+
+#include <cmath>
+
+#include "kernels/cuda_common.cuh"
+#include "kernels/lookup_cuda.hpp"
+
+namespace wkv::kernels {
+namespace {
+
+constexpr float kNegInf = -INFINITY;
+constexpr uint32_t kFull = 0xffffffffu;
+
+// Clusters per logits CTA, and the padded shared row (floats): an odd
+// number of 16-byte slots per row keeps the 16-byte reads of 8 consecutive
+// rows on distinct banks.
+constexpr uint32_t kTileC = 64;
+template <uint32_t D> constexpr uint32_t kTileLd = D + 4;
+
+constexpr uint32_t kSelectThreads = 1024;
+constexpr uint32_t kSelectWarps = kSelectThreads / 32;
+constexpr uint32_t kEstThreads = 256;
+constexpr uint32_t kEstSplits = 8;  // CTAs per (run, head) on sm_90: one cluster
+constexpr uint32_t kOffsetThreads = 1024;
+
+// Zone sizes of a run, clamped so that n_ret + n_est <= clusters.
+struct Zones {
+  uint32_t n_ret, n_est;
+};
+__device__ __forceinline__ Zones clamp_zones(const DevRun &run) {
+  const uint32_t nr = min(run.n_ret, run.clusters);
+  return {nr, min(run.n_est, run.clusters - nr)};
+}
+
+// Order-preserving map of a score to an unsigned key: a larger score has a
+// larger key. NaN ranks with -inf and -0 with +0, as select_zones compares.
+__device__ __forceinline__ uint32_t score_key(float s) {
+  if (isnan(s)) s = kNegInf;
+  if (s == 0.f) s = 0.f;
+  const uint32_t u = __float_as_uint(s);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(kFull, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFull, x, o);
+  return x;
+}
+
+// Block-wide max and sum (all threads get the result); tmp holds 32 floats.
+template <uint32_t kThreads>
+__device__ float block_max(float x, float *tmp) {
+  constexpr uint32_t nw = kThreads / 32;
+  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  x = warp_max(x);
+  if (lane == 0) tmp[warp] = x;
+  __syncthreads();
+  float y = lane < nw ? tmp[lane] : kNegInf;
+  y = warp_max(y);
+  __syncthreads();
+  return y;
+}
+template <uint32_t kThreads>
+__device__ float block_sum(float x, float *tmp) {
+  constexpr uint32_t nw = kThreads / 32;
+  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  x = warp_sum(x);
+  if (lane == 0) tmp[warp] = x;
+  __syncthreads();
+  float y = lane < nw ? tmp[lane] : 0.f;
+  y = warp_sum(y);
+  __syncthreads();
+  return y;
+}
+
+// Exclusive prefix sum over the block; *total gets the block's sum. tmp
+// holds 32 words. Every thread must call it.
+template <uint32_t kThreads>
+__device__ uint32_t block_excl_scan(uint32_t v, uint32_t *tmp, uint32_t *total) {
+  constexpr uint32_t nw = kThreads / 32;
+  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t x = v;
+#pragma unroll
+  for (uint32_t o = 1; o < 32; o <<= 1) {
+    const uint32_t y = __shfl_up_sync(kFull, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) tmp[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    uint32_t t = lane < nw ? tmp[lane] : 0u;
+#pragma unroll
+    for (uint32_t o = 1; o < 32; o <<= 1) {
+      const uint32_t y = __shfl_up_sync(kFull, t, o);
+      if (lane >= o) t += y;
+    }
+    tmp[lane] = t;
+  }
+  __syncthreads();
+  const uint32_t before = warp ? tmp[warp - 1] : 0u;
+  *total = tmp[nw - 1];
+  __syncthreads();
+  return before + x - v;
+}
+
+// Merges two (max, sum of exp(x - max)) pairs.
+__device__ __forceinline__ void merge_ms(float &m, float &s, float m2, float s2) {
+  const float mm = fmaxf(m, m2);
+  if (mm == kNegInf) return;  // both empty
+  s = (m == kNegInf ? 0.f : s * expf(m - mm)) + (m2 == kNegInf ? 0.f : s2 * expf(m2 - mm));
+  m = mm;
+}
+
+// 1. Logits ----------------------------------------------------------------
+
+// Thread (c, hq) of a CTA computes cluster c of the tile against heads
+// 4 hq .. 4 hq + 3. Shared memory: the tile [kTileC][D + 4] then q [G][D].
+template <uint32_t D>
+__global__ void __launch_bounds__(512) logits_kernel(const DevRun *__restrict__ runs, uint32_t G,
+                                                     float scale, const float *__restrict__ q,
+                                                     float *__restrict__ logits) {
+  extern __shared__ float4 smem4[];
+  float *tile = reinterpret_cast<float *>(smem4);
+  float *qs = tile + kTileC * kTileLd<D>;
+  constexpr uint32_t V4 = D / 4;
+  const uint32_t r = blockIdx.y;
+  const uint32_t C = runs[r].clusters;
+  const uint32_t c0 = blockIdx.x * kTileC;
+  if (c0 >= C) return;  // uniform over the CTA
+  const uint32_t nc = min(kTileC, C - c0);
+  const float4 *cent = reinterpret_cast<const float4 *>(runs[r].centroid + static_cast<size_t>(c0) * D);
+  for (uint32_t i = threadIdx.x; i < nc * V4; i += blockDim.x) {
+    const uint32_t row = i / V4, col = i % V4;
+    *reinterpret_cast<float4 *>(tile + row * kTileLd<D> + col * 4) = __ldg(cent + i);
+  }
+  const float4 *qg = reinterpret_cast<const float4 *>(q + static_cast<size_t>(r) * G * D);
+  for (uint32_t i = threadIdx.x; i < G * V4; i += blockDim.x) reinterpret_cast<float4 *>(qs)[i] = __ldg(qg + i);
+  __syncthreads();
+
+  const uint32_t c = threadIdx.x % kTileC, hq = threadIdx.x / kTileC;
+  if (c >= nc) return;
+  const float *qh[4];
+#pragma unroll
+  for (uint32_t h = 0; h < 4; ++h) qh[h] = qs + min(hq * 4 + h, G - 1) * D;
+  const float *row = tile + c * kTileLd<D>;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (uint32_t j = 0; j < D; j += 4) {
+    const float4 cv = *reinterpret_cast<const float4 *>(row + j);
+#pragma unroll
+    for (uint32_t h = 0; h < 4; ++h) {
+      const float4 qv = *reinterpret_cast<const float4 *>(qh[h] + j);
+      acc[h] = fmaf(qv.x, cv.x, acc[h]);
+      acc[h] = fmaf(qv.y, cv.y, acc[h]);
+      acc[h] = fmaf(qv.z, cv.z, acc[h]);
+      acc[h] = fmaf(qv.w, cv.w, acc[h]);
+    }
+  }
+  float *lg = logits + runs[r].scratch_off;
+#pragma unroll
+  for (uint32_t h = 0; h < 4; ++h) {
+    const uint32_t g = hq * 4 + h;
+    if (g < G) lg[static_cast<size_t>(g) * C + c0 + c] = acc[h] * scale;
+  }
+}
+
+// 2. Scores, selection, ret_pos, run_tokens ---------------------------------
+
+struct SelectShared {
+  float red_m[kSelectWarps], red_s[kSelectWarps];
+  float head_m[kMaxGroup], head_inv[kMaxGroup];
+  uint32_t hist[2][256];
+  uint32_t prefix[2], krem[2];
+  uint32_t wcnt[kSelectWarps][4];  // per warp: > T_ret, == T_ret, > T_sel, == T_sel
+  uint32_t tot[4];
+  uint32_t tmp[32];
+};
+
+// Finds, for target t, the bin of hist[t] that holds the krem[t]-th largest
+// key among those matching prefix[t], and narrows prefix/krem to it. One
+// warp; lane L owns bins 255 - 8L down to 248 - 8L.
+__device__ void radix_pick(SelectShared &sh, uint32_t t, uint32_t shift) {
+  const uint32_t lane = threadIdx.x % 32;
+  uint32_t cnt[8], local = 0;
+#pragma unroll
+  for (uint32_t i = 0; i < 8; ++i) {
+    cnt[i] = sh.hist[t][255 - lane * 8 - i];
+    local += cnt[i];
+  }
+  uint32_t incl = local;
+#pragma unroll
+  for (uint32_t o = 1; o < 32; o <<= 1) {
+    const uint32_t y = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const uint32_t k = sh.krem[t];
+  const uint32_t excl = incl - local;
+  if (excl < k && k <= incl) {
+    uint32_t above = excl;
+#pragma unroll
+    for (uint32_t i = 0; i < 8; ++i) {
+      if (above + cnt[i] >= k) {
+        sh.prefix[t] |= (255u - lane * 8 - i) << shift;
+        sh.krem[t] = k - above;
+        break;
+      }
+      above += cnt[i];
+    }
+  }
+}
+
+// scores (optional) is the global score scratch; keys_s (dynamic shared
+// memory) holds the keys of runs with clusters <= smem_cap.
+__global__ void __launch_bounds__(kSelectThreads) select_kernel(const DevRun *__restrict__ runs,
+                                                                 uint32_t G, DevLookup out,
+                                                                 float *scores, uint32_t smem_cap) {
+  extern __shared__ uint32_t keys_s[];
+  __shared__ SelectShared sh;
+  const uint32_t r = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const DevRun &run = runs[r];
+  const uint32_t C = run.clusters;
+  const Zones z = clamp_zones(run);
+  const uint32_t n_ret = z.n_ret, n_sel = z.n_ret + z.n_est;
+  const bool use_smem = C <= smem_cap;
+  float *sc = scores ? scores + run.scratch_off / G : nullptr;
+  const uint32_t steady = run.sink_tokens + run.tail_tokens;
+  if (C == 0 || (!use_smem && !sc)) {
+    if (tid == 0) out.run_tokens[r] = steady;
+    return;
+  }
+  const float *lg = out.logits + run.scratch_off;
+
+  // 2a. Per head: max and sum of exp over the clusters; 32 / G warps a head.
+  {
+    const uint32_t wph = kSelectWarps / G, g = warp / wph, sub = warp % wph;
+    float m = kNegInf, s = 0.f;
+    if (g < G) {
+      const float *row = lg + static_cast<size_t>(g) * C;
+      for (uint32_t c = sub * 32 + lane; c < C; c += wph * 32) {
+        const float l = row[c];
+        if (l > m) {
+          s = s * expf(m - l) + 1.f;
+          m = l;
+        } else if (l > kNegInf) {
+          s += expf(l - m);
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(kFull, m, o), s2 = __shfl_xor_sync(kFull, s, o);
+      merge_ms(m, s, m2, s2);
+    }
+    if (lane == 0) {
+      sh.red_m[warp] = m;
+      sh.red_s[warp] = s;
+    }
+    __syncthreads();
+    if (tid < G) {
+      float hm = kNegInf, hs = 0.f;
+      for (uint32_t w = tid * wph; w < (tid + 1) * wph; ++w) merge_ms(hm, hs, sh.red_m[w], sh.red_s[w]);
+      // A head with no finite logit adds nothing, as in score_clusters.
+      sh.head_m[tid] = hm;
+      sh.head_inv[tid] = hm == kNegInf ? 0.f : 1.f / hs;
+    }
+    __syncthreads();
+  }
+
+  // 2b. Scores, summed over heads in ascending order as score_clusters does.
+  for (uint32_t c = tid; c < C; c += kSelectThreads) {
+    float s = 0.f;
+    for (uint32_t g = 0; g < G; ++g) {
+      if (sh.head_m[g] == kNegInf) continue;
+      s += expf(lg[static_cast<size_t>(g) * C + c] - sh.head_m[g]) * sh.head_inv[g];
+    }
+    if (sc) sc[c] = s;
+    if (use_smem) keys_s[c] = score_key(s);
+  }
+  __syncthreads();
+  auto key = [&](uint32_t c) { return use_smem ? keys_s[c] : score_key(sc[c]); };
+
+  uint32_t ret_total = 0;
+  if (n_sel > 0) {
+    // 2c. Radix select, 8 bits a pass from the top, of the n_sel-th and the
+    // n_ret-th largest key: T_sel and T_ret.
+    const bool want_ret = n_ret > 0;
+    if (tid == 0) {
+      sh.prefix[0] = sh.prefix[1] = 0;
+      sh.krem[0] = n_sel;
+      sh.krem[1] = n_ret;
+    }
+    for (uint32_t pass = 0; pass < 4; ++pass) {
+      const uint32_t shift = 24 - 8 * pass;
+      const uint32_t hmask = pass == 0 ? 0u : ~0u << (shift + 8);
+      for (uint32_t i = tid; i < 512; i += kSelectThreads) (&sh.hist[0][0])[i] = 0;
+      __syncthreads();
+      const uint32_t p0 = sh.prefix[0], p1 = sh.prefix[1];
+      for (uint32_t c = tid; c < C; c += kSelectThreads) {
+        const uint32_t k = key(c);
+        const uint32_t bin = (k >> shift) & 255u;
+        if ((k & hmask) == p0) atomicAdd(&sh.hist[0][bin], 1u);
+        if (want_ret && (k & hmask) == p1) atomicAdd(&sh.hist[1][bin], 1u);
+      }
+      __syncthreads();
+      if (warp == 0) radix_pick(sh, 0, shift);
+      if (warp == 1 && want_ret) radix_pick(sh, 1, shift);
+      __syncthreads();
+    }
+    const uint32_t t_sel = sh.prefix[0];
+    const uint32_t t_ret = want_ret ? sh.prefix[1] : 0xffffffffu;
+
+    // 2d. Compaction in id order. Warp w owns ids [w seg, (w + 1) seg). The
+    // selection is: every key above the threshold, then the lowest ids of
+    // the keys equal to it; so the count of selected ids below c is
+    // gt(<c) + min(eq(<c), need).
+    const uint32_t seg = (C + kSelectThreads - 1) / kSelectThreads * 32;
+    const uint32_t lo = min(C, warp * seg), hi = min(C, lo + seg);
+    uint32_t cnt[4] = {0, 0, 0, 0};
+    for (uint32_t base = lo; base < hi; base += 32) {
+      const uint32_t c = base + lane;
+      const bool ok = c < hi;
+      const uint32_t k = ok ? key(c) : 0u;
+      cnt[0] += __popc(__ballot_sync(kFull, ok && k > t_ret));
+      cnt[1] += __popc(__ballot_sync(kFull, ok && k == t_ret));
+      cnt[2] += __popc(__ballot_sync(kFull, ok && k > t_sel));
+      cnt[3] += __popc(__ballot_sync(kFull, ok && k == t_sel));
+    }
+    if (lane == 0)
+      for (uint32_t i = 0; i < 4; ++i) sh.wcnt[warp][i] = cnt[i];
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (uint32_t i = 0; i < 4; ++i) {
+        const uint32_t v = sh.wcnt[lane][i];
+        uint32_t x = v;
+#pragma unroll
+        for (uint32_t o = 1; o < 32; o <<= 1) {
+          const uint32_t y = __shfl_up_sync(kFull, x, o);
+          if (lane >= o) x += y;
+        }
+        sh.wcnt[lane][i] = x - v;
+        if (lane == 31) sh.tot[i] = x;
+      }
+    }
+    __syncthreads();
+    const uint32_t need_r = want_ret ? n_ret - sh.tot[0] : 0u;
+    const uint32_t need_s = n_sel - sh.tot[2];
+    uint32_t gtr = sh.wcnt[warp][0], eqr = sh.wcnt[warp][1];
+    uint32_t gts = sh.wcnt[warp][2], eqs = sh.wcnt[warp][3];
+    uint32_t *ret_ids = out.ret_ids + run.ret_off;
+    uint32_t *est_ids = out.est_ids + run.est_off;
+    const uint32_t lt = (1u << lane) - 1u;
+    for (uint32_t base = lo; base < hi; base += 32) {
+      const uint32_t c = base + lane;
+      const bool ok = c < hi;
+      const uint32_t k = ok ? key(c) : 0u;
+      const uint32_t b_gtr = __ballot_sync(kFull, ok && k > t_ret);
+      const uint32_t b_eqr = __ballot_sync(kFull, ok && k == t_ret);
+      const uint32_t b_gts = __ballot_sync(kFull, ok && k > t_sel);
+      const uint32_t b_eqs = __ballot_sync(kFull, ok && k == t_sel);
+      const uint32_t eqr_b = eqr + __popc(b_eqr & lt), eqs_b = eqs + __popc(b_eqs & lt);
+      const uint32_t ret_b = gtr + __popc(b_gtr & lt) + min(eqr_b, need_r);
+      const uint32_t sel_b = gts + __popc(b_gts & lt) + min(eqs_b, need_s);
+      const bool in_ret = ok && (k > t_ret || (k == t_ret && eqr_b < need_r));
+      const bool in_sel = ok && (k > t_sel || (k == t_sel && eqs_b < need_s));
+      if (in_ret) {
+        ret_ids[ret_b] = c;
+      } else if (in_sel) {
+        est_ids[sel_b - ret_b] = c;
+      }
+      gtr += __popc(b_gtr);
+      eqr += __popc(b_eqr);
+      gts += __popc(b_gts);
+      eqs += __popc(b_eqs);
+    }
+    __syncthreads();  // ret_ids written above are read below
+
+    // 2e. ret_pos: exclusive prefix of the retrieval clusters' sizes.
+    uint32_t *ret_pos = out.ret_pos + run.ret_off;
+    for (uint32_t base = 0; base < n_ret; base += kSelectThreads) {
+      const uint32_t i = base + tid;
+      const uint32_t sz = i < n_ret ? run.size[ret_ids[i]] : 0u;
+      uint32_t total;
+      const uint32_t before = block_excl_scan<kSelectThreads>(sz, sh.tmp, &total);
+      if (i < n_ret) ret_pos[i] = ret_total + before;
+      ret_total += total;
+    }
+  }
+  if (tid == 0) out.run_tokens[r] = steady + ret_total;
+}
+
+// 3. Estimate ----------------------------------------------------------------
+
+// Partial estimate of one CTA: its local max, denominator and numerator.
+template <uint32_t D>
+struct EstShared {
+  float4 red[kEstThreads];
+  float num[D];
+  float m, den;
+  float tmp[32];
+};
+
+// CTA (rh, split) estimates head g of run r (rh = r * G + g) over its slice
+// of the estimation clusters with its own max shift; with kSplits > 1 the
+// kSplits CTAs of one (run, head) form a thread-block cluster and rank 0
+// merges their partials from distributed shared memory.
+template <uint32_t D, uint32_t kSplits>
+__global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__restrict__ runs,
+                                                               uint32_t G, DevLookup out) {
+  __shared__ EstShared<D> sh;
+  const uint32_t rh = blockIdx.x / kSplits, split = blockIdx.x % kSplits;
+  const uint32_t r = rh / G, g = rh % G, tid = threadIdx.x;
+  const DevRun &run = runs[r];
+  const uint32_t C = run.clusters;
+  const uint32_t n = clamp_zones(run).n_est;
+  const uint32_t chunk = (n + kSplits - 1) / kSplits;
+  const uint32_t i0 = min(n, split * chunk), i1 = min(n, i0 + chunk);
+  const uint32_t *ids = out.est_ids + run.est_off;
+  const float *lg = out.logits + run.scratch_off + static_cast<size_t>(g) * C;
+
+  float m = kNegInf;
+  for (uint32_t i = i0 + tid; i < i1; i += kEstThreads) m = fmaxf(m, lg[ids[i]]);
+  m = block_max<kEstThreads>(m, sh.tmp);
+
+  constexpr uint32_t kCols = D / 4, kRows = kEstThreads / kCols;
+  const uint32_t col = tid % kCols, rl = tid / kCols;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float den = 0.f;
+  if (rl < kRows && m > kNegInf) {
+    const float4 *vs = reinterpret_cast<const float4 *>(run.value_sum);
+    for (uint32_t i = i0 + rl; i < i1; i += kRows) {
+      const uint32_t c = ids[i];
+      const float w = expf(lg[c] - m);
+      const float4 v = __ldg(vs + static_cast<size_t>(c) * kCols + col);
+      acc.x = fmaf(w, v.x, acc.x);
+      acc.y = fmaf(w, v.y, acc.y);
+      acc.z = fmaf(w, v.z, acc.z);
+      acc.w = fmaf(w, v.w, acc.w);
+      if (col == 0) den = fmaf(w, static_cast<float>(run.size[c]), den);
+    }
+  }
+  sh.red[tid] = acc;
+  den = block_sum<kEstThreads>(den, sh.tmp);  // its barrier also publishes red
+  if (tid < kCols) {
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (uint32_t k = 0; k < kRows; ++k) {
+      const float4 v = sh.red[k * kCols + tid];
+      s.x += v.x;
+      s.y += v.y;
+      s.z += v.z;
+      s.w += v.w;
+    }
+    reinterpret_cast<float4 *>(sh.num)[tid] = s;
+  }
+  if (tid == 0) {
+    sh.m = m;
+    sh.den = den;
+  }
+  __syncthreads();
+
+  float *est_out = out.est_out + static_cast<size_t>(rh) * D;
+  if constexpr (kSplits == 1) {
+    const bool empty = !(sh.m > kNegInf) || !(sh.den > 0.f);
+    const float inv = empty ? 0.f : 1.f / sh.den;
+    for (uint32_t i = tid; i < D; i += kEstThreads) est_out[i] = empty ? 0.f : sh.num[i] * inv;
+    if (tid == 0) out.est_lse[rh] = empty ? kNegInf : sh.m + logf(sh.den);
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    if (cluster.block_rank() == 0) {
+      float mk[kSplits], ek[kSplits];
+      float M = kNegInf;
+#pragma unroll
+      for (uint32_t k = 0; k < kSplits; ++k) {
+        mk[k] = *cluster.map_shared_rank(&sh.m, k);
+        M = fmaxf(M, mk[k]);
+      }
+      float dsum = 0.f;
+#pragma unroll
+      for (uint32_t k = 0; k < kSplits; ++k) {
+        ek[k] = mk[k] == kNegInf || M == kNegInf ? 0.f : expf(mk[k] - M);
+        dsum = fmaf(*cluster.map_shared_rank(&sh.den, k), ek[k], dsum);
+      }
+      const bool empty = !(M > kNegInf) || !(dsum > 0.f);
+      const float inv = empty ? 0.f : 1.f / dsum;
+      for (uint32_t i = tid; i < D; i += kEstThreads) {
+        float v = 0.f;
+#pragma unroll
+        for (uint32_t k = 0; k < kSplits; ++k) v = fmaf(cluster.map_shared_rank(sh.num, k)[i], ek[k], v);
+        est_out[i] = empty ? 0.f : v * inv;
+      }
+      if (tid == 0) out.est_lse[rh] = empty ? kNegInf : M + logf(dsum);
+    }
+    cluster.sync();  // keeps every CTA's shared memory alive until rank 0 is done
+#endif
+  }
+}
+
+// 4. Offsets -----------------------------------------------------------------
+
+__global__ void __launch_bounds__(kOffsetThreads) offsets_kernel(const uint32_t *__restrict__ run_tokens,
+                                                                 uint32_t R, int32_t *offsets) {
+  __shared__ uint32_t tmp[32];
+  uint32_t carry = 0;
+  for (uint32_t base = 0; base < R; base += kOffsetThreads) {
+    const uint32_t i = base + threadIdx.x;
+    const uint32_t v = i < R ? run_tokens[i] : 0u;
+    uint32_t total;
+    const uint32_t before = block_excl_scan<kOffsetThreads>(v, tmp, &total);
+    if (i < R) offsets[i] = static_cast<int32_t>(carry + before);
+    carry += total;
+  }
+  if (threadIdx.x == 0) offsets[R] = static_cast<int32_t>(carry);
+}
+
+// Whether estimate_kernel<D, kEstSplits> was compiled for sm_90 or later
+// (not JIT-compiled from older PTX), so that clusters work in it.
+template <uint32_t D>
+bool cluster_estimate_usable() {
+  cudaFuncAttributes fa{};
+  if (cudaFuncGetAttributes(&fa, estimate_kernel<D, kEstSplits>) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return fa.ptxVersion >= 90;
+}
+
+Status set_smem(const void *fn, size_t bytes) {
+  if (bytes > 48 * 1024)
+    WKV_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  return Status::ok();
+}
+
+template <uint32_t D>
+Status lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
+                   const DevLookup &out, float *scores, uint32_t max_clusters, cudaStream_t s) {
+  if (R > 0 && max_clusters > 0) {
+    // 1. Logits.
+    const uint32_t tiles = (max_clusters + kTileC - 1) / kTileC;
+    const size_t smem = (static_cast<size_t>(kTileC) * kTileLd<D> + static_cast<size_t>(G) * D) * sizeof(float);
+    WKV_RETURN_IF_ERROR(set_smem(reinterpret_cast<const void *>(logits_kernel<D>), smem));
+    logits_kernel<D><<<dim3(tiles, R), kTileC * ((G + 3) / 4), smem, s>>>(runs, G, scale, q, out.logits);
+    WKV_CUDA_CHECK_LAUNCH("logits_kernel");
+  }
+  if (R > 0) {
+    // 2. Scores and selection.
+    const uint32_t cap = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
+    const size_t smem = static_cast<size_t>(cap) * sizeof(uint32_t);
+    WKV_RETURN_IF_ERROR(set_smem(reinterpret_cast<const void *>(select_kernel), smem));
+    select_kernel<<<R, kSelectThreads, smem, s>>>(runs, G, out, scores, cap);
+    WKV_CUDA_CHECK_LAUNCH("select_kernel");
+
+    // 3. Estimate.
+    static const bool clusters_ok = cluster_estimate_usable<D>();
+    if (clusters_ok) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(R * G * kEstSplits);
+      cfg.blockDim = dim3(kEstThreads);
+      cfg.dynamicSmemBytes = 0;
+      cfg.stream = s;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = kEstSplits;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      WKV_CUDA_CHECK(cudaLaunchKernelEx(&cfg, estimate_kernel<D, kEstSplits>, runs, G, out));
+    } else {
+      estimate_kernel<D, 1><<<R * G, kEstThreads, 0, s>>>(runs, G, out);
+      WKV_CUDA_CHECK_LAUNCH("estimate_kernel");
+    }
+  }
+  // 4. Offsets.
+  offsets_kernel<<<1, kOffsetThreads, 0, s>>>(out.run_tokens, R, out.offsets);
+  WKV_CUDA_CHECK_LAUNCH("offsets_kernel");
+  return Status::ok();
+}
+
+}  // namespace
+
+Status lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale,
+                    const float *q, const DevLookup &out, float *scores, uint32_t max_clusters,
+                    void *stream) {
+  if (G == 0 || G > kMaxGroup)
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "lookup_zones: %u query heads per KV head (1..%u supported)", G,
+                     kMaxGroup);
+  if (max_clusters > kLookupSmemClusters && scores == nullptr)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
+                     "lookup_zones: runs of up to %u clusters need the scores scratch (more than %u)",
+                     max_clusters, kLookupSmemClusters);
+  if (R > 0 && (runs == nullptr || q == nullptr || out.ret_ids == nullptr || out.ret_pos == nullptr ||
+                out.est_ids == nullptr || out.run_tokens == nullptr || out.est_out == nullptr ||
+                out.est_lse == nullptr || (max_clusters > 0 && out.logits == nullptr)))
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "lookup_zones: a null device pointer");
+  if (out.offsets == nullptr) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "lookup_zones: null offsets");
+  if (reinterpret_cast<uintptr_t>(q) % 16 != 0)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "lookup_zones: q must be 16-byte aligned");
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> Status {
+    return lookup_impl<HEAD_DIM>(runs, R, G, scale, q, out, scores, max_clusters, s);
+  });
+}
+
+}  // namespace wkv::kernels

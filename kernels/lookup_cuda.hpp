@@ -1,0 +1,54 @@
+// The lookup of a decoding step on the GPU: score every cluster of every run,
+// select the retrieval and estimation zones, estimate the estimation zone,
+// and lay out the execution buffer's ragged offsets. The CUDA counterpart of
+// score_clusters + select_zones + estimate_zone (kernels/cpu_kernels.hpp),
+// over the device layout of kernels/device_layout.hpp. Plain C++: no CUDA
+// header is needed to call it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/device_layout.hpp"
+#include "lib/common/status.hpp"
+
+namespace wkv::kernels {
+
+// Runs with at most this many clusters keep their scores in shared memory
+// (64 KiB); larger runs need the global `scores` scratch of lookup_zones.
+constexpr uint32_t kLookupSmemClusters = 16384;
+// Query heads per KV head (G) that lookup_zones and attend_ragged accept.
+constexpr uint32_t kMaxGroup = 32;
+
+// Scores, selects and estimates R runs (one per (sequence, KV head),
+// r = s * H + h) in four kernels on `stream`; no host synchronization.
+//
+//   runs       [R] DevRun, device memory. Read: centroid, value_sum, size,
+//              clusters, n_ret, n_est, sink_tokens, tail_tokens, ret_off,
+//              est_off, scratch_off. centroid and value_sum 16-byte aligned.
+//   q          [R][G][d] f32, device, 16-byte aligned: the query heads of each
+//              run's group.
+//   out        DevLookup: every field is written for every run (see
+//              device_layout.hpp), out.logits [G][clusters] at scratch_off
+//              (scratch_off must be a multiple of G, as the sum of G *
+//              clusters of the runs before is). offsets [R + 1].
+//   scores     optional f32 scratch, [clusters] per run at scratch_off / G
+//              (so sized like out.logits / G). When given, every run's
+//              scores are written there (handy for checks). Required (else
+//              WKV_ERR_INVALID_ARGUMENT) when max_clusters > kLookupSmemClusters:
+//              larger runs select over it instead of shared memory.
+//   max_clusters  host-known upper bound of clusters over the runs: sizes
+//              the grid. A run with more clusters is a caller bug; the
+//              kernels then select nothing for it rather than fault.
+//
+// Pre: n_ret + n_est <= clusters for each run (clamped on the device if not);
+// 1 <= G <= kMaxGroup; d in {64, 80, 96, 128, 256}.
+// Selection is exact: ret_ids and est_ids are the ids select_zones returns
+// for the scores this kernel computed (score descending, ties to the lower
+// id, NaN as -inf, both sorted ascending). est_out/est_lse follow
+// estimate_zone (zeros and -inf when a run has no estimation cluster).
+Status lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale,
+                    const float *q, const DevLookup &out, float *scores, uint32_t max_clusters,
+                    void *stream);
+
+}  // namespace wkv::kernels

@@ -1,0 +1,226 @@
+// The engine on a GPU, through the public ABI: it matches the CPU engine and
+// exact attention, a whole step can be captured in a CUDA graph and replayed,
+// the block cache warms up and respects its size, and bad input is refused
+// without harming the engine. Skips where no CUDA device exists.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include "support.hpp"
+#include "wavekv/wavekv.hpp"
+
+using namespace wkvtest;
+
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
+
+constexpr uint32_t kQ = 8, kKV = 2, kD = 128, kDT = WKV_DTYPE_F16;
+
+wkv_config config(uint32_t device, float retrieval = 0.018f, float estimation = 0.232f) {
+  wkv_config c;
+  wkv_config_init(&c);
+  c.device = device;
+  c.n_layers = 1;
+  c.n_q_heads = kQ;
+  c.n_kv_heads = kKV;
+  c.head_dim = kD;
+  c.dtype = kDT;
+  c.segment_tokens = 2048;
+  c.update_segment_tokens = 512;
+  c.retrieval_frac = retrieval;
+  c.estimation_frac = estimation;
+  c.device_cache_bytes = 8u << 20;
+  c.threads = 2;
+  return c;
+}
+
+// Device memory holding a copy of a host vector.
+struct DevVec {
+  void *p = nullptr;
+  size_t n = 0;
+  explicit DevVec(const std::vector<uint8_t> &h) : n(h.size()) {
+    EXPECT_EQ(cudaMalloc(&p, n), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(p, h.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  explicit DevVec(size_t bytes) : n(bytes) { EXPECT_EQ(cudaMalloc(&p, n), cudaSuccess); }
+  ~DevVec() { cudaFree(p); }
+  std::vector<uint8_t> host() const {
+    std::vector<uint8_t> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+};
+
+// One context appended to a CPU and a CUDA sequence alike, with its rows.
+struct Twin {
+  wavekv::Engine cpu, gpu;
+  wavekv::Sequence scpu, sgpu;
+  wavekv::Plan pcpu, pgpu;
+  std::vector<HeadRows> rows{kKV};
+  KeyGen gen{kKV, kD, 42};
+  cudaStream_t stream = nullptr;
+
+  Twin(float r, float e)
+      : cpu(config(WKV_DEVICE_CPU, r, e)), gpu(config(WKV_DEVICE_CUDA, r, e)), scpu(cpu), sgpu(gpu), pcpu(cpu),
+        pgpu(gpu) {
+    cudaStreamCreate(&stream);
+  }
+  ~Twin() { cudaStreamDestroy(stream); }
+
+  void append(uint32_t n) {
+    std::vector<float> k, v;
+    gen.next(n, &k, &v);
+    for (float &x : k) x = round_to(kDT, x);
+    for (float &x : v) x = round_to(kDT, x);
+    auto kb = pack(kDT, k), vb = pack(kDT, v);
+    scpu.append(0, kb.data(), vb.data(), n);
+    DevVec dk(kb), dv(vb);
+    sgpu.append(0, dk.p, dv.p, n, 0, 0, stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (uint32_t t = 0; t < n; ++t)
+      for (uint32_t h = 0; h < kKV; ++h) {
+        size_t off = (static_cast<size_t>(t) * kKV + h) * kD;
+        rows[h].k.insert(rows[h].k.end(), k.begin() + off, k.begin() + off + kD);
+        rows[h].v.insert(rows[h].v.end(), v.begin() + off, v.begin() + off + kD);
+      }
+  }
+  std::vector<float> query() {
+    std::vector<float> q;
+    for (uint32_t h = 0; h < kKV; ++h) gen.query(h, kQ / kKV, &q);
+    for (float &x : q) x = round_to(kDT, x);
+    return q;
+  }
+  std::vector<float> decode_cpu(const std::vector<float> &q) {
+    auto qb = pack(kDT, q);
+    std::vector<uint8_t> ob(qb.size());
+    wkv_seq *s = scpu.get();
+    pcpu.decode(&s, 1, 0, qb.data(), ob.data());
+    return unpack(kDT, ob, q.size());
+  }
+  std::vector<float> decode_gpu(const std::vector<float> &q) {
+    DevVec dq(pack(kDT, q)), dout(q.size() * 2);
+    wkv_seq *s = sgpu.get();
+    pgpu.decode(&s, 1, 0, dq.p, dout.p, stream);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    return unpack(kDT, dout.host(), q.size());
+  }
+  double error(const std::vector<float> &q, const std::vector<float> &out) {
+    std::vector<double> ref;
+    double worst = 0;
+    for (uint32_t h = 0; h < kQ; ++h) {
+      exact_attention(&q[h * kD], rows[h / (kQ / kKV)], kD, &ref);
+      worst = std::max(worst, rel_l2(&out[h * kD], ref));
+    }
+    return worst;
+  }
+};
+
+}  // namespace
+
+TEST(GpuEngine, FullRetrievalMatchesCpuEngineAndExactAttention) {
+  REQUIRE_GPU();
+  Twin t(1.0f, 0.0f);
+  t.append(5000);
+  for (int step = 0; step < 4; ++step) {
+    std::vector<float> q = t.query();
+    std::vector<float> g = t.decode_gpu(q), c = t.decode_cpu(q);
+    EXPECT_LT(t.error(q, g), 1e-2);
+    EXPECT_LT(t.error(q, c), 1e-2);
+    t.append(300);  // crosses an update segment
+  }
+  EXPECT_EQ(t.sgpu.info(0).segments, t.scpu.info(0).segments);
+  EXPECT_EQ(t.sgpu.info(0).tail, t.scpu.info(0).tail);
+}
+
+TEST(GpuEngine, DefaultBudgetIsAsAccurateAsTheCpuEngine) {
+  REQUIRE_GPU();
+  Twin t(0.018f, 0.232f);
+  t.append(12000);
+  std::vector<double> eg, ec;
+  for (int step = 0; step < 16; ++step) {
+    std::vector<float> q = t.query();
+    eg.push_back(t.error(q, t.decode_gpu(q)));
+    ec.push_back(t.error(q, t.decode_cpu(q)));
+  }
+  std::printf("median worst-head error: gpu %.4f cpu %.4f\n", median(eg), median(ec));
+  EXPECT_LT(median(eg), median(ec) * 1.25 + 0.01);
+}
+
+TEST(GpuEngine, CapturedStepReplaysWithTheSameResult) {
+  REQUIRE_GPU();
+  Twin t(0.018f, 0.232f);
+  t.append(6000);
+  std::vector<float> q = t.query();
+  std::vector<float> direct = t.decode_gpu(q);
+  DevVec dq(pack(kDT, q)), dout(q.size() * 2);
+  ASSERT_EQ(cudaMemset(dout.p, 0xff, dout.n), cudaSuccess);
+  wkv_seq *s = t.sgpu.get();
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(t.stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  int rc = wkv_decode(t.pgpu.get(), &s, 1, 0, dq.p, 0, 0, dout.p, 0, 0, t.stream);
+  ASSERT_EQ(cudaStreamEndCapture(t.stream, &graph), cudaSuccess);
+  ASSERT_EQ(rc, WKV_OK) << wkv_last_error();
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(cudaMemset(dout.p, 0xff, dout.n), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, t.stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
+    EXPECT_EQ(unpack(kDT, dout.host(), q.size()), direct) << "replay " << i;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST(GpuEngine, CacheWarmsUpOverRepeatedQueriesAndKeepsItsSize) {
+  REQUIRE_GPU();
+  Twin t(0.05f, 0.2f);
+  t.append(8000);
+  std::vector<float> q = t.query();
+  std::vector<float> first = t.decode_gpu(q);
+  wkv_stats s0 = t.gpu.stats();
+  for (int i = 0; i < 6; ++i) {
+    t.decode_gpu(q);
+    cudaDeviceSynchronize();
+  }
+  wkv_stats s1 = t.gpu.stats();
+  uint64_t hits = s1.cache_hits - s0.cache_hits, misses = s1.cache_misses - s0.cache_misses;
+  std::printf("after warm-up: %llu hits, %llu misses\n", static_cast<unsigned long long>(hits),
+              static_cast<unsigned long long>(misses));
+  EXPECT_GT(hits, misses) << "repeated queries should be served from the cache";
+  EXPECT_EQ(s1.device_cache_bytes <= (8u << 20), true);
+  EXPECT_EQ(t.decode_gpu(q), first) << "cached pages give the same result";
+}
+
+TEST(GpuEngine, BadInputIsRefusedAndTheEngineStaysUsable) {
+  REQUIRE_GPU();
+  Twin t(1.0f, 0.0f);
+  t.append(3000);
+  std::vector<float> q = t.query();
+  auto qb = pack(kDT, q);
+  std::vector<uint8_t> ob(qb.size());
+  wkv_seq *s = t.sgpu.get();
+  // Host pointers where device pointers are needed.
+  EXPECT_EQ(wkv_decode(t.pgpu.get(), &s, 1, 0, qb.data(), 0, 0, ob.data(), 0, 0, t.stream),
+            WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(wkv_last_error()).find("host pointer"), std::string::npos) << wkv_last_error();
+  EXPECT_EQ(wkv_seq_append(s, 0, qb.data(), qb.data(), 1, 0, 0, t.stream), WKV_ERR_INVALID_ARGUMENT);
+  // Misaligned device buffer.
+  DevVec big(qb.size() * 2 + 16);
+  EXPECT_EQ(wkv_decode(t.pgpu.get(), &s, 1, 0, static_cast<uint8_t *>(big.p) + 1, 0, 0, big.p, 0, 0, t.stream),
+            WKV_ERR_INVALID_ARGUMENT);
+  // Device out of memory: a cache larger than any GPU.
+  wkv_config huge = config(WKV_DEVICE_CUDA);
+  huge.device_cache_bytes = 1ull << 50;
+  wkv_engine *e = nullptr;
+  EXPECT_EQ(wkv_engine_open(&huge, &e), WKV_ERR_OUT_OF_MEMORY) << wkv_last_error();
+  EXPECT_EQ(e, nullptr);
+  // Still usable and exact.
+  EXPECT_LT(t.error(q, t.decode_gpu(q)), 1e-2);
+}

@@ -1,0 +1,799 @@
+// Tests of the CUDA k-means, page writes and execution-buffer gather against
+// CPU references (kernels/cpu_kernels.hpp and direct computations in
+// double). Every test skips, and says so, without a CUDA device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu_kernels.hpp"
+#include "kernels/gather_cuda.hpp"
+#include "kernels/kmeans_cuda.hpp"
+#include "lib/common/dtype.hpp"
+
+namespace wkv::kernels {
+namespace {
+
+bool have_gpu() {
+  static const bool ok = [] {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  }();
+  return ok;
+}
+
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
+
+#define ASSERT_CUDA(x) ASSERT_EQ((x), cudaSuccess) << cudaGetErrorString(x)
+#define ASSERT_OK(x)                                  \
+  do {                                                \
+    ::wkv::Status st_ = (x);                          \
+    ASSERT_TRUE(st_.is_ok()) << st_.message();        \
+  } while (0)
+
+// Device memory owned by a test.
+struct DevBuf {
+  void *p = nullptr;
+  size_t n = 0;
+  DevBuf() = default;
+  explicit DevBuf(size_t bytes) : n(bytes) {
+    if (cudaMalloc(&p, std::max<size_t>(bytes, 16)) != cudaSuccess) p = nullptr;
+  }
+  DevBuf(const DevBuf &) = delete;
+  DevBuf &operator=(const DevBuf &) = delete;
+  ~DevBuf() { cudaFree(p); }
+  template <typename T> T *as() const { return static_cast<T *>(p); }
+};
+
+// Pinned, mapped host memory owned by a test.
+struct HostBuf {
+  void *p = nullptr;
+  explicit HostBuf(size_t bytes) {
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped) != cudaSuccess) p = nullptr;
+  }
+  HostBuf(const HostBuf &) = delete;
+  HostBuf &operator=(const HostBuf &) = delete;
+  ~HostBuf() { cudaFreeHost(p); }
+  uint8_t *bytes() const { return static_cast<uint8_t *>(p); }
+  uint8_t *device() const {
+    void *d = nullptr;
+    return cudaHostGetDevicePointer(&d, p, 0) == cudaSuccess ? static_cast<uint8_t *>(d) : nullptr;
+  }
+};
+
+template <typename T> void upload(DevBuf &d, const std::vector<T> &h) {
+  ASSERT_NE(d.p, nullptr);
+  ASSERT_CUDA(cudaMemcpy(d.p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+template <typename T> void download(std::vector<T> *h, const void *d, size_t n) {
+  h->resize(n);
+  ASSERT_CUDA(cudaMemcpy(h->data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+}
+
+std::vector<float> random_vec(std::mt19937_64 &rng, size_t n, float sd = 1.f, float mean = 0.f) {
+  std::normal_distribution<float> nd(mean, sd);
+  std::vector<float> v(n);
+  for (auto &x : v) x = nd(rng);
+  return v;
+}
+
+std::vector<uint8_t> random_bytes(std::mt19937_64 &rng, size_t n) {
+  std::vector<uint8_t> b(n);
+  for (size_t i = 0; i < n; i += 8) {
+    const uint64_t x = rng();
+    std::memcpy(b.data() + i, &x, std::min<size_t>(8, n - i));
+  }
+  return b;
+}
+
+// K-means -----------------------------------------------------------------------
+
+// One segment's input, kept as the floats its storage rounds to.
+struct SegInput {
+  std::vector<float> keys, values;  // [T][d], already rounded to the dtype
+  uint32_t T = 0, k = 0;
+  uint64_t seed = 0;
+};
+
+std::vector<float> rounded(DType t, const std::vector<float> &x) {
+  std::vector<uint8_t> b(x.size() * dtype_bytes(t));
+  from_float(t, x.data(), b.data(), x.size());
+  std::vector<float> y(x.size());
+  to_float(t, b.data(), y.data(), x.size());
+  return y;
+}
+
+// Runs one batch on the device and splits its outputs per segment.
+class KMeansRunner {
+ public:
+  KMeansRunner(DType t, uint32_t d, KMeansAssign path, uint32_t iters = 10) {
+    p_.dtype = t;
+    p_.head_dim = d;
+    p_.iters = iters;
+    p_.assign = path;
+  }
+  ~KMeansRunner() { kmeans_cublas_destroy(cublas_); }
+
+  void run(const std::vector<SegInput> &in, std::vector<SegmentClusters> *out) {
+    const uint32_t S = static_cast<uint32_t>(in.size()), d = p_.head_dim;
+    const uint32_t eb = dtype_bytes(p_.dtype);
+    if (p_.assign == KMeansAssign::kCublas && !cublas_) ASSERT_OK(kmeans_cublas_create(&cublas_));
+    std::vector<std::unique_ptr<DevBuf>> rows;
+    std::vector<KMeansSegmentDesc> desc(S);
+    for (uint32_t s = 0; s < S; ++s) {
+      for (const std::vector<float> *src : {&in[s].keys, &in[s].values}) {
+        std::vector<uint8_t> b(src->size() * eb);
+        from_float(p_.dtype, src->data(), b.data(), src->size());
+        rows.push_back(std::make_unique<DevBuf>(b.size()));
+        upload(*rows.back(), b);
+      }
+      desc[s].keys = rows[2 * s]->p;
+      desc[s].values = rows[2 * s + 1]->p;
+      desc[s].tokens = in[s].T;
+      desc[s].clusters = in[s].k;
+      desc[s].seed = in[s].seed;
+    }
+    const KMeansBatchShape sh = kmeans_batch_shape(desc.data(), S);
+    size_t ws_bytes = 0;
+    ASSERT_OK(kmeans_batch_workspace_size(p_, sh, &ws_bytes));
+    std::vector<uint64_t> tok_off(S), clu_off(S);
+    kmeans_batch_offsets(desc.data(), S, tok_off.data(), clu_off.data());
+    const uint64_t N = sh.total_tokens, K = clu_off[S - 1] + std::clamp<uint32_t>(in[S - 1].k, 1, in[S - 1].T);
+    DevBuf ws(ws_bytes), n_clusters(S * 4), begin((K + S) * 4), order(N * 4), size(K * 4),
+        centroid(K * d * 4), value_sum(K * d * 4);
+    // Poison the outputs: every entry the contract names must be written.
+    for (DevBuf *b : {&n_clusters, &begin, &order, &size, &centroid, &value_sum})
+      ASSERT_CUDA(cudaMemset(b->p, 0xcd, b->n));
+    KMeansBatchOut o;
+    o.n_clusters = n_clusters.as<uint32_t>();
+    o.begin = begin.as<uint32_t>();
+    o.order = order.as<uint32_t>();
+    o.size = size.as<uint32_t>();
+    o.centroid = centroid.as<float>();
+    o.value_sum = value_sum.as<float>();
+    ASSERT_OK(kmeans_batch_cuda(p_, desc.data(), S, o, ws.p, ws_bytes, cublas_, nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<uint32_t> hn, hb, ho, hs;
+    std::vector<float> hc, hv;
+    download(&hn, n_clusters.p, S);
+    download(&hb, begin.p, K + S);
+    download(&ho, order.p, N);
+    download(&hs, size.p, K);
+    download(&hc, centroid.p, K * d);
+    download(&hv, value_sum.p, K * d);
+    out->assign(S, {});
+    for (uint32_t s = 0; s < S; ++s) {
+      SegmentClusters &sc = (*out)[s];
+      const uint32_t k = std::clamp<uint32_t>(in[s].k, 1, in[s].T), C = hn[s];
+      ASSERT_LE(C, k);
+      sc.n_clusters = C;
+      sc.order.assign(ho.begin() + tok_off[s], ho.begin() + tok_off[s] + in[s].T);
+      sc.begin.assign(hb.begin() + clu_off[s] + s, hb.begin() + clu_off[s] + s + C + 1);
+      sc.size.assign(hs.begin() + clu_off[s], hs.begin() + clu_off[s] + C);
+      sc.centroid.assign(hc.begin() + clu_off[s] * d, hc.begin() + (clu_off[s] + C) * d);
+      sc.value_sum.assign(hv.begin() + clu_off[s] * d, hv.begin() + (clu_off[s] + C) * d);
+      // The unused tail of the segment's slots is defined too.
+      for (uint32_t c = C + 1; c <= k; ++c) ASSERT_EQ(hb[clu_off[s] + s + c], in[s].T);
+      for (uint32_t c = C; c < k; ++c) {
+        ASSERT_EQ(hs[clu_off[s] + c], 0u);
+        for (uint32_t j = 0; j < d; ++j) {
+          ASSERT_EQ(hc[(clu_off[s] + c) * d + j], 0.f);
+          ASSERT_EQ(hv[(clu_off[s] + c) * d + j], 0.f);
+        }
+      }
+    }
+  }
+
+  KMeansBatchParams p_;
+  void *cublas_ = nullptr;
+};
+
+// Every structural promise of SegmentClusters, and the centroids and value
+// sums against double sums over the members (relative tolerance tol).
+void check_clusters(const SegmentClusters &sc, const SegInput &in, uint32_t d, double tol) {
+  const uint32_t T = in.T, C = sc.n_clusters;
+  ASSERT_GE(C, 1u);
+  ASSERT_LE(C, std::clamp<uint32_t>(in.k, 1, T));
+  ASSERT_EQ(sc.order.size(), T);
+  ASSERT_EQ(sc.begin.size(), C + 1);
+  EXPECT_EQ(sc.begin[0], 0u);
+  EXPECT_EQ(sc.begin[C], T);
+  uint64_t total = 0;
+  for (uint32_t c = 0; c < C; ++c) {
+    ASSERT_GT(sc.size[c], 0u) << "empty cluster " << c;
+    ASSERT_EQ(sc.begin[c + 1] - sc.begin[c], sc.size[c]);
+    total += sc.size[c];
+  }
+  EXPECT_EQ(total, T);
+  std::vector<int> seen(T, 0);
+  for (uint32_t i : sc.order) {
+    ASSERT_LT(i, T);
+    ++seen[i];
+  }
+  for (uint32_t i = 0; i < T; ++i) ASSERT_EQ(seen[i], 1) << "token " << i;
+  for (uint32_t c = 0; c < C; ++c) {
+    for (uint32_t e = sc.begin[c] + 1; e < sc.begin[c + 1]; ++e)
+      ASSERT_LT(sc.order[e - 1], sc.order[e]) << "cluster " << c << " not ascending";
+    for (uint32_t j = 0; j < d; ++j) {
+      double ks = 0.0, kabs = 0.0, vs = 0.0, vabs = 0.0;
+      for (uint32_t e = sc.begin[c]; e < sc.begin[c + 1]; ++e) {
+        const size_t at = size_t(sc.order[e]) * d + j;
+        ks += in.keys[at];
+        kabs += std::fabs(in.keys[at]);
+        vs += in.values[at];
+        vabs += std::fabs(in.values[at]);
+      }
+      const double mean = ks / sc.size[c];
+      ASSERT_NEAR(sc.centroid[size_t(c) * d + j], mean, tol * std::max(1.0, kabs / sc.size[c]))
+          << "cluster " << c << " dim " << j;
+      ASSERT_NEAR(sc.value_sum[size_t(c) * d + j], vs, tol * std::max(1.0, vabs))
+          << "cluster " << c << " dim " << j;
+    }
+  }
+}
+
+bool same(const SegmentClusters &a, const SegmentClusters &b) {
+  return a.n_clusters == b.n_clusters && a.order == b.order && a.begin == b.begin && a.size == b.size &&
+         a.centroid.size() == b.centroid.size() &&
+         std::memcmp(a.centroid.data(), b.centroid.data(), a.centroid.size() * 4) == 0 &&
+         std::memcmp(a.value_sum.data(), b.value_sum.data(), a.value_sum.size() * 4) == 0;
+}
+
+// Keys like post-RoPE ones: topic directions that hold for runs of tokens,
+// on top of a large shared mean, plus noise.
+SegInput structured_segment(std::mt19937_64 &rng, DType t, uint32_t T, uint32_t d, uint32_t k, uint64_t seed,
+                            uint32_t topics = 48, uint32_t span = 24) {
+  SegInput in;
+  in.T = T;
+  in.k = k;
+  in.seed = seed;
+  const auto mean = random_vec(rng, d, 3.f);
+  const auto topic = random_vec(rng, size_t(topics) * d, 1.5f);
+  std::normal_distribution<float> g(0.f, 1.f);
+  std::uniform_int_distribution<uint32_t> pick(0, topics - 1);
+  std::vector<float> keys(size_t(T) * d), values(size_t(T) * d);
+  uint32_t cur = 0;
+  for (uint32_t i = 0; i < T; ++i) {
+    if (i % span == 0) cur = pick(rng);
+    for (uint32_t j = 0; j < d; ++j) {
+      keys[size_t(i) * d + j] = mean[j] + topic[size_t(cur) * d + j] + 0.5f * g(rng);
+      values[size_t(i) * d + j] = g(rng);
+    }
+  }
+  in.keys = rounded(t, keys);
+  in.values = rounded(t, values);
+  return in;
+}
+
+// Mean over tokens of the cosine between the centered key and its cluster's
+// centered centroid: how well the clusters fit the keys.
+double mean_cosine(const SegmentClusters &sc, const SegInput &in, uint32_t d) {
+  std::vector<double> mean(d, 0.0);
+  for (uint32_t i = 0; i < in.T; ++i)
+    for (uint32_t j = 0; j < d; ++j) mean[j] += in.keys[size_t(i) * d + j];
+  for (double &m : mean) m /= in.T;
+  double total = 0.0;
+  for (uint32_t c = 0; c < sc.n_clusters; ++c) {
+    std::vector<double> dir(d);
+    double dn = 0.0;
+    for (uint32_t j = 0; j < d; ++j) {
+      dir[j] = sc.centroid[size_t(c) * d + j] - mean[j];
+      dn += dir[j] * dir[j];
+    }
+    for (uint32_t e = sc.begin[c]; e < sc.begin[c + 1]; ++e) {
+      const float *key = in.keys.data() + size_t(sc.order[e]) * d;
+      double dot = 0.0, kn = 0.0;
+      for (uint32_t j = 0; j < d; ++j) {
+        const double x = key[j] - mean[j];
+        dot += x * dir[j];
+        kn += x * x;
+      }
+      if (kn > 0 && dn > 0) total += dot / std::sqrt(kn * dn);
+    }
+  }
+  return total / in.T;
+}
+
+const KMeansAssign kPaths[] = {KMeansAssign::kFused, KMeansAssign::kCublas};
+const char *path_name(KMeansAssign p) { return p == KMeansAssign::kFused ? "fused" : "cublas"; }
+double tolerance(DType t) { return t == DType::kF32 ? 1e-4 : 1e-2; }
+
+TEST(KMeansCuda, BatchPartitionsWithExactCentroidsAndValueSums) {
+  REQUIRE_GPU();
+  // Mixed sizes in one batch: T not a multiple of the 128-point tile, k over
+  // one 128-direction tile, k clamped to T, T = 1.
+  struct Case { uint32_t T, k; };
+  const Case cases[] = {{1000, 62}, {333, 20}, {4100, 300}, {64, 64}, {8, 5}, {5, 100}, {1, 7}, {257, 16}};
+  std::mt19937_64 rng(101);
+  for (KMeansAssign path : kPaths)
+    for (DType t : {DType::kF32, DType::kF16, DType::kBF16})
+      for (uint32_t d : {64u, 80u, 128u, 256u}) {
+        if (d == 256 && t != DType::kF16) continue;  // one dtype is enough for the widest rows
+        SCOPED_TRACE(testing::Message() << path_name(path) << " " << dtype_name(t) << " d=" << d);
+        std::vector<SegInput> in;
+        for (const Case &c : cases) {
+          SegInput s;
+          s.T = c.T;
+          s.k = c.k;
+          s.seed = c.T * 7 + d;
+          s.keys = rounded(t, random_vec(rng, size_t(c.T) * d, 1.f, 3.f));
+          s.values = rounded(t, random_vec(rng, size_t(c.T) * d, 2.f, -1.f));
+          in.push_back(std::move(s));
+        }
+        KMeansRunner run(t, d, path);
+        std::vector<SegmentClusters> out;
+        ASSERT_NO_FATAL_FAILURE(run.run(in, &out));
+        for (size_t s = 0; s < in.size(); ++s) {
+          SCOPED_TRACE(testing::Message() << "segment " << s << " T=" << in[s].T);
+          ASSERT_NO_FATAL_FAILURE(check_clusters(out[s], in[s], d, tolerance(t)));
+        }
+      }
+}
+
+TEST(KMeansCuda, ValueSumIsAccurateOverThousandsOfMembers) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(102);
+  SegInput in;
+  in.T = 5000;
+  in.k = 1;
+  in.keys = random_vec(rng, size_t(in.T) * 64);
+  in.values = random_vec(rng, size_t(in.T) * 64, 0.01f, 1.f);
+  KMeansRunner run(DType::kF32, 64, KMeansAssign::kFused);
+  std::vector<SegmentClusters> out;
+  ASSERT_NO_FATAL_FAILURE(run.run({in}, &out));
+  ASSERT_EQ(out[0].n_clusters, 1u);
+  for (uint32_t j = 0; j < 64; ++j) {
+    double want = 0.0;
+    for (uint32_t i = 0; i < in.T; ++i) want += in.values[size_t(i) * 64 + j];
+    EXPECT_NEAR(out[0].value_sum[j], want, 1e-6 * std::fabs(want));
+  }
+}
+
+TEST(KMeansCuda, SameSeedGivesBitIdenticalClusters) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(103);
+  std::vector<SegInput> in;
+  for (uint32_t s = 0; s < 6; ++s) in.push_back(structured_segment(rng, DType::kF16, 2048 + 300 * s, 128, 150, s));
+  for (KMeansAssign path : kPaths) {
+    SCOPED_TRACE(path_name(path));
+    KMeansRunner run(DType::kF16, 128, path);
+    std::vector<SegmentClusters> a, b;
+    ASSERT_NO_FATAL_FAILURE(run.run(in, &a));
+    ASSERT_NO_FATAL_FAILURE(run.run(in, &b));
+    for (size_t s = 0; s < in.size(); ++s) EXPECT_TRUE(same(a[s], b[s])) << "segment " << s;
+    // Other seeds give other clusters.
+    auto other = in;
+    for (auto &s : other) s.seed += 1000;
+    std::vector<SegmentClusters> c;
+    ASSERT_NO_FATAL_FAILURE(run.run(other, &c));
+    int differing = 0;
+    for (size_t s = 0; s < in.size(); ++s) differing += !same(a[s], c[s]);
+    EXPECT_GT(differing, 0);
+  }
+}
+
+TEST(KMeansCuda, IdenticalKeysFormOneCluster) {
+  REQUIRE_GPU();
+  SegInput in;
+  in.T = 300;
+  in.k = 6;
+  in.keys.assign(size_t(in.T) * 64, 0.25f);
+  in.values.assign(size_t(in.T) * 64, 1.f);
+  KMeansRunner run(DType::kF32, 64, KMeansAssign::kFused);
+  std::vector<SegmentClusters> out;
+  ASSERT_NO_FATAL_FAILURE(run.run({in}, &out));
+  ASSERT_EQ(out[0].n_clusters, 1u);
+  std::vector<uint32_t> iota(in.T);
+  std::iota(iota.begin(), iota.end(), 0u);
+  EXPECT_EQ(out[0].order, iota);
+  EXPECT_EQ(out[0].value_sum, std::vector<float>(64, float(in.T)));
+}
+
+TEST(KMeansCuda, RecoversPlantedDirectionsUnderALargeSharedOffset) {
+  REQUIRE_GPU();
+  // As the CPU test: 8 planted directions (4 and their opposites), radii
+  // 0.5 to 2, shifted by an offset 1000 times a typical point; k = 32 so
+  // that any start finds every group; 8 seeds run as 8 segments of a batch.
+  const uint32_t groups = 8, per = 64, d = 64, T = groups * per;
+  std::mt19937_64 rng(16);
+  std::uniform_real_distribution<float> radius(0.5f, 2.f);
+  auto unit = [&] {
+    auto v = random_vec(rng, d);
+    double n = 0.0;
+    for (float x : v) n += double(x) * x;
+    for (auto &x : v) x = static_cast<float>(x / std::sqrt(n));
+    return v;
+  };
+  const auto offset = unit();
+  std::vector<std::vector<float>> dirs;
+  for (uint32_t g = 0; g < groups / 2; ++g) {
+    dirs.push_back(unit());
+    dirs.push_back(dirs.back());
+    for (auto &x : dirs.back()) x = -x;
+  }
+  std::vector<float> keys(size_t(T) * d);
+  std::vector<uint32_t> group(T);
+  std::normal_distribution<float> noise(0.f, 0.03f);
+  for (uint32_t i = 0; i < T; ++i) {
+    group[i] = i % groups;
+    const float r = radius(rng);
+    for (uint32_t j = 0; j < d; ++j)
+      keys[size_t(i) * d + j] = 1000.f * offset[j] + r * (dirs[group[i]][j] + noise(rng));
+  }
+  const auto values = random_vec(rng, size_t(T) * d);
+  for (KMeansAssign path : kPaths) {
+    SCOPED_TRACE(path_name(path));
+    std::vector<SegInput> in;
+    for (uint64_t seed = 1; seed <= 8; ++seed) {
+      SegInput s;
+      s.T = T;
+      s.k = 32;
+      s.seed = seed;
+      s.keys = keys;
+      s.values = values;
+      in.push_back(s);
+    }
+    KMeansRunner run(DType::kF32, d, path);
+    std::vector<SegmentClusters> out;
+    ASSERT_NO_FATAL_FAILURE(run.run(in, &out));
+    for (size_t s = 0; s < in.size(); ++s) {
+      SCOPED_TRACE(testing::Message() << "seed " << in[s].seed);
+      const SegmentClusters &sc = out[s];
+      ASSERT_NO_FATAL_FAILURE(check_clusters(sc, in[s], d, 1e-4));
+      std::vector<int> found(groups, 0);
+      for (uint32_t c = 0; c < sc.n_clusters; ++c) {
+        const uint32_t g = group[sc.order[sc.begin[c]]];
+        found[g] = 1;
+        for (uint32_t e = sc.begin[c]; e < sc.begin[c + 1]; ++e)
+          ASSERT_EQ(group[sc.order[e]], g) << "cluster " << c << " mixes groups";
+      }
+      EXPECT_EQ(found, std::vector<int>(groups, 1));
+    }
+  }
+}
+
+TEST(KMeansCuda, FitsKeysAsWellAsTheCpuKMeans) {
+  REQUIRE_GPU();
+  const uint32_t d = 128, T = 4096, k = 256;
+  for (DType t : {DType::kF32, DType::kF16}) {
+    std::mt19937_64 rng(104);
+    std::vector<SegInput> in;
+    std::vector<double> cpu_fit;
+    for (uint32_t s = 0; s < 4; ++s) {
+      in.push_back(structured_segment(rng, t, T, d, k, 77 + s));
+      KMeansParams kp;
+      kp.n_clusters = k;
+      kp.seed = in[s].seed;
+      SegmentClusters cpu;
+      kmeans_segment(kp, in[s].keys.data(), in[s].values.data(), T, d, &cpu);
+      cpu_fit.push_back(mean_cosine(cpu, in[s], d));
+    }
+    for (KMeansAssign path : kPaths) {
+      SCOPED_TRACE(testing::Message() << path_name(path) << " " << dtype_name(t));
+      KMeansRunner run(t, d, path);
+      std::vector<SegmentClusters> out;
+      ASSERT_NO_FATAL_FAILURE(run.run(in, &out));
+      for (size_t s = 0; s < in.size(); ++s) {
+        const double qc = cpu_fit[s], qg = mean_cosine(out[s], in[s], d);
+        EXPECT_GE(qg, 0.98 * qc) << "segment " << s << ": gpu " << qg << " cpu " << qc;
+        EXPECT_GT(qc, 0.3);  // the data has structure to find
+      }
+    }
+  }
+}
+
+TEST(KMeansCuda, RejectsBadArguments) {
+  REQUIRE_GPU();
+  KMeansBatchParams p;
+  p.head_dim = 128;
+  KMeansSegmentDesc seg;
+  seg.tokens = 100;
+  seg.clusters = 10;
+  size_t bytes = 0;
+  ASSERT_OK(kmeans_batch_workspace_size(p, kmeans_batch_shape(&seg, 1), &bytes));
+  p.head_dim = 72;
+  EXPECT_EQ(kmeans_batch_workspace_size(p, kmeans_batch_shape(&seg, 1), &bytes).code(), WKV_ERR_UNSUPPORTED);
+  p.head_dim = 128;
+  DevBuf rows(100 * 128 * 2), ws(bytes), outb(1 << 20);
+  seg.keys = rows.p;
+  seg.values = rows.p;
+  KMeansBatchOut o;
+  o.n_clusters = o.begin = o.order = o.size = outb.as<uint32_t>();
+  o.centroid = o.value_sum = outb.as<float>();
+  EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes - 256, nullptr, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  p.assign = KMeansAssign::kCublas;
+  EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes, nullptr, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  p.assign = KMeansAssign::kFused;
+  seg.tokens = 0;
+  EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes, nullptr, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  seg.tokens = kKMeansMaxTokens + 1;
+  EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes, nullptr, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  ASSERT_CUDA(cudaDeviceSynchronize());
+}
+
+// Page writes ---------------------------------------------------------------------
+
+TEST(WritePagesCuda, PagesMatchTheCpuLayoutByteForByte) {
+  REQUIRE_GPU();
+  struct Case { uint32_t row_bytes, page_tokens, T; };
+  const Case cases[] = {{256, 8, 1000}, {160, 12, 37}, {512, 4, 1}, {320, 6, 4099}};
+  std::mt19937_64 rng(201);
+  for (const Case &c : cases) {
+    SCOPED_TRACE(testing::Message() << "row_bytes " << c.row_bytes << " T " << c.T);
+    const uint32_t pt = c.page_tokens, rb = c.row_bytes, slot_bytes = 2 * pt * rb;
+    // Two segments: the second runs through the batched launcher.
+    const uint32_t Ts[2] = {c.T, c.T / 2 + 1};
+    const uint32_t pages[2] = {(Ts[0] + pt - 1) / pt, (Ts[1] + pt - 1) / pt};
+    const uint32_t pool = 2 * (pages[0] + pages[1]);  // pages land at random places in a pool
+    HostBuf host(size_t(pool) * slot_bytes);
+    ASSERT_NE(host.p, nullptr);
+    std::memset(host.p, 0x5a, size_t(pool) * slot_bytes);
+    std::vector<uint32_t> perm(pool);
+    std::iota(perm.begin(), perm.end(), 0u);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<uint8_t> want(size_t(pool) * slot_bytes, 0x5a);
+    std::vector<std::unique_ptr<DevBuf>> keep;
+    WritePagesJob jobs[2];
+    uint32_t next_page = 0;
+    for (int s = 0; s < 2; ++s) {
+      const uint32_t T = Ts[s];
+      auto k = random_bytes(rng, size_t(T) * rb), v = random_bytes(rng, size_t(T) * rb);
+      std::vector<uint32_t> order(T);
+      std::iota(order.begin(), order.end(), 0u);
+      std::shuffle(order.begin(), order.end(), rng);
+      std::vector<uint8_t *> page_ptr(pages[s]);
+      for (uint32_t p = 0; p < pages[s]; ++p) {
+        const uint32_t at = perm[next_page++];
+        page_ptr[p] = host.device() + size_t(at) * slot_bytes;
+        for (uint32_t r = 0; r < pt && p * pt + r < T; ++r) {
+          const uint32_t src = order[p * pt + r];
+          std::memcpy(&want[size_t(at) * slot_bytes + size_t(r) * rb], &k[size_t(src) * rb], rb);
+          std::memcpy(&want[size_t(at) * slot_bytes + size_t(pt + r) * rb], &v[size_t(src) * rb], rb);
+        }
+      }
+      for (auto *vec : {&k, &v}) {
+        keep.push_back(std::make_unique<DevBuf>(vec->size()));
+        upload(*keep.back(), *vec);
+      }
+      keep.push_back(std::make_unique<DevBuf>(order.size() * 4));
+      upload(*keep.back(), order);
+      keep.push_back(std::make_unique<DevBuf>(page_ptr.size() * 8));
+      upload(*keep.back(), page_ptr);
+      const size_t b = keep.size();
+      jobs[s].k = keep[b - 4]->as<uint8_t>();
+      jobs[s].v = keep[b - 3]->as<uint8_t>();
+      jobs[s].order = keep[b - 2]->as<uint32_t>();
+      jobs[s].pages = keep[b - 1]->as<uint8_t *const>();
+      jobs[s].tokens = T;
+    }
+    ASSERT_OK(write_pages_cuda(jobs[0], rb, pt, nullptr));
+    DevBuf djob(sizeof(WritePagesJob));
+    ASSERT_CUDA(cudaMemcpy(djob.p, &jobs[1], sizeof(WritePagesJob), cudaMemcpyHostToDevice));
+    ASSERT_OK(write_pages_batch_cuda(djob.as<WritePagesJob>(), 1, Ts[1], rb, pt, nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    ASSERT_EQ(0, std::memcmp(host.p, want.data(), want.size()));
+  }
+}
+
+TEST(WritePagesCuda, RejectsRowsThatAreNotWholeVectors) {
+  REQUIRE_GPU();
+  WritePagesJob job;
+  EXPECT_EQ(write_pages_cuda(job, 100, 8, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(write_pages_cuda(job, 256, 0, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+}
+
+// Gather ----------------------------------------------------------------------------
+
+// One run of a random gather problem, on the host.
+struct HostRun {
+  uint32_t sink = 0, tail = 0, n_ret = 0;
+  std::vector<uint32_t> first_slot, size, ret_ids, ret_pos;
+  std::vector<uint8_t *> pages;     // device-accessible addresses
+  std::vector<uint8_t *> page_host; // where the test reads the same bytes
+  std::vector<uint8_t> sink_k, sink_v, tail_k, tail_v;
+};
+
+TEST(GatherCuda, AssemblesRunsByteForByteAndCountsHitsAndMisses) {
+  REQUIRE_GPU();
+  struct Case { uint32_t row_bytes, page_tokens; };
+  const Case cases[] = {{256, 8}, {160, 12}, {256, 16}, {512, 1}};
+  std::mt19937_64 rng(301);
+  for (const Case &cs : cases) {
+    SCOPED_TRACE(testing::Message() << "row_bytes " << cs.row_bytes << " page_tokens " << cs.page_tokens);
+    const uint32_t rb = cs.row_bytes, pt = cs.page_tokens, slot_bytes = 2 * pt * rb;
+    const uint32_t R = 7;
+    std::vector<HostRun> runs(R);
+    uint32_t total_pages = 0;
+    for (uint32_t r = 0; r < R; ++r) {
+      HostRun &h = runs[r];
+      const uint32_t C = 20 + rng() % 200;
+      uint32_t slot = 0;
+      for (uint32_t c = 0; c < C; ++c) {
+        // Mostly ~16 tokens; one big cluster per run spans more than 32 pages.
+        const uint32_t n = c == C / 2 ? 40 * pt + 3 : 1 + rng() % 31;
+        h.first_slot.push_back(slot);
+        h.size.push_back(n);
+        slot += n;
+      }
+      h.pages.resize((slot + pt - 1) / pt);
+      total_pages += static_cast<uint32_t>(h.pages.size());
+      h.sink = rng() % 5;
+      h.tail = r == 1 ? 0 : rng() % 65;
+      h.n_ret = r == 2 ? 0 : (r == 3 ? C : 1 + rng() % (C / 3));
+      std::vector<uint32_t> ids(C);
+      std::iota(ids.begin(), ids.end(), 0u);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      h.ret_ids.assign(ids.begin(), ids.begin() + h.n_ret);
+      std::sort(h.ret_ids.begin(), h.ret_ids.end());
+      uint32_t pos = 0;
+      for (uint32_t id : h.ret_ids) h.ret_pos.push_back(pos), pos += h.size[id];
+      h.sink_k = random_bytes(rng, size_t(h.sink) * rb);
+      h.sink_v = random_bytes(rng, size_t(h.sink) * rb);
+      h.tail_k = random_bytes(rng, size_t(h.tail) * rb);
+      h.tail_v = random_bytes(rng, size_t(h.tail) * rb);
+    }
+    // Pages: about a third in a device "cache", the rest in mapped host memory.
+    DevBuf cache(size_t(total_pages) * slot_bytes);
+    HostBuf host(size_t(total_pages) * slot_bytes);
+    ASSERT_NE(host.p, nullptr);
+    ASSERT_NE(cache.p, nullptr);
+    std::vector<uint8_t> cache_img(size_t(total_pages) * slot_bytes);
+    {
+      const auto bytes = random_bytes(rng, size_t(total_pages) * slot_bytes);
+      std::memcpy(host.p, bytes.data(), bytes.size());
+      const auto cbytes = random_bytes(rng, size_t(total_pages) * slot_bytes);
+      cache_img = cbytes;
+      ASSERT_CUDA(cudaMemcpy(cache.p, cbytes.data(), cbytes.size(), cudaMemcpyHostToDevice));
+    }
+    std::vector<uint32_t> perm(total_pages);
+    std::iota(perm.begin(), perm.end(), 0u);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    uint32_t next = 0;
+    for (HostRun &h : runs)
+      for (size_t p = 0; p < h.pages.size(); ++p) {
+        const size_t at = size_t(perm[next++]) * slot_bytes;
+        if (rng() % 3 == 0) {
+          h.pages[p] = cache.as<uint8_t>() + at;
+          h.page_host.push_back(cache_img.data() + at);
+        } else {
+          h.pages[p] = host.device() + at;
+          h.page_host.push_back(host.bytes() + at);
+        }
+      }
+    // Device images of the runs and the lookup.
+    std::vector<std::unique_ptr<DevBuf>> keep;
+    auto dev = [&](const auto &vec) {
+      keep.push_back(std::make_unique<DevBuf>(vec.size() * sizeof(vec[0])));
+      if (!vec.empty()) upload(*keep.back(), vec);
+      return keep.back()->p;
+    };
+    std::vector<DevRun> druns(R);
+    std::vector<uint32_t> all_ids, all_pos;
+    std::vector<int32_t> offsets(R + 1, 0);
+    uint64_t want_hits = 0, want_misses = 0;
+    for (uint32_t r = 0; r < R; ++r) {
+      const HostRun &h = runs[r];
+      DevRun &d = druns[r];
+      std::memset(&d, 0, sizeof(d));
+      d.size = static_cast<const uint32_t *>(dev(h.size));
+      d.first_slot = static_cast<const uint32_t *>(dev(h.first_slot));
+      d.pages = static_cast<const uint8_t *const *>(dev(h.pages));
+      d.sink_k = static_cast<const uint8_t *>(dev(h.sink_k));
+      d.sink_v = static_cast<const uint8_t *>(dev(h.sink_v));
+      d.tail_k = static_cast<const uint8_t *>(dev(h.tail_k));
+      d.tail_v = static_cast<const uint8_t *>(dev(h.tail_v));
+      d.clusters = static_cast<uint32_t>(h.size.size());
+      d.n_ret = h.n_ret;
+      d.sink_tokens = h.sink;
+      d.tail_tokens = h.tail;
+      d.ret_off = static_cast<uint32_t>(all_ids.size());
+      all_ids.insert(all_ids.end(), h.ret_ids.begin(), h.ret_ids.end());
+      all_pos.insert(all_pos.end(), h.ret_pos.begin(), h.ret_pos.end());
+      uint32_t ret_tokens = 0;
+      for (uint32_t id : h.ret_ids) {
+        ret_tokens += h.size[id];
+        const uint32_t first = h.first_slot[id];
+        for (uint32_t p = first / pt; p <= (first + h.size[id] - 1) / pt; ++p) {
+          const bool hit = h.pages[p] >= cache.as<uint8_t>() && h.pages[p] < cache.as<uint8_t>() + cache.n;
+          want_hits += hit;
+          want_misses += !hit;
+        }
+      }
+      offsets[r + 1] = offsets[r] + static_cast<int32_t>(h.sink + h.tail + ret_tokens);
+    }
+    ASSERT_GT(want_hits, 0u);
+    ASSERT_GT(want_misses, 0u);
+    const uint32_t rows = static_cast<uint32_t>(offsets[R]);
+    const uint32_t guard = 64;  // rows past the end that must stay untouched
+    DevBuf xk(size_t(rows + guard) * rb), xv(size_t(rows + guard) * rb), counters(16);
+    ASSERT_CUDA(cudaMemset(xk.p, 0xee, xk.n));
+    ASSERT_CUDA(cudaMemset(xv.p, 0xee, xv.n));
+    ASSERT_CUDA(cudaMemset(counters.p, 0, 16));
+    GatherArgs a;
+    a.runs = static_cast<const DevRun *>(dev(druns));
+    a.n_runs = R;
+    a.lookup.ret_ids = static_cast<uint32_t *>(dev(all_ids));
+    a.lookup.ret_pos = static_cast<uint32_t *>(dev(all_pos));
+    a.lookup.offsets = static_cast<int32_t *>(dev(offsets));
+    for (const HostRun &h : runs) a.max_ret = std::max(a.max_ret, h.n_ret);
+    a.max_ret = std::max<uint32_t>(1, a.max_ret / 3);  // a small grid still covers every cluster
+    a.row_bytes = rb;
+    a.page_tokens = pt;
+    a.xk = xk.as<uint8_t>();
+    a.xv = xv.as<uint8_t>();
+    a.cache_base = cache.p;
+    a.cache_bytes = cache.n;
+    a.counters = counters.as<unsigned long long>();
+    ASSERT_OK(gather_cuda(a, nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+
+    // The CPU gather.
+    std::vector<uint8_t> wk(size_t(rows + guard) * rb, 0xee), wv(size_t(rows + guard) * rb, 0xee);
+    for (uint32_t r = 0; r < R; ++r) {
+      const HostRun &h = runs[r];
+      size_t row = offsets[r];
+      std::memcpy(&wk[row * rb], h.sink_k.data(), h.sink_k.size());
+      std::memcpy(&wv[row * rb], h.sink_v.data(), h.sink_v.size());
+      row += h.sink;
+      std::memcpy(&wk[row * rb], h.tail_k.data(), h.tail_k.size());
+      std::memcpy(&wv[row * rb], h.tail_v.data(), h.tail_v.size());
+      row += h.tail;
+      for (uint32_t i = 0; i < h.n_ret; ++i) {
+        const uint32_t id = h.ret_ids[i];
+        for (uint32_t m = 0; m < h.size[id]; ++m) {
+          const uint32_t slot = h.first_slot[id] + m;
+          const uint8_t *page = h.page_host[slot / pt];
+          const size_t dst = (row + h.ret_pos[i] + m) * rb;
+          std::memcpy(&wk[dst], page + size_t(slot % pt) * rb, rb);
+          std::memcpy(&wv[dst], page + size_t(pt + slot % pt) * rb, rb);
+        }
+      }
+    }
+    std::vector<uint8_t> gk, gv;
+    download(&gk, xk.p, xk.n);
+    download(&gv, xv.p, xv.n);
+    for (size_t row = 0; row < rows + guard; ++row) {
+      ASSERT_EQ(0, std::memcmp(&gk[row * rb], &wk[row * rb], rb)) << "K row " << row;
+      ASSERT_EQ(0, std::memcmp(&gv[row * rb], &wv[row * rb], rb)) << "V row " << row;
+    }
+    std::vector<unsigned long long> cnt;
+    download(&cnt, counters.p, 2);
+    EXPECT_EQ(cnt[0], want_hits);
+    EXPECT_EQ(cnt[1], want_misses);
+
+    // Without counters the copy is the same.
+    ASSERT_CUDA(cudaMemset(xk.p, 0xee, xk.n));
+    a.counters = nullptr;
+    ASSERT_OK(gather_cuda(a, nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    download(&gk, xk.p, xk.n);
+    EXPECT_EQ(gk, wk);
+  }
+}
+
+TEST(GatherCuda, RejectsMisalignedRows) {
+  REQUIRE_GPU();
+  GatherArgs a;
+  DevBuf buf(4096);
+  a.runs = buf.as<DevRun>();
+  a.n_runs = 1;
+  a.lookup.ret_ids = a.lookup.ret_pos = buf.as<uint32_t>();
+  a.lookup.offsets = buf.as<int32_t>();
+  a.xk = a.xv = buf.as<uint8_t>();
+  a.page_tokens = 8;
+  a.row_bytes = 136;
+  EXPECT_EQ(gather_cuda(a, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  a.row_bytes = 256;
+  a.xv = buf.as<uint8_t>() + 8;
+  EXPECT_EQ(gather_cuda(a, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+}
+
+}  // namespace
+}  // namespace wkv::kernels

@@ -1,0 +1,781 @@
+// Tests of the CUDA lookup and attention kernels against the CPU kernels
+// (kernels/cpu_kernels.hpp) on fresh random inputs from fixed seeds. Every
+// output is poisoned (all bits set: NaN for floats, an impossible id for
+// integers) before each launch, so an element the kernels fail to write
+// shows as a mismatch. Without a CUDA device every test is skipped, never
+// passed.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/attention_cuda.hpp"
+#include "kernels/cpu_kernels.hpp"
+#include "kernels/device_layout.hpp"
+#include "kernels/lookup_cuda.hpp"
+#include "lib/common/dtype.hpp"
+
+namespace wkv::kernels {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr uint32_t kDims[] = {64, 80, 96, 128, 256};
+constexpr DType kTypes[] = {DType::kF32, DType::kF16, DType::kBF16};
+
+bool gpu_available() {
+  static const bool ok = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return n > 0;
+  }();
+  return ok;
+}
+
+#define REQUIRE_GPU()                                   \
+  do {                                                  \
+    if (!gpu_available()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
+
+#define STATUS_OK(expr)                                  \
+  do {                                                   \
+    const ::wkv::Status st_ = (expr);                    \
+    ASSERT_TRUE(st_.is_ok()) << #expr << ": " << st_.message(); \
+  } while (0)
+
+// A device array that frees itself.
+template <typename T>
+class DevArray {
+ public:
+  DevArray() = default;
+  DevArray(const DevArray &) = delete;
+  DevArray &operator=(const DevArray &) = delete;
+  ~DevArray() {
+    if (p_) cudaFree(p_);
+  }
+  cudaError_t alloc(size_t n) {
+    n_ = n;
+    return cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T));
+  }
+  cudaError_t upload(const std::vector<T> &v) {
+    cudaError_t e = alloc(v.size());
+    if (e != cudaSuccess || v.empty()) return e;
+    return cudaMemcpy(p_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  // Every bit set: NaN for f32, f16 and bf16; 0xffffffff for integers.
+  cudaError_t poison() { return cudaMemset(p_, 0xff, std::max<size_t>(n_, 1) * sizeof(T)); }
+  cudaError_t download(std::vector<T> *v) const {
+    v->resize(n_);
+    if (n_ == 0) return cudaSuccess;
+    return cudaMemcpy(v->data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
+  }
+  T *get() const { return p_; }
+  size_t size() const { return n_; }
+
+ private:
+  T *p_ = nullptr;
+  size_t n_ = 0;
+};
+
+// Fast uniform floats in [-1, 1): the attention tests draw tens of millions.
+class Uniform {
+ public:
+  explicit Uniform(uint64_t seed) : s_(seed * 0x9e3779b97f4a7c15ull + 1) {}
+  float operator()() {
+    s_ ^= s_ << 13;
+    s_ ^= s_ >> 7;
+    s_ ^= s_ << 17;
+    return static_cast<float>(static_cast<int64_t>(s_ >> 40) - (int64_t(1) << 23)) * 0x1p-23f;
+  }
+  uint32_t below(uint32_t n) { return static_cast<uint32_t>((((*this)() + 1.f) * 0.5f) * n) % n; }
+
+ private:
+  uint64_t s_;
+};
+
+double rel_l2(const float *got, const float *want, size_t n) {
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    const double e = double(got[i]) - want[i];
+    num += e * e;
+    den += double(want[i]) * want[i];
+  }
+  if (!(num == num)) return kInf;  // NaN
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-20);
+}
+
+// The engine's zone rule (lib/engine/engine.cpp, zone_sizes) at the default
+// fractions.
+void zone_rule(uint32_t clusters, uint32_t *n_ret, uint32_t *n_est) {
+  if (clusters == 0) {
+    *n_ret = *n_est = 0;
+    return;
+  }
+  const double r = std::ceil(static_cast<double>(0.018f) * clusters - 1e-9);
+  const double e = std::floor(static_cast<double>(0.232f) * clusters + 0.5);
+  *n_ret = static_cast<uint32_t>(std::min<double>(r, clusters));
+  *n_est = static_cast<uint32_t>(std::min<double>(e, clusters - *n_ret));
+}
+
+// Lookup ----------------------------------------------------------------------
+
+enum class Zones { kEngineRule, kRandom };
+
+struct LookupSpec {
+  uint32_t d = 128, G = 4;
+  std::vector<uint32_t> clusters;  // per run
+  Zones zones = Zones::kEngineRule;
+  bool ties = false;     // centroids drawn from 3 distinct rows: many equal scores
+  uint64_t seed = 1;
+};
+
+struct HostRun {
+  uint32_t C = 0, n_ret = 0, n_est = 0, sink = 0, tail = 0;
+  size_t meta_off = 0;  // first float of centroid / value_sum in the packed arrays
+  size_t size_off = 0;
+  uint32_t ret_off = 0, est_off = 0, scratch_off = 0;
+};
+
+struct LookupOutputs {
+  std::vector<uint32_t> ret_ids, ret_pos, est_ids, run_tokens;
+  std::vector<float> est_out, est_lse, logits, scores;
+  std::vector<int32_t> offsets;
+};
+
+// Builds the runs of spec on the device, runs lookup_zones (with or without
+// the scores scratch) and checks every output against the CPU kernels.
+void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep = nullptr) {
+  const uint32_t d = spec.d, G = spec.G, R = static_cast<uint32_t>(spec.clusters.size());
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  std::mt19937_64 rng(spec.seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_int_distribution<uint32_t> size_dist(1, 40), small(0, 8);
+
+  // 1. Runs and their meta index.
+  std::vector<HostRun> hr(R);
+  std::vector<float> centroid, value_sum;
+  std::vector<uint32_t> sizes;
+  uint32_t ret_total = 0, est_total = 0, scratch_total = 0, max_clusters = 0;
+  for (uint32_t r = 0; r < R; ++r) {
+    HostRun &h = hr[r];
+    h.C = spec.clusters[r];
+    if (spec.zones == Zones::kEngineRule) {
+      zone_rule(h.C, &h.n_ret, &h.n_est);
+    } else {
+      std::uniform_int_distribution<uint32_t> pick(0, h.C);
+      h.n_ret = pick(rng);
+      h.n_est = std::uniform_int_distribution<uint32_t>(0, h.C - h.n_ret)(rng);
+      if (r % 5 == 1) h.n_ret = 0;
+      if (r % 5 == 2) h.n_est = h.C - h.n_ret;
+    }
+    h.sink = small(rng);
+    h.tail = small(rng) * 8;
+    h.meta_off = centroid.size();
+    h.size_off = sizes.size();
+    h.ret_off = ret_total;
+    h.est_off = est_total;
+    h.scratch_off = scratch_total;
+    ret_total += h.n_ret;
+    est_total += h.n_est;
+    scratch_total += G * h.C;
+    max_clusters = std::max(max_clusters, h.C);
+    // A shared offset makes the softmax peaky, as real keys do.
+    std::vector<float> mean(d), distinct(3 * static_cast<size_t>(d));
+    for (float &x : mean) x = 0.5f * normal(rng);
+    for (float &x : distinct) x = normal(rng);
+    for (uint32_t c = 0; c < h.C; ++c) {
+      const uint32_t pick = c % 3;
+      for (uint32_t i = 0; i < d; ++i)
+        centroid.push_back(spec.ties ? distinct[pick * d + i] : mean[i] + normal(rng));
+      for (uint32_t i = 0; i < d; ++i) value_sum.push_back(8.f * normal(rng));
+      sizes.push_back(size_dist(rng));
+    }
+  }
+  std::vector<float> q(static_cast<size_t>(R) * G * d);
+  for (float &x : q) x = normal(rng);
+
+  // 2. Device copies.
+  DevArray<float> d_centroid, d_value_sum, d_q;
+  DevArray<uint32_t> d_sizes;
+  CUDA_OK(d_centroid.upload(centroid));
+  CUDA_OK(d_value_sum.upload(value_sum));
+  CUDA_OK(d_sizes.upload(sizes));
+  CUDA_OK(d_q.upload(q));
+  std::vector<DevRun> runs(R);
+  for (uint32_t r = 0; r < R; ++r) {
+    DevRun &x = runs[r];
+    std::memset(&x, 0, sizeof x);
+    x.centroid = d_centroid.get() + hr[r].meta_off;
+    x.value_sum = d_value_sum.get() + hr[r].meta_off;
+    x.size = d_sizes.get() + hr[r].size_off;
+    x.clusters = hr[r].C;
+    x.n_ret = hr[r].n_ret;
+    x.n_est = hr[r].n_est;
+    x.sink_tokens = hr[r].sink;
+    x.tail_tokens = hr[r].tail;
+    x.ret_off = hr[r].ret_off;
+    x.est_off = hr[r].est_off;
+    x.scratch_off = hr[r].scratch_off;
+  }
+  DevArray<DevRun> d_runs;
+  CUDA_OK(d_runs.alloc(R));
+  if (R > 0) {
+    CUDA_OK(cudaMemcpy(d_runs.get(), runs.data(), R * sizeof(DevRun), cudaMemcpyHostToDevice));
+  }
+
+  DevArray<uint32_t> d_ret_ids, d_ret_pos, d_est_ids, d_run_tokens;
+  DevArray<float> d_est_out, d_est_lse, d_logits, d_scores;
+  DevArray<int32_t> d_offsets;
+  CUDA_OK(d_ret_ids.alloc(ret_total));
+  CUDA_OK(d_ret_pos.alloc(ret_total));
+  CUDA_OK(d_est_ids.alloc(est_total));
+  CUDA_OK(d_run_tokens.alloc(R));
+  CUDA_OK(d_est_out.alloc(static_cast<size_t>(R) * G * d));
+  CUDA_OK(d_est_lse.alloc(static_cast<size_t>(R) * G));
+  CUDA_OK(d_logits.alloc(scratch_total));
+  CUDA_OK(d_scores.alloc(scratch_total / G));
+  CUDA_OK(d_offsets.alloc(R + 1));
+  for (auto *a : {&d_ret_ids, &d_ret_pos, &d_est_ids, &d_run_tokens}) CUDA_OK(a->poison());
+  for (auto *a : {&d_est_out, &d_est_lse, &d_logits, &d_scores}) CUDA_OK(a->poison());
+  CUDA_OK(d_offsets.poison());
+
+  DevLookup out;
+  out.ret_ids = d_ret_ids.get();
+  out.ret_pos = d_ret_pos.get();
+  out.est_ids = d_est_ids.get();
+  out.run_tokens = d_run_tokens.get();
+  out.est_out = d_est_out.get();
+  out.est_lse = d_est_lse.get();
+  out.offsets = d_offsets.get();
+  out.logits = d_logits.get();
+  STATUS_OK(lookup_zones(d_runs.get(), R, G, d, scale, d_q.get(), out, with_scores ? d_scores.get() : nullptr,
+                         max_clusters, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaGetLastError());
+
+  LookupOutputs got;
+  CUDA_OK(d_ret_ids.download(&got.ret_ids));
+  CUDA_OK(d_ret_pos.download(&got.ret_pos));
+  CUDA_OK(d_est_ids.download(&got.est_ids));
+  CUDA_OK(d_run_tokens.download(&got.run_tokens));
+  CUDA_OK(d_est_out.download(&got.est_out));
+  CUDA_OK(d_est_lse.download(&got.est_lse));
+  CUDA_OK(d_logits.download(&got.logits));
+  CUDA_OK(d_scores.download(&got.scores));
+  CUDA_OK(d_offsets.download(&got.offsets));
+
+  // 3. Against the CPU, run by run.
+  int64_t total_tokens = 0;
+  for (uint32_t r = 0; r < R; ++r) {
+    SCOPED_TRACE("run " + std::to_string(r) + " of " + std::to_string(R) + ", clusters " +
+                 std::to_string(hr[r].C) + ", n_ret " + std::to_string(hr[r].n_ret) + ", n_est " +
+                 std::to_string(hr[r].n_est));
+    const HostRun &h = hr[r];
+    const uint32_t C = h.C;
+    const float *qr = q.data() + static_cast<size_t>(r) * G * d;
+    const float *cent = centroid.data() + h.meta_off;
+    std::vector<float> logits(static_cast<size_t>(G) * C), score(C);
+    if (C > 0) score_clusters(qr, G, cent, C, d, scale, logits.data(), score.data());
+
+    // Logits to 1e-4 of the magnitude of their terms.
+    const float *gl = got.logits.data() + h.scratch_off;
+    for (uint32_t g = 0; g < G; ++g)
+      for (uint32_t c = 0; c < C; ++c) {
+        double mag = 0.0;
+        for (uint32_t i = 0; i < d; ++i) mag += std::fabs(double(qr[g * d + i]) * cent[size_t(c) * d + i]);
+        const float want = logits[size_t(g) * C + c], have = gl[size_t(g) * C + c];
+        ASSERT_LE(std::fabs(double(have) - want), 1e-4 * std::max(mag * scale, 1e-3))
+            << "logit g=" << g << " c=" << c << " gpu " << have << " cpu " << want;
+      }
+
+    // Zones: exactly select_zones over the GPU's own scores.
+    std::vector<uint32_t> want_ret(h.n_ret), want_est(h.n_est), scratch(std::max(C, 1u));
+    if (with_scores) {
+      const float *gs = got.scores.data() + h.scratch_off / G;
+      for (uint32_t c = 0; c < C; ++c)
+        ASSERT_NEAR(gs[c], score[c], 1e-4 * std::max(1.f, score[c])) << "score c=" << c;
+      if (C > 0) select_zones(gs, C, h.n_ret, h.n_est, want_ret.data(), want_est.data(), scratch.data());
+      for (uint32_t i = 0; i < h.n_ret; ++i)
+        ASSERT_EQ(got.ret_ids[h.ret_off + i], want_ret[i]) << "ret_ids[" << i << "]";
+      for (uint32_t i = 0; i < h.n_est; ++i)
+        ASSERT_EQ(got.est_ids[h.est_off + i], want_est[i]) << "est_ids[" << i << "]";
+    } else {
+      // Without the scores the ids are checked by the caller against a run
+      // with them; here only their shape.
+      want_ret.assign(got.ret_ids.begin() + h.ret_off, got.ret_ids.begin() + h.ret_off + h.n_ret);
+      want_est.assign(got.est_ids.begin() + h.est_off, got.est_ids.begin() + h.est_off + h.n_est);
+      ASSERT_TRUE(std::is_sorted(want_ret.begin(), want_ret.end()));
+      ASSERT_TRUE(std::is_sorted(want_est.begin(), want_est.end()));
+      for (uint32_t id : want_ret) ASSERT_LT(id, C);
+      for (uint32_t id : want_est) ASSERT_LT(id, C);
+    }
+
+    // ret_pos and run_tokens.
+    uint32_t pos = 0;
+    const uint32_t *sz = sizes.data() + h.size_off;
+    for (uint32_t i = 0; i < h.n_ret; ++i) {
+      ASSERT_EQ(got.ret_pos[h.ret_off + i], pos) << "ret_pos[" << i << "]";
+      pos += sz[want_ret[i]];
+    }
+    ASSERT_EQ(got.run_tokens[r], h.sink + h.tail + pos);
+    ASSERT_EQ(got.offsets[r], total_tokens);
+    total_tokens += got.run_tokens[r];
+
+    // The estimate per head, from the CPU logits.
+    const float *vs = value_sum.data() + h.meta_off;
+    for (uint32_t g = 0; g < G; ++g) {
+      std::vector<float> est(d);
+      const float lse = estimate_zone(logits.data() + size_t(g) * C, want_est.data(), h.n_est, vs, sz, d, est.data());
+      const float *ge = got.est_out.data() + (size_t(r) * G + g) * d;
+      const float gl_lse = got.est_lse[size_t(r) * G + g];
+      if (lse == -kInf) {
+        ASSERT_EQ(gl_lse, -kInf) << "est_lse g=" << g;
+        for (uint32_t i = 0; i < d; ++i) ASSERT_EQ(ge[i], 0.f) << "est_out g=" << g << " i=" << i;
+      } else {
+        ASSERT_NEAR(gl_lse, lse, 1e-4 * std::max(1.f, std::fabs(lse))) << "est_lse g=" << g;
+        ASSERT_LE(rel_l2(ge, est.data(), d), 1e-4) << "est_out g=" << g;
+      }
+    }
+  }
+  ASSERT_EQ(got.offsets[R], total_tokens);
+  if (keep) *keep = std::move(got);
+}
+
+std::vector<uint32_t> mixed_clusters(uint64_t seed, uint32_t n_random) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint32_t> c = {0, 1, 2, 17, 64, 65, 3000, 0};
+  std::uniform_int_distribution<uint32_t> pick(1, 3000);
+  for (uint32_t i = 0; i < n_random; ++i) c.push_back(pick(rng));
+  std::shuffle(c.begin(), c.end(), rng);
+  return c;
+}
+
+TEST(LookupZones, MatchesCpuForEveryHeadDimAndGroup) {
+  REQUIRE_GPU();
+  uint64_t seed = 100;
+  for (uint32_t d : kDims)
+    for (uint32_t G : {1u, 3u, 4u, 8u, 16u}) {
+      SCOPED_TRACE("d=" + std::to_string(d) + " G=" + std::to_string(G));
+      LookupSpec spec;
+      spec.d = d;
+      spec.G = G;
+      spec.seed = ++seed;
+      spec.clusters = mixed_clusters(seed, 5);
+      spec.zones = seed % 2 ? Zones::kRandom : Zones::kEngineRule;
+      check_lookup(spec, true);
+      if (HasFatalFailure()) return;
+    }
+}
+
+TEST(LookupZones, SmallRunsMatchCpu) {
+  REQUIRE_GPU();
+  for (Zones z : {Zones::kEngineRule, Zones::kRandom}) {
+    LookupSpec spec;
+    spec.d = 64;
+    spec.G = 4;
+    spec.seed = 7 + static_cast<int>(z);
+    spec.clusters = {3, 0, 150, 40, 1};
+    spec.zones = z;
+    check_lookup(spec, true);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(LookupZones, EqualScoresBreakTiesToTheLowerId) {
+  REQUIRE_GPU();
+  for (uint32_t G : {1u, 4u}) {
+    LookupSpec spec;
+    spec.d = 96;
+    spec.G = G;
+    spec.seed = 31 + G;
+    spec.ties = true;
+    spec.zones = Zones::kRandom;
+    spec.clusters = {5, 300, 2999, 64, 1000, 77, 1, 4096};
+    check_lookup(spec, true);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(LookupZones, LargeRunsSelectThroughTheGlobalScratch) {
+  REQUIRE_GPU();
+  LookupSpec spec;
+  spec.d = 128;
+  spec.G = 4;
+  spec.seed = 5;
+  spec.zones = Zones::kRandom;
+  spec.clusters = {kLookupSmemClusters + 1, 65536, 100, 40000, kLookupSmemClusters};
+  check_lookup(spec, true);
+}
+
+TEST(LookupZones, IsDeterministicAndNeedsNoScoresForSmallRuns) {
+  REQUIRE_GPU();
+  LookupSpec spec;
+  spec.d = 80;
+  spec.G = 8;
+  spec.seed = 77;
+  spec.zones = Zones::kRandom;
+  spec.clusters = mixed_clusters(77, 6);
+  LookupOutputs a, b;
+  check_lookup(spec, true, &a);
+  if (HasFatalFailure()) return;
+  check_lookup(spec, false, &b);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(a.ret_ids, b.ret_ids);
+  EXPECT_EQ(a.est_ids, b.est_ids);
+  EXPECT_EQ(a.ret_pos, b.ret_pos);
+  EXPECT_EQ(a.offsets, b.offsets);
+  ASSERT_EQ(a.est_out.size(), b.est_out.size());
+  EXPECT_EQ(0, std::memcmp(a.est_out.data(), b.est_out.data(), a.est_out.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(a.logits.data(), b.logits.data(), a.logits.size() * sizeof(float)));
+}
+
+TEST(LookupZones, ZeroRunsWriteOffsetZero) {
+  REQUIRE_GPU();
+  DevArray<int32_t> offsets;
+  CUDA_OK(offsets.alloc(1));
+  CUDA_OK(offsets.poison());
+  DevLookup out{};
+  out.offsets = offsets.get();
+  STATUS_OK(lookup_zones(nullptr, 0, 4, 128, 0.1f, reinterpret_cast<const float *>(16), out, nullptr, 0, nullptr));
+  std::vector<int32_t> h;
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(offsets.download(&h));
+  EXPECT_EQ(h[0], 0);
+}
+
+TEST(LookupZones, RejectsBadArguments) {
+  REQUIRE_GPU();
+  DevLookup out{};
+  int32_t dummy = 0;
+  out.offsets = &dummy;
+  const float *q = reinterpret_cast<const float *>(16);
+  EXPECT_EQ(lookup_zones(nullptr, 0, 0, 128, 0.1f, q, out, nullptr, 0, nullptr).code(), WKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(lookup_zones(nullptr, 0, 33, 128, 0.1f, q, out, nullptr, 0, nullptr).code(), WKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(lookup_zones(nullptr, 0, 4, 72, 0.1f, q, out, nullptr, 0, nullptr).code(), WKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(lookup_zones(nullptr, 0, 4, 128, 0.1f, q, out, nullptr, kLookupSmemClusters + 1, nullptr).code(),
+            WKV_ERR_INVALID_ARGUMENT);
+}
+
+// Attention -------------------------------------------------------------------
+
+struct AttendSpec {
+  DType t = DType::kF16;
+  uint32_t d = 128, G = 4, H = 1;
+  std::vector<uint32_t> tokens;  // per run, r = s * H + h
+  float q_mult = 1.f;            // 30 gives extreme logits
+  float k_mult = 1.f;
+  bool with_est = true, with_lse = true;
+  uint64_t seed = 1;
+};
+
+void check_attend(const AttendSpec &spec) {
+  const uint32_t d = spec.d, G = spec.G, H = spec.H, R = static_cast<uint32_t>(spec.tokens.size());
+  ASSERT_EQ(R % H, 0u);
+  const uint32_t n_seqs = R / H, nq = H * G;
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const size_t esz = dtype_bytes(spec.t);
+  Uniform uni(spec.seed);
+
+  std::vector<int32_t> offsets(R + 1, 0);
+  uint32_t max_tokens = 0;
+  for (uint32_t r = 0; r < R; ++r) {
+    offsets[r + 1] = offsets[r] + static_cast<int32_t>(spec.tokens[r]);
+    max_tokens = std::max(max_tokens, spec.tokens[r]);
+  }
+  const size_t total = static_cast<size_t>(offsets[R]);
+  std::vector<float> kf(total * d), vf(total * d);
+  for (float &x : kf) x = uni() * spec.k_mult;
+  for (float &x : vf) x = uni();
+  std::vector<uint8_t> kb(kf.size() * esz), vb(vf.size() * esz);
+  from_float(spec.t, kf.data(), kb.data(), kf.size());
+  from_float(spec.t, vf.data(), vb.data(), vf.size());
+  std::vector<float>().swap(kf);
+  std::vector<float>().swap(vf);
+  std::vector<float> q(static_cast<size_t>(R) * G * d);
+  for (float &x : q) x = uni() * spec.q_mult;
+  std::vector<float> est_out(static_cast<size_t>(R) * G * d), est_lse(static_cast<size_t>(R) * G);
+  for (float &x : est_out) x = uni();
+  for (size_t i = 0; i < est_lse.size(); ++i)
+    est_lse[i] = i % 3 == 0 ? -kInf : 4.f * uni() + 2.f + (spec.q_mult > 1.f ? 60.f * uni() : 0.f);
+
+  // Strided output with gaps: head_stride and seq_stride leave elements no
+  // head owns, which must stay poisoned.
+  const int64_t head_stride = d + 8, seq_stride = static_cast<int64_t>(nq) * head_stride + 24;
+  const size_t out_elems = static_cast<size_t>(n_seqs) * seq_stride;
+
+  DevArray<uint8_t> d_k, d_v, d_out;
+  DevArray<float> d_q, d_est_out, d_est_lse, d_lse, d_scratch;
+  DevArray<int32_t> d_offsets;
+  CUDA_OK(d_k.upload(kb));
+  CUDA_OK(d_v.upload(vb));
+  CUDA_OK(d_q.upload(q));
+  CUDA_OK(d_est_out.upload(est_out));
+  CUDA_OK(d_est_lse.upload(est_lse));
+  CUDA_OK(d_offsets.upload(offsets));
+  CUDA_OK(d_out.alloc(out_elems * esz));
+  CUDA_OK(d_lse.alloc(static_cast<size_t>(n_seqs) * nq));
+  const size_t scratch_floats = attend_ragged_scratch_floats(R, G, d, max_tokens);
+  CUDA_OK(d_scratch.alloc(scratch_floats));
+  CUDA_OK(d_out.poison());
+  CUDA_OK(d_lse.poison());
+  CUDA_OK(d_scratch.poison());
+
+  STATUS_OK(attend_ragged(spec.t, d_offsets.get(), d_k.get(), d_v.get(), d_q.get(), R, H, G, d, scale, max_tokens,
+                          spec.with_est ? d_est_out.get() : nullptr, spec.with_est ? d_est_lse.get() : nullptr,
+                          d_out.get(), seq_stride, head_stride, spec.with_lse ? d_lse.get() : nullptr,
+                          d_scratch.get(), scratch_floats, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaGetLastError());
+  std::vector<uint8_t> out_b;
+  std::vector<float> lse_got;
+  CUDA_OK(d_out.download(&out_b));
+  CUDA_OK(d_lse.download(&lse_got));
+  std::vector<float> out_f(out_elems);
+  to_float(spec.t, out_b.data(), out_f.data(), out_elems);
+  std::vector<char> owned(out_elems, 0);
+
+  const double tol = spec.t == DType::kF32 ? 1e-4 : 1e-2;
+  std::vector<float> o(static_cast<size_t>(G) * d), l(G);
+  for (uint32_t r = 0; r < R; ++r) {
+    SCOPED_TRACE("run " + std::to_string(r) + " with " + std::to_string(spec.tokens[r]) + " tokens");
+    const uint32_t s = r / H, h = r % H, n = spec.tokens[r];
+    attend_exact(spec.t, q.data() + static_cast<size_t>(r) * G * d, G, kb.data() + size_t(offsets[r]) * d * esz,
+                 vb.data() + size_t(offsets[r]) * d * esz, n, d, scale, o.data(), l.data());
+    for (uint32_t g = 0; g < G; ++g) {
+      float *og = o.data() + static_cast<size_t>(g) * d;
+      const float no_est = -kInf;
+      const float lse_want = spec.with_est
+                                 ? merge_partials(og, l[g], est_out.data() + (size_t(r) * G + g) * d,
+                                                  est_lse[size_t(r) * G + g], d, og)
+                                 : merge_partials(og, l[g], og, no_est, d, og);
+      const size_t at = static_cast<size_t>(s) * seq_stride + static_cast<size_t>(h * G + g) * head_stride;
+      for (uint32_t i = 0; i < d; ++i) {
+        owned[at + i] = 1;
+        ASSERT_TRUE(std::isfinite(out_f[at + i])) << "out g=" << g << " i=" << i << " = " << out_f[at + i];
+      }
+      if (std::sqrt(std::inner_product(og, og + d, og, 0.0)) == 0.0) {
+        for (uint32_t i = 0; i < d; ++i) ASSERT_EQ(out_f[at + i], 0.f) << "g=" << g << " i=" << i;
+      } else {
+        ASSERT_LE(rel_l2(out_f.data() + at, og, d), tol) << "out g=" << g;
+      }
+      if (spec.with_lse) {
+        const float lg = lse_got[static_cast<size_t>(s) * nq + h * G + g];
+        if (lse_want == -kInf) {
+          ASSERT_EQ(lg, -kInf) << "lse g=" << g;
+        } else {
+          ASSERT_TRUE(std::isfinite(lg)) << "lse g=" << g << " = " << lg;
+          ASSERT_NEAR(lg, lse_want, 1e-4 * std::max(1.f, std::fabs(lse_want))) << "lse g=" << g;
+        }
+      }
+    }
+  }
+  // Elements no head owns are untouched (still all bits set).
+  for (size_t i = 0; i < out_elems; ++i) {
+    if (owned[i]) continue;
+    for (size_t b = 0; b < esz; ++b) ASSERT_EQ(out_b[i * esz + b], 0xff) << "gap element " << i << " written";
+  }
+}
+
+TEST(AttendRagged, MatchesCpuForEveryTypeHeadDimAndGroup) {
+  REQUIRE_GPU();
+  uint64_t seed = 1000;
+  for (DType t : kTypes)
+    for (uint32_t d : kDims)
+      for (uint32_t G : {1u, 4u, 8u}) {
+        SCOPED_TRACE(std::string(dtype_name(t)) + " d=" + std::to_string(d) + " G=" + std::to_string(G));
+        AttendSpec spec;
+        spec.t = t;
+        spec.d = d;
+        spec.G = G;
+        spec.seed = ++seed;
+        if (G == 4) {
+          spec.H = 5;  // one sequence of five KV heads
+          spec.tokens = {1000, 0, 70000, 1, 17};
+        } else {
+          spec.H = 1;  // five sequences of one KV head
+          spec.tokens = {0, 1, 17, 1000, 70000};
+        }
+        check_attend(spec);
+        if (HasFatalFailure()) return;
+      }
+}
+
+TEST(AttendRagged, ShortRunsMatchCpu) {
+  REQUIRE_GPU();
+  uint64_t seed = 2000;
+  for (DType t : kTypes)
+    for (uint32_t d : {64u, 80u, 256u})
+      for (uint32_t G : {1u, 2u, 8u}) {
+        SCOPED_TRACE(std::string(dtype_name(t)) + " d=" + std::to_string(d) + " G=" + std::to_string(G));
+        AttendSpec spec;
+        spec.t = t;
+        spec.d = d;
+        spec.G = G;
+        spec.H = 2;
+        spec.seed = ++seed;
+        spec.tokens = {0, 1, 17, 100, 3, 0};
+        spec.with_lse = G != 2;
+        check_attend(spec);
+        if (HasFatalFailure()) return;
+      }
+}
+
+TEST(AttendRagged, LargeAndOddGroupsSplitHeadsOverWarps) {
+  REQUIRE_GPU();
+  uint64_t seed = 3000;
+  for (uint32_t G : {3u, 6u, 12u, 16u, 24u, 32u}) {
+    SCOPED_TRACE("G=" + std::to_string(G));
+    AttendSpec spec;
+    spec.t = G % 2 ? DType::kF32 : DType::kBF16;
+    spec.d = G == 12 ? 96 : 128;
+    spec.G = G;
+    spec.H = 2;
+    spec.seed = ++seed;
+    spec.tokens = {5, 4000, 0, 301};
+    check_attend(spec);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(AttendRagged, ExtremeLogitsStayFinite) {
+  REQUIRE_GPU();
+  uint64_t seed = 4000;
+  for (DType t : kTypes)
+    for (uint32_t d : {64u, 128u}) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + " d=" + std::to_string(d));
+      AttendSpec spec;
+      spec.t = t;
+      spec.d = d;
+      spec.G = 8;
+      spec.H = 1;
+      spec.q_mult = 30.f;
+      spec.k_mult = 4.f;
+      spec.seed = ++seed;
+      spec.tokens = {2000, 1, 0, 9000};
+      check_attend(spec);
+      if (HasFatalFailure()) return;
+    }
+}
+
+TEST(AttendRagged, WithoutEstimateIsPlainAttention) {
+  REQUIRE_GPU();
+  AttendSpec spec;
+  spec.t = DType::kF32;
+  spec.d = 128;
+  spec.G = 4;
+  spec.H = 3;
+  spec.seed = 5000;
+  spec.with_est = false;
+  spec.tokens = {0, 10, 700, 20000, 1, 64};
+  check_attend(spec);
+}
+
+TEST(AttendRagged, RejectsBadArguments) {
+  REQUIRE_GPU();
+  alignas(16) static float buf[64];
+  int32_t *offs = reinterpret_cast<int32_t *>(buf);
+  EXPECT_EQ(attend_ragged(DType::kF16, offs, buf, buf, buf, 2, 2, 0, 128, 0.1f, 10, nullptr, nullptr, buf, 0, 0,
+                          nullptr, buf, 64, nullptr)
+                .code(),
+            WKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(attend_ragged(DType::kF16, offs, buf, buf, buf, 2, 2, 4, 72, 0.1f, 10, nullptr, nullptr, buf, 0, 0,
+                          nullptr, buf, 64, nullptr)
+                .code(),
+            WKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(attend_ragged(DType::kF16, offs, buf, buf, buf, 3, 2, 4, 128, 0.1f, 10, nullptr, nullptr, buf, 0, 0,
+                          nullptr, buf, 64, nullptr)
+                .code(),
+            WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(attend_ragged(DType::kF16, offs, buf + 1, buf, buf, 2, 2, 4, 128, 0.1f, 10, nullptr, nullptr, buf, 0, 0,
+                          nullptr, buf, 64, nullptr)
+                .code(),
+            WKV_ERR_INVALID_ARGUMENT);
+  // Scratch too small: checked before any launch.
+  EXPECT_EQ(attend_ragged(DType::kF16, offs, buf, buf, buf, 2, 2, 4, 128, 0.1f, 10000, nullptr, nullptr, buf, 0, 0,
+                          nullptr, buf, 64, nullptr)
+                .code(),
+            WKV_ERR_INVALID_ARGUMENT);
+}
+
+// merge_estimate ----------------------------------------------------------------
+
+TEST(MergeEstimate, MatchesCpuMergeInPlace) {
+  REQUIRE_GPU();
+  uint64_t seed = 6000;
+  for (DType t : kTypes)
+    for (uint32_t d : kDims) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + " d=" + std::to_string(d));
+      const uint32_t n_seqs = 3, nq = 8;
+      const int64_t head_stride = d + 4, seq_stride = nq * head_stride + 12, lse_seq_stride = nq + 3;
+      const size_t esz = dtype_bytes(t), out_elems = n_seqs * seq_stride;
+      Uniform uni(++seed);
+      std::vector<float> out_f(out_elems), est_out(size_t(n_seqs) * nq * d), est_lse(size_t(n_seqs) * nq);
+      std::vector<float> lse(size_t(n_seqs) * lse_seq_stride);
+      for (float &x : out_f) x = uni();
+      for (float &x : est_out) x = uni();
+      for (size_t i = 0; i < est_lse.size(); ++i) est_lse[i] = i % 4 == 1 ? -kInf : 5.f * uni();
+      for (size_t i = 0; i < lse.size(); ++i) lse[i] = i % 5 == 2 || i % 4 == 1 ? -kInf : 5.f * uni();
+      std::vector<uint8_t> out_b(out_elems * esz);
+      from_float(t, out_f.data(), out_b.data(), out_elems);
+      to_float(t, out_b.data(), out_f.data(), out_elems);  // as the caller's storage holds it
+
+      DevArray<uint8_t> d_out;
+      DevArray<float> d_lse, d_est_out, d_est_lse;
+      CUDA_OK(d_out.upload(out_b));
+      CUDA_OK(d_lse.upload(lse));
+      CUDA_OK(d_est_out.upload(est_out));
+      CUDA_OK(d_est_lse.upload(est_lse));
+      STATUS_OK(merge_estimate(t, d_out.get(), seq_stride, head_stride, d_lse.get(), lse_seq_stride, d_est_out.get(),
+                               d_est_lse.get(), n_seqs, nq, d, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      std::vector<uint8_t> got_b;
+      std::vector<float> got_lse;
+      CUDA_OK(d_out.download(&got_b));
+      CUDA_OK(d_lse.download(&got_lse));
+      std::vector<float> got(out_elems);
+      to_float(t, got_b.data(), got.data(), out_elems);
+      std::vector<char> owned(out_elems, 0);
+      for (uint32_t s = 0; s < n_seqs; ++s)
+        for (uint32_t h = 0; h < nq; ++h) {
+          const size_t at = s * seq_stride + h * head_stride, qh = size_t(s) * nq + h;
+          std::vector<float> want(d);
+          const float l = merge_partials(out_f.data() + at, lse[s * lse_seq_stride + h], est_out.data() + qh * d,
+                                         est_lse[qh], d, want.data());
+          for (uint32_t i = 0; i < d; ++i) owned[at + i] = 1;
+          const float lg = got_lse[s * lse_seq_stride + h];
+          if (l == -kInf) {
+            ASSERT_EQ(lg, -kInf);
+          } else {
+            ASSERT_NEAR(lg, l, 1e-5 * std::max(1.f, std::fabs(l)));
+          }
+          const double n2 = std::sqrt(std::inner_product(want.begin(), want.end(), want.begin(), 0.0));
+          if (n2 == 0.0) {
+            for (uint32_t i = 0; i < d; ++i) ASSERT_EQ(got[at + i], 0.f);
+          } else {
+            ASSERT_LE(rel_l2(got.data() + at, want.data(), d), t == DType::kF32 ? 1e-5 : 1e-2) << "s=" << s << " h=" << h;
+          }
+        }
+      for (size_t i = 0; i < out_elems; ++i) {
+        if (owned[i]) continue;
+        ASSERT_EQ(0, std::memcmp(&got_b[i * esz], &out_b[i * esz], esz)) << "gap " << i;
+      }
+      for (uint32_t s = 0; s < n_seqs; ++s)
+        for (uint32_t h = nq; h < lse_seq_stride; ++h)
+          ASSERT_EQ(0, std::memcmp(&got_lse[s * lse_seq_stride + h], &lse[s * lse_seq_stride + h], 4));
+    }
+}
+
+}  // namespace
+}  // namespace wkv::kernels
