@@ -48,6 +48,8 @@ if command -v compute-sanitizer >/dev/null; then
   step compute-sanitizer "$([ $san_fail = 0 ] && echo clean || echo "ERRORS (see sanitizer-*.log)")"
 fi
 
+anchor=$(python3 bench/gpu_prefill_anchor.py 2>"$OUT/anchor.err" | awk '/prefill_ms/{print $2}')
+step "torch causal prefill ms" "${anchor:-n/a} (131072 tok, 32 q / 8 kv heads, d=128, bf16)"
 for b in build-gpu/bin/gpu_*bench*; do
   [ -x "$b" ] || continue
   "$b" > "$OUT/$(basename "$b").log" 2>&1
