@@ -396,6 +396,41 @@ TEST(KMeansCuda, IdenticalKeysFormOneCluster) {
   EXPECT_EQ(out[0].value_sum, std::vector<float>(64, float(in.T)));
 }
 
+TEST(KMeansCuda, HugeClustersAreSummedExactlyAndDeterministically) {
+  REQUIRE_GPU();
+  // Most tokens of a segment repeat one key (as repeated tokens do): their
+  // cluster holds thousands of members and is summed by a whole CTA.
+  std::mt19937_64 rng(105);
+  const uint32_t d = 128;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(dtype_name(t));
+    std::vector<SegInput> in;
+    for (uint32_t T : {6000u, 300u, 2500u}) {
+      SegInput s;
+      s.T = T;
+      s.k = T / 16;
+      s.seed = T;
+      auto keys = random_vec(rng, size_t(T) * d, 1.f, 2.f);
+      for (uint32_t i = 0; i < T; ++i)
+        if (i % 7 != 0) std::copy(keys.begin(), keys.begin() + d, keys.begin() + size_t(i) * d);
+      s.keys = rounded(t, keys);
+      s.values = rounded(t, random_vec(rng, size_t(T) * d, 1.f, 0.5f));
+      in.push_back(std::move(s));
+    }
+    KMeansRunner run(t, d, KMeansAssign::kFused);
+    std::vector<SegmentClusters> a, b;
+    ASSERT_NO_FATAL_FAILURE(run.run(in, &a));
+    ASSERT_NO_FATAL_FAILURE(run.run(in, &b));
+    for (size_t s = 0; s < in.size(); ++s) {
+      SCOPED_TRACE(testing::Message() << "segment " << s);
+      ASSERT_NO_FATAL_FAILURE(check_clusters(a[s], in[s], d, tolerance(t)));
+      EXPECT_TRUE(same(a[s], b[s]));
+      const uint32_t biggest = *std::max_element(a[s].size.begin(), a[s].size.end());
+      EXPECT_GE(biggest, in[s].T * 6 / 7);  // the repeated key's tokens stay together
+    }
+  }
+}
+
 TEST(KMeansCuda, RecoversPlantedDirectionsUnderALargeSharedOffset) {
   REQUIRE_GPU();
   // As the CPU test: 8 planted directions (4 and their opposites), radii
