@@ -6,6 +6,7 @@
 //   gpu_kernels_bench            prints one table
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
 #include <cmath>
@@ -60,26 +61,54 @@ __global__ void fill_f32(float *p, size_t n, uint64_t seed) {
   }
 }
 
+// Median over 9 samples of the mean device time per call of `batch` calls
+// issued back to back (so that host launch overhead overlaps device work,
+// as in a decoding loop); f(i) issues call i.
 template <typename F>
-double median_us(F &&f, int reps, int warm = 5) {
+double median_us(F &&f, int batch, int warm = 5) {
   cudaEvent_t a, b;
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
   for (int i = 0; i < warm; ++i) f(i);
   std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
+  int call = 0;
+  for (int k = 0; k < 9; ++k) {
     CHECK_CUDA(cudaEventRecord(a));
-    f(i);
+    for (int i = 0; i < batch; ++i) f(call++);
     CHECK_CUDA(cudaEventRecord(b));
     CHECK_CUDA(cudaEventSynchronize(b));
     float ms = 0.f;
     CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1e3);
+    t.push_back(ms * 1e3 / batch);
   }
   CHECK_CUDA(cudaEventDestroy(a));
   CHECK_CUDA(cudaEventDestroy(b));
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+__global__ void read_kernel(const uint4 *p, size_t n, uint32_t *sink) {
+  uint32_t x = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcs(p + i);
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x == 0x12345678u) *sink = x;
+}
+
+void bench_read() {
+  const size_t bytes = size_t(1) << 30;
+  uint4 *a;
+  uint32_t *sink;
+  CHECK_CUDA(cudaMalloc(&a, bytes));
+  CHECK_CUDA(cudaMalloc(&sink, 4));
+  CHECK_CUDA(cudaMemset(a, 1, bytes));
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const double us = median_us([&](int) { read_kernel<<<sms * 8, 512>>>(a, bytes / 16, sink); }, 3);
+  std::printf("%-44s %10.1f us %8.0f GB/s (read)\n", "device read 1 GiB", us, bytes / us / 1e3);
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(sink));
 }
 
 void bench_copy() {
@@ -88,7 +117,7 @@ void bench_copy() {
   CHECK_CUDA(cudaMalloc(&a, bytes));
   CHECK_CUDA(cudaMalloc(&b, bytes));
   CHECK_CUDA(cudaMemset(a, 1, bytes));
-  const double us = median_us([&](int) { CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 10);
+  const double us = median_us([&](int) { CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 3);
   std::printf("%-44s %10.1f us %8.0f GB/s (read+write)\n", "device copy 1 GiB", us, 2.0 * bytes / us / 1e3);
   CHECK_CUDA(cudaFree(a));
   CHECK_CUDA(cudaFree(b));
@@ -124,16 +153,18 @@ void bench_attend(uint32_t R, uint32_t tokens, uint32_t G, uint32_t d, int copie
   CHECK_CUDA(cudaDeviceSynchronize());
   const uint32_t H = R >= 8 ? 8 : R;
   const float scale = 1.f / std::sqrt(float(d));
+  char name[96];
+  std::snprintf(name, sizeof name, "attend f16 d=%u G=%u R=%u x %u tok", d, G, R, tokens);
+  nvtxRangePushA(name);
   const double us = median_us(
       [&](int i) {
         const int c = i % copies;
         CHECK_STATUS(attend_ragged(DType::kF16, d_offs, k[c], v[c], q, R, H, G, d, scale, tokens, est_out, est_lse,
                                    out, int64_t(H) * G * d, d, lse, scratch, sf, nullptr));
       },
-      50);
+      20);
+  nvtxRangePop();
   const double bytes = double(total) * row * 2 * 2;
-  char name[96];
-  std::snprintf(name, sizeof name, "attend f16 d=%u G=%u R=%u x %u tok", d, G, R, tokens);
   std::printf("%-44s %10.1f us %8.0f GB/s (K+V read)\n", name, us, bytes / us / 1e3);
   for (int c = 0; c < copies; ++c) {
     CHECK_CUDA(cudaFree(k[c]));
@@ -198,14 +229,16 @@ void bench_lookup(uint32_t R, uint32_t C, uint32_t G, uint32_t d, int copies) {
   DevLookup out{ret_ids, ret_pos, est_ids, run_tokens, est_out, est_lse, offsets, logits};
   CHECK_CUDA(cudaDeviceSynchronize());
   const float scale = 1.f / std::sqrt(float(d));
+  char name[96];
+  std::snprintf(name, sizeof name, "lookup d=%u G=%u R=%u x %u clusters", d, G, R, C);
+  nvtxRangePushA(name);
   const double us = median_us(
       [&](int i) {
         CHECK_STATUS(lookup_zones(d_runs[i % copies], R, G, d, scale, q, out, nullptr, C, nullptr));
       },
-      50);
+      20);
+  nvtxRangePop();
   const double bytes = double(R) * C * d * 4 + double(R) * n_est * d * 4;
-  char name[96];
-  std::snprintf(name, sizeof name, "lookup d=%u G=%u R=%u x %u clusters", d, G, R, C);
   std::printf("%-44s %10.1f us %8.0f GB/s (centroids + est VS)\n", name, us, bytes / us / 1e3);
   for (int c = 0; c < copies; ++c) {
     CHECK_CUDA(cudaFree(cent[c]));
@@ -229,6 +262,7 @@ int main() {
   CHECK_CUDA(cudaGetDeviceProperties(&p, 0));
   std::printf("%s, %d SMs, L2 %d MiB\n", p.name, p.multiProcessorCount, p.l2CacheSize >> 20);
   bench_copy();
+  bench_read();
   bench_attend(8, 2500, 4, 128, 8);
   bench_attend(8, 2500, 8, 128, 8);
   bench_attend(32, 2500, 4, 128, 2);

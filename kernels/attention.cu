@@ -17,9 +17,13 @@
 // head_of_lane(j). The online softmax runs once per block of kU steps; the
 // probabilities go through shared memory to every lane for the V update.
 //
-// combine_kernel, one CTA per (run, head): merges the splits in log space,
-// then the estimate exactly as merge_partials does, and writes the output
-// in the storage dtype (and the lse).
+// combine_kernel, one CTA per (run, head, 32 elements): merges the splits in
+// log space (32 lanes of splits in parallel), then the estimate exactly as
+// merge_partials does, and writes the output in the storage dtype (and the
+// lse). Both kernels use programmatic dependent launch: each waits for the
+// grid before it (griddepcontrol.wait) before touching memory, so that its
+// launch overlaps the tail of the one before.
+#include <atomic>
 #include <cmath>
 
 #include "kernels/attention_cuda.hpp"
@@ -40,7 +44,13 @@ constexpr uint32_t kE = 8;            // elements of a row per lane
 constexpr uint32_t kMaxG = 32;        // query heads per KV head
 constexpr uint32_t kMinChunk = 64;    // fewest tokens worth a split of its own
 constexpr uint32_t kMaxCtas = 2048;   // bound of R * n_splits (sizes the scratch)
-constexpr uint32_t kCombineThreads = 128;
+// Shared memory budget of one warp's pipeline (bytes): sets the stages.
+#ifndef WKV_ATTEND_WARP_SMEM
+#define WKV_ATTEND_WARP_SMEM 16384
+#endif
+constexpr uint32_t kCombineThreads = 256;
+constexpr uint32_t kCombineCols = 8;  // float4 columns (32 elements) per combine CTA
+constexpr uint32_t kCombineLanes = kCombineThreads / kCombineCols;  // splits summed in parallel
 
 constexpr uint32_t pow2ceil(uint32_t x) {
   uint32_t p = 1;
@@ -60,7 +70,7 @@ struct Shape {
   static constexpr uint32_t kRows = kU * kRpw;                 // rows per block
   static constexpr uint32_t kRowBytes = D * sizeof(Tag);
   static constexpr uint32_t kBlockBytes = kRows * kRowBytes;   // K (or V) of one block
-  static constexpr uint32_t kStages = clampu(16384 / (2 * kBlockBytes), 2, 6);
+  static constexpr uint32_t kStages = clampu(WKV_ATTEND_WARP_SMEM / (2 * kBlockBytes), 2, 6);
   static constexpr uint32_t kWarpBytes = kStages * 2 * kBlockBytes;
   static constexpr uint32_t kPsFloats = kRows * 8 + 8;         // p [kRows][HC] and alpha [HC]
   static_assert(D % kVec == 0 && kLpr * kE >= D && kLpr <= 32, "row does not fit a warp");
@@ -73,6 +83,14 @@ constexpr size_t attend_smem_bytes() {
   const size_t pipe = static_cast<size_t>(kWarps) * S::kWarpBytes + kWarps * S::kPsFloats * sizeof(float);
   const size_t comb = (2 * kWarps * kMaxG + static_cast<size_t>(kWarps) * HC * D) * sizeof(float);
   return pipe > comb ? pipe : comb;
+}
+
+// Waits until the grid this one depends on (programmatic dependent launch)
+// has completed and its writes are visible; a no-op without one.
+__device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool ok) {
@@ -172,6 +190,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   using S = Shape<Tag, D>;
   extern __shared__ uint4 dyn_smem[];
   uint8_t *smem = reinterpret_cast<uint8_t *>(dyn_smem);
+  wait_prior_grid();
   const uint32_t r = blockIdx.x, split = blockIdx.y;
   const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int32_t beg = offsets[r];
@@ -394,7 +413,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-// Merges the splits of head g of run r, then the estimate, and writes out.
+// CTA (rh, chunk) merges the splits of head g of run r (rh = r * G + g) for
+// elements 32 chunk .. 32 chunk + 31, then the estimate, and writes out.
 template <typename Tag>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const float *__restrict__ part_o, const float *__restrict__ part_lse, uint32_t n_splits,
@@ -402,8 +422,10 @@ __global__ void __launch_bounds__(kCombineThreads)
                    const float *__restrict__ est_lse, typename DevType<Tag>::type *out, int64_t seq_stride,
                    int64_t head_stride, float *lse) {
   __shared__ float w_s[kMaxCtas];
+  __shared__ float4 red[kCombineLanes][kCombineCols];
   __shared__ float tmp[32];
-  const uint32_t rh = blockIdx.x, r = rh / G, g = rh % G, sq = r / H, h = r % H;
+  wait_prior_grid();
+  const uint32_t rh = blockIdx.x, chunk = blockIdx.y, r = rh / G, g = rh % G, sq = r / H, h = r % H;
   const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   constexpr uint32_t nw = kCombineThreads / 32;
   const float *pl = part_lse + static_cast<size_t>(r) * n_splits * G + g;
@@ -428,7 +450,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) W += __shfl_xor_sync(kFull, W, o);
   if (lane == 0) tmp[warp] = W;
-  __syncthreads();
+  __syncthreads();  // also publishes w_s
   W = 0.f;
   for (uint32_t w = 0; w < nw; ++w) W += tmp[w];
 
@@ -440,38 +462,57 @@ __global__ void __launch_bounds__(kCombineThreads)
   const float wa = empty ? 0.f : expf(la - mm), wb = empty ? 0.f : expf(lb - mm);
   const float sum = wa + wb;
   const float ca = empty ? 0.f : wa / sum, cb = empty ? 0.f : wb / sum;
-  const float inv_w = W > 0.f ? 1.f / W : 0.f;
-  using T = typename DevType<Tag>::type;
-  T *dst = out + static_cast<int64_t>(sq) * seq_stride + static_cast<int64_t>(h * G + g) * head_stride;
-  const float *eo = est_out ? est_out + static_cast<size_t>(rh) * D : nullptr;
-  const float *po = part_o + static_cast<size_t>(r) * n_splits * G * D + static_cast<size_t>(g) * D;
-  const size_t split_stride = static_cast<size_t>(G) * D;
-  for (uint32_t i = tid; i < D; i += kCombineThreads) {
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    uint32_t s = 0;
-    if (wa != 0.f) {
-      for (; s + 4 <= n_splits; s += 4) {
-        a0 = fmaf(w_s[s], po[s * split_stride + i], a0);
-        a1 = fmaf(w_s[s + 1], po[(s + 1) * split_stride + i], a1);
-        a2 = fmaf(w_s[s + 2], po[(s + 2) * split_stride + i], a2);
-        a3 = fmaf(w_s[s + 3], po[(s + 3) * split_stride + i], a3);
-      }
-      for (; s < n_splits; ++s) a0 = fmaf(w_s[s], po[s * split_stride + i], a0);
+
+  // Sum of w_s o_s over the splits: lane sl of column col takes splits
+  // sl, sl + kCombineLanes, ...
+  const uint32_t col = tid % kCombineCols, sl = tid / kCombineCols;
+  const uint32_t i0 = chunk * kCombineCols * 4 + col * 4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (wa != 0.f && i0 < D) {
+    const size_t split_stride = static_cast<size_t>(G) * D;
+    const float *po = part_o + static_cast<size_t>(r) * n_splits * split_stride + static_cast<size_t>(g) * D + i0;
+#pragma unroll 4
+    for (uint32_t s = sl; s < n_splits; s += kCombineLanes) {
+      const float w = w_s[s];
+      const float4 v = __ldg(reinterpret_cast<const float4 *>(po + s * split_stride));
+      acc.x = fmaf(w, v.x, acc.x);
+      acc.y = fmaf(w, v.y, acc.y);
+      acc.z = fmaf(w, v.z, acc.z);
+      acc.w = fmaf(w, v.w, acc.w);
     }
-    const float oa = ((a0 + a1) + (a2 + a3)) * inv_w;
-    float o;
-    if (empty) {
-      o = 0.f;
-    } else if (wa == 0.f) {
-      o = eo[i];
-    } else if (wb == 0.f) {
-      o = oa;
-    } else {
-      o = ca * oa + cb * eo[i];
-    }
-    dst[i] = DevType<Tag>::from_f(o);
   }
-  if (tid == 0 && lse)
+  red[sl][col] = acc;
+  __syncthreads();
+  if (tid < kCombineCols && i0 < D) {
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (uint32_t k = 0; k < kCombineLanes; ++k) {
+      const float4 v = red[k][tid];
+      a.x += v.x;
+      a.y += v.y;
+      a.z += v.z;
+      a.w += v.w;
+    }
+    const float inv_w = W > 0.f ? 1.f / W : 0.f;
+    const float oa[4] = {a.x * inv_w, a.y * inv_w, a.z * inv_w, a.w * inv_w};
+    using T = typename DevType<Tag>::type;
+    T *dst = out + static_cast<int64_t>(sq) * seq_stride + static_cast<int64_t>(h * G + g) * head_stride + i0;
+    const float *eo = est_out ? est_out + static_cast<size_t>(rh) * D + i0 : nullptr;
+#pragma unroll
+    for (uint32_t k = 0; k < 4; ++k) {
+      float o;
+      if (empty) {
+        o = 0.f;
+      } else if (wa == 0.f) {
+        o = eo[k];
+      } else if (wb == 0.f) {
+        o = oa[k];
+      } else {
+        o = ca * oa[k] + cb * eo[k];
+      }
+      dst[k] = DevType<Tag>::from_f(o);
+    }
+  }
+  if (chunk == 0 && tid == 0 && lse)
     lse[static_cast<size_t>(sq) * H * G + h * G + g] = empty ? kNegInf : mm + logf(sum);
 }
 
@@ -482,6 +523,7 @@ __global__ void __launch_bounds__(128)
     merge_kernel(typename DevType<Tag>::type *out, int64_t seq_stride, int64_t head_stride, float *lse,
                  int64_t lse_seq_stride, const float *__restrict__ est_out, const float *__restrict__ est_lse,
                  uint32_t n_seqs, uint32_t nq, uint32_t D) {
+  wait_prior_grid();
   const uint32_t lane = threadIdx.x % 32;
   const uint64_t row = static_cast<uint64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
   if (row >= static_cast<uint64_t>(n_seqs) * nq) return;
@@ -513,6 +555,23 @@ __global__ void __launch_bounds__(128)
   if (lane == 0) *l = empty ? kNegInf : mm + logf(sum);
 }
 
+// Launches kernel with programmatic dependent launch on s.
+template <typename... Params, typename... Args>
+Status launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  WKV_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  return Status::ok();
+}
+
 // Splits per run: enough to fill the device once, never shorter than
 // kMinChunk tokens, and R * n_splits <= max(R, kMaxCtas).
 uint32_t split_bound(uint32_t R, uint32_t max_tokens) {
@@ -529,21 +588,25 @@ Status attend_impl(const int32_t *offsets, const void *xk, const void *xv, const
                    float *scratch, size_t scratch_floats, cudaStream_t s) {
   auto *kernel = attend_kernel<Tag, D, HC>;
   constexpr size_t smem = attend_smem_bytes<HC, Tag, D>();
-  // Device facts, read once per kernel instance.
+  // The shared memory limit, once per device (an attribute of the device's
+  // context), and the CTAs that fill the device once, read once.
+  static std::atomic<uint64_t> smem_set{0};
+  int dev = 0;
+  WKV_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+  if (!bit || !(smem_set.load(std::memory_order_relaxed) & bit)) {
+    WKV_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    smem_set.fetch_or(bit, std::memory_order_relaxed);
+  }
   static const int fill = [&]() -> int {
-    int dev = 0, sms = 0, per_sm = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
-            cudaSuccess ||
+    int sms = 0, per_sm = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) {
       (void)cudaGetLastError();
       return 0;
     }
     return sms * (per_sm > 0 ? per_sm : 1);
   }();
-  // Set on every call: the attribute belongs to the current device.
-  WKV_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const uint32_t bound = split_bound(R, max_tokens);
   const uint32_t target = fill > 0 ? static_cast<uint32_t>(fill < static_cast<int>(kMaxCtas) ? fill : kMaxCtas) : 264u;
   uint32_t n_splits = target / R;
@@ -556,15 +619,14 @@ Status attend_impl(const int32_t *offsets, const void *xk, const void *xv, const
   const uint32_t chunk = max_tokens == 0 ? 1u : (max_tokens + n_splits - 1) / n_splits;
   float *part_o = scratch;
   float *part_lse = scratch + static_cast<size_t>(R) * n_splits * G * D;
-  kernel<<<dim3(R, n_splits), kThreads, smem, s>>>(offsets, static_cast<const uint8_t *>(xk),
-                                                   static_cast<const uint8_t *>(xv), q, G, scale * kLog2e, chunk,
-                                                   n_splits, part_o, part_lse);
-  WKV_CUDA_CHECK_LAUNCH("attend_kernel");
-  combine_kernel<Tag><<<R * G, kCombineThreads, 0, s>>>(
-      part_o, part_lse, n_splits, G, D, H, est_out, est_lse, static_cast<typename DevType<Tag>::type *>(out),
-      seq_stride, head_stride, lse);
-  WKV_CUDA_CHECK_LAUNCH("combine_kernel");
-  return Status::ok();
+  WKV_RETURN_IF_ERROR(launch_pdl(kernel, dim3(R, n_splits), dim3(kThreads), smem, s, offsets,
+                                 static_cast<const uint8_t *>(xk), static_cast<const uint8_t *>(xv), q, G,
+                                 scale * kLog2e, chunk, n_splits, part_o, part_lse));
+  using T = typename DevType<Tag>::type;
+  const uint32_t chunks = (D + kCombineCols * 4 - 1) / (kCombineCols * 4);
+  return launch_pdl(combine_kernel<Tag>, dim3(R * G, chunks), dim3(kCombineThreads), 0, s,
+                    static_cast<const float *>(part_o), static_cast<const float *>(part_lse), n_splits, G, D, H,
+                    est_out, est_lse, static_cast<T *>(out), seq_stride, head_stride, lse);
 }
 
 template <typename Tag, uint32_t D>
@@ -625,11 +687,9 @@ Status merge_estimate(DType t, void *out, int64_t seq_stride, int64_t head_strid
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const uint32_t blocks = static_cast<uint32_t>((rows + 3) / 4);
   return WKV_DISPATCH_DTYPE(t, Tag, [&]() -> Status {
-    merge_kernel<Tag><<<blocks, 128, 0, s>>>(static_cast<typename DevType<Tag>::type *>(out), seq_stride,
-                                             head_stride, lse, lse_seq_stride, est_out, est_lse, n_seqs, n_q_heads,
-                                             d);
-    WKV_CUDA_CHECK_LAUNCH("merge_kernel");
-    return Status::ok();
+    return launch_pdl(merge_kernel<Tag>, dim3(blocks), dim3(128), 0, s,
+                      static_cast<typename DevType<Tag>::type *>(out), seq_stride, head_stride, lse, lse_seq_stride,
+                      est_out, est_lse, n_seqs, n_q_heads, d);
   });
 }
 

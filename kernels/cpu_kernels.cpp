@@ -50,6 +50,27 @@ bool has_v3() {
 }
 #endif
 
+#if defined(WKV_HAVE_V3)
+// Eight elements of a row as f32: 16-bit types converted in registers.
+WKV_V3 inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+WKV_V3 inline __m256 load8(const f16 *p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+}
+WKV_V3 inline __m256 load8(const bf16 *p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Sums of eight vectors, in order: [sum a0, sum a1, ..., sum a7].
+WKV_V3 inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
+                           __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                       _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+#endif
+
 WKV_INLINE uint32_t round_up(uint32_t x, uint32_t m) { return (x + m - 1) / m * m; }
 
 // Four dot products of `a` with four rows; one vector chain per row hides
@@ -176,6 +197,24 @@ WKV_INLINE float exp_nonpos(float x) {
   return bits_to_float((float_to_bits(x) & is_nan) | (scaled & ~is_tiny));
 }
 
+// The largest of x[0, n), -infinity for n == 0; NaNs are skipped (a NaN
+// compare is false), as std::max skips a NaN second argument. Eight
+// running maxima: one chain would wait on the compare's latency.
+WKV_INLINE float max_of(const float *x, uint32_t n) {
+  float mx[8] = {kNegInf, kNegInf, kNegInf, kNegInf,
+                 kNegInf, kNegInf, kNegInf, kNegInf};
+  uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const float *xi = x + i;  // x[i + k] with 32-bit i + k would not be contiguous
+#pragma omp simd
+    for (uint32_t k = 0; k < 8; ++k) mx[k] = xi[k] > mx[k] ? xi[k] : mx[k];
+  }
+  for (; i < n; ++i) mx[0] = x[i] > mx[0] ? x[i] : mx[0];
+  float m = kNegInf;
+  for (uint32_t k = 0; k < 8; ++k) m = mx[k] > m ? mx[k] : m;
+  return m;
+}
+
 // k-means ---------------------------------------------------------------
 
 // The assignment step is a [T x d] x [d x k] product followed by an argmax
@@ -258,9 +297,7 @@ WKV_HOT void score_softmax(const float *logits, uint32_t G, uint32_t C,
   std::fill(score, score + C, 0.f);
   for (uint32_t g = 0; g < G; ++g) {
     const float *lg = logits + size_t(g) * C;
-    // NaN logits are skipped (a NaN compare is false), as std::max does.
-    float m = kNegInf;
-    for (uint32_t c = 0; c < C; ++c) m = lg[c] > m ? lg[c] : m;
+    const float m = max_of(lg, C);
     if (m == kNegInf) continue;  // no cluster has any weight for this head
     // The weights are computed twice rather than stored: the kernel has no
     // scratch, and the exp is cheap next to the logits.
@@ -316,25 +353,12 @@ void score_logits_16(const float *q, uint32_t G, const T *centroid, uint32_t C,
 }
 
 #if defined(WKV_HAVE_V3)
-WKV_V3 inline __m256 load8_f16(const uint16_t *p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
-}
-
-// Sums of eight vectors, in order: [sum a0, sum a1, ..., sum a7].
-WKV_V3 inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
-                           __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
-  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
-                       _mm256_permute2f128_ps(h0, h1, 0x31));
-}
-
 // Scaled logits of G heads over C f16 centroid rows, converted in
 // registers: two rows by four heads per pass, eight accumulation chains.
 // Scoring streams the whole mirror every step, so this is bound by memory
 // bandwidth; halving the bytes against f32 is the point. Pre: d % 8 == 0.
 WKV_V3 void score_logits_f16_v3(const float *q, uint32_t G,
-                                const uint16_t *centroid, uint32_t C,
+                                const f16 *centroid, uint32_t C,
                                 uint32_t d, float scale, float *logits) {
   const __m256 vscale = _mm256_set1_ps(scale);
   for (uint32_t c0 = 0; c0 < C; c0 += kScoreRows) {
@@ -348,12 +372,12 @@ WKV_V3 void score_logits_f16_v3(const float *q, uint32_t G,
       const float *q3 = q + size_t(g0 + std::min(3u, gn - 1)) * d;
       float *lg = logits + size_t(g0) * C;
       for (uint32_t c = c0; c < ce; c += 2) {
-        const uint16_t *r0 = centroid + size_t(c) * d;
-        const uint16_t *r1 = c + 1 < ce ? r0 + d : r0;
+        const f16 *r0 = centroid + size_t(c) * d;
+        const f16 *r1 = c + 1 < ce ? r0 + d : r0;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         for (uint32_t j = 0; j < d; j += 8) {
-          const __m256 k0 = load8_f16(r0 + j), k1 = load8_f16(r1 + j);
+          const __m256 k0 = load8(r0 + j), k1 = load8(r1 + j);
           __m256 x = _mm256_loadu_ps(q0 + j);
           a0 = _mm256_fmadd_ps(x, k0, a0);
           b0 = _mm256_fmadd_ps(x, k1, b0);
@@ -392,9 +416,12 @@ WKV_INLINE uint32_t score_key(float s) {
   return u ^ (neg | 0x80000000u);
 }
 
-// Radix selection: the top 11 bits of every key, then the next 11 and the
-// last 10 bits of the few keys that share the top bits of the one sought.
-constexpr uint32_t kRadixBins = 2048;
+// Radix selection over keys taken relative to the smallest: the top 11
+// bits of the range of every key, then 11 bits at a time of the keys that
+// share the higher bits of the one sought. Rounds of 11 bits keep the
+// histogram in L1.
+constexpr uint32_t kRadixBits = 11;
+constexpr uint32_t kRadixBins = 1u << kRadixBits;
 
 // Walks a histogram from its highest bin down to the bin that holds the
 // k-th largest element (1-based). On return k is the rank within that bin.
@@ -411,19 +438,109 @@ struct RankKey {
   uint32_t take;
 };
 
-// Finishes a radix selection among n keys that share their top 11 bits
-// `top`: k is the rank sought among them. Reads the keys only, so that two
+// Finishes a radix selection among the keys[0, n) with key >> shift ==
+// prefix: k is the rank sought among them. Reads the keys only, so that two
 // ranks can be sought among the same keys.
-inline RankKey radix_finish(const uint32_t *keys, uint32_t n, uint32_t top,
-                            uint32_t k, uint32_t *hist) {
-  std::fill(hist, hist + kRadixBins, 0u);
-  for (uint32_t i = 0; i < n; ++i) ++hist[(keys[i] >> 10) & 0x7ffu];
-  const uint32_t mid = radix_walk(hist, kRadixBins, &k);
-  std::fill(hist, hist + 1024, 0u);
-  for (uint32_t i = 0; i < n; ++i)
-    hist[keys[i] & 0x3ffu] += ((keys[i] >> 10) & 0x7ffu) == mid;
-  const uint32_t low = radix_walk(hist, 1024, &k);
-  return RankKey{(top << 21) | (mid << 10) | low, k};
+inline RankKey radix_finish(const uint32_t *keys, uint32_t n, uint32_t prefix,
+                            uint32_t shift, uint32_t k, uint32_t *hist) {
+  while (shift > 0) {
+    const uint32_t w = std::min(shift, kRadixBits), low = shift - w;
+    const uint32_t mask = (1u << w) - 1;
+    std::fill(hist, hist + (1u << w), 0u);
+    for (uint32_t i = 0; i < n; ++i)
+      hist[(keys[i] >> low) & mask] += (keys[i] >> shift) == prefix;
+    prefix = (prefix << w) | radix_walk(hist, 1u << w, &k);
+    shift = low;
+  }
+  return RankKey{prefix, k};
+}
+
+// Keys gathered for the later radix rounds on the stack; bins holding more
+// keys than this are finished from the whole key array.
+constexpr uint32_t kRadixCand = 2048;
+
+// The body of select_zones, cloned.
+WKV_HOT void select_impl(const float *score, uint32_t C, uint32_t n_ret,
+                         uint32_t n_est, uint32_t *ret, uint32_t *est,
+                         uint32_t *keys) {
+  const uint32_t n_sel = n_ret + n_est;
+  if (n_sel == 0) return;
+  // 1. Keys relative to the smallest, and the histogram of the top bits of
+  //    their range. Scores crowd into few bins, and consecutive increments
+  //    of one counter wait on each other through memory: four histograms
+  //    break the chain.
+  uint32_t kmin = UINT32_MAX, kmax = 0;
+#pragma omp simd reduction(min : kmin) reduction(max : kmax)
+  for (uint32_t i = 0; i < C; ++i) {
+    const uint32_t key = score_key(score[i]);
+    keys[i] = key;
+    kmin = key < kmin ? key : kmin;
+    kmax = key > kmax ? key : kmax;
+  }
+  uint32_t bits = 0;
+  while (bits < 32 && ((kmax - kmin) >> bits) != 0) ++bits;
+  const uint32_t shift = bits > kRadixBits ? bits - kRadixBits : 0;
+#pragma omp simd
+  for (uint32_t i = 0; i < C; ++i) keys[i] -= kmin;
+  uint32_t part[4][kRadixBins] = {};
+  uint32_t i4 = 0;
+  for (; i4 + 4 <= C; i4 += 4) {
+    const uint32_t *k4 = keys + i4;
+    ++part[0][k4[0] >> shift];
+    ++part[1][k4[1] >> shift];
+    ++part[2][k4[2] >> shift];
+    ++part[3][k4[3] >> shift];
+  }
+  for (; i4 < C; ++i4) ++part[0][keys[i4] >> shift];
+  uint32_t hist[kRadixBins];
+#pragma omp simd
+  for (uint32_t b = 0; b < kRadixBins; ++b)
+    hist[b] = (part[0][b] + part[1][b]) + (part[2][b] + part[3][b]);
+  // 2. The bins of both ranks sought, and the rank within each.
+  uint32_t k_sel = n_sel, k_ret = std::max(n_ret, 1u);
+  const uint32_t b_sel = radix_walk(hist, kRadixBins, &k_sel);
+  const uint32_t b_ret = radix_walk(hist, kRadixBins, &k_ret);
+  // 3. The exact keys of both ranks, from the keys of their bins: gathered
+  //    on the stack when they fit, b_sel's at sel[0, n_s) and b_ret's (when
+  //    in another bin) at rb[0, n_r), each region with one spare slot for
+  //    the stores of keys not kept.
+  RankKey sk, rk{UINT32_MAX, 0};  // no key reaches rk: nothing retrieved
+  const uint32_t n_s = hist[b_sel], n_r = b_ret != b_sel ? hist[b_ret] : 0;
+  if (n_s + n_r + 2 <= kRadixCand) {
+    uint32_t cand[kRadixCand];
+    uint32_t *sel = cand, *rb = cand + n_s + 1;
+    uint32_t ns = 0, nr = 0;
+    for (uint32_t i = 0; i < C; ++i) {
+      const uint32_t key = keys[i], top = key >> shift;
+      sel[ns] = key;
+      ns += top == b_sel;
+      rb[nr] = key;
+      nr += top == b_ret && b_ret != b_sel;
+    }
+    sk = radix_finish(sel, n_s, b_sel, shift, k_sel, hist);
+    if (n_ret > 0)
+      rk = b_ret == b_sel ? radix_finish(sel, n_s, b_ret, shift, k_ret, hist)
+                          : radix_finish(rb, n_r, b_ret, shift, k_ret, hist);
+  } else {
+    sk = radix_finish(keys, C, b_sel, shift, k_sel, hist);
+    if (n_ret > 0) rk = radix_finish(keys, C, b_ret, shift, k_ret, hist);
+  }
+  // 4. Ids in ascending order: above a threshold, or equal to it and among
+  //    the first `take` such ids. The store goes to a sink when the id is
+  //    in neither zone, so the loop has no branch to mispredict.
+  uint32_t nr = 0, ne = 0, eq_r = 0, eq_s = 0, sink = 0;
+  for (uint32_t i = 0; i < C; ++i) {
+    const uint32_t key = keys[i];
+    const bool at_r = key == rk.key, at_s = key == sk.key;
+    const bool in_r = key > rk.key || (at_r && eq_r < rk.take);
+    const bool in_s = key > sk.key || (at_s && eq_s < sk.take);
+    eq_r += at_r;
+    eq_s += at_s;
+    uint32_t *dst = in_r ? ret + nr : in_s ? est + ne : &sink;
+    *dst = i;
+    nr += in_r;
+    ne += in_s & !in_r;
+  }
 }
 
 // Estimation -------------------------------------------------------------
@@ -550,6 +667,56 @@ WKV_INLINE void est_accumulate(const float (*w)[kEstChunk], const uint32_t *ids,
   }
 }
 
+#if defined(WKV_HAVE_V3)
+// est_accumulate for f16 value rows, converted in registers. Pre: d % 8 == 0.
+template <uint32_t GN>
+WKV_V3 void est_accumulate_f16_v3(const float (*w)[kEstChunk],
+                                  const uint32_t *ids, uint32_t pf_n,
+                                  uint32_t nc, const f16 *rows, uint32_t d,
+                                  float *const *o) {
+  uint32_t i = 0;
+  for (; i + 4 <= nc; i += 4) {
+    est_prefetch(ids, std::min(i + kEstPrefetch, pf_n), std::min(i + kEstPrefetch + 4, pf_n), rows, d);
+    const f16 *r0 = rows + size_t(ids[i]) * d, *r1 = rows + size_t(ids[i + 1]) * d,
+              *r2 = rows + size_t(ids[i + 2]) * d, *r3 = rows + size_t(ids[i + 3]) * d;
+    // Weights and output pointers in locals: the stores through o would
+    // otherwise make the compiler reload both.
+    __m256 wv[GN][4];
+    float *og[GN];
+    for (uint32_t g = 0; g < GN; ++g) {
+      og[g] = o[g];
+      for (uint32_t c = 0; c < 4; ++c) wv[g][c] = _mm256_set1_ps(w[g][i + c]);
+    }
+    for (uint32_t j = 0; j < d; j += 8) {
+      const __m256 x0 = load8(r0 + j), x1 = load8(r1 + j), x2 = load8(r2 + j),
+                   x3 = load8(r3 + j);
+      for (uint32_t g = 0; g < GN; ++g) {
+        __m256 acc = _mm256_loadu_ps(og[g] + j);
+        acc = _mm256_fmadd_ps(wv[g][0], x0, acc);
+        acc = _mm256_fmadd_ps(wv[g][1], x1, acc);
+        acc = _mm256_fmadd_ps(wv[g][2], x2, acc);
+        acc = _mm256_fmadd_ps(wv[g][3], x3, acc);
+        _mm256_storeu_ps(og[g] + j, acc);
+      }
+    }
+  }
+  for (; i < nc; ++i) {
+    const f16 *r = rows + size_t(ids[i]) * d;
+    __m256 wv[GN];
+    float *og[GN];
+    for (uint32_t g = 0; g < GN; ++g) {
+      og[g] = o[g];
+      wv[g] = _mm256_set1_ps(w[g][i]);
+    }
+    for (uint32_t j = 0; j < d; j += 8) {
+      const __m256 x = load8(r + j);
+      for (uint32_t g = 0; g < GN; ++g)
+        _mm256_storeu_ps(og[g] + j, _mm256_fmadd_ps(wv[g], x, _mm256_loadu_ps(og[g] + j)));
+    }
+  }
+}
+#endif
+
 // estimate_zone for heads [0, gn) of a group, gn <= 4, all at once, from
 // value sums (V = float) or f16 value means (V = f16; the sizes then go
 // into the weights).
@@ -564,12 +731,15 @@ WKV_INLINE void estimate_heads(const float *logits, uint32_t gn, size_t ld,
   float m[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
   for (uint32_t g = 0; g < gn; ++g) {
     const float *lg = logits + size_t(g) * ld;
-    float mg = kNegInf;
-    for (uint32_t i = 0; i < n; ++i) {
-      const float x = lg[ids[i]];
-      mg = x > mg ? x : mg;
-    }
-    m[g] = mg;
+    float mx[4] = {kNegInf, kNegInf, kNegInf, kNegInf};  // four chains
+    uint32_t i = 0;
+    for (; i + 4 <= n; i += 4)
+      for (uint32_t k = 0; k < 4; ++k) {
+        const float x = lg[ids[i + k]];
+        mx[k] = x > mx[k] ? x : mx[k];
+      }
+    for (; i < n; ++i) mx[0] = lg[ids[i]] > mx[0] ? lg[ids[i]] : mx[0];
+    for (uint32_t k = 0; k < 4; ++k) m[g] = mx[k] > m[g] ? mx[k] : m[g];
   }
   float *o[4];
   double den[4] = {0.0, 0.0, 0.0, 0.0};
@@ -578,6 +748,9 @@ WKV_INLINE void estimate_heads(const float *logits, uint32_t gn, size_t ld,
     std::fill(o[g], o[g] + d, 0.f);
   }
   // 2. Weights of a chunk of clusters, then their value rows.
+#if defined(WKV_HAVE_V3)
+  [[maybe_unused]] const bool v3 = kMeans && has_v3() && d % 8 == 0;
+#endif
   alignas(64) float w[4][kEstChunk];
   for (uint32_t i0 = 0; i0 < n; i0 += kEstChunk) {
     const uint32_t nc = std::min(kEstChunk, n - i0);
@@ -602,6 +775,19 @@ WKV_INLINE void estimate_heads(const float *logits, uint32_t gn, size_t ld,
       }
       den[g] += dsum;
     }
+#if defined(WKV_HAVE_V3)
+    if constexpr (std::is_same_v<V, f16>) {
+      if (v3) {
+        switch (gn) {
+          case 1: est_accumulate_f16_v3<1>(w, cid, n - i0, nc, rows, d, o); break;
+          case 2: est_accumulate_f16_v3<2>(w, cid, n - i0, nc, rows, d, o); break;
+          case 3: est_accumulate_f16_v3<3>(w, cid, n - i0, nc, rows, d, o); break;
+          default: est_accumulate_f16_v3<4>(w, cid, n - i0, nc, rows, d, o); break;
+        }
+        continue;
+      }
+    }
+#endif
     switch (gn) {
       case 1: est_accumulate<1>(w, cid, n - i0, nc, rows, d, o); break;
       case 2: est_accumulate<2>(w, cid, n - i0, nc, rows, d, o); break;
@@ -793,16 +979,6 @@ void attend_impl(const float *q, uint32_t G, const T *k, const T *v,
 }
 
 #if defined(WKV_HAVE_V3)
-// Eight elements of a K or V row as f32: converted in registers.
-WKV_V3 inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
-WKV_V3 inline __m256 load8(const f16 *p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
-}
-WKV_V3 inline __m256 load8(const bf16 *p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 // Tokens per block of the v3 attention: their K and V rows (16 KiB in f16
 // at d = 128) stay in L1 while every group of four heads reads them.
 constexpr uint32_t kV3Block = 32;
@@ -844,9 +1020,7 @@ WKV_V3 void attend_block_v3(const float *q, const T *k, const T *v,
   float alpha[4];
   for (uint32_t g = 0; g < GN; ++g) {
     float *pg = p[g];
-    float bmax = kNegInf;
-    for (uint32_t t = 0; t < nt; ++t) bmax = pg[t] > bmax ? pg[t] : bmax;
-    const float new_m = std::max(m[g], bmax);
+    const float new_m = std::max(m[g], max_of(pg, nt));
     if (new_m == kNegInf) {  // nothing has weight yet
       std::fill(pg, pg + nt, 0.f);
       alpha[g] = 1.f;
@@ -1073,7 +1247,7 @@ void score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
     case DType::kF16:
 #if defined(WKV_HAVE_V3)
       if (has_v3() && d % 8 == 0) {
-        score_logits_f16_v3(q, G, static_cast<const uint16_t *>(centroid), C,
+        score_logits_f16_v3(q, G, static_cast<const f16 *>(centroid), C,
                             d, scale, logits);
         break;
       }
@@ -1096,58 +1270,7 @@ void score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
 void select_zones(const float *score, uint32_t C, uint32_t n_ret,
                   uint32_t n_est, uint32_t *ret, uint32_t *est,
                   uint32_t *scratch) {
-  const uint32_t n_sel = n_ret + n_est;
-  if (n_sel == 0) return;
-  // 1. The top bits' histogram, and the bins of both ranks sought.
-  // Scores cluster in few bins, and consecutive increments of one counter
-  // wait on each other through memory: four histograms break the chain.
-  uint32_t part[4][kRadixBins] = {};
-  uint32_t i4 = 0;
-  for (; i4 + 4 <= C; i4 += 4)
-    for (uint32_t p = 0; p < 4; ++p) ++part[p][score_key(score[i4 + p]) >> 21];
-  for (; i4 < C; ++i4) ++part[0][score_key(score[i4]) >> 21];
-  uint32_t hist[kRadixBins];
-#pragma omp simd
-  for (uint32_t b = 0; b < kRadixBins; ++b)
-    hist[b] = (part[0][b] + part[1][b]) + (part[2][b] + part[3][b]);
-  uint32_t k_sel = n_sel, k_ret = std::max(n_ret, 1u);
-  const uint32_t b_sel = radix_walk(hist, kRadixBins, &k_sel);
-  const uint32_t b_ret = radix_walk(hist, kRadixBins, &k_ret);
-  // 2. The keys of those bins: b_sel's from the front of scratch, b_ret's
-  //    (when another bin) from the back. Before element i at most i keys
-  //    are kept, so neither store can land on a kept key of the other side
-  //    but with the same value.
-  uint32_t nf = 0, nb = 0;
-  for (uint32_t i = 0; i < C; ++i) {
-    const uint32_t key = score_key(score[i]);
-    const uint32_t top = key >> 21;
-    scratch[C - 1 - nb] = key;
-    nb += top == b_ret && b_ret != b_sel;
-    scratch[nf] = key;
-    nf += top == b_sel;
-  }
-  // 3. The exact keys.
-  const RankKey sk = radix_finish(scratch, nf, b_sel, k_sel, hist);
-  RankKey rk{UINT32_MAX, 0};  // no key reaches it: nothing retrieved
-  if (n_ret > 0)
-    rk = b_ret == b_sel ? radix_finish(scratch, nf, b_ret, k_ret, hist)
-                        : radix_finish(scratch + C - nb, nb, b_ret, k_ret, hist);
-  // 4. Ids in ascending order: above a threshold, or equal to it and among
-  //    the first `take` such ids. The store goes to a sink when the id is
-  //    in neither zone, so the loop has no branch to mispredict.
-  uint32_t nr = 0, ne = 0, eq_r = 0, eq_s = 0, sink = 0;
-  for (uint32_t i = 0; i < C; ++i) {
-    const uint32_t key = score_key(score[i]);
-    const bool at_r = key == rk.key, at_s = key == sk.key;
-    const bool in_r = key > rk.key || (at_r && eq_r < rk.take);
-    const bool in_s = key > sk.key || (at_s && eq_s < sk.take);
-    eq_r += at_r;
-    eq_s += at_s;
-    uint32_t *dst = in_r ? ret + nr : in_s ? est + ne : &sink;
-    *dst = i;
-    nr += in_r;
-    ne += in_s & !in_r;
-  }
+  select_impl(score, C, n_ret, n_est, ret, est, scratch);
 }
 
 float estimate_zone(const float *logits, const uint32_t *ids, uint32_t n,

@@ -11,8 +11,12 @@
 //                       CTAs on sm_90 that merge through distributed shared
 //                       memory: est_out and est_lse.
 //   4. offsets_kernel   one CTA: exclusive prefix of run_tokens.
+// Each kernel is launched with programmatic dependent launch and waits for
+// the grid before it (griddepcontrol.wait) before touching memory, so that
+// its launch overlaps the tail of the one before.
 #include <cooperative_groups.h>
 
+#include <atomic>
 #include <cmath>
 
 #include "kernels/cuda_common.cuh"
@@ -30,11 +34,28 @@ constexpr uint32_t kFull = 0xffffffffu;
 constexpr uint32_t kTileC = 64;
 template <uint32_t D> constexpr uint32_t kTileLd = D + 4;
 
+constexpr uint32_t kLogitThreads = 256;
 constexpr uint32_t kSelectThreads = 1024;
 constexpr uint32_t kSelectWarps = kSelectThreads / 32;
 constexpr uint32_t kEstThreads = 256;
 constexpr uint32_t kEstSplits = 8;  // CTAs per (run, head) on sm_90: one cluster
 constexpr uint32_t kOffsetThreads = 1024;
+
+// Waits until the grid this one depends on (programmatic dependent launch)
+// has completed and its writes are visible; a no-op without one.
+__device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
 
 // Zone sizes of a run, clamped so that n_ret + n_est <= clusters.
 struct Zones {
@@ -131,54 +152,64 @@ __device__ __forceinline__ void merge_ms(float &m, float &s, float m2, float s2)
 
 // 1. Logits ----------------------------------------------------------------
 
-// Thread (c, hq) of a CTA computes cluster c of the tile against heads
-// 4 hq .. 4 hq + 3. Shared memory: the tile [kTileC][D + 4] then q [G][D].
+// A CTA scores a tile of kTileC clusters of run blockIdx.y: the tile and q
+// come into shared memory by 16-byte asynchronous copies, then thread item
+// (c, hq) computes cluster c against heads 4 hq .. 4 hq + 3 (four heads share
+// each read of the centroid). Shared memory: tile [kTileC][D + 4], q [G][D].
 template <uint32_t D>
-__global__ void __launch_bounds__(512) logits_kernel(const DevRun *__restrict__ runs, uint32_t G,
-                                                     float scale, const float *__restrict__ q,
-                                                     float *__restrict__ logits) {
+constexpr size_t logits_smem(uint32_t G) {
+  return (static_cast<size_t>(kTileC) * kTileLd<D> + static_cast<size_t>(G) * D) * sizeof(float);
+}
+
+template <uint32_t D>
+__global__ void __launch_bounds__(kLogitThreads) logits_kernel(const DevRun *__restrict__ runs, uint32_t G,
+                                                               float scale, const float *__restrict__ q,
+                                                               float *__restrict__ logits) {
   extern __shared__ float4 smem4[];
   float *tile = reinterpret_cast<float *>(smem4);
   float *qs = tile + kTileC * kTileLd<D>;
   constexpr uint32_t V4 = D / 4;
-  const uint32_t r = blockIdx.y;
+  wait_prior_grid();
+  const uint32_t r = blockIdx.y, tid = threadIdx.x;
   const uint32_t C = runs[r].clusters;
   const uint32_t c0 = blockIdx.x * kTileC;
   if (c0 >= C) return;  // uniform over the CTA
   const uint32_t nc = min(kTileC, C - c0);
-  const float4 *cent = reinterpret_cast<const float4 *>(runs[r].centroid + static_cast<size_t>(c0) * D);
-  for (uint32_t i = threadIdx.x; i < nc * V4; i += blockDim.x) {
-    const uint32_t row = i / V4, col = i % V4;
-    *reinterpret_cast<float4 *>(tile + row * kTileLd<D> + col * 4) = __ldg(cent + i);
-  }
-  const float4 *qg = reinterpret_cast<const float4 *>(q + static_cast<size_t>(r) * G * D);
-  for (uint32_t i = threadIdx.x; i < G * V4; i += blockDim.x) reinterpret_cast<float4 *>(qs)[i] = __ldg(qg + i);
+  const float *cent = runs[r].centroid + static_cast<size_t>(c0) * D;
+  for (uint32_t i = tid; i < nc * V4; i += kLogitThreads)
+    cp_async16(tile + (i / V4) * kTileLd<D> + (i % V4) * 4, cent + i * 4);
+  const float *qg = q + static_cast<size_t>(r) * G * D;
+  for (uint32_t i = tid; i < G * V4; i += kLogitThreads) cp_async16(qs + i * 4, qg + i * 4);
+  cp_async_wait_all();
   __syncthreads();
 
-  const uint32_t c = threadIdx.x % kTileC, hq = threadIdx.x / kTileC;
-  if (c >= nc) return;
-  const float *qh[4];
+  float *lg = logits + runs[r].scratch_off;
+  const uint32_t items = kTileC * ((G + 3) / 4);
+  for (uint32_t it = tid; it < items; it += kLogitThreads) {
+    const uint32_t c = it % kTileC, hq = it / kTileC;
+    if (c >= nc) continue;
+    const float *qh[4];
 #pragma unroll
-  for (uint32_t h = 0; h < 4; ++h) qh[h] = qs + min(hq * 4 + h, G - 1) * D;
-  const float *row = tile + c * kTileLd<D>;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (uint32_t h = 0; h < 4; ++h) qh[h] = qs + min(hq * 4 + h, G - 1) * D;
+    const float *row = tile + c * kTileLd<D>;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
-  for (uint32_t j = 0; j < D; j += 4) {
-    const float4 cv = *reinterpret_cast<const float4 *>(row + j);
+    for (uint32_t j = 0; j < D; j += 4) {
+      const float4 cv = *reinterpret_cast<const float4 *>(row + j);
+#pragma unroll
+      for (uint32_t h = 0; h < 4; ++h) {
+        const float4 qv = *reinterpret_cast<const float4 *>(qh[h] + j);
+        acc[h] = fmaf(qv.x, cv.x, acc[h]);
+        acc[h] = fmaf(qv.y, cv.y, acc[h]);
+        acc[h] = fmaf(qv.z, cv.z, acc[h]);
+        acc[h] = fmaf(qv.w, cv.w, acc[h]);
+      }
+    }
 #pragma unroll
     for (uint32_t h = 0; h < 4; ++h) {
-      const float4 qv = *reinterpret_cast<const float4 *>(qh[h] + j);
-      acc[h] = fmaf(qv.x, cv.x, acc[h]);
-      acc[h] = fmaf(qv.y, cv.y, acc[h]);
-      acc[h] = fmaf(qv.z, cv.z, acc[h]);
-      acc[h] = fmaf(qv.w, cv.w, acc[h]);
+      const uint32_t g = hq * 4 + h;
+      if (g < G) lg[static_cast<size_t>(g) * C + c0 + c] = acc[h] * scale;
     }
-  }
-  float *lg = logits + runs[r].scratch_off;
-#pragma unroll
-  for (uint32_t h = 0; h < 4; ++h) {
-    const uint32_t g = hq * 4 + h;
-    if (g < G) lg[static_cast<size_t>(g) * C + c0 + c] = acc[h] * scale;
   }
 }
 
@@ -229,11 +260,12 @@ __device__ void radix_pick(SelectShared &sh, uint32_t t, uint32_t shift) {
 
 // scores (optional) is the global score scratch; keys_s (dynamic shared
 // memory) holds the keys of runs with clusters <= smem_cap.
-__global__ void __launch_bounds__(kSelectThreads) select_kernel(const DevRun *__restrict__ runs,
+__global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun *__restrict__ runs,
                                                                  uint32_t G, DevLookup out,
                                                                  float *scores, uint32_t smem_cap) {
   extern __shared__ uint32_t keys_s[];
   __shared__ SelectShared sh;
+  wait_prior_grid();
   const uint32_t r = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const DevRun &run = runs[r];
   const uint32_t C = run.clusters;
@@ -253,15 +285,27 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const DevRun *__
     const uint32_t wph = kSelectWarps / G, g = warp / wph, sub = warp % wph;
     float m = kNegInf, s = 0.f;
     if (g < G) {
+      // kBatch independent loads before the first use, then one online
+      // softmax step for the batch.
+      constexpr uint32_t kBatch = 8;
       const float *row = lg + static_cast<size_t>(g) * C;
-      for (uint32_t c = sub * 32 + lane; c < C; c += wph * 32) {
-        const float l = row[c];
-        if (l > m) {
-          s = s * expf(m - l) + 1.f;
-          m = l;
-        } else if (l > kNegInf) {
-          s += expf(l - m);
+      const uint32_t stride = wph * 32;
+      for (uint32_t base = sub * 32 + lane; base < C; base += kBatch * stride) {
+        float v[kBatch];
+#pragma unroll
+        for (uint32_t k = 0; k < kBatch; ++k) {
+          const uint32_t c = base + k * stride;
+          v[k] = c < C ? row[c] : kNegInf;
         }
+        float bm = v[0];
+#pragma unroll
+        for (uint32_t k = 1; k < kBatch; ++k) bm = fmaxf(bm, v[k]);
+        float bs = 0.f;
+        if (bm > kNegInf) {
+#pragma unroll
+          for (uint32_t k = 0; k < kBatch; ++k) bs += v[k] > kNegInf ? expf(v[k] - bm) : 0.f;
+        }
+        merge_ms(m, s, bm, bs);
       }
     }
 #pragma unroll
@@ -285,14 +329,34 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const DevRun *__
   }
 
   // 2b. Scores, summed over heads in ascending order as score_clusters does.
-  for (uint32_t c = tid; c < C; c += kSelectThreads) {
-    float s = 0.f;
-    for (uint32_t g = 0; g < G; ++g) {
-      if (sh.head_m[g] == kNegInf) continue;
-      s += expf(lg[static_cast<size_t>(g) * C + c] - sh.head_m[g]) * sh.head_inv[g];
+  {
+    // kBatch clusters a thread at a time, so that their loads overlap.
+    constexpr uint32_t kBatch = 4;
+    for (uint32_t base = tid; base < C; base += kBatch * kSelectThreads) {
+      float s[kBatch];
+#pragma unroll
+      for (uint32_t k = 0; k < kBatch; ++k) s[k] = 0.f;
+      for (uint32_t g = 0; g < G; ++g) {
+        const float hm = sh.head_m[g], inv = sh.head_inv[g];
+        const float *row = lg + static_cast<size_t>(g) * C;
+        float l[kBatch];
+#pragma unroll
+        for (uint32_t k = 0; k < kBatch; ++k) {
+          const uint32_t c = base + k * kSelectThreads;
+          l[k] = c < C ? row[c] : 0.f;
+        }
+        if (hm == kNegInf) continue;  // uniform over the block
+#pragma unroll
+        for (uint32_t k = 0; k < kBatch; ++k) s[k] += expf(l[k] - hm) * inv;
+      }
+#pragma unroll
+      for (uint32_t k = 0; k < kBatch; ++k) {
+        const uint32_t c = base + k * kSelectThreads;
+        if (c >= C) break;
+        if (sc) sc[c] = s[k];
+        if (use_smem) keys_s[c] = score_key(s[k]);
+      }
     }
-    if (sc) sc[c] = s;
-    if (use_smem) keys_s[c] = score_key(s);
   }
   __syncthreads();
   auto key = [&](uint32_t c) { return use_smem ? keys_s[c] : score_key(sc[c]); };
@@ -313,11 +377,21 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const DevRun *__
       for (uint32_t i = tid; i < 512; i += kSelectThreads) (&sh.hist[0][0])[i] = 0;
       __syncthreads();
       const uint32_t p0 = sh.prefix[0], p1 = sh.prefix[1];
-      for (uint32_t c = tid; c < C; c += kSelectThreads) {
-        const uint32_t k = key(c);
+      // Scores crowd into few bins (all lanes hit one bin in the first
+      // passes): lanes of a warp with equal bins add once, together.
+      for (uint32_t base = 0; base < C; base += kSelectThreads) {
+        const uint32_t c = base + tid;
+        const bool ok = c < C;
+        const uint32_t k = ok ? key(c) : 0u;
         const uint32_t bin = (k >> shift) & 255u;
-        if ((k & hmask) == p0) atomicAdd(&sh.hist[0][bin], 1u);
-        if (want_ret && (k & hmask) == p1) atomicAdd(&sh.hist[1][bin], 1u);
+        const bool m0 = ok && (k & hmask) == p0;
+        const uint32_t peers0 = __match_any_sync(kFull, m0 ? bin : 256u);
+        if (m0 && lane == __ffs(peers0) - 1) atomicAdd(&sh.hist[0][bin], __popc(peers0));
+        if (want_ret) {
+          const bool m1 = ok && (k & hmask) == p1;
+          const uint32_t peers1 = __match_any_sync(kFull, m1 ? bin : 256u);
+          if (m1 && lane == __ffs(peers1) - 1) atomicAdd(&sh.hist[1][bin], __popc(peers1));
+        }
       }
       __syncthreads();
       if (warp == 0) radix_pick(sh, 0, shift);
@@ -409,23 +483,30 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const DevRun *__
 
 // 3. Estimate ----------------------------------------------------------------
 
-// Partial estimate of one CTA: its local max, denominator and numerator.
+// Partial estimate of one CTA: its local max, denominator and numerator,
+// and the staging of one batch of estimation clusters.
 template <uint32_t D>
 struct EstShared {
   float4 red[kEstThreads];
   float num[D];
   float m, den;
   float tmp[32];
+  uint32_t c[kEstThreads];
+  float w[kEstThreads];
 };
 
 // CTA (rh, split) estimates head g of run r (rh = r * G + g) over its slice
-// of the estimation clusters with its own max shift; with kSplits > 1 the
-// kSplits CTAs of one (run, head) form a thread-block cluster and rank 0
+// of the estimation clusters, kEstThreads clusters a batch: the batch's ids,
+// logits and sizes are read once into shared memory (one thread a cluster),
+// the running max shift is raised to the batch's max, then the value sums
+// are read with 16-byte loads, several in flight a thread. With kSplits > 1
+// the kSplits CTAs of one (run, head) form a thread-block cluster and rank 0
 // merges their partials from distributed shared memory.
 template <uint32_t D, uint32_t kSplits>
 __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__restrict__ runs,
                                                                uint32_t G, DevLookup out) {
   __shared__ EstShared<D> sh;
+  wait_prior_grid();
   const uint32_t rh = blockIdx.x / kSplits, split = blockIdx.x % kSplits;
   const uint32_t r = rh / G, g = rh % G, tid = threadIdx.x;
   const DevRun &run = runs[r];
@@ -435,27 +516,49 @@ __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__r
   const uint32_t i0 = min(n, split * chunk), i1 = min(n, i0 + chunk);
   const uint32_t *ids = out.est_ids + run.est_off;
   const float *lg = out.logits + run.scratch_off + static_cast<size_t>(g) * C;
-
-  float m = kNegInf;
-  for (uint32_t i = i0 + tid; i < i1; i += kEstThreads) m = fmaxf(m, lg[ids[i]]);
-  m = block_max<kEstThreads>(m, sh.tmp);
+  const float4 *vs = reinterpret_cast<const float4 *>(run.value_sum);
 
   constexpr uint32_t kCols = D / 4, kRows = kEstThreads / kCols;
   const uint32_t col = tid % kCols, rl = tid / kCols;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float den = 0.f;
-  if (rl < kRows && m > kNegInf) {
-    const float4 *vs = reinterpret_cast<const float4 *>(run.value_sum);
-    for (uint32_t i = i0 + rl; i < i1; i += kRows) {
-      const uint32_t c = ids[i];
-      const float w = expf(lg[c] - m);
-      const float4 v = __ldg(vs + static_cast<size_t>(c) * kCols + col);
-      acc.x = fmaf(w, v.x, acc.x);
-      acc.y = fmaf(w, v.y, acc.y);
-      acc.z = fmaf(w, v.z, acc.z);
-      acc.w = fmaf(w, v.w, acc.w);
-      if (col == 0) den = fmaf(w, static_cast<float>(run.size[c]), den);
+  float den = 0.f, m = kNegInf;
+  for (uint32_t base = i0; base < i1; base += kEstThreads) {
+    const uint32_t nb = min(kEstThreads, i1 - base);
+    uint32_t c = 0;
+    float l = kNegInf, sz = 0.f;
+    if (tid < nb) {
+      c = ids[base + tid];
+      l = lg[c];
+      sz = static_cast<float>(run.size[c]);
     }
+    const float bm = block_max<kEstThreads>(l, sh.tmp);
+    const float m_new = fmaxf(m, bm);
+    if (m_new == kNegInf) continue;  // no weight yet; uniform over the CTA
+    const float alpha = m == kNegInf ? 0.f : expf(m - m_new);
+    const float w = l == kNegInf ? 0.f : expf(l - m_new);
+    if (tid < nb) {
+      sh.c[tid] = c;
+      sh.w[tid] = w;
+    }
+    den = den * alpha + w * sz;  // per thread; summed at the end
+    acc.x *= alpha;
+    acc.y *= alpha;
+    acc.z *= alpha;
+    acc.w *= alpha;
+    m = m_new;
+    __syncthreads();
+    if (rl < kRows) {
+#pragma unroll 8
+      for (uint32_t k = rl; k < nb; k += kRows) {
+        const float wk = sh.w[k];
+        const float4 v = __ldg(vs + static_cast<size_t>(sh.c[k]) * kCols + col);
+        acc.x = fmaf(wk, v.x, acc.x);
+        acc.y = fmaf(wk, v.y, acc.y);
+        acc.z = fmaf(wk, v.z, acc.z);
+        acc.w = fmaf(wk, v.w, acc.w);
+      }
+    }
+    __syncthreads();  // sh.c and sh.w are rewritten next batch
   }
   sh.red[tid] = acc;
   den = block_sum<kEstThreads>(den, sh.tmp);  // its barrier also publishes red
@@ -521,6 +624,7 @@ __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__r
 __global__ void __launch_bounds__(kOffsetThreads) offsets_kernel(const uint32_t *__restrict__ run_tokens,
                                                                  uint32_t R, int32_t *offsets) {
   __shared__ uint32_t tmp[32];
+  wait_prior_grid();
   uint32_t carry = 0;
   for (uint32_t base = 0; base < R; base += kOffsetThreads) {
     const uint32_t i = base + threadIdx.x;
@@ -545,56 +649,78 @@ bool cluster_estimate_usable() {
   return fa.ptxVersion >= 90;
 }
 
-Status set_smem(const void *fn, size_t bytes) {
-  if (bytes > 48 * 1024)
-    WKV_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+// Raises fn's dynamic shared memory limit to `bytes`, once per device
+// (the attribute belongs to the current device's context).
+Status ensure_smem(const void *fn, size_t bytes, std::atomic<uint64_t> *done) {
+  if (bytes <= 48 * 1024) return Status::ok();
+  int dev = 0;
+  WKV_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+  if (bit && (done->load(std::memory_order_relaxed) & bit)) return Status::ok();
+  WKV_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  done->fetch_or(bit, std::memory_order_relaxed);
+  return Status::ok();
+}
+
+// Launches kernel with programmatic dependent launch, and as clusters of
+// cluster_x CTAs when cluster_x > 1.
+template <typename... Params, typename... Args>
+Status launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, uint32_t cluster_x,
+              Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  uint32_t n = 1;
+  if (cluster_x > 1) {
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = cluster_x;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
+    n = 2;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  WKV_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
   return Status::ok();
 }
 
 template <uint32_t D>
 Status lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
                    const DevLookup &out, float *scores, uint32_t max_clusters, cudaStream_t s) {
+  static std::atomic<uint64_t> logits_smem_set{0}, select_smem_set{0};
   if (R > 0 && max_clusters > 0) {
     // 1. Logits.
     const uint32_t tiles = (max_clusters + kTileC - 1) / kTileC;
-    const size_t smem = (static_cast<size_t>(kTileC) * kTileLd<D> + static_cast<size_t>(G) * D) * sizeof(float);
-    WKV_RETURN_IF_ERROR(set_smem(reinterpret_cast<const void *>(logits_kernel<D>), smem));
-    logits_kernel<D><<<dim3(tiles, R), kTileC * ((G + 3) / 4), smem, s>>>(runs, G, scale, q, out.logits);
-    WKV_CUDA_CHECK_LAUNCH("logits_kernel");
+    WKV_RETURN_IF_ERROR(ensure_smem(reinterpret_cast<const void *>(logits_kernel<D>), logits_smem<D>(kMaxGroup),
+                                    &logits_smem_set));
+    WKV_RETURN_IF_ERROR(launch(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), logits_smem<D>(G), s, 1, runs,
+                               G, scale, q, out.logits));
   }
   if (R > 0) {
     // 2. Scores and selection.
     const uint32_t cap = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
-    const size_t smem = static_cast<size_t>(cap) * sizeof(uint32_t);
-    WKV_RETURN_IF_ERROR(set_smem(reinterpret_cast<const void *>(select_kernel), smem));
-    select_kernel<<<R, kSelectThreads, smem, s>>>(runs, G, out, scores, cap);
-    WKV_CUDA_CHECK_LAUNCH("select_kernel");
+    WKV_RETURN_IF_ERROR(ensure_smem(reinterpret_cast<const void *>(select_kernel),
+                                    kLookupSmemClusters * sizeof(uint32_t), &select_smem_set));
+    WKV_RETURN_IF_ERROR(launch(select_kernel, dim3(R), dim3(kSelectThreads), cap * sizeof(uint32_t), s, 1, runs, G,
+                               out, scores, cap));
 
     // 3. Estimate.
     static const bool clusters_ok = cluster_estimate_usable<D>();
     if (clusters_ok) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(R * G * kEstSplits);
-      cfg.blockDim = dim3(kEstThreads);
-      cfg.dynamicSmemBytes = 0;
-      cfg.stream = s;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = kEstSplits;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      WKV_CUDA_CHECK(cudaLaunchKernelEx(&cfg, estimate_kernel<D, kEstSplits>, runs, G, out));
+      WKV_RETURN_IF_ERROR(launch(estimate_kernel<D, kEstSplits>, dim3(R * G * kEstSplits), dim3(kEstThreads), 0, s,
+                                 kEstSplits, runs, G, out));
     } else {
-      estimate_kernel<D, 1><<<R * G, kEstThreads, 0, s>>>(runs, G, out);
-      WKV_CUDA_CHECK_LAUNCH("estimate_kernel");
+      WKV_RETURN_IF_ERROR(launch(estimate_kernel<D, 1>, dim3(R * G), dim3(kEstThreads), 0, s, 1, runs, G, out));
     }
   }
   // 4. Offsets.
-  offsets_kernel<<<1, kOffsetThreads, 0, s>>>(out.run_tokens, R, out.offsets);
-  WKV_CUDA_CHECK_LAUNCH("offsets_kernel");
-  return Status::ok();
+  return launch(offsets_kernel, dim3(1), dim3(kOffsetThreads), 0, s, 1,
+                static_cast<const uint32_t *>(out.run_tokens), R, out.offsets);
 }
 
 }  // namespace

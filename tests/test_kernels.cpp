@@ -454,6 +454,37 @@ TEST(Scoring, HugeLogitsGiveFiniteScoresSummingToGroupSize) {
   EXPECT_NEAR(total, double(G), 1e-4 * G);
 }
 
+// The 16-bit path must mean what the f32 path means on the rounded values:
+// head dims that are and are not a multiple of the vector width, a head
+// group that is not a multiple of four, and a full-size index.
+TEST(Scoring, SixteenBitCentroidsMatchF32ScoringOfTheRoundedValues) {
+  struct Case { uint32_t G, C, d; };
+  const Case cases[] = {{1, 1, 64},  {4, 37, 80},  {7, 100, 128}, {2, 513, 96},
+                        {3, 64, 256}, {5, 33, 60}, {4, 8188, 128}};
+  std::mt19937_64 rng(23);
+  for (DType t : {DType::kF16, DType::kBF16}) {
+    for (const Case &c : cases) {
+      SCOPED_TRACE(testing::Message() << dtype_name(t) << " G=" << c.G << " C=" << c.C
+                                      << " d=" << c.d);
+      const auto q = random_vec(rng, size_t(c.G) * c.d);
+      const Rows stored(t, random_vec(rng, size_t(c.C) * c.d, 1.f, 0.3f), c.d);
+      std::vector<float> rounded(size_t(c.C) * c.d);
+      to_float(t, stored.bytes.data(), rounded.data(), rounded.size());
+      const float scale = 1.f / std::sqrt(float(c.d));
+      std::vector<float> logits(size_t(c.G) * c.C), score(c.C);
+      std::vector<float> want_logits(logits.size()), want_score(c.C);
+      score_clusters(t, q.data(), c.G, stored.bytes.data(), c.C, c.d, scale, logits.data(),
+                     score.data());
+      score_clusters(q.data(), c.G, rounded.data(), c.C, c.d, scale, want_logits.data(),
+                     want_score.data());
+      for (size_t i = 0; i < logits.size(); ++i)
+        ASSERT_NEAR(logits[i], want_logits[i], 1e-5 * std::max(1.f, std::fabs(want_logits[i])));
+      for (uint32_t i = 0; i < c.C; ++i)
+        ASSERT_NEAR(score[i], want_score[i], 1e-5 * std::max(1.f, want_score[i]));
+    }
+  }
+}
+
 // Selection -------------------------------------------------------------------
 
 // The reference: a full sort by (score desc, id asc).
@@ -512,6 +543,65 @@ TEST(Selection, EqualScoresBreakTiesToLowerIds) {
   select_zones(score.data(), C, 2, 3, ret.data(), est.data(), scratch.data());
   EXPECT_EQ(ret, (std::vector<uint32_t>{0, 7}));
   EXPECT_EQ(est, (std::vector<uint32_t>{1, 2, 3}));
+}
+
+// Index-sized inputs: softmax-like scores spread over many binades, scores
+// crowded into a narrow range, and ties so wide that the radix rounds run
+// over the whole key array rather than gathered keys.
+TEST(Selection, MatchesFullSortOnIndexSizedAndCrowdedScores) {
+  std::mt19937_64 rng(33);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (uint32_t C : {8188u, 20000u}) {
+    for (int kind = 0; kind < 4; ++kind) {
+      std::vector<float> score(C);
+      for (auto &s : score) {
+        switch (kind) {
+          case 0: s = std::exp(3.f * nd(rng)) * 1e-4f; break;   // wide
+          case 1: s = 1e-3f * (1.f + 1e-4f * nd(rng)); break;  // crowded
+          case 2: s = float(rng() % 3) / 3; break;             // three levels
+          default: s = 0.25f; break;                           // all equal
+        }
+      }
+      const uint32_t splits[][2] = {{C * 18 / 1000, C * 232 / 1000}, {0, C / 4}, {C / 4, 0},
+                                    {1, C - 1}, {C / 2, C / 2}};
+      for (const auto &sp : splits) {
+        const uint32_t n_ret = sp[0], n_est = sp[1];
+        SCOPED_TRACE(testing::Message() << "C=" << C << " kind=" << kind << " n_ret=" << n_ret
+                                        << " n_est=" << n_est);
+        std::vector<uint32_t> ret(n_ret + 1, 0xdead), est(n_est + 1, 0xbeef), scratch(C);
+        select_zones(score.data(), C, n_ret, n_est, ret.data(), est.data(), scratch.data());
+        EXPECT_EQ(ret[n_ret], 0xdeadu) << "wrote past n_ret";
+        EXPECT_EQ(est[n_est], 0xbeefu) << "wrote past n_est";
+        std::vector<uint32_t> want_ret, want_est;
+        reference_select(score, n_ret, n_est, &want_ret, &want_est);
+        ASSERT_EQ(std::vector<uint32_t>(ret.begin(), ret.begin() + n_ret), want_ret);
+        ASSERT_EQ(std::vector<uint32_t>(est.begin(), est.begin() + n_est), want_est);
+      }
+    }
+  }
+}
+
+TEST(Selection, NaNRanksAsNegativeInfinityAndSignedZerosTie) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> score = {0.f, -0.f, nan, 1.f, -kInf, -nan, -0.f, 0.5f, -1.f, kInf};
+  // Under the documented order: +inf, 1, 0.5, then 0 and -0 as equals by
+  // id (0, 1, 6), -1, then -inf and the NaNs as equals by id (2, 4, 5).
+  const std::vector<uint32_t> order = {9, 3, 7, 0, 1, 6, 8, 2, 4, 5};
+  const uint32_t C = uint32_t(score.size());
+  for (uint32_t n_sel = 1; n_sel <= C; ++n_sel) {
+    for (uint32_t n_ret = 0; n_ret <= n_sel; ++n_ret) {
+      SCOPED_TRACE(testing::Message() << "n_ret=" << n_ret << " n_sel=" << n_sel);
+      std::vector<uint32_t> ret(n_ret), est(n_sel - n_ret), scratch(C);
+      select_zones(score.data(), C, n_ret, n_sel - n_ret, ret.data(), est.data(),
+                   scratch.data());
+      std::vector<uint32_t> want_ret(order.begin(), order.begin() + n_ret);
+      std::vector<uint32_t> want_est(order.begin() + n_ret, order.begin() + n_sel);
+      std::sort(want_ret.begin(), want_ret.end());
+      std::sort(want_est.begin(), want_est.end());
+      ASSERT_EQ(ret, want_ret);
+      ASSERT_EQ(est, want_est);
+    }
+  }
 }
 
 // Estimation ------------------------------------------------------------------
@@ -604,6 +694,108 @@ TEST(Estimation, ExtremeLogitsStayFinite) {
                                       out.data());
   EXPECT_NEAR(lse_low, -1e4 + std::log(3.0), 1e-2);
   for (uint32_t j = 0; j < d; ++j) EXPECT_NEAR(out[j], (vs[j] + vs[4 + j]) / 3, 1e-5 * out[j]);
+}
+
+// Logits [G][C] for the group tests: head 1 (when there is one) has no
+// finite logit at all, so that its estimate is empty.
+std::vector<float> group_logits(std::mt19937_64 &rng, uint32_t G, uint32_t C) {
+  auto logits = random_vec(rng, size_t(G) * C, 3.f);
+  if (G > 1) std::fill(logits.begin() + C, logits.begin() + 2 * C, -kInf);
+  return logits;
+}
+
+// Checks the group estimate against G calls of estimate_zone over value
+// sums `vs`, to 1e-5.
+void expect_group_matches_reference(const std::vector<float> &logits, uint32_t G, uint32_t C,
+                                    const std::vector<uint32_t> &ids,
+                                    const std::vector<float> &vs,
+                                    const std::vector<uint32_t> &size, uint32_t d,
+                                    const std::vector<float> &out, const std::vector<float> &lse) {
+  const uint32_t n = uint32_t(ids.size());
+  std::vector<float> want(d);
+  for (uint32_t g = 0; g < G; ++g) {
+    SCOPED_TRACE(testing::Message() << "head " << g);
+    const float want_lse = estimate_zone(logits.data() + size_t(g) * C, ids.data(), n,
+                                         vs.data(), size.data(), d, want.data());
+    if (want_lse == -kInf) {
+      EXPECT_EQ(lse[g], -kInf);
+      for (uint32_t j = 0; j < d; ++j) ASSERT_EQ(out[size_t(g) * d + j], 0.f);
+      continue;
+    }
+    EXPECT_NEAR(lse[g], want_lse, 1e-5 * std::max(1.f, std::fabs(want_lse)));
+    const std::vector<double> want_d(want.begin(), want.end());
+    EXPECT_LT(rel_l2(out.data() + size_t(g) * d, want_d.data(), d), 1e-5);
+  }
+}
+
+TEST(Estimation, GroupMatchesOneCallPerHead) {
+  std::mt19937_64 rng(44);
+  const uint32_t C = 300;
+  for (uint32_t d : {60u, 64u, 80u, 128u, 256u}) {
+    const auto vs = random_vec(rng, size_t(C) * d, 5.f);
+    std::vector<uint32_t> size(C);
+    for (auto &x : size) x = 1 + uint32_t(rng() % 3000);
+    for (uint32_t G : {1u, 2u, 3u, 4u, 5u, 8u}) {
+      const auto logits = group_logits(rng, G, C);
+      for (uint32_t n : {0u, 1u, 3u, 4u, 5u, 63u, 64u, 65u, 300u}) {
+        SCOPED_TRACE(testing::Message() << "d=" << d << " G=" << G << " n=" << n);
+        auto ids = iota(C);
+        std::shuffle(ids.begin(), ids.end(), rng);
+        ids.resize(n);
+        std::vector<float> out(size_t(G) * d, 7.f), lse(G, 7.f);
+        estimate_zone_group(logits.data(), G, C, ids.data(), n, vs.data(), size.data(), d,
+                            out.data(), lse.data());
+        expect_group_matches_reference(logits, G, C, ids, vs, size, d, out, lse);
+      }
+    }
+  }
+}
+
+// From f16 value means, the reference is estimate_zone over the value sums
+// that the rounded means stand for.
+TEST(Estimation, GroupFromF16MeansMatchesOneCallPerHeadOnTheRoundedMeans) {
+  std::mt19937_64 rng(45);
+  const uint32_t C = 300;
+  for (uint32_t d : {60u, 64u, 80u, 128u, 256u}) {
+    std::vector<uint32_t> size(C);
+    for (auto &x : size) x = 1 + uint32_t(rng() % 3000);
+    const Rows means(DType::kF16, random_vec(rng, size_t(C) * d), d);
+    std::vector<float> vs(size_t(C) * d);
+    to_float(DType::kF16, means.bytes.data(), vs.data(), vs.size());
+    for (uint32_t c = 0; c < C; ++c)
+      for (uint32_t j = 0; j < d; ++j) vs[size_t(c) * d + j] *= float(size[c]);
+    for (uint32_t G : {1u, 3u, 4u, 5u}) {
+      const auto logits = group_logits(rng, G, C);
+      for (uint32_t n : {0u, 1u, 5u, 64u, 65u, 300u}) {
+        SCOPED_TRACE(testing::Message() << "d=" << d << " G=" << G << " n=" << n);
+        auto ids = iota(C);
+        std::shuffle(ids.begin(), ids.end(), rng);
+        ids.resize(n);
+        std::sort(ids.begin(), ids.end());
+        std::vector<float> out(size_t(G) * d, 7.f), lse(G, 7.f);
+        estimate_zone_group_means(logits.data(), G, C, ids.data(), n,
+                                  static_cast<const f16 *>(static_cast<const void *>(means.bytes.data())),
+                                  size.data(), d, out.data(), lse.data());
+        expect_group_matches_reference(logits, G, C, ids, vs, size, d, out, lse);
+      }
+    }
+  }
+}
+
+TEST(Estimation, GroupExtremeLogitsStayFinite) {
+  const uint32_t d = 8, C = 4, G = 2;
+  // Head 0 as in ExtremeLogitsStayFinite, head 1 far below.
+  const std::vector<float> logits = {1e4f, -1e4f, 9999.f, -kInf, -1e4f, -1e4f, -kInf, -kInf};
+  std::vector<float> vs(size_t(C) * d);
+  for (size_t i = 0; i < vs.size(); ++i) vs[i] = float(i + 1);
+  const std::vector<uint32_t> size = {2, 1, 3, 5};
+  const std::vector<uint32_t> ids = {0, 1, 2, 3};
+  std::vector<float> out(size_t(G) * d), lse(G);
+  estimate_zone_group(logits.data(), G, C, ids.data(), 4, vs.data(), size.data(), d, out.data(),
+                      lse.data());
+  for (float x : out) ASSERT_TRUE(std::isfinite(x));
+  expect_group_matches_reference(logits, G, C, ids, vs, size, d, out, lse);
+  EXPECT_NEAR(lse[1], -1e4 + std::log(3.0), 1e-2);
 }
 
 // Merge -------------------------------------------------------------------------
@@ -739,6 +931,17 @@ TEST(Attention, ManyHeadsAndLongRowsTakeTheirOwnPaths) {
   check_attention(DType::kF16, 70, 150, 64, 1.f, 1e-3, rng);   // more heads than one group
   check_attention(DType::kBF16, 2, 5, 8200, 1.f, 1e-3, rng);   // rows longer than a block
   check_attention(DType::kF32, 3, 70, 8200, 1.f, 1e-5, rng);
+}
+
+// Head dims that are not a multiple of the vector widths, head counts
+// around the groups of four, and token counts around the blocks.
+TEST(Attention, OddShapesMatchDoubleReference) {
+  std::mt19937_64 rng(66);
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16})
+    for (uint32_t d : {8u, 24u, 60u, 72u})
+      for (uint32_t G : {1u, 2u, 3u, 5u, 9u})
+        for (uint32_t n : {1u, 31u, 32u, 33u, 65u})
+          check_attention(t, G, n, d, 1.f, t == DType::kF32 ? 1e-5 : 1e-3, rng);
 }
 
 TEST(Attention, DotMatchesDoubleReference) {

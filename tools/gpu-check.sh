@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # Builds wavekv on a GPU machine, runs every test (GPU suites included), the
 # GPU suites again under compute-sanitizer, and the GPU benchmarks, then
-# prints a short table. Logs go to $OUT (or ./gpu-check-logs).
+# prints a short table. The logs are packed into $OUT/gpu-check-logs.tar.gz
+# beside $OUT/summary.txt ($OUT defaults to ./gpu-check-logs).
+#
+#   tools/gpu-check.sh [STEP...]   steps: build test sanitize bench (default: all)
+#
+# The steps after build reuse build-gpu/, so that they can be split across
+# several runs on one machine (each run must end within its time limit).
 #
 # The machine needs nvcc and CMake; libraries it lacks (liburing, mimalloc,
-# GoogleTest, oneTBB, xxHash) may come as Debian packages in .debs/ (see
-# the device notes in docs/), unpacked under a prefix here.
+# GoogleTest, oneTBB, xxHash) may come as Debian packages in .debs/
+# (docs/gpu-machine.md), unpacked under a prefix here.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-$PWD/gpu-check-logs}
 mkdir -p "$OUT"
 JOBS=${JOBS:-$(nproc)}
+STEPS=" ${*:-build test sanitize bench} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+LOG=$(mktemp -d)
+trap 'cp "$LOG/summary.txt" "$OUT/" 2>/dev/null; tar -C "$LOG" -czf "$OUT/gpu-check-logs.tar.gz" .' EXIT
 
 if [ -d .debs ] && ls .debs/*.deb >/dev/null 2>&1; then
   PREFIX=/tmp/wkv-debs
@@ -24,36 +34,49 @@ if [ -d .debs ] && ls .debs/*.deb >/dev/null 2>&1; then
 fi
 export WKV_SKIP_DEPS=1
 
-step() { printf '%-28s %s\n' "$1" "$2" | tee -a "$OUT/summary.txt"; }
-: > "$OUT/summary.txt"
+step() { printf '%-30s %s\n' "$1" "$2" | tee -a "$LOG/summary.txt"; }
+: > "$LOG/summary.txt"
+step gpu "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1)"
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DWKV_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-  > "$OUT/configure.log" 2>&1 && cmake --build build-gpu -j"$JOBS" > "$OUT/build.log" 2>&1
-build_rc=$?
-step build "$([ $build_rc = 0 ] && echo ok || echo "FAILED (see build.log)")"
-if [ $build_rc != 0 ]; then tail -40 "$OUT/build.log"; cat "$OUT/summary.txt"; exit 1; fi
+if want build || [ ! -d build-gpu ]; then
+  start=$SECONDS
+  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DWKV_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    > "$LOG/configure.log" 2>&1 && cmake --build build-gpu -j"$JOBS" > "$LOG/build.log" 2>&1
+  build_rc=$?
+  step build "$([ $build_rc = 0 ] && echo "ok ($((SECONDS - start)) s)" || echo "FAILED (see build.log)")"
+  if [ $build_rc != 0 ]; then grep -E "error" -A3 "$LOG/build.log" | head -60; exit 1; fi
+fi
 
-(cd build-gpu && ctest --output-on-failure -j4 --timeout 300) > "$OUT/ctest.log" 2>&1
-step "ctest (all)" "$(grep -E 'tests passed|tests failed' "$OUT/ctest.log" | tail -1)"
-(cd build-gpu && ctest -L gpu --output-on-failure --timeout 300 -V) > "$OUT/ctest-gpu.log" 2>&1
-step "ctest -L gpu" "$(grep -E 'tests passed|tests failed' "$OUT/ctest-gpu.log" | tail -1)"
-grep -E "Skipped|SKIPPED" "$OUT/ctest-gpu.log" | head -3 >> "$OUT/summary.txt"
+if want test; then
+  (cd build-gpu && ctest --output-on-failure -j8 --timeout 300) > "$LOG/ctest.log" 2>&1
+  step "ctest (all)" "$(grep -E 'tests passed|tests failed' "$LOG/ctest.log" | tail -1)"
+  grep -E "\(Failed\)|\(Timeout\)|Exception" "$LOG/ctest.log" | head -20 | tee -a "$LOG/summary.txt"
+  step "  gpu tests skipped" "$(grep -c 'gpu_.*Skipped' "$LOG/ctest.log")"
+fi
 
-if command -v compute-sanitizer >/dev/null; then
+if want sanitize && command -v compute-sanitizer >/dev/null; then
   san_fail=0
-  for t in build-gpu/bin/gpu_*; do
-    compute-sanitizer --tool memcheck --error-exitcode 9 "$t" --gtest_brief=1 > "$OUT/sanitizer-$(basename "$t").log" 2>&1 || san_fail=1
+  # The GPU test programs (tests/gpu_*.cpp), not the benchmarks.
+  for src in tests/gpu_*.cpp; do
+    name=$(basename "$src" .cpp)
+    timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+      "build-gpu/bin/$name" --gtest_brief=1 > "$LOG/sanitizer-$name.log" 2>&1
+    rc=$?
+    [ $rc = 0 ] || san_fail=1
+    step "  memcheck $name" "rc=$rc $(grep -E 'ERROR SUMMARY' "$LOG/sanitizer-$name.log" | tail -1)"
   done
   step compute-sanitizer "$([ $san_fail = 0 ] && echo clean || echo "ERRORS (see sanitizer-*.log)")"
 fi
 
-anchor=$(python3 bench/gpu_prefill_anchor.py 2>"$OUT/anchor.err" | awk '/prefill_ms/{print $2}')
-step "torch causal prefill ms" "${anchor:-n/a} (131072 tok, 32 q / 8 kv heads, d=128, bf16)"
-for b in build-gpu/bin/gpu_*bench*; do
-  [ -x "$b" ] || continue
-  "$b" > "$OUT/$(basename "$b").log" 2>&1
-  step "$(basename "$b")" "rc=$? (see log)"
-  tail -15 "$OUT/$(basename "$b").log"
-done
-cat "$OUT/summary.txt"
+if want bench; then
+  anchor=$(python3 bench/gpu_prefill_anchor.py 2>"$LOG/anchor.err" | awk '/prefill_ms/{print $2}')
+  step "torch causal prefill ms" "${anchor:-n/a} (131072 tok, 32 q / 8 kv heads, d=128, bf16)"
+  for b in build-gpu/bin/gpu_*bench*; do
+    [ -x "$b" ] || continue
+    timeout "${BENCH_TIMEOUT:-240}" "$b" > "$LOG/$(basename "$b").log" 2>&1
+    step "$(basename "$b")" "rc=$? (log below)"
+    tail -25 "$LOG/$(basename "$b").log"
+  done
+fi
+echo
+cat "$LOG/summary.txt"

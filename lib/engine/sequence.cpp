@@ -147,6 +147,31 @@ uint64_t mix_seed(uint64_t seed, uint64_t a, uint64_t b) {
   return z ^ (z >> 31);
 }
 
+// Appends a segment's clusters to the meta index's f16 mirror, or drops the
+// mirror for good when a value does not fit in f16. Pre: the mirror holds
+// every cluster so far and has room for these (no allocation, no throw).
+void append_f16_mirror(const kernels::SegmentClusters &sc, uint32_t d, MetaIndex *meta) {
+  constexpr float kF16Max = 65504.0f;
+  bool fits = true;  // a NaN fails the compares too
+  for (float x : sc.centroid) fits &= std::fabs(x) <= kF16Max;
+  for (uint32_t c = 0; c < sc.n_clusters; ++c)
+    for (uint32_t j = 0; j < d; ++j) fits &= std::fabs(sc.value_sum[static_cast<size_t>(c) * d + j] / sc.size[c]) <= kF16Max;
+  if (!fits) {
+    MetaVector<f16>().swap(meta->centroid_f16);
+    MetaVector<f16>().swap(meta->value_mean_f16);
+    return;
+  }
+  const size_t at = meta->centroid_f16.size(), n = sc.centroid.size();
+  meta->centroid_f16.resize(at + n);
+  meta->value_mean_f16.resize(at + n);
+  from_float(DType::kF16, sc.centroid.data(), meta->centroid_f16.data() + at, n);
+  float mean[256];  // head_dim <= 256 (checked at open)
+  for (uint32_t c = 0; c < sc.n_clusters; ++c) {
+    for (uint32_t j = 0; j < d; ++j) mean[j] = sc.value_sum[static_cast<size_t>(c) * d + j] / sc.size[c];
+    from_float(DType::kF16, mean, meta->value_mean_f16.data() + at + static_cast<size_t>(c) * d, d);
+  }
+}
+
 }  // namespace
 
 Status Sequence::cluster_front(uint32_t layer, uint32_t count, uint32_t seg_tokens,
@@ -261,30 +286,10 @@ Status Sequence::cluster_front(uint32_t layer, uint32_t count, uint32_t seg_toke
         ix.map.push_back(desc);
         ix.meta.size.push_back(sc.size[c]);
       }
-      // With 16-bit storage, the f16 mirror follows while every value fits
-      // in f16 (K and V stored in f32 are read in f32).
-      if (dt != DType::kF32 && ix.meta.centroid_f16.size() == ix.meta.centroid.size()) {
-        const size_t n = sc.centroid.size();
-        bool fits = true;
-        for (float x : sc.centroid) fits &= std::fabs(x) <= 65504.0f;  // false for NaN
-        for (uint32_t c = 0; c < sc.n_clusters; ++c)
-          for (uint32_t j = 0; j < d; ++j)
-            fits &= std::fabs(sc.value_sum[static_cast<size_t>(c) * d + j] / sc.size[c]) <= 65504.0f;
-        if (fits) {
-          const size_t at = ix.meta.centroid_f16.size();
-          ix.meta.centroid_f16.resize(at + n);
-          ix.meta.value_mean_f16.resize(at + n);
-          from_float(DType::kF16, sc.centroid.data(), ix.meta.centroid_f16.data() + at, n);
-          float mean[256];  // head_dim <= 256 (checked at open)
-          for (uint32_t c = 0; c < sc.n_clusters; ++c) {
-            for (uint32_t j = 0; j < d; ++j) mean[j] = sc.value_sum[static_cast<size_t>(c) * d + j] / sc.size[c];
-            from_float(DType::kF16, mean, ix.meta.value_mean_f16.data() + at + static_cast<size_t>(c) * d, d);
-          }
-        } else {
-          MetaVector<uint16_t>().swap(ix.meta.centroid_f16);
-          MetaVector<uint16_t>().swap(ix.meta.value_mean_f16);
-        }
-      }
+      // With 16-bit storage the f16 mirror follows (K and V stored in f32
+      // are scored and estimated in f32).
+      if (dt != DType::kF32 && ix.meta.centroid_f16.size() == ix.meta.centroid.size())
+        append_f16_mirror(sc, d, &ix.meta);
       ix.meta.centroid.insert(ix.meta.centroid.end(), sc.centroid.begin(), sc.centroid.end());
       ix.meta.value_sum.insert(ix.meta.value_sum.end(), sc.value_sum.begin(), sc.value_sum.end());
       ix.pages.insert(ix.pages.end(), ids.begin() + p.first_page, ids.begin() + p.first_page + p.pages);

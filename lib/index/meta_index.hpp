@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "lib/buffer/mapping_table.hpp"
+#include "lib/common/dtype.hpp"
 #include "lib/common/meta_alloc.hpp"
 #include "lib/store/host_arena.hpp"
 
@@ -15,22 +16,22 @@ struct MetaIndex {
   MetaVector<float> centroid;   // [clusters][d]
   MetaVector<float> value_sum;  // [clusters][d]
   MetaVector<uint32_t> size;    // [clusters]
-  // A compact mirror for the decoding step, in f16 (IEEE binary16 bits):
-  // the centroids, and the value means VS / size. Scoring streams every
-  // centroid at every step and estimation a quarter of the value rows,
-  // both bound by memory bandwidth, so half the bytes is about half the
-  // time. Filled when segments are committed, only where K and V are stored
-  // in 16 bits (they are rounded as much already). Empty for good once a
-  // value falls outside f16's range; the step then reads the f32 arrays.
-  MetaVector<uint16_t> centroid_f16;    // [clusters][d] or empty
-  MetaVector<uint16_t> value_mean_f16;  // [clusters][d] or empty
+  // A compact mirror for the decoding step, in f16: the centroids, and the
+  // value means VS / size. Scoring streams every centroid at every step and
+  // estimation a quarter of the value rows, both bound by memory bandwidth,
+  // so half the bytes is about half the time. Filled when segments are
+  // committed, only where K and V are stored in 16 bits (they are rounded as
+  // much already). Empty for good once a value falls outside f16's range;
+  // the step then reads the f32 arrays.
+  MetaVector<f16> centroid_f16;    // [clusters][d] or empty
+  MetaVector<f16> value_mean_f16;  // [clusters][d] or empty
 
   uint32_t clusters() const { return static_cast<uint32_t>(size.size()); }
   // Whether the f16 mirror holds every cluster.
   bool has_f16() const { return !centroid.empty() && centroid_f16.size() == centroid.size(); }
   size_t bytes() const {
     return (centroid.capacity() + value_sum.capacity()) * sizeof(float) +
-           (centroid_f16.capacity() + value_mean_f16.capacity()) * sizeof(uint16_t) +
+           (centroid_f16.capacity() + value_mean_f16.capacity()) * sizeof(f16) +
            size.capacity() * sizeof(uint32_t);
   }
 };

@@ -5,9 +5,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <chrono>
-#include <cstdio>
-#include <atomic>
 
 #include "kernels/cpu_kernels.hpp"
 #include "lib/engine/engine.hpp"
@@ -16,8 +13,6 @@
 
 namespace wkv {
 namespace {
-struct Prof { std::atomic<long> t[8]; ~Prof(){ fprintf(stderr,"PROF score %.1f select %.1f est %.1f assemble %.1f attend %.1f (ms cpu total)\n", t[0]/1e6,t[1]/1e6,t[2]/1e6,t[3]/1e6,t[4]/1e6);} } g_prof;
-inline long nowns(){ return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 class CpuBackend final : public Backend {
  public:
@@ -73,29 +68,24 @@ Status CpuBackend::lookup(Plan &plan) {
     // The per-run offset into scores/scratch is logits_off / G.
     float *score = &plan.scores[r.logits_off / G];
     uint32_t *scratch = &plan.scratch[r.logits_off / G];
-    // Scoring and estimation read the f16 mirror of the meta index where
-    // there is one.
-    const uint32_t *est_ids = plan.est_ids.data() + r.est_off;
-    if (meta.has_f16()) {
-      long a = nowns();
+    uint32_t *ret_ids = plan.ret_ids.data() + r.ret_off, *est_ids = plan.est_ids.data() + r.est_off;
+    // Scoring and estimation read the meta index's f16 mirror where there
+    // is one: half the bytes of the f32 arrays, and both are bound by them.
+    const bool mirror = meta.has_f16();
+    if (mirror)
       kernels::score_clusters(DType::kF16, q, G, meta.centroid_f16.data(), r.clusters, d, scale, logits, score);
-      long b = nowns(); g_prof.t[0] += b - a;
-      kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, plan.ret_ids.data() + r.ret_off,
-                            plan.est_ids.data() + r.est_off, scratch);
-      long c = nowns(); g_prof.t[1] += c - b;
-      struct G2 { long c; ~G2(){ g_prof.t[2] += nowns() - c; } } g2{c};
-      kernels::estimate_zone_group_means(logits, G, r.clusters, est_ids, r.n_est,
-                                         reinterpret_cast<const f16 *>(meta.value_mean_f16.data()),
-                                         meta.size.data(), d, est_out, est_lse);
-    } else {
+    else
       kernels::score_clusters(q, G, meta.centroid.data(), r.clusters, d, scale, logits, score);
-      kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, plan.ret_ids.data() + r.ret_off,
-                            plan.est_ids.data() + r.est_off, scratch);
+    kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, ret_ids, est_ids, scratch);
+    // One pass over the value rows serves the whole query group.
+    if (mirror)
+      kernels::estimate_zone_group_means(logits, G, r.clusters, est_ids, r.n_est, meta.value_mean_f16.data(),
+                                         meta.size.data(), d, est_out, est_lse);
+    else
       kernels::estimate_zone_group(logits, G, r.clusters, est_ids, r.n_est, meta.value_sum.data(),
                                    meta.size.data(), d, est_out, est_lse);
-    }
     uint64_t toks = 0;
-    for (uint32_t i = 0; i < r.n_ret; ++i) toks += meta.size[plan.ret_ids[r.ret_off + i]];
+    for (uint32_t i = 0; i < r.n_ret; ++i) toks += meta.size[ret_ids[i]];
     r.ret_tokens = toks;
   });
   e_.counters().retrieved_clusters.fetch_add(ret_total);
@@ -127,7 +117,6 @@ Status CpuBackend::assemble(Plan &plan) {
   // 2. Steady zone, then the retrieval clusters page by page.
   HostArena &arena = e_.arena();
   e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
-    struct G2 { long c; ~G2(){ g_prof.t[3] += nowns() - c; } } g2{nowns()};
     const RunPlan &r = plan.runs[ri];
     const HeadState &hs = plan.seqs[r.seq]->layer(plan.layer).heads[r.head];
     uint8_t *xk = plan.xk.data() + static_cast<size_t>(plan.offsets[ri]) * row;
@@ -170,7 +159,6 @@ Status CpuBackend::attend(Plan &plan, void *out, int64_t seq_stride, int64_t hea
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for attention scratch");
   }
   e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
-    struct G2 { long c; ~G2(){ g_prof.t[4] += nowns() - c; } } g2{nowns()};
     const RunPlan &r = plan.runs[ri];
     const size_t qh = static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G;
     float *o = &plan.exact_out[qh * d];
