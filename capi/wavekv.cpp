@@ -331,12 +331,9 @@ int wkv_seq_info_get(const wkv_seq *seq, uint32_t layer, wkv_seq_info *info) {
     wkv_seq_info_init(&full);
     full.generating = L.generating ? 1 : 0;
     full.tokens = L.tokens;
-    if (!L.heads.empty()) {
-      const wkv::HeadState &h0 = L.heads[0];
-      full.sink = h0.sink.rows();
-      full.tail = h0.tail.rows();
-      full.segments = h0.index.segments.size();
-    }
+    full.sink = L.sink_rows(seq->s->engine().config().c.sink_tokens);
+    full.tail = L.tail_rows();
+    if (!L.heads.empty()) full.segments = L.heads[0].index.segments.size();
     full.clustered = L.tokens - full.sink - full.tail;
     for (const wkv::HeadState &h : L.heads) {
       full.clusters += h.index.meta.clusters();

@@ -15,6 +15,9 @@ namespace wkv::kernels {
 // Turns a CUDA error into a Status naming the statement, file and line.
 inline Status cuda_status(cudaError_t err, const char *stmt, const char *file, int line) {
   if (err == cudaSuccess) return Status::ok();
+  // Consumed here, so that a later launch check does not report it again
+  // (the engine stays usable after, say, a failed allocation).
+  (void)cudaGetLastError();
   int code = err == cudaErrorMemoryAllocation ? WKV_ERR_OUT_OF_MEMORY : WKV_ERR_DEVICE;
   return Status(code, format("CUDA error %s (%s) in %s at %s:%d", cudaGetErrorName(err),
                              cudaGetErrorString(err), stmt, file, line));
@@ -28,7 +31,7 @@ inline Status cuda_status(cudaError_t err, const char *stmt, const char *file, i
   } while (0)
 
 // After a launch: the launch error, if any (does not synchronize).
-#define WKV_CUDA_CHECK_LAUNCH(name) WKV_CUDA_CHECK(cudaPeekAtLastError())
+#define WKV_CUDA_CHECK_LAUNCH(name) WKV_CUDA_CHECK(cudaGetLastError())
 
 // Storage types on the device: float, __half, __nv_bfloat16.
 template <typename T> struct DevType;

@@ -173,7 +173,7 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
         r.ret_off = ret;
         r.est_off = est;
         r.logits_off = lg;
-        r.steady_tokens = hs.sink.rows() + hs.tail.rows();
+        r.steady_tokens = L.sink_rows(cfg_.c.sink_tokens) + L.tail_rows();
         r.ret_tokens = 0;
         ret += r.n_ret;
         est += r.n_est;

@@ -35,8 +35,8 @@ Sequence::~Sequence() {
       engine_->arena().release(h.index.pages.data(), static_cast<uint32_t>(h.index.pages.size()));
       ctr.segments.fetch_sub(h.index.segments.size());
       ctr.clusters.fetch_sub(h.index.meta.clusters());
-      ctr.steady_rows.fetch_sub(h.sink.rows() + h.tail.rows());
     }
+    ctr.steady_rows.fetch_sub((l.sink_rows(engine_->config().c.sink_tokens) + l.tail_rows()) * l.heads.size());
   }
   ctr.sequences.fetch_sub(1);
 }

@@ -29,6 +29,11 @@ struct LayerState {
   bool generating = false;  // set by the first lookup
   uint64_t version = 0;     // bumped by every change, checked by plans
   std::vector<HeadState> heads;
+
+  // Rows per head in the sink and in the unclustered tail, whichever
+  // backend holds them (the host RowQueues are empty on the CUDA backend).
+  uint64_t sink_rows(uint32_t sink_tokens) const { return tokens < sink_tokens ? tokens : sink_tokens; }
+  uint64_t tail_rows() const { return tokens - tail_begin; }
 };
 
 class Sequence {

@@ -36,6 +36,9 @@
 namespace wkv {
 
 Status cuda_error(cudaError_t err, const char *stmt, const char *file, int line) {
+  // Consumed here, so that a later launch check does not report it again
+  // (the engine stays usable after, say, a failed allocation).
+  (void)cudaGetLastError();
   int code = err == cudaErrorMemoryAllocation ? WKV_ERR_OUT_OF_MEMORY : WKV_ERR_DEVICE;
   return Status(code, format("CUDA error %s (%s) in %s at %s:%d", cudaGetErrorName(err),
                              cudaGetErrorString(err), stmt, file, line));
