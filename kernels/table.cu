@@ -19,6 +19,20 @@ struct StoreChunk {
 };
 static_assert(sizeof(StoreChunk) <= 4000, "kernel parameters are limited to 4 KiB");
 
+struct CopyChunk {
+  PageCopy copies[kStoresPerLaunch];
+  uint32_t n;
+};
+static_assert(sizeof(CopyChunk) <= 4000, "kernel parameters are limited to 4 KiB");
+
+// CTA i copies page i of the chunk, 16 bytes a thread per pass.
+__global__ void copy_pages_kernel(const CopyChunk chunk, uint32_t vecs) {
+  const PageCopy c = chunk.copies[blockIdx.x];
+  const uint4 *src = reinterpret_cast<const uint4 *>(c.src);
+  uint4 *dst = reinterpret_cast<uint4 *>(c.dst);
+  for (uint32_t i = threadIdx.x; i < vecs; i += blockDim.x) dst[i] = src[i];
+}
+
 __global__ void upload_runs_kernel(const RunChunk chunk, DevRun *dst) {
   // Word by word: DevRun is 8-byte aligned.
   const uint64_t *src = reinterpret_cast<const uint64_t *>(chunk.runs);
@@ -55,6 +69,24 @@ Status upload_runs(const DevRun *host_runs, uint32_t n, DevRun *dst, void *strea
     for (uint32_t i = 0; i < c.n; ++i) c.runs[i] = host_runs[done + i];
     upload_runs_kernel<<<1, 128, 0, s>>>(c, dst + done);
     WKV_CUDA_CHECK_LAUNCH("upload_runs");
+  }
+  return Status::ok();
+}
+
+Status copy_pages(const PageCopy *copies, uint32_t n, uint32_t bytes, void *stream) {
+  if (n == 0) return Status::ok();
+  if (copies == nullptr || bytes == 0 || bytes % 16 != 0)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "copy_pages: %u-byte pages are not whole 16-byte vectors", bytes);
+  for (uint32_t i = 0; i < n; ++i)
+    if ((reinterpret_cast<uintptr_t>(copies[i].src) | reinterpret_cast<uintptr_t>(copies[i].dst)) % 16 != 0)
+      return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "copy_pages: copy %u is not 16-byte aligned", i);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  for (uint32_t done = 0; done < n; done += kStoresPerLaunch) {
+    CopyChunk c;
+    c.n = n - done < kStoresPerLaunch ? n - done : kStoresPerLaunch;
+    for (uint32_t i = 0; i < c.n; ++i) c.copies[i] = copies[done + i];
+    copy_pages_kernel<<<c.n, 256, 0, s>>>(c, bytes / 16);
+    WKV_CUDA_CHECK_LAUNCH("copy_pages");
   }
   return Status::ok();
 }

@@ -24,6 +24,17 @@ struct PtrStore {
 // Applies n stores (host array) in launches of up to 240 stores by value.
 Status apply_ptr_stores(const PtrStore *stores, uint32_t n, void *stream);
 
+// One page copy: `bytes` from src (device memory, or pinned and mapped host
+// memory) to dst (device memory).
+struct PageCopy {
+  const uint8_t *src;
+  uint8_t *dst;
+};
+// Applies n copies of `bytes` each (host array) in launches of up to 240
+// copies by value, one CTA a page, 16-byte loads. Pre: bytes, every src and
+// every dst are multiples of 16 (checked: WKV_ERR_INVALID_ARGUMENT).
+Status copy_pages(const PageCopy *copies, uint32_t n, uint32_t bytes, void *stream);
+
 // Converts q [n_seqs][n_q_heads][d] of storage type t with strides in
 // elements into dst, f32 [n_seqs][n_q_heads][d] contiguous.
 Status convert_q(DType t, const void *src, int64_t seq_stride, int64_t head_stride, uint32_t n_seqs,

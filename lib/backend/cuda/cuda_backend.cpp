@@ -4,9 +4,17 @@
 // attend, update) is enqueued on the caller's stream with no host wait; the
 // buffer manager runs on its own thread and side stream.
 //
-// Lock order: mu_ (the cache, the in-flight epochs, the manager queue, every
-// HeadShared) is the only lock here and is never held while calling into the
-// engine or a sequence. Pre for a sequence's appends and decodes: they are
+// Lock order: cache_mu_, then mu_. Neither is held while calling into the
+// engine or a sequence.
+// - mu_ (the in-flight epochs, the manager queue and record pool, every
+//   HeadShared) is taken by the decoding path, so it is held only for a few
+//   bookkeeping instructions, never across a device wait or a walk over a
+//   step's pages.
+// - cache_mu_ (the block cache and its slot owners) is held by the manager
+//   while it processes a step, from choosing the step's copies until they
+//   completed on the side stream, and by whoever frees or moves what those
+//   copies write (a sequence's destruction, a page table's growth), so a
+//   HeadShared is stable under either lock. Pre for a sequence's appends and decodes: they are
 // ordered on one stream (or by the caller).
 #if defined(WKV_WITH_CUDA)
 
@@ -62,6 +70,17 @@ Status DevBuf::reserve(size_t bytes, size_t keep, cudaStream_t s) {
     }
   }
   if (p_) cudaFreeAsync(p_, s);
+  p_ = q;
+  cap_ = n;
+  return Status::ok();
+}
+
+Status PinnedBuf::reserve(size_t bytes) {
+  if (bytes <= cap_) return Status::ok();
+  const size_t n = std::max(bytes, cap_ + cap_ / 2);
+  void *q = nullptr;
+  WKV_CU(cudaHostAlloc(&q, n, cudaHostAllocDefault));
+  if (p_) cudaFreeHost(p_);
   p_ = q;
   cap_ = n;
   return Status::ok();
@@ -146,18 +165,21 @@ class CudaBackend final : public Backend {
   size_t slot_bytes_ = 0, cache_bytes_ = 0;
   unsigned long long *d_counters_ = nullptr;  // [0] hits, [1] misses, in pages
   DevBuf km_ws_, km_n_, km_begin_, km_order_, km_size_, km_cent_, km_vsum_;  // k-means, grow only
+  PinnedBuf km_host_;  // the k-means results read back, grow only
 
-  std::mutex mu_;  // guards everything below
+  std::mutex cache_mu_;  // guards the cache state below (lock order above)
   std::unique_ptr<BlockCache> cache_;
   std::vector<SlotOwner> slot_owner_;
+  uint64_t admissions_ = 0, evictions_ = 0;
+  uint64_t manager_hits_ = 0, manager_misses_ = 0;  // page accesses seen by the manager
+
+  std::mutex mu_;  // guards everything below
   std::multiset<uint64_t> inflight_;
   std::deque<AccessRecord> queue_;
   std::vector<AccessRecord> record_pool_;
   std::condition_variable cv_;
   bool stop_ = false;
   bool captured_ = false;  // a step was captured in a graph: never evict
-  uint64_t admissions_ = 0, evictions_ = 0;
-  uint64_t manager_hits_ = 0, manager_misses_ = 0;  // page accesses seen by the manager
   std::thread manager_;
 
   std::atomic<uint64_t> epoch_{0};
@@ -425,13 +447,21 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
                                                  nullptr, s));
   // 3. The one wait of a growth: the host needs the cluster counts and sizes
   //    for its mapping table (and keeps a host copy of the meta index).
-  std::vector<uint32_t> n_clusters(S), begin(sum_k + S), sizes(sum_k);
-  std::vector<float> cent(sum_k * d), vsum(sum_k * d);
-  WKV_CU(cudaMemcpyAsync(n_clusters.data(), out.n_clusters, S * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
-  WKV_CU(cudaMemcpyAsync(begin.data(), out.begin, begin.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
-  WKV_CU(cudaMemcpyAsync(sizes.data(), out.size, sizes.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
-  WKV_CU(cudaMemcpyAsync(cent.data(), out.centroid, cent.size() * sizeof(float), cudaMemcpyDeviceToHost, s));
-  WKV_CU(cudaMemcpyAsync(vsum.data(), out.value_sum, vsum.size() * sizeof(float), cudaMemcpyDeviceToHost, s));
+  //    Staged in pinned memory: [S] counts, [sum_k + S] begins, [sum_k]
+  //    sizes, then [sum_k][d] centroids and value sums.
+  const size_t n_words = S + (sum_k + S) + sum_k;
+  //    (Every growth waits for its own readback: none is in flight here.)
+  WKV_RETURN_IF_ERROR(km_host_.reserve(n_words * sizeof(uint32_t) + 2 * sum_k * d * sizeof(float)));
+  uint32_t *const n_clusters = km_host_.as<uint32_t>();
+  uint32_t *const begin = n_clusters + S;
+  uint32_t *const sizes = begin + sum_k + S;
+  float *const cent = reinterpret_cast<float *>(sizes + sum_k);
+  float *const vsum = cent + sum_k * d;
+  WKV_CU(cudaMemcpyAsync(n_clusters, out.n_clusters, S * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
+  WKV_CU(cudaMemcpyAsync(begin, out.begin, (sum_k + S) * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
+  WKV_CU(cudaMemcpyAsync(sizes, out.size, sum_k * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
+  WKV_CU(cudaMemcpyAsync(cent, out.centroid, sum_k * d * sizeof(float), cudaMemcpyDeviceToHost, s));
+  WKV_CU(cudaMemcpyAsync(vsum, out.value_sum, sum_k * d * sizeof(float), cudaMemcpyDeviceToHost, s));
   WKV_CU(cudaStreamSynchronize(s));
   e_.counters().kmeans_ns.fetch_add(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()));
@@ -466,7 +496,7 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
     if (st.is_ok() && (P0 + add_p) * sizeof(void *) > dh.pages.capacity()) {
       // The manager writes into the page table: drain it, then move the
       // table in stream order and make the side stream wait for the move.
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> cache_lock(cache_mu_);
       cudaStreamSynchronize(side_);
       st = dh.pages.reserve((P0 + add_p) * sizeof(void *), P0 * sizeof(void *), s);
       if (st.is_ok()) {
@@ -476,6 +506,7 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
           cudaStreamWaitEvent(side_, moved, 0);
           cudaEventDestroy(moved);
         }
+        std::lock_guard<std::mutex> lock(mu_);
         dh.shared->d_pages = dh.pages.as<const uint8_t *>();
       }
     }
@@ -499,7 +530,7 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
         ix.pages.push_back(id);
         clusters->pages.push_back(id);
       }
-      const uint32_t *b = begin.data() + co + si;
+      const uint32_t *b = begin + co + si;
       for (uint32_t q = 0; q < nc; ++q) {
         const uint32_t sz = sizes[co + q];
         ClusterDesc desc{};
@@ -514,8 +545,8 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
         clusters->size.push_back(sz);
         dh.max_cluster = std::max(dh.max_cluster, sz);
       }
-      ix.meta.centroid.insert(ix.meta.centroid.end(), cent.begin() + co * d, cent.begin() + (co + nc) * d);
-      ix.meta.value_sum.insert(ix.meta.value_sum.end(), vsum.begin() + co * d, vsum.begin() + (co + nc) * d);
+      ix.meta.centroid.insert(ix.meta.centroid.end(), cent + co * d, cent + (co + nc) * d);
+      ix.meta.value_sum.insert(ix.meta.value_sum.end(), vsum + co * d, vsum + (co + nc) * d);
       SegmentDesc sd{};
       sd.token_begin = L.tail_begin + seg_row[si];
       sd.tokens = segs[si].tokens;
@@ -588,11 +619,14 @@ void CudaBackend::on_destroy(Sequence &seq) {
   cudaSetDevice(dev_);
   // Steps in flight may still read this sequence's memory.
   cudaDeviceSynchronize();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> cache_lock(cache_mu_);
   cudaStreamSynchronize(side_);
-  for (uint32_t l = 0; l < seq.n_layers(); ++l)
-    for (HeadState &hs : seq.layer(l).heads)
-      if (hs.dev) static_cast<DeviceHead *>(hs.dev.get())->shared->dead = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (uint32_t l = 0; l < seq.n_layers(); ++l)
+      for (HeadState &hs : seq.layer(l).heads)
+        if (hs.dev) static_cast<DeviceHead *>(hs.dev.get())->shared->dead = true;
+  }
   std::vector<uint32_t> dropped = cache_->drop_sequence(seq.id(), epoch_.load());
   for (uint32_t sl : dropped) slot_owner_[sl] = SlotOwner{};
 }
@@ -864,9 +898,9 @@ void CudaBackend::process(AccessRecord &rec) {
   constexpr uint64_t kPending = std::numeric_limits<uint64_t>::max() - 1;
   const uint32_t pt = e_.config().page_tokens();
   std::vector<kernels::PtrStore> back, fwd;
-  std::vector<std::pair<const uint8_t *, uint8_t *>> copies;
+  std::vector<kernels::PageCopy> copies;
   uint64_t hits = 0, misses = 0;
-  std::unique_lock<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> cache_lock(cache_mu_);
   // 1. Recency and admissions, in the order the step retrieved them.
   if (!rec.end_only) {
     for (const AccessRecord::Run &run : rec.runs) {
@@ -894,7 +928,7 @@ void CudaBackend::process(AccessRecord &rec) {
           if (a.slot < 0) continue;
           const uint8_t *host = e_.arena().page_ptr(hc.pages[p]);
           uint8_t *slot = cache_base_ + static_cast<size_t>(a.slot) * slot_bytes_;
-          copies.emplace_back(host, slot);
+          copies.push_back({host, slot});
           fwd.push_back({run.head->d_pages + p, slot});
           slot_owner_[a.slot] = SlotOwner{run.head, p, host};
           ++admissions_;
@@ -908,19 +942,27 @@ void CudaBackend::process(AccessRecord &rec) {
   // A failure here leaves the mirror pointing at host pages, which is always
   // correct; it is reported in the stats as fewer hits, not as an error.
   Status st = kernels::apply_ptr_stores(back.data(), static_cast<uint32_t>(back.size()), side_);
-  for (auto &c : copies) cudaMemcpyAsync(c.second, c.first, slot_bytes_, cudaMemcpyHostToDevice, side_);
+  if (st.is_ok()) st = kernels::copy_pages(copies.data(), static_cast<uint32_t>(copies.size()),
+                                           static_cast<uint32_t>(slot_bytes_), side_);
   if (st.is_ok()) st = kernels::apply_ptr_stores(fwd.data(), static_cast<uint32_t>(fwd.size()), side_);
-  if (!st.is_ok()) cudaGetLastError();
   cudaStreamSynchronize(side_);
   // 3. Evicted slots are free once every step that could have seen them is
   //    done: steps looked up from now on read the switched mirror.
   //    A graph replay is not tracked, so once a step was captured evicted
   //    slots are never reused.
-  auto it = inflight_.find(rec.epoch);
-  if (it != inflight_.end()) inflight_.erase(it);
-  if (!captured_) {
-    cache_->restamp_quarantine(kPending, epoch_.load());
-    cache_->release_quarantine(inflight_.empty() ? epoch_.load() + 1 : *inflight_.begin());
+  uint64_t newest, oldest;
+  bool captured;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = inflight_.find(rec.epoch);
+    if (it != inflight_.end()) inflight_.erase(it);
+    newest = epoch_.load();
+    oldest = inflight_.empty() ? newest + 1 : *inflight_.begin();
+    captured = captured_;
+  }
+  if (!captured) {
+    cache_->restamp_quarantine(kPending, newest);
+    cache_->release_quarantine(oldest);
   }
   manager_hits_ += hits;
   manager_misses_ += misses;

@@ -59,6 +59,27 @@ class DevBuf {
   size_t cap_ = 0;
 };
 
+// A pinned host staging buffer that grows geometrically (contents not kept):
+// device-to-host copies into it run at the link's speed, where pageable
+// destinations go through the driver's bounce buffers.
+class PinnedBuf {
+ public:
+  PinnedBuf() = default;
+  ~PinnedBuf() {
+    if (p_) cudaFreeHost(p_);
+  }
+  PinnedBuf(const PinnedBuf &) = delete;
+  PinnedBuf &operator=(const PinnedBuf &) = delete;
+
+  // Ensures capacity for `bytes`. Pre: nothing in flight reads or writes it.
+  Status reserve(size_t bytes);
+  template <typename T> T *as() const { return static_cast<T *>(p_); }
+
+ private:
+  void *p_ = nullptr;
+  size_t cap_ = 0;
+};
+
 // What the buffer manager needs of a head, shared with it.
 //
 // `clusters` is immutable once published (a new snapshot replaces it at
