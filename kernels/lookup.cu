@@ -243,6 +243,7 @@ __device__ void radix_pick(SelectShared &sh, uint32_t t, uint32_t shift) {
     if (lane >= o) incl += y;
   }
   const uint32_t k = sh.krem[t];
+  __syncwarp();  // every lane has read krem before one lane rewrites it
   const uint32_t excl = incl - local;
   if (excl < k && k <= incl) {
     uint32_t above = excl;
