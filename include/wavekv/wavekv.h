@@ -213,7 +213,8 @@ typedef struct wkv_stats {
   uint64_t cache_hits;         /* retrieved pages found in the device cache */
   uint64_t cache_misses;       /* retrieved pages read from host memory */
   uint64_t device_cache_bytes; /* device block cache size */
-  uint64_t kmeans_ns;          /* time spent clustering, nanoseconds */
+  uint64_t kmeans_ns;          /* time spent clustering, nanoseconds (wall
+                                  time on the CPU, device time on a GPU) */
 } wkv_stats;
 
 /* Sets stats->size and zeroes the rest. NULL is a no-op. */

@@ -1,6 +1,9 @@
 // The meta index of one (sequence, layer, KV head): per cluster its centroid
 // (the plain mean of its member keys), its value sum (f32) and its size.
-// Scoring and estimation read only this; it never leaves memory.
+// Scoring and estimation read only this; it never leaves memory. On a CUDA
+// engine the centroids and value sums live on the device only (the step
+// reads them there): centroid and value_sum stay empty here, and size is
+// kept on both sides.
 #pragma once
 
 #include <cstdint>

@@ -86,6 +86,12 @@ Status PinnedBuf::reserve(size_t bytes) {
   return Status::ok();
 }
 
+Status EventPair::create() {
+  if (!begin) WKV_CU(cudaEventCreate(&begin));
+  if (!end) WKV_CU(cudaEventCreate(&end));
+  return Status::ok();
+}
+
 bool cuda_device_usable(int device_id) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -165,7 +171,8 @@ class CudaBackend final : public Backend {
   size_t slot_bytes_ = 0, cache_bytes_ = 0;
   unsigned long long *d_counters_ = nullptr;  // [0] hits, [1] misses, in pages
   DevBuf km_ws_, km_n_, km_begin_, km_order_, km_size_, km_cent_, km_vsum_;  // k-means, grow only
-  PinnedBuf km_host_;  // the k-means results read back, grow only
+  PinnedBuf km_host_;    // the k-means results read back, grow only
+  EventPair km_events_;  // the k-means's device time
 
   std::mutex cache_mu_;  // guards the cache state below (lock order above)
   std::unique_ptr<BlockCache> cache_;
@@ -442,29 +449,28 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
   out.centroid = km_cent_.as<float>();
   out.value_sum = km_vsum_.as<float>();
   out.size = km_size_.as<uint32_t>();
-  auto t0 = std::chrono::steady_clock::now();
+  // The clustering's device time, between two events on the stream.
+  WKV_RETURN_IF_ERROR(km_events_.create());
+  WKV_CU(cudaEventRecord(km_events_.begin, s));
   WKV_RETURN_IF_ERROR(kernels::kmeans_batch_cuda(kp, segs.data(), S, out, km_ws_.get(), km_ws_.capacity(),
                                                  nullptr, s));
-  // 3. The one wait of a growth: the host needs the cluster counts and sizes
-  //    for its mapping table (and keeps a host copy of the meta index).
-  //    Staged in pinned memory: [S] counts, [sum_k + S] begins, [sum_k]
-  //    sizes, then [sum_k][d] centroids and value sums.
-  const size_t n_words = S + (sum_k + S) + sum_k;
-  //    (Every growth waits for its own readback: none is in flight here.)
-  WKV_RETURN_IF_ERROR(km_host_.reserve(n_words * sizeof(uint32_t) + 2 * sum_k * d * sizeof(float)));
+  WKV_CU(cudaEventRecord(km_events_.end, s));
+  // 3. The one wait of a growth: the host needs the cluster counts, their
+  //    first members and sizes for its mapping table. Centroids and value
+  //    sums stay on the device, where the step reads them. Staged in pinned
+  //    memory: [S] counts, [sum_k + S] begins, [sum_k] sizes. (Every growth
+  //    waits for its own readback: none is in flight here.)
+  WKV_RETURN_IF_ERROR(km_host_.reserve((S + (sum_k + S) + sum_k) * sizeof(uint32_t)));
   uint32_t *const n_clusters = km_host_.as<uint32_t>();
   uint32_t *const begin = n_clusters + S;
   uint32_t *const sizes = begin + sum_k + S;
-  float *const cent = reinterpret_cast<float *>(sizes + sum_k);
-  float *const vsum = cent + sum_k * d;
   WKV_CU(cudaMemcpyAsync(n_clusters, out.n_clusters, S * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
   WKV_CU(cudaMemcpyAsync(begin, out.begin, (sum_k + S) * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
   WKV_CU(cudaMemcpyAsync(sizes, out.size, sum_k * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
-  WKV_CU(cudaMemcpyAsync(cent, out.centroid, sum_k * d * sizeof(float), cudaMemcpyDeviceToHost, s));
-  WKV_CU(cudaMemcpyAsync(vsum, out.value_sum, sum_k * d * sizeof(float), cudaMemcpyDeviceToHost, s));
   WKV_CU(cudaStreamSynchronize(s));
-  e_.counters().kmeans_ns.fetch_add(static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()));
+  float km_ms = 0.f;
+  WKV_CU(cudaEventElapsedTime(&km_ms, km_events_.begin, km_events_.end));
+  e_.counters().kmeans_ns.fetch_add(static_cast<uint64_t>(static_cast<double>(km_ms) * 1e6));
 
   // 4. Pages, all or nothing.
   std::vector<uint32_t> seg_pages(S), seg_first_page(S);
@@ -514,11 +520,29 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
       give_back();
       return st;
     }
-    std::vector<kernels::PtrStore> stores;
-    stores.reserve(add_p);
-    auto clusters = std::make_shared<HeadClusters>(*dh.shared->clusters);
+    // Host tables sized once: a growth appends tens of thousands of entries.
+    std::vector<const uint8_t *> page_ptrs;
     std::vector<uint32_t> first_slots;
-    first_slots.reserve(add_c);
+    std::shared_ptr<HeadClusters> clusters;
+    try {
+      page_ptrs.reserve(add_p);
+      first_slots.reserve(add_c);
+      clusters = std::make_shared<HeadClusters>();
+      clusters->pages.reserve(P0 + add_p);
+      clusters->first_slot.reserve(C0 + add_c);
+      clusters->size.reserve(C0 + add_c);
+      const HeadClusters &prev = *dh.shared->clusters;
+      clusters->pages = prev.pages;
+      clusters->first_slot = prev.first_slot;
+      clusters->size = prev.size;
+      ix.pages.reserve(ix.pages.size() + add_p);
+      ix.map.reserve(ix.map.size() + add_c);
+      ix.meta.size.reserve(ix.meta.size.size() + add_c);
+      ix.segments.reserve(ix.segments.size() + count);
+    } catch (const std::bad_alloc &) {
+      give_back();
+      return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the mapping table of a growth");
+    }
     uint32_t p = P0, c = C0;
     for (uint32_t i = 0; i < count; ++i) {
       const uint32_t si = h * count + i;
@@ -526,7 +550,7 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
       const uint64_t co = clu_off[si];
       for (uint32_t j = 0; j < seg_pages[si]; ++j) {
         PageId id = ids[seg_first_page[si] + j];
-        stores.push_back({dh.pages.as<const uint8_t *>() + p + j, e_.arena().page_ptr(id)});
+        page_ptrs.push_back(e_.arena().page_ptr(id));
         ix.pages.push_back(id);
         clusters->pages.push_back(id);
       }
@@ -545,8 +569,6 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
         clusters->size.push_back(sz);
         dh.max_cluster = std::max(dh.max_cluster, sz);
       }
-      ix.meta.centroid.insert(ix.meta.centroid.end(), cent + co * d, cent + (co + nc) * d);
-      ix.meta.value_sum.insert(ix.meta.value_sum.end(), vsum + co * d, vsum + (co + nc) * d);
       SegmentDesc sd{};
       sd.token_begin = L.tail_begin + seg_row[si];
       sd.tokens = segs[si].tokens;
@@ -565,7 +587,10 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
       p += seg_pages[si];
       c += nc;
     }
-    WKV_RETURN_IF_ERROR(kernels::apply_ptr_stores(stores.data(), static_cast<uint32_t>(stores.size()), s));
+    // The new entries of the page table: nothing reads them before the
+    // clusters are published below, and the manager writes only older ones.
+    WKV_CU(cudaMemcpyAsync(dh.pages.as<const uint8_t *>() + P0, page_ptrs.data(), add_p * sizeof(void *),
+                           cudaMemcpyHostToDevice, s));
     WKV_CU(cudaMemcpyAsync(dh.first_slot.as<uint32_t>() + C0, first_slots.data(),
                            first_slots.size() * sizeof(uint32_t), cudaMemcpyHostToDevice, s));
     uint32_t pp = P0;
@@ -590,11 +615,15 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
     }
     // The tail's front is consumed: move the rest to the start of a new
     // buffer (the regions may overlap); the old one is freed in stream
-    // order after the page writes that read it.
+    // order after the page writes that read it. The new one holds what a
+    // generating sequence gathers before its next growth (the window and an
+    // update segment), not the prompt's size: later prompt chunks grow it.
     const uint32_t rest = dh.tail_rows - static_cast<uint32_t>(consumed);
+    const size_t tail_cap =
+        std::max<size_t>(rest, cfg.c.window_tokens + cfg.c.update_segment_tokens + 1) * row;
     DevBuf nk, nv;
-    WKV_RETURN_IF_ERROR(nk.reserve(std::max<size_t>(dh.tail_k.capacity(), 256), 0, s));
-    WKV_RETURN_IF_ERROR(nv.reserve(std::max<size_t>(dh.tail_v.capacity(), 256), 0, s));
+    WKV_RETURN_IF_ERROR(nk.reserve(tail_cap, 0, s));
+    WKV_RETURN_IF_ERROR(nv.reserve(tail_cap, 0, s));
     if (rest) {
       WKV_CU(cudaMemcpyAsync(nk.get(), dh.tail_k.as<uint8_t>() + consumed * row, rest * row,
                              cudaMemcpyDeviceToDevice, s));
@@ -607,8 +636,8 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
     nv.release_async(s);
     dh.tail_rows = rest;
   }
-  // first_slots vectors above were read by pageable copies, which return
-  // once staged: nothing on the host is still in use by the stream.
+  // page_ptrs and first_slots above were read by pageable copies, which
+  // return once staged: nothing on the host is still in use by the stream.
   L.tail_begin += consumed;
   e_.counters().segments.fetch_add(S);
   e_.counters().clusters.fetch_add(new_clusters);

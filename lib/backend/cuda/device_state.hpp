@@ -80,6 +80,19 @@ class PinnedBuf {
   size_t cap_ = 0;
 };
 
+// Two timing events, created on first use and destroyed with the pair.
+struct EventPair {
+  cudaEvent_t begin = nullptr, end = nullptr;
+  EventPair() = default;
+  EventPair(const EventPair &) = delete;
+  EventPair &operator=(const EventPair &) = delete;
+  ~EventPair() {
+    if (begin) cudaEventDestroy(begin);
+    if (end) cudaEventDestroy(end);
+  }
+  Status create();
+};
+
 // What the buffer manager needs of a head, shared with it.
 //
 // `clusters` is immutable once published (a new snapshot replaces it at
