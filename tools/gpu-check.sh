@@ -78,6 +78,7 @@ fi
 if want bench; then
   anchor=$(python3 bench/gpu_prefill_anchor.py 2>"$LOG/anchor.err" | awk '/prefill_ms/{print $2}')
   step "torch causal prefill ms" "${anchor:-n/a} (131072 tok, 32 q / 8 kv heads, d=128, bf16)"
+  export WKV_PREFILL_ANCHOR_MS=${anchor:-0}
   for b in build-gpu/bin/gpu_*bench*; do
     [ -x "$b" ] || continue
     timeout "${BENCH_TIMEOUT:-240}" "$b" > "$LOG/$(basename "$b").log" 2>&1
