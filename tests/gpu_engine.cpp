@@ -224,3 +224,28 @@ TEST(GpuEngine, BadInputIsRefusedAndTheEngineStaysUsable) {
   // Still usable and exact.
   EXPECT_LT(t.error(q, t.decode_gpu(q)), 1e-2);
 }
+
+TEST(GpuEngine, StreamOfAnotherDeviceIsRefused) {
+  REQUIRE_GPU();
+  int n = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&n), cudaSuccess);
+  if (n < 2) GTEST_SKIP() << "needs two CUDA devices";
+  Twin t(1.0f, 0.0f);  // the engine on device 0
+  t.append(3000);
+  std::vector<float> q = t.query();
+  DevVec dq(pack(kDT, q)), dout(q.size() * 2);
+  cudaStream_t other = nullptr;
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreate(&other), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  wkv_seq *s = t.sgpu.get();
+  EXPECT_EQ(wkv_decode(t.pgpu.get(), &s, 1, 0, dq.p, 0, 0, dout.p, 0, 0, other), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(wkv_last_error()).find("device 1"), std::string::npos) << wkv_last_error();
+  EXPECT_EQ(wkv_seq_append(s, 0, dq.p, dq.p, 1, 0, 0, other), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(t.sgpu.info(0).tokens, 3000u);  // nothing appended
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(other), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  // Still usable and exact on its own stream.
+  EXPECT_LT(t.error(q, t.decode_gpu(q)), 1e-2);
+}

@@ -17,8 +17,10 @@
  *   only the prefix the caller's `size` covers.
  * - Tensors are raw pointers in the engine's storage dtype (wkv_config.dtype),
  *   with explicit strides counted in elements, not bytes. On a CUDA engine
- *   they are device pointers and streams are cudaStream_t passed as void*; on
- *   a CPU engine they are host pointers and the stream argument is ignored.
+ *   they are device pointers and streams are cudaStream_t passed as void*
+ *   (NULL: the default stream); a host pointer, a pointer or a stream of
+ *   another device is refused with WKV_ERR_INVALID_ARGUMENT. On a CPU engine
+ *   they are host pointers and the stream argument is ignored.
  * - Memory the library allocates for the caller is released with wkv_free().
  *
  * Threads: functions may be called from any thread. An engine may be used by

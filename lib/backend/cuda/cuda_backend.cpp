@@ -163,6 +163,7 @@ class CudaBackend final : public Backend {
   void manager_loop();
   void process(AccessRecord &rec);
   Status check_pointer(const void *p, const char *what);
+  Status check_stream(void *stream);
 
   Engine &e_;
   int dev_ = 0;
@@ -266,6 +267,23 @@ CudaBackend::~CudaBackend() {
   if (d_counters_) cudaFree(d_counters_);
 }
 
+Status CudaBackend::check_stream(void *stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // The default streams are the current device's, which every verb sets to
+  // the engine's before it enqueues.
+  if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return Status::ok();
+  int dev = -1;
+  cudaError_t err = cudaStreamGetDevice(s, &dev);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "the stream is not one CUDA knows (%s)", cudaGetErrorString(err));
+  }
+  if (dev != dev_)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "the stream belongs to CUDA device %d, the engine to device %d", dev,
+                     dev_);
+  return Status::ok();
+}
+
 Status CudaBackend::check_pointer(const void *p, const char *what) {
   const size_t align = what[0] == 'l' ? sizeof(float) : dtype_bytes(e_.config().dtype());
   if (reinterpret_cast<uintptr_t>(p) % align != 0)
@@ -305,6 +323,7 @@ DeviceHead &CudaBackend::dev_head(Sequence &seq, uint32_t layer, uint32_t head) 
 Status CudaBackend::append(Sequence &seq, uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
                            int64_t token_stride, int64_t head_stride, void *stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  WKV_RETURN_IF_ERROR(check_stream(stream));
   WKV_RETURN_IF_ERROR(check_pointer(k, "k"));
   WKV_RETURN_IF_ERROR(check_pointer(v, "v"));
   WKV_CU(cudaSetDevice(dev_));
@@ -375,6 +394,7 @@ Status CudaBackend::append(Sequence &seq, uint32_t layer, const uint8_t *k, cons
 Status CudaBackend::finish_prompt(Sequence &seq, uint32_t layer, void *stream) {
   LayerState &L = seq.layer(layer);
   if (L.generating) return Status::ok();
+  WKV_RETURN_IF_ERROR(check_stream(stream));
   const Config &cfg = e_.config();
   const uint64_t tail = L.tokens - L.tail_begin;
   const uint64_t ready = tail > cfg.c.window_tokens ? tail - cfg.c.window_tokens : 0;
@@ -699,6 +719,7 @@ Status CudaBackend::end_open_epoch(PlanDevice &pd, cudaStream_t s) {
 
 Status CudaBackend::lookup(Plan &plan) {
   cudaStream_t s = static_cast<cudaStream_t>(plan.stream);
+  WKV_RETURN_IF_ERROR(check_stream(plan.stream));
   WKV_CU(cudaSetDevice(dev_));
   WKV_RETURN_IF_ERROR(check_pointer(plan.q_src, "q"));
   const Config &cfg = e_.config();
@@ -797,6 +818,7 @@ Status CudaBackend::lookup(Plan &plan) {
 
 Status CudaBackend::assemble(Plan &plan) {
   cudaStream_t s = static_cast<cudaStream_t>(plan.stream);
+  WKV_RETURN_IF_ERROR(check_stream(plan.stream));
   WKV_CU(cudaSetDevice(dev_));
   const Config &cfg = e_.config();
   PlanDevice &pd = plan_dev(plan);
@@ -819,6 +841,7 @@ Status CudaBackend::assemble(Plan &plan) {
 
 Status CudaBackend::attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse) {
   cudaStream_t s = static_cast<cudaStream_t>(plan.stream);
+  WKV_RETURN_IF_ERROR(check_stream(plan.stream));
   WKV_CU(cudaSetDevice(dev_));
   WKV_RETURN_IF_ERROR(check_pointer(out, "out"));
   if (lse) WKV_RETURN_IF_ERROR(check_pointer(lse, "lse"));
@@ -836,6 +859,7 @@ Status CudaBackend::attend(Plan &plan, void *out, int64_t seq_stride, int64_t he
 Status CudaBackend::merge(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
                           int64_t lse_seq_stride) {
   cudaStream_t s = static_cast<cudaStream_t>(plan.stream);
+  WKV_RETURN_IF_ERROR(check_stream(plan.stream));
   WKV_CU(cudaSetDevice(dev_));
   WKV_RETURN_IF_ERROR(check_pointer(out, "out"));
   WKV_RETURN_IF_ERROR(check_pointer(lse, "lse"));
@@ -850,6 +874,7 @@ Status CudaBackend::merge(Plan &plan, void *out, int64_t seq_stride, int64_t hea
 
 Status CudaBackend::update(Plan &plan) {
   cudaStream_t s = static_cast<cudaStream_t>(plan.stream);
+  WKV_RETURN_IF_ERROR(check_stream(plan.stream));
   PlanDevice &pd = plan_dev(plan);
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   WKV_CU(cudaStreamIsCapturing(s, &cap));
