@@ -272,8 +272,13 @@ Status CudaBackend::check_stream(void *stream) {
   // The default streams are the current device's, which every verb sets to
   // the engine's before it enqueues.
   if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return Status::ok();
+  // Asking a capturing stream for its device invalidates the capture: a
+  // stream being captured is taken as the caller's to vouch for.
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(s, &cap);
+  if (err == cudaSuccess && cap != cudaStreamCaptureStatusNone) return Status::ok();
   int dev = -1;
-  cudaError_t err = cudaStreamGetDevice(s, &dev);
+  if (err == cudaSuccess) err = cudaStreamGetDevice(s, &dev);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "the stream is not one CUDA knows (%s)", cudaGetErrorString(err));
