@@ -85,14 +85,6 @@ constexpr size_t attend_smem_bytes() {
   return pipe > comb ? pipe : comb;
 }
 
-// Waits until the grid this one depends on (programmatic dependent launch)
-// has completed and its writes are visible; a no-op without one.
-__device__ __forceinline__ void wait_prior_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool ok) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0)
@@ -555,23 +547,6 @@ __global__ void __launch_bounds__(128)
   if (lane == 0) *l = empty ? kNegInf : mm + logf(sum);
 }
 
-// Launches kernel with programmatic dependent launch on s.
-template <typename... Params, typename... Args>
-Status launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  WKV_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-  return Status::ok();
-}
-
 // Splits per run: enough to fill the device once, never shorter than
 // kMinChunk tokens, and R * n_splits <= max(R, kMaxCtas).
 uint32_t split_bound(uint32_t R, uint32_t max_tokens) {
@@ -619,12 +594,12 @@ Status attend_impl(const int32_t *offsets, const void *xk, const void *xv, const
   const uint32_t chunk = max_tokens == 0 ? 1u : (max_tokens + n_splits - 1) / n_splits;
   float *part_o = scratch;
   float *part_lse = scratch + static_cast<size_t>(R) * n_splits * G * D;
-  WKV_RETURN_IF_ERROR(launch_pdl(kernel, dim3(R, n_splits), dim3(kThreads), smem, s, offsets,
+  WKV_RETURN_IF_ERROR(launch_pdl(kernel, dim3(R, n_splits), dim3(kThreads), smem, s, 1, offsets,
                                  static_cast<const uint8_t *>(xk), static_cast<const uint8_t *>(xv), q, G,
                                  scale * kLog2e, chunk, n_splits, part_o, part_lse));
   using T = typename DevType<Tag>::type;
   const uint32_t chunks = (D + kCombineCols * 4 - 1) / (kCombineCols * 4);
-  return launch_pdl(combine_kernel<Tag>, dim3(R * G, chunks), dim3(kCombineThreads), 0, s,
+  return launch_pdl(combine_kernel<Tag>, dim3(R * G, chunks), dim3(kCombineThreads), 0, s, 1,
                     static_cast<const float *>(part_o), static_cast<const float *>(part_lse), n_splits, G, D, H,
                     est_out, est_lse, static_cast<T *>(out), seq_stride, head_stride, lse);
 }
@@ -687,7 +662,7 @@ Status merge_estimate(DType t, void *out, int64_t seq_stride, int64_t head_strid
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const uint32_t blocks = static_cast<uint32_t>((rows + 3) / 4);
   return WKV_DISPATCH_DTYPE(t, Tag, [&]() -> Status {
-    return launch_pdl(merge_kernel<Tag>, dim3(blocks), dim3(128), 0, s,
+    return launch_pdl(merge_kernel<Tag>, dim3(blocks), dim3(128), 0, s, 1,
                       static_cast<typename DevType<Tag>::type *>(out), seq_stride, head_stride, lse, lse_seq_stride,
                       est_out, est_lse, n_seqs, n_q_heads, d);
   });

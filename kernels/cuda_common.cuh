@@ -33,6 +33,46 @@ inline Status cuda_status(cudaError_t err, const char *stmt, const char *file, i
 // After a launch: the launch error, if any (does not synchronize).
 #define WKV_CUDA_CHECK_LAUNCH(name) WKV_CUDA_CHECK(cudaGetLastError())
 
+// Programmatic dependent launch: a kernel launched with launch_pdl() may
+// start while the grid before it on the stream finishes, so it calls
+// wait_prior_grid() before it touches memory; its launch then overlaps the
+// tail of the one before.
+
+// Waits until the grid this one depends on has completed and its writes are
+// visible; a no-op without one (and before sm_90).
+__device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Launches kernel on s with programmatic dependent launch, as clusters of
+// cluster_x CTAs when cluster_x > 1.
+template <typename... Params, typename... Args>
+Status launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                  uint32_t cluster_x, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  uint32_t n = 1;
+  if (cluster_x > 1) {
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = cluster_x;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
+    n = 2;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  WKV_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  return Status::ok();
+}
+
 // Storage types on the device: float, __half, __nv_bfloat16.
 template <typename T> struct DevType;
 template <> struct DevType<float> {

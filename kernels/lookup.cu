@@ -41,14 +41,6 @@ constexpr uint32_t kEstThreads = 256;
 constexpr uint32_t kEstSplits = 8;  // CTAs per (run, head) on sm_90: one cluster
 constexpr uint32_t kOffsetThreads = 1024;
 
-// Waits until the grid this one depends on (programmatic dependent launch)
-// has completed and its writes are visible; a no-op without one.
-__device__ __forceinline__ void wait_prior_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ void cp_async16(void *dst, const void *src) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
@@ -663,32 +655,6 @@ Status ensure_smem(const void *fn, size_t bytes, std::atomic<uint64_t> *done) {
   return Status::ok();
 }
 
-// Launches kernel with programmatic dependent launch, and as clusters of
-// cluster_x CTAs when cluster_x > 1.
-template <typename... Params, typename... Args>
-Status launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, uint32_t cluster_x,
-              Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  uint32_t n = 1;
-  if (cluster_x > 1) {
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = cluster_x;
-    attr[1].val.clusterDim.y = 1;
-    attr[1].val.clusterDim.z = 1;
-    n = 2;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = n;
-  WKV_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-  return Status::ok();
-}
 
 template <uint32_t D>
 Status lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
@@ -699,29 +665,29 @@ Status lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, cons
     const uint32_t tiles = (max_clusters + kTileC - 1) / kTileC;
     WKV_RETURN_IF_ERROR(ensure_smem(reinterpret_cast<const void *>(logits_kernel<D>), logits_smem<D>(kMaxGroup),
                                     &logits_smem_set));
-    WKV_RETURN_IF_ERROR(launch(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), logits_smem<D>(G), s, 1, runs,
-                               G, scale, q, out.logits));
+    WKV_RETURN_IF_ERROR(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), logits_smem<D>(G), s, 1,
+                                   runs, G, scale, q, out.logits));
   }
   if (R > 0) {
     // 2. Scores and selection.
     const uint32_t cap = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
     WKV_RETURN_IF_ERROR(ensure_smem(reinterpret_cast<const void *>(select_kernel),
                                     kLookupSmemClusters * sizeof(uint32_t), &select_smem_set));
-    WKV_RETURN_IF_ERROR(launch(select_kernel, dim3(R), dim3(kSelectThreads), cap * sizeof(uint32_t), s, 1, runs, G,
-                               out, scores, cap));
+    WKV_RETURN_IF_ERROR(launch_pdl(select_kernel, dim3(R), dim3(kSelectThreads), cap * sizeof(uint32_t), s, 1,
+                                   runs, G, out, scores, cap));
 
     // 3. Estimate.
     static const bool clusters_ok = cluster_estimate_usable<D>();
     if (clusters_ok) {
-      WKV_RETURN_IF_ERROR(launch(estimate_kernel<D, kEstSplits>, dim3(R * G * kEstSplits), dim3(kEstThreads), 0, s,
-                                 kEstSplits, runs, G, out));
+      WKV_RETURN_IF_ERROR(launch_pdl(estimate_kernel<D, kEstSplits>, dim3(R * G * kEstSplits), dim3(kEstThreads),
+                                     0, s, kEstSplits, runs, G, out));
     } else {
-      WKV_RETURN_IF_ERROR(launch(estimate_kernel<D, 1>, dim3(R * G), dim3(kEstThreads), 0, s, 1, runs, G, out));
+      WKV_RETURN_IF_ERROR(launch_pdl(estimate_kernel<D, 1>, dim3(R * G), dim3(kEstThreads), 0, s, 1, runs, G, out));
     }
   }
   // 4. Offsets.
-  return launch(offsets_kernel, dim3(1), dim3(kOffsetThreads), 0, s, 1,
-                static_cast<const uint32_t *>(out.run_tokens), R, out.offsets);
+  return launch_pdl(offsets_kernel, dim3(1), dim3(kOffsetThreads), 0, s, 1,
+                    static_cast<const uint32_t *>(out.run_tokens), R, out.offsets);
 }
 
 }  // namespace
