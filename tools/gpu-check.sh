@@ -55,7 +55,7 @@ if want test; then
   (cd build-gpu && ctest --output-on-failure -j8 --timeout 300) > "$LOG/ctest.log" 2>&1
   step "ctest (all)" "$(grep -E 'tests passed|tests failed' "$LOG/ctest.log" | tail -1)"
   grep -E "\(Failed\)|\(Timeout\)|Exception" "$LOG/ctest.log" | head -20 | tee -a "$LOG/summary.txt"
-  step "  gpu tests skipped" "$(grep -c 'gpu_.*Skipped' "$LOG/ctest.log")"
+  step "  gpu tests skipped" "$(grep -cE '^[[:space:]]+[0-9]+ - gpu_.*\(Skipped\)' "$LOG/ctest.log")"
 fi
 
 if want sanitize && command -v compute-sanitizer >/dev/null; then
