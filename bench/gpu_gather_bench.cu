@@ -456,6 +456,49 @@ int bench_kmeans(double pool_gib) {
   std::printf("fused: %.3f ms per extra round; index build (10 rounds) %.3f ms\n", (t_fused10 - t_fused1) / 9,
               t_fused10);
   {
+    // The same layer as the engine clusters a 131072-token prompt: 15
+    // segments a head while the prompt is appended (120), then the last
+    // 8124 tokens of each head at the first lookup (8), two batches.
+    KMeansBatchParams p;
+    p.dtype = wkv::DType::kF16;
+    p.head_dim = d;
+    std::vector<KMeansSegmentDesc> last(segs.begin(), segs.begin() + 8);
+    for (KMeansSegmentDesc &g : last) {
+      g.tokens = 8124;
+      g.clusters = (8124 + 15) / 16;
+    }
+    size_t ws_bytes = 0;
+    OK(kmeans_batch_workspace_size(p, kmeans_batch_shape(segs.data(), 120), &ws_bytes));
+    void *ws = nullptr;
+    CK(cudaMalloc(&ws, ws_bytes));
+    const double t_big =
+        time_ms([&] { OK(kmeans_batch_cuda(p, segs.data(), 120, out, ws, ws_bytes, nullptr, nullptr)); }, 5, 1);
+    const double t_small =
+        time_ms([&] { OK(kmeans_batch_cuda(p, last.data(), 8, out, ws, ws_bytes, nullptr, nullptr)); }, 5, 1);
+    std::printf("fused, as the engine batches a 131072-token prompt: 120 segments %.3f ms + 8 of 8124 tokens "
+                "%.3f ms = %.3f ms\n", t_big, t_small, t_big + t_small);
+    // The small batch replayed from a CUDA graph: how much of it is launches.
+    cudaStream_t cs;
+    CK(cudaStreamCreate(&cs));
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
+    const wkv::Status st = kmeans_batch_cuda(p, last.data(), 8, out, ws, ws_bytes, nullptr, cs);
+    const cudaError_t ce = cudaStreamEndCapture(cs, &graph);
+    if (st.is_ok() && ce == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
+      const double t_graph = time_ms([&] { CK(cudaGraphLaunch(exec, cs)); }, 5, 1);
+      std::printf("fused, the 8-segment batch replayed from a CUDA graph: %.3f ms\n", t_graph);
+      cudaGraphExecDestroy(exec);
+    } else {
+      (void)cudaGetLastError();
+      std::printf("fused, the 8-segment batch could not be captured (%s; %s)\n", st.message().c_str(),
+                  cudaGetErrorString(ce));
+    }
+    if (graph) cudaGraphDestroy(graph);
+    CK(cudaStreamDestroy(cs));
+    CK(cudaFree(ws));
+  }
+  {
     // Skewed keys: 6 of every 7 tokens of a segment repeat its first key, so
     // each segment has one cluster of ~7000 members.
     __half *skew = nullptr;
