@@ -104,7 +104,8 @@ int main(int argc, char **argv) {
   CU(cudaMemcpy(dk, hk.data(), hk.size() * 2, cudaMemcpyHostToDevice));
   CU(cudaMemcpy(dv, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice));
 
-  // 3. Index build: the prompt's appends, then the first lookup's remainder.
+  // 3. Index build: the prompt's appends, its end (one k-means batch of the
+  //    whole layer), the first lookup.
   wkv_seq *seq;
   CHECK(wkv_seq_create(e, &seq));
   wkv_plan *plan;
@@ -118,6 +119,7 @@ int main(int argc, char **argv) {
   CU(cudaDeviceSynchronize());
   auto t0 = Clock::now();
   CHECK(wkv_seq_append(seq, 0, dk, dv, T, 0, 0, s));
+  CHECK(wkv_seq_end_prompt(seq, 0, s));
   CHECK(wkv_lookup(plan, &seq, 1, 0, dq, 0, 0, s));
   CU(cudaStreamSynchronize(s));
   const double build_ms = us_since(t0) / 1e3;
@@ -136,6 +138,7 @@ int main(int argc, char **argv) {
   const uint64_t km0 = st.kmeans_ns;
   t0 = Clock::now();
   CHECK(wkv_seq_append(seq, 0, dk, dv, T, 0, 0, s));
+  CHECK(wkv_seq_end_prompt(seq, 0, s));
   CHECK(wkv_lookup(plan, &seq, 1, 0, dq, 0, 0, s));
   CU(cudaStreamSynchronize(s));
   const double warm_ms = us_since(t0) / 1e3;

@@ -313,6 +313,15 @@ int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k, const void *v, u
   });
 }
 
+int wkv_seq_end_prompt(wkv_seq *seq, uint32_t layer, void *stream) {
+  return guarded("wkv_seq_end_prompt", [&] {
+    const char *fn = "wkv_seq_end_prompt";
+    if (int rc = check_seq(seq, fn)) return rc;
+    if (int rc = check_layer(seq->s->engine(), layer, fn)) return rc;
+    return done(seq->s->finish_prompt(layer, stream));
+  });
+}
+
 void wkv_seq_info_init(wkv_seq_info *info) {
   if (!info) return;
   std::memset(info, 0, sizeof *info);

@@ -756,6 +756,35 @@ static void test_append_errors(void) {
   wkv_plan_destroy(p);
 }
 
+/* wkv_seq_end_prompt ends a layer's prompt as its first lookup would: the
+ * rest beyond the window is clustered, later tokens are generated ones. */
+static void test_end_prompt(void) {
+  static const uint32_t chunk[] = {300};
+  static const uint32_t one[] = {1};
+  ref_seq *r = ref_new();
+  wkv_seq *s = NULL;
+  wkv_plan *p = NULL;
+  phase("end_prompt");
+  EXPECT_OK(wkv_seq_create(g_x, &s));
+  EXPECT_OK(wkv_plan_create(g_x, &p));
+  EXPECT_ERR(wkv_seq_end_prompt(NULL, 0, NULL), WKV_ERR_INVALID_HANDLE);
+  EXPECT_ERR(wkv_seq_end_prompt((wkv_seq *)(void *)p, 0, NULL), WKV_ERR_INVALID_HANDLE);
+  EXPECT_ERR(wkv_seq_end_prompt(s, NL, NULL), WKV_ERR_OUT_OF_RANGE);
+  append_chunks(s, LAYOUT_PACKED, NULL, LAYOUT_PACKED, r, 0, chunk, 1);
+  /* 300 = sink 4 + one segment of 256 + 40 beyond it (the window is 16). */
+  expect_info(s, 0, 300, 4, 40, 1, 0, "300 prompt tokens");
+  EXPECT_OK(wkv_seq_end_prompt(s, 0, NULL));
+  expect_info(s, 0, 300, 4, 16, 2, 1, "the end of the prompt clusters the 24 beyond the window");
+  expect_info(s, 1, 0, 0, 0, 0, 0, "another layer is still in its prompt");
+  EXPECT_OK(wkv_seq_end_prompt(s, 0, NULL));
+  expect_info(s, 0, 300, 4, 16, 2, 1, "a second end is a no-op");
+  append_chunks(s, LAYOUT_PACKED, NULL, LAYOUT_PACKED, r, 0, one, 1);
+  expect_info(s, 0, 301, 4, 17, 2, 1, "tokens after the end are generated ones");
+  wkv_plan_destroy(p);
+  wkv_seq_destroy(s);
+  free(r);
+}
+
 static void test_info_errors(void) {
   wkv_seq_info in;
   phase("info_errors");
@@ -1353,6 +1382,7 @@ int main(void) {
   test_open();
   test_sequences();
   test_append_errors();
+  test_end_prompt();
   test_info_errors();
   test_decode_exact();
   test_split_path();

@@ -138,6 +138,37 @@ TEST(GpuEngine, FullRetrievalMatchesCpuEngineAndExactAttention) {
   EXPECT_EQ(t.sgpu.info(0).tail, t.scpu.info(0).tail);
 }
 
+// A CUDA engine gathers 16 complete prompt segments per head before it
+// clusters them during the appends (a layer's prompt in one batch); the cuts
+// are the CPU engine's, so the end of the prompt leaves the same index.
+TEST(GpuEngine, PromptSegmentsAreBatchedWithTheCpuEnginesCuts) {
+  REQUIRE_GPU();
+  Twin t(1.0f, 0.0f);
+  for (int i = 0; i < 10; ++i) t.append(3000);  // 30000 = sink 4 + window 64 + 14.6 segments
+  EXPECT_EQ(t.scpu.info(0).segments, 14u);
+  EXPECT_EQ(t.sgpu.info(0).segments, 0u);
+  EXPECT_EQ(t.sgpu.info(0).tail, 30000u - 4u);
+  t.append(3000);  // 16.08 segments beyond the window
+  EXPECT_EQ(t.scpu.info(0).segments, 16u);
+  EXPECT_EQ(t.sgpu.info(0).segments, 16u);
+  t.append(500);
+  t.scpu.end_prompt(0);
+  t.sgpu.end_prompt(0, t.stream);
+  const wkv_seq_info c = t.scpu.info(0), g = t.sgpu.info(0);
+  EXPECT_EQ(g.segments, 17u);
+  EXPECT_EQ(g.segments, c.segments);
+  EXPECT_EQ(g.tail, c.tail);
+  EXPECT_EQ(g.clustered, c.clustered);
+  EXPECT_EQ(g.pages, c.pages);
+  EXPECT_EQ(g.generating, 1u);
+  for (int step = 0; step < 2; ++step) {
+    std::vector<float> q = t.query();
+    EXPECT_LT(t.error(q, t.decode_gpu(q)), 1e-2);
+    EXPECT_LT(t.error(q, t.decode_cpu(q)), 1e-2);
+    t.append(1);
+  }
+}
+
 TEST(GpuEngine, DefaultBudgetIsAsAccurateAsTheCpuEngine) {
   REQUIRE_GPU();
   Twin t(0.018f, 0.232f);

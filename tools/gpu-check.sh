@@ -4,7 +4,9 @@
 # prints a short table. The logs are packed into $OUT/gpu-check-logs.tar.gz
 # beside $OUT/summary.txt ($OUT defaults to ./gpu-check-logs).
 #
-#   tools/gpu-check.sh [STEP...]   steps: build test sanitize bench (default: all)
+#   tools/gpu-check.sh [STEP...]   steps: build test sanitize bench (default)
+#                                  and profile (ncu: device time of each kernel
+#                                  of one k-means batch, summed by kernel)
 #
 # Environment: SANITIZER_TOOLS (memcheck racecheck), SANITIZER_TESTS (every
 # tests/gpu_*.cpp program), SANITIZER_TIMEOUT and BENCH_TIMEOUT (seconds a
@@ -85,6 +87,42 @@ if want bench; then
     step "$(basename "$b")" "rc=$? (log below)"
     tail -25 "$LOG/$(basename "$b").log"
   done
+fi
+if want profile && command -v ncu >/dev/null; then
+  # Device time of each kernel of the k-means, summed by kernel: two calls of
+  # the 128-segment batch on random keys (gpu_gather_bench), and the engine's
+  # first index build on the step bench's keys (gpu_step_bench).
+  ncu_table() {  # csv, calls
+    python3 - "$1" "$2" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows:
+    sys.exit("  no ncu rows")
+calls = int(sys.argv[2])
+head, rows = rows[0], rows[1:]
+name, unit, val = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
+t, n = collections.defaultdict(float), collections.Counter()
+scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0}
+for r in rows:
+    k = r[name].replace("void ", "").split("(")[0].split("<")[0]
+    t[k] += float(r[val].replace(",", "")) * scale.get(r[unit], 1.0) / calls
+    n[k] += 1
+for k, v in sorted(t.items(), key=lambda x: -x[1]):
+    print(f"  {k[:44]:44s} {n[k] / calls:6.1f} {v:8.3f}")
+print(f"  {'total':44s} {sum(n.values()) / calls:6.1f} {sum(t.values()):8.3f}")
+PY
+  }
+  kern='regex:upload_segs|mean_|normalize|init_dirs|assign|argmax|update|finalize|order_kernel|centroid|Radix|Scan'
+  timeout "${BENCH_TIMEOUT:-240}" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+    --kernel-name-base function --kernel-name "$kern" \
+    build-gpu/bin/gpu_gather_bench kmeans-profile > "$LOG/ncu-kmeans.csv" 2> "$LOG/ncu-kmeans.err"
+  step "ncu k-means, random keys" "rc=$? (kernel, launches, ms per batch of 128 segments)"
+  ncu_table "$LOG/ncu-kmeans.csv" 2 | tee -a "$LOG/summary.txt"
+  timeout "${BENCH_TIMEOUT:-240}" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+    --kernel-name-base function --kernel-name "$kern" --launch-count 400 \
+    build-gpu/bin/gpu_step_bench > "$LOG/ncu-step.csv" 2> "$LOG/ncu-step.err"
+  step "ncu k-means, step bench keys" "rc=$? (kernel, launches, ms per index build; two builds)"
+  ncu_table "$LOG/ncu-step.csv" 2 | tee -a "$LOG/summary.txt"
 fi
 echo
 cat "$LOG/summary.txt"

@@ -256,12 +256,15 @@ WKV_API void wkv_seq_destroy(wkv_seq *seq);
  * heads (0 for either means packed: n_kv_heads*head_dim and head_dim); the
  * head_dim elements of a row are contiguous. Keys are post-RoPE.
  *
- * Before the sequence's first lookup on this layer, appended tokens are the
- * prompt (chunked prefill is fine): every complete segment_tokens run beyond
- * the sink and the window is clustered as it completes, and the first lookup
- * clusters what remains of the prompt beyond the window. After it, tokens
- * are generated ones: each update_segment_tokens run beyond the window is
- * clustered and appended to the index.
+ * Before the sequence's first lookup on this layer (or wkv_seq_end_prompt),
+ * appended tokens are the prompt (chunked prefill is fine): complete
+ * segment_tokens runs beyond the sink and the window are clustered as they
+ * complete (a CUDA engine gathers 16 of them per KV head first, so that a
+ * prompt of up to 16 segments is clustered in one batch), and the end of the
+ * prompt clusters what remains beyond the window. After it, tokens are
+ * generated ones: each update_segment_tokens run beyond the window is
+ * clustered and appended to the index. Where a segment is cut never depends
+ * on how the prompt was split into appends.
  *
  * Returns WKV_ERR_INVALID_ARGUMENT (null k or v, n_tokens 0, a stride smaller
  * than a row), WKV_ERR_OUT_OF_RANGE (layer), WKV_ERR_BUDGET (the host budget
@@ -272,6 +275,18 @@ WKV_API int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k,
                            const void *v, uint32_t n_tokens,
                            int64_t token_stride, int64_t head_stride,
                            void *stream);
+
+/*
+ * Ends the prompt of one layer now: clusters what the prompt holds beyond
+ * the window, which the layer's first lookup does otherwise. Call it after a
+ * layer's last prompt chunk so that the index build runs with the prefill,
+ * not on the first decoding step. Waits for `stream` (an index growth); a
+ * no-op for a layer already generating. Returns WKV_ERR_INVALID_ARGUMENT
+ * (unknown sequence, a stream of another device), WKV_ERR_OUT_OF_RANGE
+ * (layer), WKV_ERR_BUDGET, WKV_ERR_OUT_OF_MEMORY; on an error the layer is
+ * still in its prompt and holds every token it held.
+ */
+WKV_API int wkv_seq_end_prompt(wkv_seq *seq, uint32_t layer, void *stream);
 
 /* What one layer of a sequence holds. */
 typedef struct wkv_seq_info {

@@ -88,6 +88,7 @@ class Sequence : public Handle<wkv_seq, wkv_seq_destroy> {
               int64_t head_stride = 0, void *stream = nullptr) {
     check(wkv_seq_append(get(), layer, k, v, n_tokens, token_stride, head_stride, stream));
   }
+  void end_prompt(uint32_t layer, void *stream = nullptr) { check(wkv_seq_end_prompt(get(), layer, stream)); }
   wkv_seq_info info(uint32_t layer) const {
     wkv_seq_info i;
     wkv_seq_info_init(&i);

@@ -14,8 +14,9 @@
 //   while it processes a step, from choosing the step's copies until they
 //   completed on the side stream, and by whoever frees or moves what those
 //   copies write (a sequence's destruction, a page table's growth), so a
-//   HeadShared is stable under either lock. Pre for a sequence's appends and decodes: they are
-// ordered on one stream (or by the caller).
+//   HeadShared is stable under either lock.
+// A sequence's own state takes neither: its appends and decodes are ordered
+// on one stream (or by the caller).
 #if defined(WKV_WITH_CUDA)
 
 #include <cuda_runtime.h>
@@ -101,6 +102,12 @@ bool cuda_device_usable(int device_id) {
 }
 
 namespace {
+
+// Complete prompt segments a layer gathers per head before they are
+// clustered during the appends (the prompt's end clusters the rest): 16 x
+// 8192 tokens makes a 128K prompt one batch. Bounds the device memory a
+// chunked prefill holds unclustered: 16 segments x KV heads x 2 x row.
+constexpr uint32_t kPromptBatchSegments = 16;
 
 // One step's access record, handed from wkv_update to the manager thread.
 struct AccessRecord {
@@ -370,11 +377,17 @@ Status CudaBackend::append(Sequence &seq, uint32_t layer, const uint8_t *k, cons
   }
   if (L.tokens < sink) L.tail_begin = std::min<uint64_t>(sink, L.tokens + n);
 
-  // 2. Cluster every complete segment beyond the window.
+  // 2. Cluster every complete segment beyond the window. A prompt's
+  //    segments wait until kPromptBatchSegments per head are pending, so
+  //    that a layer's prompt is clustered in one launch sequence (the end
+  //    of the prompt clusters what waits): a batch of a few segments costs
+  //    its rounds' latency, not its work. Segment boundaries and seeds do
+  //    not depend on when a segment is clustered.
   const uint64_t tail = L.tokens + n - L.tail_begin;
   const uint32_t seg = L.generating ? cfg.c.update_segment_tokens : cfg.c.segment_tokens;
   const uint64_t ready = tail > cfg.c.window_tokens ? tail - cfg.c.window_tokens : 0;
-  const uint32_t count = static_cast<uint32_t>(ready / seg);
+  uint32_t count = static_cast<uint32_t>(ready / seg);
+  if (!L.generating && count < kPromptBatchSegments) count = 0;
   if (count > 0) {
     Status st = cluster_front(seq, layer, count, seg, seg, L.generating, s);
     if (!st.is_ok()) {
@@ -508,27 +521,37 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
   WKV_RETURN_IF_ERROR(e_.arena().allocate(npages, ids.data()));
   auto give_back = [&] { e_.arena().release(ids.data(), npages); };
 
-  // 5. Per head: grow the device arrays, append meta and mirror, write pages.
-  uint64_t new_clusters = 0;
+  // 5. Room for the growth on every head before any head changes, so that a
+  //    failure (device or host memory) leaves the layer as it was: device
+  //    arrays grow in place (contents kept), the host tables are built as
+  //    copies, and each head's shortened tail gets its new buffer.
+  struct HeadGrowth {
+    uint32_t add_c = 0, add_p = 0;
+    std::vector<const uint8_t *> page_ptrs;
+    std::vector<uint32_t> first_slots;
+    std::shared_ptr<HeadClusters> clusters;
+    DevBuf tail_k, tail_v;
+  };
+  std::vector<HeadGrowth> grow(H);
   for (uint32_t h = 0; h < H; ++h) {
     DeviceHead &dh = dev_head(seq, layer, h);
     HeadIndex &ix = L.heads[h].index;
-    uint32_t add_c = 0, add_p = 0;
+    HeadGrowth &g = grow[h];
     for (uint32_t i = 0; i < count; ++i) {
-      add_c += n_clusters[h * count + i];
-      add_p += seg_pages[h * count + i];
+      g.add_c += n_clusters[h * count + i];
+      g.add_p += seg_pages[h * count + i];
     }
     const uint32_t C0 = dh.clusters, P0 = dh.n_pages;
-    Status st = dh.centroid.reserve((C0 + add_c) * d * sizeof(float), C0 * d * sizeof(float), s);
-    if (st.is_ok()) st = dh.value_sum.reserve((C0 + add_c) * d * sizeof(float), C0 * d * sizeof(float), s);
-    if (st.is_ok()) st = dh.size.reserve((C0 + add_c) * sizeof(uint32_t), C0 * sizeof(uint32_t), s);
-    if (st.is_ok()) st = dh.first_slot.reserve((C0 + add_c) * sizeof(uint32_t), C0 * sizeof(uint32_t), s);
-    if (st.is_ok() && (P0 + add_p) * sizeof(void *) > dh.pages.capacity()) {
+    Status st = dh.centroid.reserve((C0 + g.add_c) * d * sizeof(float), C0 * d * sizeof(float), s);
+    if (st.is_ok()) st = dh.value_sum.reserve((C0 + g.add_c) * d * sizeof(float), C0 * d * sizeof(float), s);
+    if (st.is_ok()) st = dh.size.reserve((C0 + g.add_c) * sizeof(uint32_t), C0 * sizeof(uint32_t), s);
+    if (st.is_ok()) st = dh.first_slot.reserve((C0 + g.add_c) * sizeof(uint32_t), C0 * sizeof(uint32_t), s);
+    if (st.is_ok() && (P0 + g.add_p) * sizeof(void *) > dh.pages.capacity()) {
       // The manager writes into the page table: drain it, then move the
       // table in stream order and make the side stream wait for the move.
       std::lock_guard<std::mutex> cache_lock(cache_mu_);
       cudaStreamSynchronize(side_);
-      st = dh.pages.reserve((P0 + add_p) * sizeof(void *), P0 * sizeof(void *), s);
+      st = dh.pages.reserve((P0 + g.add_p) * sizeof(void *), P0 * sizeof(void *), s);
       if (st.is_ok()) {
         cudaEvent_t moved;
         if (cudaEventCreateWithFlags(&moved, cudaEventDisableTiming) == cudaSuccess) {
@@ -540,33 +563,53 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
         dh.shared->d_pages = dh.pages.as<const uint8_t *>();
       }
     }
+    // The tail's front will be consumed: the rest moves to the start of a
+    // new buffer that holds what a generating sequence gathers before its
+    // next growth (the window and an update segment), not the prompt's
+    // size: later prompt chunks grow it.
+    const size_t rest = dh.tail_rows - consumed;
+    const size_t tail_cap = std::max<size_t>(rest, cfg.c.window_tokens + cfg.c.update_segment_tokens + 1) * row;
+    if (st.is_ok()) st = g.tail_k.reserve(tail_cap, 0, s);
+    if (st.is_ok()) st = g.tail_v.reserve(tail_cap, 0, s);
+    if (st.is_ok()) {
+      // Host tables sized once: a growth appends tens of thousands of entries.
+      try {
+        g.page_ptrs.reserve(g.add_p);
+        g.first_slots.reserve(g.add_c);
+        g.clusters = std::make_shared<HeadClusters>();
+        const HeadClusters &prev = *dh.shared->clusters;
+        g.clusters->pages.reserve(P0 + g.add_p);
+        g.clusters->first_slot.reserve(C0 + g.add_c);
+        g.clusters->size.reserve(C0 + g.add_c);
+        g.clusters->pages = prev.pages;
+        g.clusters->first_slot = prev.first_slot;
+        g.clusters->size = prev.size;
+        ix.pages.reserve(ix.pages.size() + g.add_p);
+        ix.map.reserve(ix.map.size() + g.add_c);
+        ix.meta.size.reserve(ix.meta.size.size() + g.add_c);
+        ix.segments.reserve(ix.segments.size() + count);
+      } catch (const std::bad_alloc &) {
+        st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the mapping table of a growth");
+      }
+    }
     if (!st.is_ok()) {
+      for (HeadGrowth &r : grow) {
+        r.tail_k.release_async(s);
+        r.tail_v.release_async(s);
+      }
       give_back();
       return st;
     }
-    // Host tables sized once: a growth appends tens of thousands of entries.
-    std::vector<const uint8_t *> page_ptrs;
-    std::vector<uint32_t> first_slots;
-    std::shared_ptr<HeadClusters> clusters;
-    try {
-      page_ptrs.reserve(add_p);
-      first_slots.reserve(add_c);
-      clusters = std::make_shared<HeadClusters>();
-      clusters->pages.reserve(P0 + add_p);
-      clusters->first_slot.reserve(C0 + add_c);
-      clusters->size.reserve(C0 + add_c);
-      const HeadClusters &prev = *dh.shared->clusters;
-      clusters->pages = prev.pages;
-      clusters->first_slot = prev.first_slot;
-      clusters->size = prev.size;
-      ix.pages.reserve(ix.pages.size() + add_p);
-      ix.map.reserve(ix.map.size() + add_c);
-      ix.meta.size.reserve(ix.meta.size.size() + add_c);
-      ix.segments.reserve(ix.segments.size() + count);
-    } catch (const std::bad_alloc &) {
-      give_back();
-      return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the mapping table of a growth");
-    }
+  }
+
+  // 6. Per head: append meta and mirror, write pages, shorten the tail. From
+  //    here only a failed launch (a broken device) can fail.
+  uint64_t new_clusters = 0;
+  for (uint32_t h = 0; h < H; ++h) {
+    DeviceHead &dh = dev_head(seq, layer, h);
+    HeadIndex &ix = L.heads[h].index;
+    HeadGrowth &g = grow[h];
+    const uint32_t C0 = dh.clusters, P0 = dh.n_pages;
     uint32_t p = P0, c = C0;
     for (uint32_t i = 0; i < count; ++i) {
       const uint32_t si = h * count + i;
@@ -574,9 +617,9 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
       const uint64_t co = clu_off[si];
       for (uint32_t j = 0; j < seg_pages[si]; ++j) {
         PageId id = ids[seg_first_page[si] + j];
-        page_ptrs.push_back(e_.arena().page_ptr(id));
+        g.page_ptrs.push_back(e_.arena().page_ptr(id));
         ix.pages.push_back(id);
-        clusters->pages.push_back(id);
+        g.clusters->pages.push_back(id);
       }
       const uint32_t *b = begin + co + si;
       for (uint32_t q = 0; q < nc; ++q) {
@@ -588,9 +631,9 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
         desc.size = sz;
         ix.map.push_back(desc);
         ix.meta.size.push_back(sz);
-        first_slots.push_back(p * pt + b[q]);
-        clusters->first_slot.push_back(p * pt + b[q]);
-        clusters->size.push_back(sz);
+        g.first_slots.push_back(p * pt + b[q]);
+        g.clusters->first_slot.push_back(p * pt + b[q]);
+        g.clusters->size.push_back(sz);
         dh.max_cluster = std::max(dh.max_cluster, sz);
       }
       SegmentDesc sd{};
@@ -613,10 +656,10 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
     }
     // The new entries of the page table: nothing reads them before the
     // clusters are published below, and the manager writes only older ones.
-    WKV_CU(cudaMemcpyAsync(dh.pages.as<const uint8_t *>() + P0, page_ptrs.data(), add_p * sizeof(void *),
+    WKV_CU(cudaMemcpyAsync(dh.pages.as<const uint8_t *>() + P0, g.page_ptrs.data(), g.add_p * sizeof(void *),
                            cudaMemcpyHostToDevice, s));
-    WKV_CU(cudaMemcpyAsync(dh.first_slot.as<uint32_t>() + C0, first_slots.data(),
-                           first_slots.size() * sizeof(uint32_t), cudaMemcpyHostToDevice, s));
+    WKV_CU(cudaMemcpyAsync(dh.first_slot.as<uint32_t>() + C0, g.first_slots.data(),
+                           g.first_slots.size() * sizeof(uint32_t), cudaMemcpyHostToDevice, s));
     uint32_t pp = P0;
     for (uint32_t i = 0; i < count; ++i) {
       const uint32_t si = h * count + i;
@@ -635,29 +678,21 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
     new_clusters += c - C0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      dh.shared->clusters = std::move(clusters);
+      dh.shared->clusters = std::move(g.clusters);
     }
-    // The tail's front is consumed: move the rest to the start of a new
-    // buffer (the regions may overlap); the old one is freed in stream
-    // order after the page writes that read it. The new one holds what a
-    // generating sequence gathers before its next growth (the window and an
-    // update segment), not the prompt's size: later prompt chunks grow it.
+    // The rest of the tail to its new buffer (the regions may overlap); the
+    // old one is freed in stream order after the page writes that read it.
     const uint32_t rest = dh.tail_rows - static_cast<uint32_t>(consumed);
-    const size_t tail_cap =
-        std::max<size_t>(rest, cfg.c.window_tokens + cfg.c.update_segment_tokens + 1) * row;
-    DevBuf nk, nv;
-    WKV_RETURN_IF_ERROR(nk.reserve(tail_cap, 0, s));
-    WKV_RETURN_IF_ERROR(nv.reserve(tail_cap, 0, s));
     if (rest) {
-      WKV_CU(cudaMemcpyAsync(nk.get(), dh.tail_k.as<uint8_t>() + consumed * row, rest * row,
+      WKV_CU(cudaMemcpyAsync(g.tail_k.get(), dh.tail_k.as<uint8_t>() + consumed * row, rest * row,
                              cudaMemcpyDeviceToDevice, s));
-      WKV_CU(cudaMemcpyAsync(nv.get(), dh.tail_v.as<uint8_t>() + consumed * row, rest * row,
+      WKV_CU(cudaMemcpyAsync(g.tail_v.get(), dh.tail_v.as<uint8_t>() + consumed * row, rest * row,
                              cudaMemcpyDeviceToDevice, s));
     }
-    dh.tail_k.swap(nk);
-    dh.tail_v.swap(nv);
-    nk.release_async(s);
-    nv.release_async(s);
+    dh.tail_k.swap(g.tail_k);
+    dh.tail_v.swap(g.tail_v);
+    g.tail_k.release_async(s);
+    g.tail_v.release_async(s);
     dh.tail_rows = rest;
   }
   // page_ptrs and first_slots above were read by pageable copies, which
