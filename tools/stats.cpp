@@ -47,6 +47,8 @@ std::string stats_table(const wkv_stats &s) {
                                 " per lookup)"});
   t.row({"cache hits / misses", std::to_string(s.cache_hits) + " / " + std::to_string(s.cache_misses)});
   t.row({"device cache", mib(s.device_cache_bytes)});
+  t.row({"cache admissions / evictions",
+         std::to_string(s.cache_admissions) + " / " + std::to_string(s.cache_evictions)});
   t.row({"k-means time", fixed(s.kmeans_ns * 1e-9, 3) + " s"});
   return t.str();
 }

@@ -217,6 +217,10 @@ typedef struct wkv_stats {
   uint64_t device_cache_bytes; /* device block cache size */
   uint64_t kmeans_ns;          /* time spent clustering, nanoseconds (wall
                                   time on the CPU, device time on a GPU) */
+  uint64_t cache_admissions;   /* pages copied into the device cache */
+  uint64_t cache_evictions;    /* pages the device cache gave up */
+  uint64_t manager_backlog;    /* decoding steps whose accesses the buffer
+                                  manager has not yet applied (0: caught up) */
 } wkv_stats;
 
 /* Sets stats->size and zeroes the rest. NULL is a no-op. */

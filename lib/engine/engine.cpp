@@ -83,6 +83,7 @@ void Engine::fill_stats(wkv_stats *out) {
   out->cache_misses = counters_.cache_misses.load();
   out->device_cache_bytes = 0;
   out->kmeans_ns = counters_.kmeans_ns.load();
+  out->cache_admissions = out->cache_evictions = out->manager_backlog = 0;
   backend_->fill_stats(out);
 }
 
@@ -113,7 +114,9 @@ std::string Engine::stats_json() {
     << ",\"retrieved_clusters\":" << s.retrieved_clusters
     << ",\"estimated_clusters\":" << s.estimated_clusters
     << ",\"attended_tokens\":" << s.attended_tokens << ",\"cache_hits\":" << s.cache_hits
-    << ",\"cache_misses\":" << s.cache_misses << ",\"kmeans_ns\":" << s.kmeans_ns << "}}";
+    << ",\"cache_misses\":" << s.cache_misses << ",\"kmeans_ns\":" << s.kmeans_ns
+    << ",\"cache_admissions\":" << s.cache_admissions << ",\"cache_evictions\":" << s.cache_evictions
+    << ",\"manager_backlog\":" << s.manager_backlog << "}}";
   return o.str();
 }
 

@@ -193,6 +193,7 @@ class CudaBackend final : public Backend {
   std::vector<AccessRecord> record_pool_;
   std::condition_variable cv_;
   bool stop_ = false;
+  bool processing_ = false;  // the manager holds a record taken from queue_
   bool captured_ = false;  // a step was captured in a graph: never evict
   std::thread manager_;
 
@@ -971,6 +972,7 @@ void CudaBackend::manager_loop() {
       if (queue_.empty()) return;  // stop_ and drained
       rec = std::move(queue_.front());
       queue_.pop_front();
+      processing_ = true;
     }
     // The step's reads are done and its ids are in pinned memory once its
     // event completes: this thread waits, the caller's stream never does.
@@ -978,6 +980,7 @@ void CudaBackend::manager_loop() {
     process(rec);
     rec.runs.clear();
     std::lock_guard<std::mutex> lock(mu_);
+    processing_ = false;
     if (rec.end_only) {
       cudaEventDestroy(rec.event);
       rec.event = nullptr;
@@ -1068,6 +1071,13 @@ void CudaBackend::fill_stats(wkv_stats *out) {
   out->cache_hits = c[0];
   out->cache_misses = c[1];
   out->device_cache_bytes = cache_bytes_;
+  {
+    std::lock_guard<std::mutex> cache_lock(cache_mu_);
+    out->cache_admissions = admissions_;
+    out->cache_evictions = evictions_;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  out->manager_backlog = queue_.size() + (processing_ ? 1 : 0);
 }
 
 }  // namespace
