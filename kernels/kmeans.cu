@@ -10,11 +10,13 @@
 //   3. k initial directions per segment: X rows at k distinct positions
 //      drawn by a seeded permutation of [0, T);
 //   4. `iters` rounds of
-//        assign  argmax over the directions of every point, emitting the
-//                sort key (segment, cluster) and a count per cluster,
-//        sort    a stable radix sort of the keys over the whole batch: the
-//                members of each cluster, ascending by token,
-//        scan    cluster starts in the sorted order,
+//        assign  argmax over the directions of every point,
+//        order   a stable counting sort per segment (bucket_kernel): the
+//                count and start of each cluster and its members, ascending
+//                by token (where k is too large for its shared-memory table,
+//                the assignment emits sort keys (segment, cluster) and
+//                counts, and a radix sort and a scan of the whole batch give
+//                the same),
 //        update  normalised member sums (not after the last assignment);
 //      a segment whose assignment stopped changing skips the products and
 //      the update (kmeans_segment stops there too: it is a fixed point);
@@ -367,8 +369,8 @@ __global__ void init_dirs_kernel(const DevSeg *segs, const __half *x, uint32_t T
 struct AssignOut {
   uint32_t *assign;  // [S][Tm]
   uint32_t *flags;   // [R][S]
-  uint32_t *counts;  // [S][Km]
-  uint32_t *keys;    // [N]
+  uint32_t *counts;  // [S][Km]; with keys and vals, only for the radix sort
+  uint32_t *keys;    // [N], or null: bucket_kernel orders the points
   uint32_t *vals;    // [N]
 };
 
@@ -378,9 +380,11 @@ __device__ __forceinline__ void emit(const AssignOut &o, uint32_t s, uint32_t i,
   const uint32_t g = s * Tm + i;
   if (round == 0 || o.assign[g] != a) o.flags[round * S + s] = 1;
   o.assign[g] = a;
-  atomicAdd(&o.counts[s * Km + a], 1u);
-  o.keys[tok_off + i] = s * Km + a;
-  o.vals[tok_off + i] = g;
+  if (o.keys) {
+    atomicAdd(&o.counts[s * Km + a], 1u);
+    o.keys[tok_off + i] = s * Km + a;
+    o.vals[tok_off + i] = g;
+  }
 }
 
 // A converged segment (its previous round changed nothing) keeps its
@@ -558,6 +562,96 @@ __global__ void __launch_bounds__(256, FusedCfg<D>::kMinBlocks)
       if (better(red_v[row], red_i[row], best[j], bidx[j])) a = red_i[row];
       if (row0 + row < Tn) emit(o, s, row0 + row, a, Tm, Km, S, tok_off, round);
     }
+  }
+}
+
+// Ordering the points by cluster ----------------------------------------------------
+
+// A stable counting sort of one segment's assignment per CTA, in place of a
+// radix sort of the whole batch: the same counts, starts and member order
+// (ascending by token within a cluster), without the sort's passes over
+// device memory. Warp w takes the w-th contiguous share of the tokens and
+// counts its members per cluster in its row of a [warps][Km] table; a scan
+// down the warps and one across the clusters turn the table into each
+// warp's first position per cluster; the warps then place their tokens in
+// order (lanes with equal clusters ranked by __match_any_sync). A converged
+// segment keeps the previous round's order, which is its own to keep.
+constexpr int kBucketWarps = 32;
+constexpr size_t kBucketSmemMax = 200 * 1024;
+inline size_t bucket_smem(uint32_t Km) { return size_t(kBucketWarps + 1) * Km * sizeof(uint32_t); }
+
+__global__ void __launch_bounds__(kBucketWarps * 32)
+    bucket_kernel(const DevSeg *segs, const uint32_t *assign, const uint32_t *flags, uint32_t Tm, uint32_t Km,
+                  uint32_t S, uint32_t round, uint32_t *counts, uint32_t *starts, uint32_t *sorted,
+                  uint32_t *big_n) {
+  constexpr int kThreads = kBucketWarps * 32;
+  using Scan = cub::BlockScan<uint32_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  extern __shared__ uint32_t bucket_smem_raw[];
+  const uint32_t s = blockIdx.x;
+  if (s == 0 && threadIdx.x == 0) *big_n = 0;  // the update's big-cluster list, per round
+  if (converged(flags, S, s, round)) return;
+  uint32_t *tab = bucket_smem_raw, *tot = bucket_smem_raw + kBucketWarps * Km;
+  const uint32_t T = segs[s].T, tok_off = segs[s].tok_off;
+  const uint32_t tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  for (uint32_t q = tid; q < kBucketWarps * Km; q += kThreads) tab[q] = 0;
+  __syncthreads();
+  const uint32_t share = ((T + kBucketWarps - 1) / kBucketWarps + 31) & ~31u;
+  const uint32_t lo = min(T, w * share), hi = min(T, lo + share);
+  const uint32_t *as = assign + size_t(s) * Tm;
+  uint32_t *row = tab + w * Km;
+  // 1. Members per (warp, cluster).
+  for (uint32_t b = lo; b < hi; b += 32) {
+    const uint32_t i = b + lane;
+    const bool v = i < hi;
+    const uint32_t a = v ? as[i] : 0xffffffffu;
+    const uint32_t m = __match_any_sync(0xffffffffu, a);
+    if (v && __ffs(m) - 1 == static_cast<int>(lane)) row[a] += __popc(m);
+    __syncwarp();
+  }
+  __syncthreads();
+  // 2. Down the warps: each warp's offset within its cluster; the counts.
+  for (uint32_t c = tid; c < Km; c += kThreads) {
+    uint32_t run = 0;
+    for (int j = 0; j < kBucketWarps; ++j) {
+      const uint32_t n = tab[j * Km + c];
+      tab[j * Km + c] = run;
+      run += n;
+    }
+    tot[c] = run;
+    counts[size_t(s) * Km + c] = run;
+  }
+  __syncthreads();
+  // 3. Across the clusters: starts (clusters >= k are empty and start at
+  //    the segment's end), then every warp's first position per cluster.
+  const uint32_t per = (Km + kThreads - 1) / kThreads;
+  const uint32_t c0 = min(Km, tid * per), c1 = min(Km, c0 + per);
+  uint32_t local = 0;
+  for (uint32_t c = c0; c < c1; ++c) local += tot[c];
+  uint32_t before;
+  Scan(scan_tmp).ExclusiveSum(local, before);
+  for (uint32_t c = c0; c < c1; ++c) {
+    const uint32_t n = tot[c];
+    tot[c] = tok_off + before;
+    before += n;
+  }
+  __syncthreads();
+  for (uint32_t c = tid; c < Km; c += kThreads) {
+    const uint32_t st = tot[c];
+    starts[size_t(s) * Km + c] = st;
+    for (int j = 0; j < kBucketWarps; ++j) tab[j * Km + c] += st;
+  }
+  __syncthreads();
+  // 4. Every warp places its tokens in order.
+  for (uint32_t b = lo; b < hi; b += 32) {
+    const uint32_t i = b + lane;
+    const bool v = i < hi;
+    const uint32_t a = v ? as[i] : 0xffffffffu;
+    const uint32_t m = __match_any_sync(0xffffffffu, a);
+    if (v) sorted[row[a] + __popc(m & ((1u << lane) - 1))] = s * Tm + i;
+    __syncwarp();
+    if (v && __ffs(m) - 1 == static_cast<int>(lane)) row[a] += __popc(m);
+    __syncwarp();
   }
 }
 
@@ -971,6 +1065,14 @@ Status run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hsegs, c
     WKV_CUDA_CHECK_LAUNCH("init_dirs_kernel");
   }
   WKV_CUDA_CHECK(cudaMemsetAsync(ao.flags, 0, size_t(L.rounds) * S * 4, stream));
+  // The points are ordered by bucket_kernel where a segment's table fits in
+  // shared memory (k up to ~1500), by a radix sort of the batch otherwise.
+  const bool bucket = p.order == KMeansOrder::kAuto && bucket_smem(Km) <= kBucketSmemMax;
+  if (bucket) {
+    ao.keys = ao.vals = nullptr;
+    WKV_CUDA_CHECK(cudaFuncSetAttribute(bucket_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bucket_smem(Km))));
+  }
   using C = FusedCfg<D>;
   if (p.assign == KMeansAssign::kFused)
     WKV_CUDA_CHECK(cudaFuncSetAttribute(assign_fused_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -978,12 +1080,12 @@ Status run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hsegs, c
   if (p.assign == KMeansAssign::kCublas)
     WKV_CUBLAS_CHECK(cublasSetStream(static_cast<cublasHandle_t>(cublas), stream));
   const uint32_t n_cid = S * Km;
-  uint32_t *big_n = ao.counts + n_cid;  // zeroed with the counts every round
+  uint32_t *big_n = ao.counts + n_cid;  // zeroed every round (with the counts, or by bucket_kernel)
   const unsigned warp_blocks = static_cast<unsigned>((uint64_t(n_cid) * 32 + 255) / 256);
   const uint32_t *sorted_vals = vals0;
   // 4. Rounds.
   for (uint32_t r = 0; r < L.rounds; ++r) {
-    WKV_CUDA_CHECK(cudaMemsetAsync(ao.counts, 0, (size_t(n_cid) + 1) * 4, stream));
+    if (!bucket) WKV_CUDA_CHECK(cudaMemsetAsync(ao.counts, 0, (size_t(n_cid) + 1) * 4, stream));
     if (p.assign == KMeansAssign::kFused) {
       assign_fused_kernel<D><<<dim3((Tm + C::BM - 1) / C::BM, S), 256, C::kSmem, stream>>>(segs, x, dirs, Tm,
                                                                                          Km, S, r, ao);
@@ -1006,14 +1108,21 @@ Status run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hsegs, c
         WKV_CUDA_CHECK_LAUNCH("argmax_scores_kernel");
       }
     }
-    cub::DoubleBuffer<uint32_t> kb(keys0, keys1), vb(vals0, vals1);
-    size_t tmp_bytes = L.cub_bytes;
-    WKV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_tmp, tmp_bytes, kb, vb, static_cast<int>(N), 0, end_bit,
-                                                   stream));
-    sorted_vals = vb.Current();
-    tmp_bytes = L.cub_bytes;
-    WKV_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(cub_tmp, tmp_bytes, ao.counts, starts, static_cast<int>(n_cid),
-                                                 stream));
+    if (bucket) {
+      bucket_kernel<<<S, kBucketWarps * 32, bucket_smem(Km), stream>>>(segs, ao.assign, ao.flags, Tm, Km, S, r,
+                                                                       ao.counts, starts, vals0, big_n);
+      WKV_CUDA_CHECK_LAUNCH("bucket_kernel");
+      sorted_vals = vals0;
+    } else {
+      cub::DoubleBuffer<uint32_t> kb(keys0, keys1), vb(vals0, vals1);
+      size_t tmp_bytes = L.cub_bytes;
+      WKV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_tmp, tmp_bytes, kb, vb, static_cast<int>(N), 0, end_bit,
+                                                     stream));
+      sorted_vals = vb.Current();
+      tmp_bytes = L.cub_bytes;
+      WKV_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(cub_tmp, tmp_bytes, ao.counts, starts,
+                                                   static_cast<int>(n_cid), stream));
+    }
     if (r + 1 < L.rounds) {
       update_kernel<D><<<warp_blocks, 256, 0, stream>>>(segs, x, ao.counts, starts, sorted_vals, Km, S, r,
                                                         ao.flags, big_n, big_ids, dirs);

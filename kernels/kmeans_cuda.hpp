@@ -45,12 +45,22 @@ enum class KMeansAssign : uint32_t {
   kCublas = 1,
 };
 
+// How each round orders the points by cluster (the same result either way).
+enum class KMeansOrder : uint32_t {
+  // A counting sort per segment in shared memory where its [32][k] table
+  // fits (k up to ~1500), else kRadix. Default.
+  kAuto = 0,
+  // A radix sort of the whole batch's (segment, cluster) keys and a scan.
+  kRadix = 1,
+};
+
 // Parameters shared by every segment of a batch.
 struct KMeansBatchParams {
   DType dtype = DType::kF16;     // storage type of keys and values
   uint32_t head_dim = 0;         // d: 64, 80, 96, 128 or 256
   uint32_t iters = 10;           // assignment rounds (0 behaves as 1)
   KMeansAssign assign = KMeansAssign::kFused;
+  KMeansOrder order = KMeansOrder::kAuto;
   size_t score_bytes = 64u << 20;  // kCublas only: score buffer bound (64 MiB)
 };
 

@@ -113,11 +113,13 @@ std::vector<float> rounded(DType t, const std::vector<float> &x) {
 // Runs one batch on the device and splits its outputs per segment.
 class KMeansRunner {
  public:
-  KMeansRunner(DType t, uint32_t d, KMeansAssign path, uint32_t iters = 10) {
+  KMeansRunner(DType t, uint32_t d, KMeansAssign path, uint32_t iters = 10,
+               KMeansOrder order = KMeansOrder::kAuto) {
     p_.dtype = t;
     p_.head_dim = d;
     p_.iters = iters;
     p_.assign = path;
+    p_.order = order;
   }
   ~KMeansRunner() { kmeans_cublas_destroy(cublas_); }
 
@@ -376,6 +378,30 @@ TEST(KMeansCuda, SameSeedGivesBitIdenticalClusters) {
     int differing = 0;
     for (size_t s = 0; s < in.size(); ++s) differing += !same(a[s], c[s]);
     EXPECT_GT(differing, 0);
+  }
+}
+
+// The per-segment counting sort and the batch's radix sort order the points
+// alike, so the clusters are bit-identical; k = 1800 is beyond the counting
+// sort's table, so there kAuto takes the radix sort too.
+TEST(KMeansCuda, CountingSortAndRadixSortGiveTheSameClusters) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(108);
+  std::vector<SegInput> in;
+  const uint32_t T[] = {8192, 3000, 1, 700, 4100};
+  for (uint32_t s = 0; s < 5; ++s) in.push_back(structured_segment(rng, DType::kF16, T[s], 128, T[s] / 16 + 1, s));
+  for (uint32_t k : {512u, 1800u}) {
+    SCOPED_TRACE(testing::Message() << "k of the first segment " << k);
+    in[0].k = k;
+    KMeansRunner bucket(DType::kF16, 128, KMeansAssign::kFused, 10, KMeansOrder::kAuto);
+    KMeansRunner radix(DType::kF16, 128, KMeansAssign::kFused, 10, KMeansOrder::kRadix);
+    std::vector<SegmentClusters> a, b;
+    ASSERT_NO_FATAL_FAILURE(bucket.run(in, &a));
+    ASSERT_NO_FATAL_FAILURE(radix.run(in, &b));
+    for (size_t s = 0; s < in.size(); ++s) {
+      EXPECT_TRUE(same(a[s], b[s])) << "segment " << s;
+      ASSERT_NO_FATAL_FAILURE(check_clusters(a[s], in[s], 128, 1e-2));
+    }
   }
 }
 
