@@ -26,12 +26,15 @@
 // (repeated tokens) is listed and summed by a whole CTA instead.
 //
 // Cost on an H100 (S = 128 segments of 8192 tokens, d = 128, k = 512, 10
-// rounds: 6.5 ms): the assignment is two thirds of it (~0.43 ms a round,
-// ~320 TFLOP/s on mma.sync); the update ~0.1 ms a round (bandwidth bound,
-// reading X); sort and scan ~0.03 ms a round; the fixed passes (mean,
-// normalisation, centroids) ~0.7 ms. A wgmma (sm_90a) assignment is the
-// next step if it must go faster. The kCublas path measured 24 ms: its
-// [T][k] f32 scores cross device memory twice a round.
+// rounds, random keys: 6.06 ms; ncu per kernel, tools/gpu-check.sh profile):
+// the assignment is 70% of it (0.42 ms a round, ~330 TFLOP/s on mma.sync);
+// the update 0.10 ms a round (bandwidth bound, reading X); the fixed passes
+// (mean, normalisation, centroids) 0.7 ms; the counting sort and the gaps
+// between launches 0.16 ms in all (the radix sort and scan it replaced took
+// 0.05 ms a round: the batch took 6.53 ms with them). A wgmma
+// (sm_90a) assignment is the next step if it must go faster. The kCublas
+// path measured 23 ms: its [T][k] f32 scores cross device memory twice a
+// round.
 //
 // Determinism: nothing is summed by float atomics. Counts are integer
 // atomics; every float sum runs in a fixed order (sorted members, fixed

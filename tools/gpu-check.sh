@@ -9,8 +9,9 @@
 #                                  of one k-means batch, summed by kernel)
 #
 # Environment: SANITIZER_TOOLS (memcheck racecheck), SANITIZER_TESTS (every
-# tests/gpu_*.cpp program), SANITIZER_TIMEOUT and BENCH_TIMEOUT (seconds a
-# program, 240).
+# tests/gpu_*.cpp program), SANITIZER_ARGS (added to each test program's
+# command line, e.g. --gtest_filter=...), SANITIZER_TIMEOUT and BENCH_TIMEOUT
+# (seconds a program, 240).
 #
 # The steps after build reuse build-gpu/, so that they can be split across
 # several runs on one machine (each run must end within its time limit).
@@ -68,7 +69,7 @@ if want sanitize && command -v compute-sanitizer >/dev/null; then
   for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
     for name in ${SANITIZER_TESTS:-$(cd tests && ls gpu_*.cpp | sed 's/\.cpp$//')}; do
       timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --report-api-errors no \
-        --error-exitcode 9 "build-gpu/bin/$name" --gtest_brief=1 > "$LOG/$tool-$name.log" 2>&1
+        --error-exitcode 9 "build-gpu/bin/$name" --gtest_brief=1 ${SANITIZER_ARGS:-} > "$LOG/$tool-$name.log" 2>&1
       rc=$?
       [ $rc = 0 ] || san_fail=1
       step "  $tool $name" "rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/$tool-$name.log" | tail -1)"
@@ -94,7 +95,7 @@ if want profile && command -v ncu >/dev/null; then
   # first index build on the step bench's keys (gpu_step_bench).
   ncu_table() {  # csv, calls
     python3 - "$1" "$2" <<'PY'
-import csv, sys, collections
+import collections, csv, re, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 if not rows:
     sys.exit("  no ncu rows")
@@ -104,7 +105,10 @@ name, unit, val = head.index("Kernel Name"), head.index("Metric Unit"), head.ind
 t, n = collections.defaultdict(float), collections.Counter()
 scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0}
 for r in rows:
-    k = r[name].replace("void ", "").split("(")[0].split("<")[0]
+    k = r[name]
+    while re.search(r"<[^<>]*>", k):
+        k = re.sub(r"<[^<>]*>", "", k)  # template arguments, (anonymous) namespaces
+    k = k.split("(")[0].split("::")[-1].replace("void ", "")
     t[k] += float(r[val].replace(",", "")) * scale.get(r[unit], 1.0) / calls
     n[k] += 1
 for k, v in sorted(t.items(), key=lambda x: -x[1]):
@@ -112,7 +116,7 @@ for k, v in sorted(t.items(), key=lambda x: -x[1]):
 print(f"  {'total':44s} {sum(n.values()) / calls:6.1f} {sum(t.values()):8.3f}")
 PY
   }
-  kern='regex:upload_segs|mean_|normalize|init_dirs|assign|argmax|update|finalize|order_kernel|centroid|Radix|Scan'
+  kern='regex:upload_segs|mean_|normalize|init_dirs|assign|argmax|bucket|update|finalize|order_kernel|centroid|Radix|Scan'
   timeout "${BENCH_TIMEOUT:-240}" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
     --kernel-name-base function --kernel-name "$kern" \
     build-gpu/bin/gpu_gather_bench kmeans-profile > "$LOG/ncu-kmeans.csv" 2> "$LOG/ncu-kmeans.err"

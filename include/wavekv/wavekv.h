@@ -27,6 +27,12 @@
  * several threads at once provided that each wkv_seq and each wkv_plan is used
  * by one thread at a time.
  *
+ * The prompt of a layer, appended whole or in chunks, then ended so that its
+ * index is built with the prefill rather than at the first decoding step:
+ *
+ *     wkv_seq_append(seq, layer, k, v, n_prompt, 0, 0, stream);
+ *     wkv_seq_end_prompt(seq, layer, stream);
+ *
  * A decoding step for one layer (letting wavekv attend):
  *
  *     wkv_seq_append(seq, layer, k, v, 1, 0, 0, stream);  // the new token
