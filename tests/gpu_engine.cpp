@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <memory>
 #include <thread>
 
 #include "support.hpp"
@@ -25,7 +26,8 @@ bool have_gpu() {
 
 constexpr uint32_t kQ = 8, kKV = 2, kD = 128, kDT = WKV_DTYPE_F16;
 
-wkv_config config(uint32_t device, float retrieval = 0.018f, float estimation = 0.232f) {
+wkv_config config(uint32_t device, float retrieval = 0.018f, float estimation = 0.232f,
+                  uint64_t cache_bytes = 8u << 20) {
   wkv_config c;
   wkv_config_init(&c);
   c.device = device;
@@ -38,7 +40,7 @@ wkv_config config(uint32_t device, float retrieval = 0.018f, float estimation = 
   c.update_segment_tokens = 512;
   c.retrieval_frac = retrieval;
   c.estimation_frac = estimation;
-  c.device_cache_bytes = 8u << 20;
+  c.device_cache_bytes = cache_bytes;
   c.threads = 2;
   return c;
 }
@@ -69,9 +71,9 @@ struct Twin {
   KeyGen gen{kKV, kD, 42};
   cudaStream_t stream = nullptr;
 
-  Twin(float r, float e)
-      : cpu(config(WKV_DEVICE_CPU, r, e)), gpu(config(WKV_DEVICE_CUDA, r, e)), scpu(cpu), sgpu(gpu), pcpu(cpu),
-        pgpu(gpu) {
+  Twin(float r, float e, uint64_t cache_bytes = 8u << 20)
+      : cpu(config(WKV_DEVICE_CPU, r, e)), gpu(config(WKV_DEVICE_CUDA, r, e, cache_bytes)), scpu(cpu), sgpu(gpu),
+        pcpu(cpu), pgpu(gpu) {
     cudaStreamCreate(&stream);
   }
   ~Twin() { cudaStreamDestroy(stream); }
@@ -245,6 +247,38 @@ TEST(GpuEngine, CacheWarmsUpOverRepeatedQueriesAndKeepsItsSize) {
   EXPECT_GT(hits, 0u);
   EXPECT_EQ(s1.device_cache_bytes <= (8u << 20), true);
   EXPECT_EQ(t.decode_gpu(q), first) << "cached pages give the same result";
+}
+
+// A cache of 64 pages under steps that each read ~2000: every step evicts,
+// and steps are enqueued back to back, so the manager evicts while later
+// steps are in flight. A slot is reused only once no step that could read
+// its old page is in flight: every result stays exact.
+TEST(GpuEngine, EvictionsNeverTouchPagesOfStepsInFlight) {
+  REQUIRE_GPU();
+  Twin t(1.0f, 0.0f, 64 * 4096);
+  t.append(8000);
+  constexpr int kSteps = 24;
+  std::vector<std::vector<float>> qs;
+  std::vector<std::unique_ptr<DevVec>> dq, dout;
+  for (int i = 0; i < kSteps; ++i) {
+    qs.push_back(t.query());
+    dq.push_back(std::make_unique<DevVec>(pack(kDT, qs.back())));
+    dout.push_back(std::make_unique<DevVec>(qs.back().size() * 2));
+  }
+  wkv_seq *s = t.sgpu.get();
+  for (int i = 0; i < kSteps; ++i)
+    ASSERT_EQ(wkv_decode(t.pgpu.get(), &s, 1, 0, dq[i]->p, 0, 0, dout[i]->p, 0, 0, t.stream), WKV_OK)
+        << wkv_last_error();
+  ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
+  for (int i = 0; i < kSteps; ++i)
+    EXPECT_LT(t.error(qs[i], unpack(kDT, dout[i]->host(), qs[i].size())), 1e-2) << "step " << i;
+  const wkv_stats st = t.gpu.stats();
+  std::printf("%llu admissions, %llu evictions, %llu hits, %llu misses\n",
+              static_cast<unsigned long long>(st.cache_admissions),
+              static_cast<unsigned long long>(st.cache_evictions), static_cast<unsigned long long>(st.cache_hits),
+              static_cast<unsigned long long>(st.cache_misses));
+  EXPECT_GT(st.cache_evictions, 0u);
+  EXPECT_LE(st.device_cache_bytes, 64u * 4096u);
 }
 
 TEST(GpuEngine, BadInputIsRefusedAndTheEngineStaysUsable) {
