@@ -1070,11 +1070,24 @@ Status run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hsegs, c
   WKV_CUDA_CHECK(cudaMemsetAsync(ao.flags, 0, size_t(L.rounds) * S * 4, stream));
   // The points are ordered by bucket_kernel where a segment's table fits in
   // shared memory (k up to ~1500), by a radix sort of the batch otherwise.
-  const bool bucket = p.order == KMeansOrder::kAuto && bucket_smem(Km) <= kBucketSmemMax;
-  if (bucket) {
-    ao.keys = ao.vals = nullptr;
-    WKV_CUDA_CHECK(cudaFuncSetAttribute(bucket_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(bucket_smem(Km))));
+  // The kernel's shared-memory limit is one value per device (kBucketSmemMax,
+  // or less where the device offers less), so that concurrent batches never
+  // set it under each other.
+  bool bucket = false;
+  if (p.order == KMeansOrder::kAuto) {
+    int dev = 0, optin = 0;
+    cudaFuncAttributes fa;
+    WKV_CUDA_CHECK(cudaGetDevice(&dev));
+    WKV_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    WKV_CUDA_CHECK(cudaFuncGetAttributes(&fa, bucket_kernel));
+    const size_t cap = std::min<size_t>(kBucketSmemMax, size_t(std::max(optin, 0)) - std::min<size_t>(
+                                                            fa.sharedSizeBytes, size_t(std::max(optin, 0))));
+    if (bucket_smem(Km) <= cap) {
+      WKV_CUDA_CHECK(
+          cudaFuncSetAttribute(bucket_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cap)));
+      bucket = true;
+      ao.keys = ao.vals = nullptr;
+    }
   }
   using C = FusedCfg<D>;
   if (p.assign == KMeansAssign::kFused)

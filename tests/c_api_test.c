@@ -776,6 +776,8 @@ static void test_end_prompt(void) {
   EXPECT_OK(wkv_seq_end_prompt(s, 0, NULL));
   expect_info(s, 0, 300, 4, 16, 2, 1, "the end of the prompt clusters the 24 beyond the window");
   expect_info(s, 1, 0, 0, 0, 0, 0, "another layer is still in its prompt");
+  EXPECT_OK(wkv_seq_end_prompt(s, 1, NULL));
+  expect_info(s, 1, 0, 0, 0, 0, 0, "a layer without tokens has no prompt to end");
   EXPECT_OK(wkv_seq_end_prompt(s, 0, NULL));
   expect_info(s, 0, 300, 4, 16, 2, 1, "a second end is a no-op");
   append_chunks(s, LAYOUT_PACKED, NULL, LAYOUT_PACKED, r, 0, one, 1);

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "support.hpp"
@@ -62,32 +63,21 @@ struct DevVec {
   }
 };
 
-// One context appended to a CPU and a CUDA sequence alike, with its rows.
-struct Twin {
-  wavekv::Engine cpu, gpu;
-  wavekv::Sequence scpu, sgpu;
-  wavekv::Plan pcpu, pgpu;
+// Generated tokens and queries of one context, its rows kept for exact
+// attention.
+struct Context {
   std::vector<HeadRows> rows{kKV};
-  KeyGen gen{kKV, kD, 42};
-  cudaStream_t stream = nullptr;
+  KeyGen gen;
+  explicit Context(uint64_t seed) : gen(kKV, kD, seed) {}
 
-  Twin(float r, float e, uint64_t cache_bytes = 8u << 20)
-      : cpu(config(WKV_DEVICE_CPU, r, e)), gpu(config(WKV_DEVICE_CUDA, r, e, cache_bytes)), scpu(cpu), sgpu(gpu),
-        pcpu(cpu), pgpu(gpu) {
-    cudaStreamCreate(&stream);
-  }
-  ~Twin() { cudaStreamDestroy(stream); }
-
-  void append(uint32_t n) {
+  // n fresh tokens rounded to the storage type, packed [n][kKV][kD].
+  void draw(uint32_t n, std::vector<uint8_t> *kb, std::vector<uint8_t> *vb) {
     std::vector<float> k, v;
     gen.next(n, &k, &v);
     for (float &x : k) x = round_to(kDT, x);
     for (float &x : v) x = round_to(kDT, x);
-    auto kb = pack(kDT, k), vb = pack(kDT, v);
-    scpu.append(0, kb.data(), vb.data(), n);
-    DevVec dk(kb), dv(vb);
-    sgpu.append(0, dk.p, dv.p, n, 0, 0, stream);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    *kb = pack(kDT, k);
+    *vb = pack(kDT, v);
     for (uint32_t t = 0; t < n; ++t)
       for (uint32_t h = 0; h < kKV; ++h) {
         size_t off = (static_cast<size_t>(t) * kKV + h) * kD;
@@ -100,6 +90,41 @@ struct Twin {
     for (uint32_t h = 0; h < kKV; ++h) gen.query(h, kQ / kKV, &q);
     for (float &x : q) x = round_to(kDT, x);
     return q;
+  }
+  // Worst relative L2 error over the query heads against exact attention.
+  double error(const std::vector<float> &q, const std::vector<float> &out) {
+    std::vector<double> ref;
+    double worst = 0;
+    for (uint32_t h = 0; h < kQ; ++h) {
+      exact_attention(&q[h * kD], rows[h / (kQ / kKV)], kD, &ref);
+      worst = std::max(worst, rel_l2(&out[h * kD], ref));
+    }
+    return worst;
+  }
+};
+
+// One context appended to a CPU and a CUDA sequence alike.
+struct Twin : Context {
+  wavekv::Engine cpu, gpu;
+  wavekv::Sequence scpu, sgpu;
+  wavekv::Plan pcpu, pgpu;
+  cudaStream_t stream = nullptr;
+
+  Twin(float r, float e, uint64_t cache_bytes = 8u << 20)
+      : Context(42),
+        cpu(config(WKV_DEVICE_CPU, r, e)), gpu(config(WKV_DEVICE_CUDA, r, e, cache_bytes)), scpu(cpu), sgpu(gpu),
+        pcpu(cpu), pgpu(gpu) {
+    cudaStreamCreate(&stream);
+  }
+  ~Twin() { cudaStreamDestroy(stream); }
+
+  void append(uint32_t n) {
+    std::vector<uint8_t> kb, vb;
+    draw(n, &kb, &vb);
+    scpu.append(0, kb.data(), vb.data(), n);
+    DevVec dk(kb), dv(vb);
+    sgpu.append(0, dk.p, dv.p, n, 0, 0, stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   }
   std::vector<float> decode_cpu(const std::vector<float> &q) {
     auto qb = pack(kDT, q);
@@ -114,15 +139,6 @@ struct Twin {
     pgpu.decode(&s, 1, 0, dq.p, dout.p, stream);
     EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     return unpack(kDT, dout.host(), q.size());
-  }
-  double error(const std::vector<float> &q, const std::vector<float> &out) {
-    std::vector<double> ref;
-    double worst = 0;
-    for (uint32_t h = 0; h < kQ; ++h) {
-      exact_attention(&q[h * kD], rows[h / (kQ / kKV)], kD, &ref);
-      worst = std::max(worst, rel_l2(&out[h * kD], ref));
-    }
-    return worst;
   }
 };
 
@@ -272,13 +288,70 @@ TEST(GpuEngine, EvictionsNeverTouchPagesOfStepsInFlight) {
   ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
   for (int i = 0; i < kSteps; ++i)
     EXPECT_LT(t.error(qs[i], unpack(kDT, dout[i]->host(), qs[i].size())), 1e-2) << "step " << i;
-  const wkv_stats st = t.gpu.stats();
+  wkv_stats st = t.gpu.stats();
+  for (int i = 0; i < 2000 && st.manager_backlog > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    st = t.gpu.stats();
+  }
   std::printf("%llu admissions, %llu evictions, %llu hits, %llu misses\n",
               static_cast<unsigned long long>(st.cache_admissions),
               static_cast<unsigned long long>(st.cache_evictions), static_cast<unsigned long long>(st.cache_hits),
               static_cast<unsigned long long>(st.cache_misses));
   EXPECT_GT(st.cache_evictions, 0u);
   EXPECT_LE(st.device_cache_bytes, 64u * 4096u);
+}
+
+// Two threads grow the indexes of two sequences of one engine at once, each
+// on its own stream. The engine's k-means buffers serve every growth: they
+// take turns, and each waits on the device for the previous one's reads.
+// Both sequences stay exact.
+TEST(GpuEngine, ConcurrentGrowthsOnTwoStreamsStayExact) {
+  REQUIRE_GPU();
+  wavekv::Engine gpu(config(WKV_DEVICE_CUDA, 1.0f, 0.0f));
+  struct Side : Context {
+    wavekv::Sequence seq;
+    wavekv::Plan plan;
+    cudaStream_t stream = nullptr;
+    double worst = 0;
+    std::string failure;
+    Side(const wavekv::Engine &e, uint64_t seed) : Context(seed), seq(e), plan(e) {
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    }
+    ~Side() { cudaStreamDestroy(stream); }
+    void add(uint32_t n) {
+      std::vector<uint8_t> kb, vb;
+      draw(n, &kb, &vb);
+      DevVec dk(kb), dv(vb);
+      seq.append(0, dk.p, dv.p, n, 0, 0, stream);
+      cudaStreamSynchronize(stream);
+    }
+    void run() {
+      try {
+        add(7000);
+        seq.end_prompt(0, stream);
+        for (int i = 0; i < 6; ++i) add(300);  // an update segment every other append
+        for (int i = 0; i < 3; ++i) {
+          std::vector<float> q = query();
+          DevVec dq(pack(kDT, q)), dout(q.size() * 2);
+          wkv_seq *s = seq.get();
+          plan.decode(&s, 1, 0, dq.p, dout.p, stream);
+          cudaStreamSynchronize(stream);
+          worst = std::max(worst, error(q, unpack(kDT, dout.host(), q.size())));
+        }
+      } catch (const std::exception &e) {
+        failure = e.what();
+      }
+    }
+  };
+  Side a(gpu, 7), b(gpu, 8);
+  std::thread ta([&] { a.run(); }), tb([&] { b.run(); });
+  ta.join();
+  tb.join();
+  EXPECT_EQ(a.failure, "");
+  EXPECT_EQ(b.failure, "");
+  EXPECT_LT(a.worst, 1e-2);
+  EXPECT_LT(b.worst, 1e-2);
+  EXPECT_EQ(a.seq.info(0).segments, b.seq.info(0).segments);
 }
 
 TEST(GpuEngine, BadInputIsRefusedAndTheEngineStaysUsable) {

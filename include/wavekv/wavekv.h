@@ -270,7 +270,10 @@ WKV_API void wkv_seq_destroy(wkv_seq *seq);
  * appended tokens are the prompt (chunked prefill is fine): complete
  * segment_tokens runs beyond the sink and the window are clustered as they
  * complete (a CUDA engine gathers 16 of them per KV head first, so that a
- * prompt of up to 16 segments is clustered in one batch), and the end of the
+ * prompt of up to 16 segments is clustered in one batch; until then their K
+ * and V stay on the device: 16 x segment_tokens x 2 x head_dim x dtype bytes
+ * per KV head and layer at most, 512 MiB at 8 KV heads, d=128, f16), and the
+ * end of the
  * prompt clusters what remains beyond the window. After it, tokens are
  * generated ones: each update_segment_tokens run beyond the window is
  * clustered and appended to the index. Where a segment is cut never depends
@@ -291,7 +294,7 @@ WKV_API int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k,
  * the window, which the layer's first lookup does otherwise. Call it after a
  * layer's last prompt chunk so that the index build runs with the prefill,
  * not on the first decoding step. Waits for `stream` (an index growth); a
- * no-op for a layer already generating. Returns WKV_ERR_INVALID_ARGUMENT
+ * no-op for a layer already generating or holding no tokens. Returns WKV_ERR_INVALID_ARGUMENT
  * (unknown sequence, a stream of another device), WKV_ERR_OUT_OF_RANGE
  * (layer), WKV_ERR_BUDGET, WKV_ERR_OUT_OF_MEMORY; on an error the layer is
  * still in its prompt and holds every token it held.

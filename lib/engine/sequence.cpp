@@ -47,7 +47,8 @@ Status Sequence::append(uint32_t layer, const uint8_t *k, const uint8_t *v, uint
 }
 
 Status Sequence::finish_prompt(uint32_t layer, void *stream) {
-  if (layers_[layer].generating) return Status::ok();
+  // A layer without tokens has no prompt to end: it stays in its prompt.
+  if (layers_[layer].generating || layers_[layer].tokens == 0) return Status::ok();
   return engine_->backend().finish_prompt(*this, layer, stream);
 }
 

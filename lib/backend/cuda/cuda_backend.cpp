@@ -4,8 +4,12 @@
 // attend, update) is enqueued on the caller's stream with no host wait; the
 // buffer manager runs on its own thread and side stream.
 //
-// Lock order: cache_mu_, then mu_. Neither is held while calling into the
-// engine or a sequence.
+// Lock order: growth_mu_, cache_mu_, then mu_. None is held while calling
+// into the engine or a sequence.
+// - growth_mu_ (the k-means workspace and outputs, km_*, which every
+//   sequence's index growth uses) is held by a growth from its k-means to
+//   its last enqueue; the next growth's stream then waits for km_done_, the
+//   event recorded after the last one's device reads of those buffers.
 // - mu_ (the in-flight epochs, the manager queue and record pool, every
 //   HeadShared) is taken by the decoding path, so it is held only for a few
 //   bookkeeping instructions, never across a device wait or a walk over a
@@ -22,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -180,11 +185,13 @@ class CudaBackend final : public Backend {
   DevBuf km_ws_, km_n_, km_begin_, km_order_, km_size_, km_cent_, km_vsum_;  // k-means, grow only
   PinnedBuf km_host_;    // the k-means results read back, grow only
   EventPair km_events_;  // the k-means's device time
+  std::mutex growth_mu_;  // one index growth at a time (lock order above)
+  cudaEvent_t km_done_ = nullptr;  // after the last growth's reads of km_*
 
   std::mutex cache_mu_;  // guards the cache state below (lock order above)
   std::unique_ptr<BlockCache> cache_;
   std::vector<SlotOwner> slot_owner_;
-  uint64_t admissions_ = 0, evictions_ = 0;
+  std::atomic<uint64_t> admissions_{0}, evictions_{0};  // written under cache_mu_, read by stats
   uint64_t manager_hits_ = 0, manager_misses_ = 0;  // page accesses seen by the manager
 
   std::mutex mu_;  // guards everything below
@@ -193,7 +200,7 @@ class CudaBackend final : public Backend {
   std::vector<AccessRecord> record_pool_;
   std::condition_variable cv_;
   bool stop_ = false;
-  bool processing_ = false;  // the manager holds a record taken from queue_
+  bool processing_ = false;  // the manager holds a step's record taken from queue_
   bool captured_ = false;  // a step was captured in a graph: never evict
   std::thread manager_;
 
@@ -270,6 +277,7 @@ CudaBackend::~CudaBackend() {
     if (r.ids) cudaFreeHost(r.ids);
   }
   if (side_) cudaStreamDestroy(side_);
+  if (km_done_) cudaEventDestroy(km_done_);
   if (cache_base_) cudaFree(cache_base_);
   if (d_counters_) cudaFree(d_counters_);
 }
@@ -413,6 +421,7 @@ Status CudaBackend::finish_prompt(Sequence &seq, uint32_t layer, void *stream) {
   LayerState &L = seq.layer(layer);
   if (L.generating) return Status::ok();
   WKV_RETURN_IF_ERROR(check_stream(stream));
+  WKV_CU(cudaSetDevice(dev_));
   const Config &cfg = e_.config();
   const uint64_t tail = L.tokens - L.tail_begin;
   const uint64_t ready = tail > cfg.c.window_tokens ? tail - cfg.c.window_tokens : 0;
@@ -440,6 +449,20 @@ Status CudaBackend::cluster_front(Sequence &seq, uint32_t layer, uint32_t count,
   const size_t row = cfg.row_bytes();
   const uint64_t consumed = static_cast<uint64_t>(count - 1) * seg_tokens + last_tokens;
   const uint32_t S = count * H;
+
+  // 0. The k-means buffers are the engine's: one growth at a time, and this
+  //    stream starts after the previous growth's reads of them.
+  std::lock_guard<std::mutex> growth_lock(growth_mu_);
+  if (!km_done_) {
+    WKV_CU(cudaEventCreateWithFlags(&km_done_, cudaEventDisableTiming));
+  } else {
+    WKV_CU(cudaStreamWaitEvent(s, km_done_, 0));
+  }
+  struct RecordDone {  // at every exit: after the last enqueued read of km_*
+    cudaEvent_t e;
+    cudaStream_t s;
+    ~RecordDone() { cudaEventRecord(e, s); }
+  } record_done{km_done_, s};
 
   // 1. Describe the batch: segment i of head h is segs[h * count + i].
   std::vector<kernels::KMeansSegmentDesc> segs(S);
@@ -972,7 +995,7 @@ void CudaBackend::manager_loop() {
       if (queue_.empty()) return;  // stop_ and drained
       rec = std::move(queue_.front());
       queue_.pop_front();
-      processing_ = true;
+      processing_ = !rec.end_only;
     }
     // The step's reads are done and its ids are in pinned memory once its
     // event completes: this thread waits, the caller's stream never does.
@@ -1071,13 +1094,12 @@ void CudaBackend::fill_stats(wkv_stats *out) {
   out->cache_hits = c[0];
   out->cache_misses = c[1];
   out->device_cache_bytes = cache_bytes_;
-  {
-    std::lock_guard<std::mutex> cache_lock(cache_mu_);
-    out->cache_admissions = admissions_;
-    out->cache_evictions = evictions_;
-  }
+  out->cache_admissions = admissions_.load();
+  out->cache_evictions = evictions_.load();
   std::lock_guard<std::mutex> lock(mu_);
-  out->manager_backlog = queue_.size() + (processing_ ? 1 : 0);
+  uint64_t steps = processing_ ? 1 : 0;
+  for (const AccessRecord &r : queue_) steps += r.end_only ? 0 : 1;
+  out->manager_backlog = steps;
 }
 
 }  // namespace
