@@ -299,12 +299,23 @@ TEST(GpuEngine, EvictionsNeverTouchPagesOfStepsInFlight) {
               static_cast<unsigned long long>(st.cache_misses));
   EXPECT_GT(st.cache_evictions, 0u);
   EXPECT_LE(st.device_cache_bytes, 64u * 4096u);
+  // Then one step at a time, the manager caught up in between: each step
+  // reads the mirror as the previous step's admissions and evictions left
+  // it (a step reads 32 times the cache, so it evicts its own admissions).
+  for (int i = 0; i < 6; ++i) {
+    std::vector<float> q = t.query();
+    EXPECT_LT(t.error(q, t.decode_gpu(q)), 1e-2) << "step " << i << " after the manager caught up";
+    for (int w = 0; w < 2000 && t.gpu.stats().manager_backlog > 0; ++w)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
 }
 
 // Two threads grow the indexes of two sequences of one engine at once, each
-// on its own stream. The engine's k-means buffers serve every growth: they
-// take turns, and each waits on the device for the previous one's reads.
-// Both sequences stay exact.
+// on its own stream, then decode. The engine's k-means buffers serve every
+// growth: they take turns, and each waits on the device for the previous
+// one's reads. The 8 MiB cache holds fewer pages than one step reads, so the
+// manager evicts pages it admitted for the same step (this caught a mirror
+// left on a quarantined slot). Both sequences stay exact.
 TEST(GpuEngine, ConcurrentGrowthsOnTwoStreamsStayExact) {
   REQUIRE_GPU();
   wavekv::Engine gpu(config(WKV_DEVICE_CUDA, 1.0f, 0.0f));
@@ -318,11 +329,19 @@ TEST(GpuEngine, ConcurrentGrowthsOnTwoStreamsStayExact) {
       cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     }
     ~Side() { cudaStreamDestroy(stream); }
+    // Device copies of host bytes, ordered on this (non-blocking) stream:
+    // a plain cudaMemcpy from pageable memory may still be landing when a
+    // non-blocking stream reads.
+    std::unique_ptr<DevVec> upload(const std::vector<uint8_t> &h) {
+      auto d = std::make_unique<DevVec>(h.size());
+      EXPECT_EQ(cudaMemcpyAsync(d->p, h.data(), h.size(), cudaMemcpyHostToDevice, stream), cudaSuccess);
+      return d;
+    }
     void add(uint32_t n) {
       std::vector<uint8_t> kb, vb;
       draw(n, &kb, &vb);
-      DevVec dk(kb), dv(vb);
-      seq.append(0, dk.p, dv.p, n, 0, 0, stream);
+      auto dk = upload(kb), dv = upload(vb);
+      seq.append(0, dk->p, dv->p, n, 0, 0, stream);
       cudaStreamSynchronize(stream);
     }
     void run() {
@@ -332,9 +351,10 @@ TEST(GpuEngine, ConcurrentGrowthsOnTwoStreamsStayExact) {
         for (int i = 0; i < 6; ++i) add(300);  // an update segment every other append
         for (int i = 0; i < 3; ++i) {
           std::vector<float> q = query();
-          DevVec dq(pack(kDT, q)), dout(q.size() * 2);
+          auto dq = upload(pack(kDT, q));
+          DevVec dout(q.size() * 2);
           wkv_seq *s = seq.get();
-          plan.decode(&s, 1, 0, dq.p, dout.p, stream);
+          plan.decode(&s, 1, 0, dq->p, dout.p, stream);
           cudaStreamSynchronize(stream);
           worst = std::max(worst, error(q, unpack(kDT, dout.host(), q.size())));
         }

@@ -34,6 +34,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <unordered_map>
 
 #include "kernels/attention_cuda.hpp"
 #include "kernels/gather_cuda.hpp"
@@ -1018,6 +1019,13 @@ void CudaBackend::process(AccessRecord &rec) {
   const uint32_t pt = e_.config().page_tokens();
   std::vector<kernels::PtrStore> back, fwd;
   std::vector<kernels::PageCopy> copies;
+  // Slots this call admits into, to their entries in copies and fwd. A step
+  // can touch more pages than the cache holds, so a page admitted here can
+  // be this call's victim too: its copy and mirror switch are then dropped
+  // (the mirror still holds its host address). Restoring the host address
+  // instead would be undone by the switch, which runs after the restores,
+  // leaving the mirror on a quarantined slot that a later admission reuses.
+  std::unordered_map<uint32_t, size_t> fresh;
   uint64_t hits = 0, misses = 0;
   std::lock_guard<std::mutex> cache_lock(cache_mu_);
   // 1. Recency and admissions, in the order the step retrieved them.
@@ -1039,14 +1047,20 @@ void CudaBackend::process(AccessRecord &rec) {
           BlockCache::Admission a = cache_->admit(key, kPending);
           if (a.evicted) {
             SlotOwner &o = slot_owner_[a.victim_slot];
-            if (auto vh = o.head.lock(); vh && !vh->dead && vh->d_pages)
+            auto f = fresh.find(a.victim_slot);
+            if (f != fresh.end()) {
+              copies[f->second].dst = nullptr;  // dropped below
+              fresh.erase(f);
+            } else if (auto vh = o.head.lock(); vh && !vh->dead && vh->d_pages) {
               back.push_back({vh->d_pages + o.page, o.host});
+            }
             o = SlotOwner{};
             ++evictions_;
           }
           if (a.slot < 0) continue;
           const uint8_t *host = e_.arena().page_ptr(hc.pages[p]);
           uint8_t *slot = cache_base_ + static_cast<size_t>(a.slot) * slot_bytes_;
+          fresh[static_cast<uint32_t>(a.slot)] = copies.size();
           copies.push_back({host, slot});
           fwd.push_back({run.head->d_pages + p, slot});
           slot_owner_[a.slot] = SlotOwner{run.head, p, host};
@@ -1055,6 +1069,16 @@ void CudaBackend::process(AccessRecord &rec) {
       }
     }
   }
+  // Drop the admissions this call evicted again (see `fresh`).
+  size_t kept = 0;
+  for (size_t i = 0; i < copies.size(); ++i)
+    if (copies[i].dst) {
+      copies[kept] = copies[i];
+      fwd[kept] = fwd[i];
+      ++kept;
+    }
+  copies.resize(kept);
+  fwd.resize(kept);
   // 2. On the side stream, in order: evicted pages back to their host
   //    addresses, admitted pages copied in, then the mirror points at them.
   //    The mirror changes only after the copies: stream order, no waits.
