@@ -63,6 +63,17 @@ struct DevVec {
   }
 };
 
+// The manager applies a step's accesses after the step, on its own thread:
+// waits (up to 10 s) until it has applied every step's, so that the next
+// step can see them (a busy machine may otherwise run several steps first).
+bool manager_caught_up(const wavekv::Engine &e) {
+  for (int i = 0; i < 2000; ++i) {
+    if (e.stats().manager_backlog == 0) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
 // Generated tokens and queries of one context, its rows kept for exact
 // attention.
 struct Context {
@@ -236,22 +247,12 @@ TEST(GpuEngine, CacheWarmsUpOverRepeatedQueriesAndKeepsItsSize) {
   t.append(8000);
   std::vector<float> q = t.query();
   std::vector<float> first = t.decode_gpu(q);
-  // The manager applies a step's accesses after the step, on its own
-  // thread: wait until it caught up, so that the next step can see them
-  // (a busy machine may otherwise run several steps first).
-  auto caught_up = [&] {
-    for (int i = 0; i < 2000; ++i) {
-      if (t.gpu.stats().manager_backlog == 0) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return false;
-  };
-  ASSERT_TRUE(caught_up());
+  ASSERT_TRUE(manager_caught_up(t.gpu));
   wkv_stats s0 = t.gpu.stats();
   EXPECT_GT(s0.cache_admissions, 0u) << "the first step's misses are admitted";
   for (int i = 0; i < 6; ++i) {
     t.decode_gpu(q);
-    ASSERT_TRUE(caught_up());
+    ASSERT_TRUE(manager_caught_up(t.gpu));
   }
   wkv_stats s1 = t.gpu.stats();
   uint64_t hits = s1.cache_hits - s0.cache_hits, misses = s1.cache_misses - s0.cache_misses;
@@ -288,11 +289,8 @@ TEST(GpuEngine, EvictionsNeverTouchPagesOfStepsInFlight) {
   ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
   for (int i = 0; i < kSteps; ++i)
     EXPECT_LT(t.error(qs[i], unpack(kDT, dout[i]->host(), qs[i].size())), 1e-2) << "step " << i;
-  wkv_stats st = t.gpu.stats();
-  for (int i = 0; i < 2000 && st.manager_backlog > 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    st = t.gpu.stats();
-  }
+  ASSERT_TRUE(manager_caught_up(t.gpu));
+  const wkv_stats st = t.gpu.stats();
   std::printf("%llu admissions, %llu evictions, %llu hits, %llu misses\n",
               static_cast<unsigned long long>(st.cache_admissions),
               static_cast<unsigned long long>(st.cache_evictions), static_cast<unsigned long long>(st.cache_hits),
@@ -305,8 +303,7 @@ TEST(GpuEngine, EvictionsNeverTouchPagesOfStepsInFlight) {
   for (int i = 0; i < 6; ++i) {
     std::vector<float> q = t.query();
     EXPECT_LT(t.error(q, t.decode_gpu(q)), 1e-2) << "step " << i << " after the manager caught up";
-    for (int w = 0; w < 2000 && t.gpu.stats().manager_backlog > 0; ++w)
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    ASSERT_TRUE(manager_caught_up(t.gpu));
   }
 }
 
