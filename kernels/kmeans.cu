@@ -1080,8 +1080,8 @@ Status run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hsegs, c
     WKV_CUDA_CHECK(cudaGetDevice(&dev));
     WKV_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     WKV_CUDA_CHECK(cudaFuncGetAttributes(&fa, bucket_kernel));
-    const size_t cap = std::min<size_t>(kBucketSmemMax, size_t(std::max(optin, 0)) - std::min<size_t>(
-                                                            fa.sharedSizeBytes, size_t(std::max(optin, 0))));
+    const size_t offered = optin > 0 ? size_t(optin) : 0;  // less the kernel's static shared memory
+    const size_t cap = std::min(kBucketSmemMax, offered - std::min(fa.sharedSizeBytes, offered));
     if (bucket_smem(Km) <= cap) {
       WKV_CUDA_CHECK(
           cudaFuncSetAttribute(bucket_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cap)));

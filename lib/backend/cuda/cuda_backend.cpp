@@ -193,7 +193,6 @@ class CudaBackend final : public Backend {
   std::unique_ptr<BlockCache> cache_;
   std::vector<SlotOwner> slot_owner_;
   std::atomic<uint64_t> admissions_{0}, evictions_{0};  // written under cache_mu_, read by stats
-  uint64_t manager_hits_ = 0, manager_misses_ = 0;  // page accesses seen by the manager
 
   std::mutex mu_;  // guards everything below
   std::multiset<uint64_t> inflight_;
@@ -1026,7 +1025,6 @@ void CudaBackend::process(AccessRecord &rec) {
   // instead would be undone by the switch, which runs after the restores,
   // leaving the mirror on a quarantined slot that a later admission reuses.
   std::unordered_map<uint32_t, size_t> fresh;
-  uint64_t hits = 0, misses = 0;
   std::lock_guard<std::mutex> cache_lock(cache_mu_);
   // 1. Recency and admissions, in the order the step retrieved them.
   if (!rec.end_only) {
@@ -1039,11 +1037,7 @@ void CudaBackend::process(AccessRecord &rec) {
         uint32_t first = hc.first_slot[id], last = first + hc.size[id] - 1;
         for (uint32_t p = first / pt; p <= last / pt; ++p) {
           PageKey key{run.head->seq_id, run.head->layer_head, p};
-          if (cache_->find(key, true) >= 0) {
-            ++hits;
-            continue;
-          }
-          ++misses;
+          if (cache_->find(key, true) >= 0) continue;  // a hit: recency only
           BlockCache::Admission a = cache_->admit(key, kPending);
           if (a.evicted) {
             SlotOwner &o = slot_owner_[a.victim_slot];
@@ -1107,8 +1101,6 @@ void CudaBackend::process(AccessRecord &rec) {
     cache_->restamp_quarantine(kPending, newest);
     cache_->release_quarantine(oldest);
   }
-  manager_hits_ += hits;
-  manager_misses_ += misses;
 }
 
 void CudaBackend::fill_stats(wkv_stats *out) {
