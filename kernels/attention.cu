@@ -52,6 +52,37 @@ constexpr uint32_t kCombineThreads = 256;
 constexpr uint32_t kCombineCols = 8;  // float4 columns (32 elements) per combine CTA
 constexpr uint32_t kCombineLanes = kCombineThreads / kCombineCols;  // splits summed in parallel
 
+// merge_partials' rule for an exact part (log-sum-exp la) and an estimate
+// (lb): their weights, and a merged element in which a side of zero weight
+// is left out, so that its value (unset, or infinite) never reaches the sum.
+struct MergeWeights {
+  bool empty;      // neither side holds any weight: the output is 0
+  float wa, wb;    // exp(l - max)
+  float ca, cb;    // wa and wb over their sum
+  float lse;       // of the merged output
+};
+__device__ __forceinline__ MergeWeights merge_weights(float la, float lb) {
+  MergeWeights m;
+  const float mm = fmaxf(la, lb);
+  m.empty = mm == kNegInf;
+  m.wa = m.empty ? 0.f : expf(la - mm);
+  m.wb = m.empty ? 0.f : expf(lb - mm);
+  const float sum = m.wa + m.wb;
+  m.ca = m.empty ? 0.f : m.wa / sum;
+  m.cb = m.empty ? 0.f : m.wb / sum;
+  m.lse = m.empty ? kNegInf : mm + logf(sum);
+  return m;
+}
+// a() and e() give the two sides' element; each is called only when its
+// side has weight.
+template <typename A, typename E>
+__device__ __forceinline__ float merged(const MergeWeights &m, A &&a, E &&e) {
+  if (m.empty) return 0.f;
+  if (m.wa == 0.f) return e();
+  if (m.wb == 0.f) return a();
+  return m.ca * a() + m.cb * e();
+}
+
 constexpr uint32_t pow2ceil(uint32_t x) {
   uint32_t p = 1;
   while (p < x) p <<= 1;
@@ -448,19 +479,14 @@ __global__ void __launch_bounds__(kCombineThreads)
 
   // merge_partials of (exact, estimate).
   const float la = (M == kNegInf || !(W > 0.f)) ? kNegInf : M + logf(W);
-  const float lb = est_lse ? est_lse[rh] : kNegInf;
-  const float mm = fmaxf(la, lb);
-  const bool empty = mm == kNegInf;
-  const float wa = empty ? 0.f : expf(la - mm), wb = empty ? 0.f : expf(lb - mm);
-  const float sum = wa + wb;
-  const float ca = empty ? 0.f : wa / sum, cb = empty ? 0.f : wb / sum;
+  const MergeWeights mw = merge_weights(la, est_lse ? est_lse[rh] : kNegInf);
 
   // Sum of w_s o_s over the splits: lane sl of column col takes splits
   // sl, sl + kCombineLanes, ...
   const uint32_t col = tid % kCombineCols, sl = tid / kCombineCols;
   const uint32_t i0 = chunk * kCombineCols * 4 + col * 4;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (wa != 0.f && i0 < D) {
+  if (mw.wa != 0.f && i0 < D) {
     const size_t split_stride = static_cast<size_t>(G) * D;
     const float *po = part_o + static_cast<size_t>(r) * n_splits * split_stride + static_cast<size_t>(g) * D + i0;
 #pragma unroll 4
@@ -490,22 +516,10 @@ __global__ void __launch_bounds__(kCombineThreads)
     T *dst = out + static_cast<int64_t>(sq) * seq_stride + static_cast<int64_t>(h * G + g) * head_stride + i0;
     const float *eo = est_out ? est_out + static_cast<size_t>(rh) * D + i0 : nullptr;
 #pragma unroll
-    for (uint32_t k = 0; k < 4; ++k) {
-      float o;
-      if (empty) {
-        o = 0.f;
-      } else if (wa == 0.f) {
-        o = eo[k];
-      } else if (wb == 0.f) {
-        o = oa[k];
-      } else {
-        o = ca * oa[k] + cb * eo[k];
-      }
-      dst[k] = DevType<Tag>::from_f(o);
-    }
+    for (uint32_t k = 0; k < 4; ++k)
+      dst[k] = DevType<Tag>::from_f(merged(mw, [&] { return oa[k]; }, [&] { return eo[k]; }));
   }
-  if (chunk == 0 && tid == 0 && lse)
-    lse[static_cast<size_t>(sq) * H * G + h * G + g] = empty ? kNegInf : mm + logf(sum);
+  if (chunk == 0 && tid == 0 && lse) lse[static_cast<size_t>(sq) * H * G + h * G + g] = mw.lse;
 }
 
 // One warp per (sequence, q head): the caller's output and lse merged with
@@ -524,27 +538,11 @@ __global__ void __launch_bounds__(128)
   T *o = out + static_cast<int64_t>(sq) * seq_stride + static_cast<int64_t>(h) * head_stride;
   float *l = lse + static_cast<int64_t>(sq) * lse_seq_stride + h;
   const float *eo = est_out + row * D;
-  const float la = *l, lb = est_lse[row];
-  const float mm = fmaxf(la, lb);
-  const bool empty = mm == kNegInf;
-  const float wa = empty ? 0.f : expf(la - mm), wb = empty ? 0.f : expf(lb - mm);
-  const float sum = wa + wb;
-  const float ca = empty ? 0.f : wa / sum, cb = empty ? 0.f : wb / sum;
-  for (uint32_t i = lane; i < D; i += 32) {
-    float v;
-    if (empty) {
-      v = 0.f;
-    } else if (wa == 0.f) {
-      v = eo[i];
-    } else if (wb == 0.f) {
-      v = DevType<Tag>::to_f(o[i]);
-    } else {
-      v = ca * DevType<Tag>::to_f(o[i]) + cb * eo[i];
-    }
-    o[i] = DevType<Tag>::from_f(v);
-  }
+  const MergeWeights mw = merge_weights(*l, est_lse[row]);
+  for (uint32_t i = lane; i < D; i += 32)
+    o[i] = DevType<Tag>::from_f(merged(mw, [&] { return DevType<Tag>::to_f(o[i]); }, [&] { return eo[i]; }));
   __syncwarp();  // every lane has read *l
-  if (lane == 0) *l = empty ? kNegInf : mm + logf(sum);
+  if (lane == 0) *l = mw.lse;
 }
 
 // Splits per run: enough to fill the device once, never shorter than
