@@ -53,26 +53,62 @@ function(wkv_find_library name)
   endif()
 endfunction()
 
-# wkv_find_mimalloc(): the mimalloc CMake package first (Debian's
-# libmimalloc-dev ships one, and maybe no .pc), then pkg-config and a plain
-# library search. Creates wkv::mimalloc and sets WKV_mimalloc_FOUND.
+# wkv_find_mimalloc(): mimalloc's header and the path of its shared library,
+# for lib/common/meta_alloc.cpp, which loads that library at run time with
+# dlopen(RTLD_LOCAL) rather than linking it (Debian's build exports malloc and
+# operator new: linked, it would replace the allocator of every process that
+# loads libwavekv). Creates wkv::mimalloc, an interface target carrying the
+# include directory and WKV_MIMALLOC_PATH / WKV_MIMALLOC_SONAME, and sets
+# WKV_mimalloc_FOUND. The CMake package first (Debian's libmimalloc-dev ships
+# one), then a plain search.
 function(wkv_find_mimalloc)
   if(TARGET wkv::mimalloc)
     set(WKV_mimalloc_FOUND TRUE PARENT_SCOPE)
     return()
   endif()
+  set(_inc "")
+  set(_lib "")
+  set(_soname "")
   find_package(mimalloc CONFIG QUIET)
-  foreach(_t mimalloc mimalloc::mimalloc mimalloc-static)
-    if(TARGET ${_t})
-      add_library(wkv::mimalloc INTERFACE IMPORTED GLOBAL)
-      set_target_properties(wkv::mimalloc PROPERTIES INTERFACE_LINK_LIBRARIES ${_t})
-      message(STATUS "wavekv: mimalloc: CMake package ${mimalloc_DIR} (target ${_t})")
-      set(WKV_mimalloc_FOUND TRUE PARENT_SCOPE)
-      return()
-    endif()
-  endforeach()
-  wkv_find_library(mimalloc PKG mimalloc HEADER mimalloc.h LIBS mimalloc)
-  set(WKV_mimalloc_FOUND ${WKV_mimalloc_FOUND} PARENT_SCOPE)
+  if(TARGET mimalloc)
+    get_target_property(_inc mimalloc INTERFACE_INCLUDE_DIRECTORIES)
+    get_target_property(_configs mimalloc IMPORTED_CONFIGURATIONS)
+    foreach(_c IN LISTS _configs ITEMS "")
+      set(_sfx "")
+      if(_c)
+        set(_sfx "_${_c}")
+      endif()
+      get_target_property(_l mimalloc IMPORTED_LOCATION${_sfx})
+      get_target_property(_s mimalloc IMPORTED_SONAME${_sfx})
+      if(_l AND NOT _lib)
+        set(_lib "${_l}")
+      endif()
+      if(_s AND NOT _soname)
+        set(_soname "${_s}")
+      endif()
+    endforeach()
+  endif()
+  if(NOT _inc OR NOT _lib)
+    find_path(WKV_mimalloc_INCLUDE_DIR NAMES mimalloc.h DOC "Directory holding mimalloc.h")
+    find_library(WKV_mimalloc_LIBRARY NAMES mimalloc DOC "The mimalloc library")
+    mark_as_advanced(WKV_mimalloc_INCLUDE_DIR WKV_mimalloc_LIBRARY)
+    set(_inc "${WKV_mimalloc_INCLUDE_DIR}")
+    set(_lib "${WKV_mimalloc_LIBRARY}")
+  endif()
+  if(NOT _inc OR NOT _lib)
+    set(WKV_mimalloc_FOUND FALSE PARENT_SCOPE)
+    return()
+  endif()
+  get_filename_component(_lib "${_lib}" REALPATH)
+  if(NOT _soname)
+    set(_soname "libmimalloc.so.2")
+  endif()
+  add_library(wkv::mimalloc INTERFACE IMPORTED GLOBAL)
+  set_target_properties(wkv::mimalloc PROPERTIES
+    INTERFACE_INCLUDE_DIRECTORIES "${_inc}"
+    INTERFACE_COMPILE_DEFINITIONS "WKV_MIMALLOC_PATH=\"${_lib}\";WKV_MIMALLOC_SONAME=\"${_soname}\"")
+  message(STATUS "wavekv: mimalloc: ${_lib} (loaded at run time, soname ${_soname})")
+  set(WKV_mimalloc_FOUND TRUE PARENT_SCOPE)
 endfunction()
 
 # wkv_dependency_missing(<what> <option or "">): stop with advice.
