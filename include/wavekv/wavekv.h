@@ -138,7 +138,19 @@ enum {
  * rebuild: WKV_THREADS, WKV_SEGMENT_TOKENS, WKV_UPDATE_SEGMENT_TOKENS,
  * WKV_CLUSTER_TOKENS, WKV_KMEANS_ITERS, WKV_SINK_TOKENS, WKV_WINDOW_TOKENS,
  * WKV_RETRIEVAL_FRAC, WKV_ESTIMATION_FRAC, WKV_HOST_BUDGET_BYTES,
- * WKV_HOST_CHUNK_BYTES, WKV_DEVICE_CACHE_BYTES.
+ * WKV_HOST_CHUNK_BYTES, WKV_DEVICE_CACHE_BYTES. Values are plain numbers:
+ * integers in decimal or 0x hexadecimal that fit the field (32 or 64 bits),
+ * fractions in decimal (0.05, 5e-2); no sign, spaces, size suffixes ("64M")
+ * or anything after the number. A variable that is set but empty or
+ * malformed fails wkv_engine_open with WKV_ERR_INVALID_ARGUMENT and a message
+ * naming it. Whether set here or by a variable, fields must also lie within
+ * these bounds (WKV_ERR_INVALID_ARGUMENT, naming the field and where its value
+ * came from): segment_tokens and update_segment_tokens at most 65536;
+ * cluster_tokens at most segment_tokens; sink_tokens and window_tokens at
+ * most 2^20; threads at most 4096; host_chunk_bytes at most 1 TiB and at most
+ * 2^32 - 1 page slots; host_budget_bytes 0 or at least one page slot;
+ * device_cache_bytes at most 1 PiB. WKV_HOST_CHUNK_BYTES below 1 MiB is
+ * refused rather than raised.
  */
 typedef struct wkv_config {
   uint32_t size;            /* sizeof(wkv_config), set by wkv_config_init */
@@ -162,7 +174,8 @@ typedef struct wkv_config {
   uint32_t flags;           /* WKV_CONFIG_* bits (0) */
   uint32_t reserved0;       /* must be 0 */
   uint64_t host_budget_bytes;  /* cap on host page memory; 0 = unlimited (0) */
-  uint64_t host_chunk_bytes;   /* host arena chunk size (64 MiB) */
+  uint64_t host_chunk_bytes;   /* host arena chunk size, at most 1 TiB; below
+                                  1 MiB raised to 1 MiB (64 MiB) */
   uint64_t device_cache_bytes; /* GPU block cache; 0 = 5% of the KV held (0) */
   uint64_t seed;               /* seed of k-means initialisation (0x5eed) */
 } wkv_config;
