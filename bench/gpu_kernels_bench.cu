@@ -32,9 +32,9 @@ using namespace wkv::kernels;
   } while (0)
 #define CHECK_STATUS(x)                                                                    \
   do {                                                                                     \
-    Status s_ = (x);                                                                       \
-    if (!s_.is_ok()) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_.message().c_str()); \
+    const cudaError_t s_ = (x);                                                                       \
+    if (s_ != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(s_)); \
       std::exit(1);                                                                        \
     }                                                                                      \
   } while (0)

@@ -281,8 +281,8 @@ int wkv_seq_create(wkv_engine *engine, wkv_seq **out) {
     *out = nullptr;
     if (int rc = check_engine(engine, "wkv_seq_create")) return rc;
     auto h = std::make_unique<wkv_seq>();
-    uint64_t id = engine->e->counters().next_seq_id.fetch_add(1);
-    h->s = std::make_shared<wkv::Sequence>(engine->e, id);
+    wkv::Status s = wkv::Sequence::create(engine->e, &h->s);
+    if (!s.is_ok()) return fail(s.code(), "wkv_seq_create: " + s.message());
     *out = h.release();
     return done(wkv::Status::ok());
   });
@@ -308,8 +308,8 @@ int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k, const void *v, u
     if (int rc = check_strides(fn, "k/v", n_tokens, cfg.c.n_kv_heads, cfg.c.head_dim, &token_stride,
                                &head_stride))
       return rc;
-    return done(seq->s->append(layer, static_cast<const uint8_t *>(k), static_cast<const uint8_t *>(v),
-                               n_tokens, token_stride, head_stride, stream));
+    return done(e.append(*seq->s, layer, static_cast<const uint8_t *>(k), static_cast<const uint8_t *>(v), n_tokens,
+                         token_stride, head_stride, stream));
   });
 }
 
@@ -318,7 +318,7 @@ int wkv_seq_end_prompt(wkv_seq *seq, uint32_t layer, void *stream) {
     const char *fn = "wkv_seq_end_prompt";
     if (int rc = check_seq(seq, fn)) return rc;
     if (int rc = check_layer(seq->s->engine(), layer, fn)) return rc;
-    return done(seq->s->finish_prompt(layer, stream));
+    return done(seq->s->engine().end_prompt(*seq->s, layer, stream));
   });
 }
 
@@ -340,13 +340,15 @@ int wkv_seq_info_get(const wkv_seq *seq, uint32_t layer, wkv_seq_info *info) {
     wkv_seq_info_init(&full);
     full.generating = L.generating ? 1 : 0;
     full.tokens = L.tokens;
-    full.sink = L.sink_rows(seq->s->engine().config().c.sink_tokens);
-    full.tail = L.tail_rows();
-    if (!L.heads.empty()) full.segments = L.heads[0].index.segments.size();
+    if (!L.heads.empty()) {
+      full.sink = L.heads[0].sink.n;
+      full.tail = L.heads[0].tail.n;
+      full.segments = L.heads[0].segments.size();
+    }
     full.clustered = L.tokens - full.sink - full.tail;
     for (const wkv::HeadState &h : L.heads) {
-      full.clusters += h.index.meta.clusters();
-      full.pages += h.index.pages.size();
+      full.clusters += h.clusters();
+      full.pages += h.map.pages.size();
     }
     copy_prefix(info, full);
     return done(wkv::Status::ok());
@@ -359,7 +361,10 @@ int wkv_plan_create(wkv_engine *engine, wkv_plan **out) {
     *out = nullptr;
     if (int rc = check_engine(engine, "wkv_plan_create")) return rc;
     auto h = std::make_unique<wkv_plan>();
-    h->p = std::make_unique<wkv::Plan>(engine->e);
+    std::shared_ptr<wkv::StepTracker> tracker;
+    wkv::Status s = engine->e->buffers().new_tracker(&tracker);
+    if (!s.is_ok()) return fail(s.code(), "wkv_plan_create: " + s.message());
+    h->p = std::make_unique<wkv::Plan>(engine->e, std::move(tracker));
     *out = h.release();
     return done(wkv::Status::ok());
   });

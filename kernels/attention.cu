@@ -443,7 +443,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const float *__restrict__ part_o, const float *__restrict__ part_lse, uint32_t n_splits,
                    uint32_t G, uint32_t D, uint32_t H, const float *__restrict__ est_out,
                    const float *__restrict__ est_lse, typename DevType<Tag>::type *out, int64_t seq_stride,
-                   int64_t head_stride, float *lse) {
+                   int64_t head_stride, float *lse, StepMark mark) {
   __shared__ float w_s[kMaxCtas];
   __shared__ float4 red[kCombineLanes][kCombineCols];
   __shared__ float tmp[32];
@@ -520,6 +520,7 @@ __global__ void __launch_bounds__(kCombineThreads)
       dst[k] = DevType<Tag>::from_f(merged(mw, [&] { return oa[k]; }, [&] { return eo[k]; }));
   }
   if (chunk == 0 && tid == 0 && lse) lse[static_cast<size_t>(sq) * H * G + h * G + g] = mw.lse;
+  signal_step_end(mark);
 }
 
 // One warp per (sequence, q head): the caller's output and lse merged with
@@ -528,21 +529,23 @@ template <typename Tag>
 __global__ void __launch_bounds__(128)
     merge_kernel(typename DevType<Tag>::type *out, int64_t seq_stride, int64_t head_stride, float *lse,
                  int64_t lse_seq_stride, const float *__restrict__ est_out, const float *__restrict__ est_lse,
-                 uint32_t n_seqs, uint32_t nq, uint32_t D) {
+                 uint32_t n_seqs, uint32_t nq, uint32_t D, StepMark mark) {
   wait_prior_grid();
   const uint32_t lane = threadIdx.x % 32;
   const uint64_t row = static_cast<uint64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
-  if (row >= static_cast<uint64_t>(n_seqs) * nq) return;
-  const uint32_t sq = static_cast<uint32_t>(row / nq), h = static_cast<uint32_t>(row % nq);
-  using T = typename DevType<Tag>::type;
-  T *o = out + static_cast<int64_t>(sq) * seq_stride + static_cast<int64_t>(h) * head_stride;
-  float *l = lse + static_cast<int64_t>(sq) * lse_seq_stride + h;
-  const float *eo = est_out + row * D;
-  const MergeWeights mw = merge_weights(*l, est_lse[row]);
-  for (uint32_t i = lane; i < D; i += 32)
-    o[i] = DevType<Tag>::from_f(merged(mw, [&] { return DevType<Tag>::to_f(o[i]); }, [&] { return eo[i]; }));
-  __syncwarp();  // every lane has read *l
-  if (lane == 0) *l = mw.lse;
+  if (row < static_cast<uint64_t>(n_seqs) * nq) {
+    const uint32_t sq = static_cast<uint32_t>(row / nq), h = static_cast<uint32_t>(row % nq);
+    using T = typename DevType<Tag>::type;
+    T *o = out + static_cast<int64_t>(sq) * seq_stride + static_cast<int64_t>(h) * head_stride;
+    float *l = lse + static_cast<int64_t>(sq) * lse_seq_stride + h;
+    const float *eo = est_out + row * D;
+    const MergeWeights mw = merge_weights(*l, est_lse[row]);
+    for (uint32_t i = lane; i < D; i += 32)
+      o[i] = DevType<Tag>::from_f(merged(mw, [&] { return DevType<Tag>::to_f(o[i]); }, [&] { return eo[i]; }));
+    __syncwarp();  // every lane has read *l
+    if (lane == 0) *l = mw.lse;
+  }
+  signal_step_end(mark);
 }
 
 // Splits per run: enough to fill the device once, never shorter than
@@ -555,10 +558,10 @@ uint32_t split_bound(uint32_t R, uint32_t max_tokens) {
 }
 
 template <typename Tag, uint32_t D, uint32_t HC>
-Status attend_impl(const int32_t *offsets, const void *xk, const void *xv, const float *q, uint32_t R,
+cudaError_t attend_impl(const int32_t *offsets, const void *xk, const void *xv, const float *q, uint32_t R,
                    uint32_t H, uint32_t G, float scale, uint32_t max_tokens, const float *est_out,
                    const float *est_lse, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
-                   float *scratch, size_t scratch_floats, cudaStream_t s) {
+                   float *scratch, size_t scratch_floats, const StepMark &mark, cudaStream_t s) {
   auto *kernel = attend_kernel<Tag, D, HC>;
   constexpr size_t smem = attend_smem_bytes<HC, Tag, D>();
   // The shared memory limit, once per device (an attribute of the device's
@@ -587,29 +590,28 @@ Status attend_impl(const int32_t *offsets, const void *xk, const void *xv, const
   if (n_splits < 1) n_splits = 1;
   const size_t need = static_cast<size_t>(R) * n_splits * G * (D + 1);
   if (scratch_floats < need || scratch == nullptr)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "attend_ragged: scratch of %zu floats, %zu needed", scratch_floats,
-                     need);
+    return cudaErrorInvalidValue;
   const uint32_t chunk = max_tokens == 0 ? 1u : (max_tokens + n_splits - 1) / n_splits;
   float *part_o = scratch;
   float *part_lse = scratch + static_cast<size_t>(R) * n_splits * G * D;
-  WKV_RETURN_IF_ERROR(launch_pdl(kernel, dim3(R, n_splits), dim3(kThreads), smem, s, 1, offsets,
+  WKV_CUDA_TRY(launch_pdl(kernel, dim3(R, n_splits), dim3(kThreads), smem, s, 1, offsets,
                                  static_cast<const uint8_t *>(xk), static_cast<const uint8_t *>(xv), q, G,
                                  scale * kLog2e, chunk, n_splits, part_o, part_lse));
   using T = typename DevType<Tag>::type;
   const uint32_t chunks = (D + kCombineCols * 4 - 1) / (kCombineCols * 4);
   return launch_pdl(combine_kernel<Tag>, dim3(R * G, chunks), dim3(kCombineThreads), 0, s, 1,
                     static_cast<const float *>(part_o), static_cast<const float *>(part_lse), n_splits, G, D, H,
-                    est_out, est_lse, static_cast<T *>(out), seq_stride, head_stride, lse);
+                    est_out, est_lse, static_cast<T *>(out), seq_stride, head_stride, lse, mark);
 }
 
 template <typename Tag, uint32_t D>
-Status attend_dispatch_group(uint32_t G, const int32_t *offsets, const void *xk, const void *xv, const float *q,
+cudaError_t attend_dispatch_group(uint32_t G, const int32_t *offsets, const void *xk, const void *xv, const float *q,
                              uint32_t R, uint32_t H, float scale, uint32_t max_tokens, const float *est_out,
                              const float *est_lse, void *out, int64_t seq_stride, int64_t head_stride,
-                             float *lse, float *scratch, size_t scratch_floats, cudaStream_t s) {
+                             float *lse, float *scratch, size_t scratch_floats, const StepMark &mark, cudaStream_t s) {
 #define WKV_ATTEND_HC(HC)                                                                                   \
   attend_impl<Tag, D, HC>(offsets, xk, xv, q, R, H, G, scale, max_tokens, est_out, est_lse, out, seq_stride, \
-                          head_stride, lse, scratch, scratch_floats, s)
+                          head_stride, lse, scratch, scratch_floats, mark, s)
   if (G <= 1) return WKV_ATTEND_HC(1);
   if (G <= 2) return WKV_ATTEND_HC(2);
   if (G <= 4) return WKV_ATTEND_HC(4);
@@ -623,46 +625,47 @@ size_t attend_ragged_scratch_floats(uint32_t R, uint32_t G, uint32_t d, uint32_t
   return static_cast<size_t>(R) * split_bound(R, max_tokens) * G * (d + 1);
 }
 
-Status attend_ragged(DType t, const int32_t *offsets, const void *xk, const void *xv, const float *q,
+cudaError_t attend_ragged(DType t, const int32_t *offsets, const void *xk, const void *xv, const float *q,
                      uint32_t R, uint32_t H, uint32_t G, uint32_t d, float scale, uint32_t max_tokens,
                      const float *est_out, const float *est_lse, void *out, int64_t seq_stride,
-                     int64_t head_stride, float *lse, float *scratch, size_t scratch_floats, void *stream) {
+                     int64_t head_stride, float *lse, float *scratch, size_t scratch_floats, void *stream,
+                     const StepMark &mark) {
   if (G == 0 || G > kMaxG)
-    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "attend_ragged: %u query heads per KV head (1..%u supported)", G, kMaxG);
+    return cudaErrorNotSupported;
   if (H == 0 || R % H != 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "attend_ragged: %u runs are not a multiple of %u KV heads", R, H);
+    return cudaErrorInvalidValue;
   if ((est_out == nullptr) != (est_lse == nullptr))
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "attend_ragged: est_out and est_lse must be both given or both NULL");
-  if (R == 0) return Status::ok();
+    return cudaErrorInvalidValue;
+  if (R == 0) return cudaSuccess;
   if (offsets == nullptr || xk == nullptr || xv == nullptr || q == nullptr || out == nullptr)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "attend_ragged: a null device pointer");
+    return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(xk) % 16 != 0 || reinterpret_cast<uintptr_t>(xv) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(q) % 16 != 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "attend_ragged: xk, xv and q must be 16-byte aligned");
+    return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> Status {
-    return WKV_DISPATCH_DTYPE(t, Tag, [&]() -> Status {
+  return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> cudaError_t {
+    return WKV_DISPATCH_DTYPE(t, Tag, cudaErrorNotSupported, [&]() -> cudaError_t {
       return attend_dispatch_group<Tag, HEAD_DIM>(G, offsets, xk, xv, q, R, H, scale, max_tokens, est_out, est_lse,
-                                                  out, seq_stride, head_stride, lse, scratch, scratch_floats, s);
+                                                  out, seq_stride, head_stride, lse, scratch, scratch_floats, mark, s);
     });
   });
 }
 
-Status merge_estimate(DType t, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
+cudaError_t merge_estimate(DType t, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
                       int64_t lse_seq_stride, const float *est_out, const float *est_lse, uint32_t n_seqs,
-                      uint32_t n_q_heads, uint32_t d, void *stream) {
+                      uint32_t n_q_heads, uint32_t d, void *stream, const StepMark &mark) {
   const uint64_t rows = static_cast<uint64_t>(n_seqs) * n_q_heads;
-  if (rows == 0) return Status::ok();
+  if (rows == 0) return cudaSuccess;
   if (out == nullptr || lse == nullptr || est_out == nullptr || est_lse == nullptr)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "merge_estimate: a null device pointer");
-  if (d == 0 || d > 256) return WKV_ERROR(WKV_ERR_UNSUPPORTED, "merge_estimate: head_dim %u", d);
-  if ((rows + 3) / 4 > 0x7fffffffu) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "merge_estimate: too many rows");
+    return cudaErrorInvalidValue;
+  if (d == 0 || d > 256) return cudaErrorNotSupported;
+  if ((rows + 3) / 4 > 0x7fffffffu) return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const uint32_t blocks = static_cast<uint32_t>((rows + 3) / 4);
-  return WKV_DISPATCH_DTYPE(t, Tag, [&]() -> Status {
+  return WKV_DISPATCH_DTYPE(t, Tag, cudaErrorNotSupported, [&]() -> cudaError_t {
     return launch_pdl(merge_kernel<Tag>, dim3(blocks), dim3(128), 0, s, 1,
                       static_cast<typename DevType<Tag>::type *>(out), seq_stride, head_stride, lse, lse_seq_stride,
-                      est_out, est_lse, n_seqs, n_q_heads, d);
+                      est_out, est_lse, n_seqs, n_q_heads, d, mark);
   });
 }
 

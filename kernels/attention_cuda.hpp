@@ -6,8 +6,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "lib/common/dtype.hpp"
-#include "lib/common/status.hpp"
+#include <driver_types.h>  // cudaError_t, cudaStream_t
+
+#include "kernels/device_layout.hpp"
+#include "kernels/dtype.hpp"
 
 namespace wkv::kernels {
 
@@ -38,11 +40,11 @@ size_t attend_ragged_scratch_floats(uint32_t R, uint32_t G, uint32_t d, uint32_t
 //
 // A run with no token and no estimate gives zeros and lse -inf. Requires
 // 1 <= G <= kMaxGroup (32) and d in {64, 80, 96, 128, 256}.
-Status attend_ragged(DType t, const int32_t *offsets, const void *xk, const void *xv, const float *q,
+cudaError_t attend_ragged(DType t, const int32_t *offsets, const void *xk, const void *xv, const float *q,
                      uint32_t R, uint32_t H, uint32_t G, uint32_t d, float scale, uint32_t max_tokens,
                      const float *est_out, const float *est_lse, void *out, int64_t seq_stride,
                      int64_t head_stride, float *lse, float *scratch, size_t scratch_floats,
-                     void *stream);
+                     void *stream, const StepMark &mark = StepMark{});
 
 // Folds the estimate into an attention output the caller computed itself
 // (the wkv merge verb), in place, as merge_partials does:
@@ -51,8 +53,9 @@ Status attend_ragged(DType t, const int32_t *offsets, const void *xk, const void
 //   lse      f32, s * lse_seq_stride + h: the caller's log-sum-exps (natural
 //            log; -inf for an empty row), replaced by the merged ones
 //   est_out  [n_seqs][n_q_heads][d] f32, est_lse [n_seqs][n_q_heads]
-Status merge_estimate(DType t, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
+cudaError_t merge_estimate(DType t, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
                       int64_t lse_seq_stride, const float *est_out, const float *est_lse,
-                      uint32_t n_seqs, uint32_t n_q_heads, uint32_t d, void *stream);
+                      uint32_t n_seqs, uint32_t n_q_heads, uint32_t d, void *stream,
+                      const StepMark &mark = StepMark{});
 
 }  // namespace wkv::kernels

@@ -2,12 +2,12 @@
 // kernels. Single-threaded by design (the engine spreads heads and segments
 // over its thread pool); vectorised with `omp simd` under -fopenmp-simd.
 #include "kernels/cpu_kernels.hpp"
+#include "kernels/kmeans_init.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <random>
 #include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(WKV_NO_TARGET_CLONES)
@@ -267,16 +267,6 @@ WKV_HOT void assign_panels(const float *xp, uint32_t T4, const float *cp,
   }
 }
 
-// Uniform integer in [0, n), n >= 1, without modulo bias; defined here
-// rather than by std::uniform_int_distribution, whose output differs
-// between standard libraries.
-inline uint64_t uniform_below(std::mt19937_64 &rng, uint64_t n) {
-  const uint64_t threshold = (0 - n) % n;  // 2^64 mod n
-  for (;;) {
-    const uint64_t x = rng();
-    if (x >= threshold) return x % n;
-  }
-}
 
 // Scoring ------------------------------------------------------------------
 
@@ -1114,45 +1104,51 @@ void kmeans_segment(const KMeansParams &p, const float *keys,
   const uint32_t T4 = round_up(T, kTileP);
   const uint32_t k16 = round_up(k, kTileC);
 
-  // Centered, normalised points, packed for the assignment kernel.
+  // The device k-means's arithmetic (kernels/kmeans.cu), so that the CPU
+  // engine is the reference of the CUDA engine's index: the mean in double
+  // (exact for 16-bit keys in any order) rounded to f32; the centered,
+  // normalised points and the directions rounded to f16 (unit vectors: f16
+  // holds them to 2^-12); dot products of those in f32, whose products are
+  // exact, so only their summation order differs from the device's; member
+  // sums in f32 in ascending token order, as the device's. Near-ties may
+  // still resolve differently (tests/gpu_engine measures the agreement).
   std::vector<double> mean(d, 0.0);
   for (uint32_t i = 0; i < T; ++i) {
     const float *key = keys + size_t(i) * d;
 #pragma omp simd
     for (uint32_t j = 0; j < d; ++j) mean[j] += key[j];
   }
-  for (uint32_t j = 0; j < d; ++j) mean[j] /= T;
+  std::vector<float> mean_f(d);
+  for (uint32_t j = 0; j < d; ++j) mean_f[j] = static_cast<float>(mean[j] / T);
+  auto to_f16 = [](float x) { return f16_to_float(float_to_f16(x)); };
   std::vector<float> xp(size_t(T4) * d, 0.f);
   std::vector<float> row(d);
   for (uint32_t i = 0; i < T; ++i) {
     const float *key = keys + size_t(i) * d;
-    double norm2 = 0.0;
+    float norm2 = 0.f;
     for (uint32_t j = 0; j < d; ++j) {
-      row[j] = static_cast<float>(key[j] - mean[j]);
-      norm2 += double(row[j]) * row[j];
+      row[j] = key[j] - mean_f[j];
+      norm2 += row[j] * row[j];
     }
-    const float inv = norm2 > 0.0 ? static_cast<float>(1.0 / std::sqrt(norm2)) : 0.f;
+    const float inv = norm2 > 0.f ? 1.f / std::sqrt(norm2) : 0.f;
     float *dst = xp.data() + size_t(i / kTileP) * kTileP * d + i % kTileP;
-    for (uint32_t j = 0; j < d; ++j) dst[size_t(j) * kTileP] = row[j] * inv;
+    for (uint32_t j = 0; j < d; ++j) dst[size_t(j) * kTileP] = to_f16(row[j] * inv);
   }
   auto point = [&](uint32_t i, uint32_t j) {
     return xp[size_t(i / kTileP) * kTileP * d + size_t(j) * kTileP + i % kTileP];
   };
 
-  // k distinct initial points: a partial Fisher-Yates shuffle.
-  std::vector<uint32_t> idx(T);
-  for (uint32_t i = 0; i < T; ++i) idx[i] = i;
-  std::mt19937_64 rng(p.seed);
-  for (uint32_t i = 0; i < k; ++i)
-    std::swap(idx[i], idx[i + uniform_below(rng, T - i)]);
+  // k distinct initial points, the device's: a seeded permutation of [0, T).
   std::vector<float> dir(size_t(k) * d);
-  for (uint32_t c = 0; c < k; ++c)
-    for (uint32_t j = 0; j < d; ++j) dir[size_t(c) * d + j] = point(idx[c], j);
+  for (uint32_t c = 0; c < k; ++c) {
+    const uint32_t at = seeded_perm(c, T, p.seed);
+    for (uint32_t j = 0; j < d; ++j) dir[size_t(c) * d + j] = point(at, j);
+  }
 
   std::vector<float> cp(size_t(k16) * d, 0.f);
   std::vector<float> best(T4);
   std::vector<uint32_t> arg(T4), assign(T, UINT32_MAX), count(k);
-  std::vector<double> sum(size_t(k) * d);
+  std::vector<float> sum(size_t(k) * d);
   const uint32_t rounds = std::max<uint32_t>(p.iters, 1);
   for (uint32_t r = 0; r < rounds; ++r) {
     for (uint32_t c = 0; c < k; ++c) {
@@ -1169,22 +1165,22 @@ void kmeans_segment(const KMeansParams &p, const float *keys,
     }
     if (!changed || r + 1 == rounds) break;
 
-    std::fill(sum.begin(), sum.end(), 0.0);
+    std::fill(sum.begin(), sum.end(), 0.f);
     std::fill(count.begin(), count.end(), 0u);
     for (uint32_t i = 0; i < T; ++i) {
-      double *s = sum.data() + size_t(assign[i]) * d;
+      float *s = sum.data() + size_t(assign[i]) * d;
       const float *x = xp.data() + size_t(i / kTileP) * kTileP * d + i % kTileP;
       for (uint32_t j = 0; j < d; ++j) s[j] += x[size_t(j) * kTileP];
       ++count[assign[i]];
     }
     for (uint32_t c = 0; c < k; ++c) {
       if (count[c] == 0) continue;
-      const double *s = sum.data() + size_t(c) * d;
-      double norm2 = 0.0;
+      const float *s = sum.data() + size_t(c) * d;
+      float norm2 = 0.f;
       for (uint32_t j = 0; j < d; ++j) norm2 += s[j] * s[j];
-      if (!(norm2 > 0.0)) continue;
-      const double inv = 1.0 / std::sqrt(norm2);
-      for (uint32_t j = 0; j < d; ++j) dir[size_t(c) * d + j] = static_cast<float>(s[j] * inv);
+      if (!(norm2 > 0.f)) continue;
+      const float inv = 1.f / std::sqrt(norm2);
+      for (uint32_t j = 0; j < d; ++j) dir[size_t(c) * d + j] = to_f16(s[j] * inv);
     }
   }
 
@@ -1236,14 +1232,14 @@ void score_clusters(const float *q, uint32_t G, const float *centroid,
   score_softmax(logits, G, C, score);
 }
 
-void score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
+bool score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
                     uint32_t C, uint32_t d, float scale, float *logits,
                     float *score) {
   switch (t) {
     case DType::kF32:
       score_clusters(q, G, static_cast<const float *>(centroid), C, d, scale,
                      logits, score);
-      return;
+      return true;
     case DType::kF16:
 #if defined(WKV_HAVE_V3)
       if (has_v3() && d % 8 == 0) {
@@ -1259,8 +1255,11 @@ void score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
       score_logits_16(q, G, static_cast<const bf16 *>(centroid), C, d, scale,
                       logits);
       break;
+    default:
+      return false;
   }
   score_softmax(logits, G, C, score);
+  return true;
 }
 
 // Selection finds the keys of the n_sel-th and n_ret-th ranked clusters by
@@ -1337,33 +1336,35 @@ float merge_partials(const float *o_a, float lse_a, const float *o_b,
   return m + std::log(sum);
 }
 
-void attend_exact(DType t, const float *q, uint32_t G, const void *k,
+bool attend_exact(DType t, const float *q, uint32_t G, const void *k,
                   const void *v, uint32_t n, uint32_t d, float scale,
                   float *out, float *lse) {
+  if (!dtype_known(t)) return false;
   if (n == 0) {
     std::fill(out, out + size_t(G) * d, 0.f);
     std::fill(lse, lse + G, kNegInf);
-    return;
+    return true;
   }
-  WKV_DISPATCH_DTYPE(t, T, [&] {
+  return WKV_DISPATCH_DTYPE(t, T, false, [&] {
 #if defined(WKV_HAVE_V3)
     if (has_v3() && d % 8 == 0) {
       attend_v3(q, G, static_cast<const T *>(k), static_cast<const T *>(v), n,
                 d, scale, out, lse);
-      return;
+      return true;
     }
 #endif
     attend_impl(q, G, static_cast<const T *>(k), static_cast<const T *>(v),
                 n, d, scale, out, lse);
+    return true;
   });
 }
 
-void attend_reference_f64(DType t, const float *q, uint32_t G,
+bool attend_reference_f64(DType t, const float *q, uint32_t G,
                           const void *const *k_rows, const void *const *v_rows,
                           uint32_t n, uint32_t d, double scale, double *out,
                           double *lse) {
   // Two passes that each recompute the logits: the kernel allocates nothing.
-  WKV_DISPATCH_DTYPE(t, T, [&] {
+  return WKV_DISPATCH_DTYPE(t, T, false, [&] {
     auto logit = [&](const float *qg, uint32_t i) {
       const T *kr = static_cast<const T *>(k_rows[i]);
       double s = 0.0;
@@ -1390,6 +1391,7 @@ void attend_reference_f64(DType t, const float *q, uint32_t G,
       for (uint32_t j = 0; j < d; ++j) o[j] /= sum;
       lse[g] = m + std::log(sum);
     }
+    return true;
   });
 }
 

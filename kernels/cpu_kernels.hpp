@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "lib/common/dtype.hpp"
+#include "kernels/dtype.hpp"
 
 namespace wkv::kernels {
 
@@ -45,7 +45,10 @@ struct SegmentClusters {
 // Clusters T keys [T][d] (values [T][d] only feed value_sum): subtracts the
 // segment's mean key, normalises, runs `iters` rounds of spherical k-means
 // (assign by max cosine, update to the normalised member sum) from k distinct
-// seeded initial points, then fills *out. k is clamped to [1, T]. T >= 1.
+// seeded initial points (seeded_perm, kernels/kmeans_init.hpp: the device
+// k-means's), then fills *out. k is clamped to [1, T]. T >= 1. Points and
+// directions are rounded to f16 as on the device, so that both build the
+// same clusters but for near-ties.
 void kmeans_segment(const KMeansParams &p, const float *keys,
                     const float *values, uint32_t T, uint32_t d,
                     SegmentClusters *out);
@@ -64,8 +67,8 @@ void score_clusters(const float *q, uint32_t G, const float *centroid,
 // The same from centroids stored as `t`: f32, or the meta index's compact
 // 16-bit mirror (f16 or bf16), converted as they are read; the dot products
 // accumulate in f32. Logits and scores mean the same as above, computed from
-// the rounded centroids.
-void score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
+// the rounded centroids. False (nothing written) for an unknown dtype.
+bool score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
                     uint32_t C, uint32_t d, float scale, float *logits,
                     float *score);
 
@@ -120,14 +123,14 @@ float merge_partials(const float *o_a, float lse_a, const float *o_b,
 // Attends G query heads q [G][d] over n tokens k, v [n][d] of storage type
 // `t` (rows contiguous, row stride d). Writes out [G][d] (normalised) and
 // lse [G]. With n == 0 writes zeros and -infinity. Accumulates in f32 with
-// an online softmax.
-void attend_exact(DType t, const float *q, uint32_t G, const void *k,
+// an online softmax. False (nothing written) for an unknown dtype.
+bool attend_exact(DType t, const float *q, uint32_t G, const void *k,
                   const void *v, uint32_t n, uint32_t d, float scale,
                   float *out, float *lse);
 
 // Reference exact attention in double over rows given by pointer lists
-// (tests only): out [G][d] and lse [G] in double.
-void attend_reference_f64(DType t, const float *q, uint32_t G,
+// (tests only): out [G][d] and lse [G] in double. False for an unknown dtype.
+bool attend_reference_f64(DType t, const float *q, uint32_t G,
                           const void *const *k_rows, const void *const *v_rows,
                           uint32_t n, uint32_t d, double scale, double *out,
                           double *lse);

@@ -1,36 +1,32 @@
-// Shared by the CUDA kernels: error checks that return a Status (never
-// abort), storage-type traits, and the dispatch of run-time head dims and
-// dtypes to compile-time constants.
+// Shared by the CUDA kernels: error checks that return the cudaError_t
+// (never abort), storage-type traits, and the dispatch of run-time head dims
+// and dtypes to compile-time constants. Kernels include nothing of the
+// engine: they return a cudaError_t (cudaErrorInvalidValue for arguments they
+// refuse, cudaErrorNotSupported for a head_dim or dtype they have no
+// instantiation for), and the engine turns it into its own status.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "lib/common/dtype.hpp"
-#include "lib/common/status.hpp"
+#include "kernels/device_layout.hpp"
+#include "kernels/dtype.hpp"
 
 namespace wkv::kernels {
 
-// Turns a CUDA error into a Status naming the statement, file and line.
-inline Status cuda_status(cudaError_t err, const char *stmt, const char *file, int line) {
-  if (err == cudaSuccess) return Status::ok();
-  // Consumed here, so that a later launch check does not report it again
-  // (the engine stays usable after, say, a failed allocation).
-  (void)cudaGetLastError();
-  int code = err == cudaErrorMemoryAllocation ? WKV_ERR_OUT_OF_MEMORY : WKV_ERR_DEVICE;
-  return Status(code, format("CUDA error %s (%s) in %s at %s:%d", cudaGetErrorName(err),
-                             cudaGetErrorString(err), stmt, file, line));
-}
-
-#define WKV_CUDA_CHECK(stmt)                                                        \
-  do {                                                                              \
-    cudaError_t wkv_err_ = (stmt);                                                  \
-    if (wkv_err_ != cudaSuccess)                                                    \
-      return ::wkv::kernels::cuda_status(wkv_err_, #stmt, __FILE__, __LINE__);      \
+// Returns the error of a CUDA call, if any.
+#define WKV_CUDA_CHECK(stmt)                   \
+  do {                                         \
+    const cudaError_t wkv_err_ = (stmt);       \
+    if (wkv_err_ != cudaSuccess) return wkv_err_; \
   } while (0)
 
-// After a launch: the launch error, if any (does not synchronize).
+// The same for a call of ours that returns a cudaError_t.
+#define WKV_CUDA_TRY(expr) WKV_CUDA_CHECK(expr)
+
+// After a launch: the launch error, if any (does not synchronize). Taken
+// with cudaGetLastError, so that it is not reported again by a later check.
 #define WKV_CUDA_CHECK_LAUNCH(name) WKV_CUDA_CHECK(cudaGetLastError())
 
 // Programmatic dependent launch: a kernel launched with launch_pdl() may
@@ -46,10 +42,29 @@ __device__ __forceinline__ void wait_prior_grid() {
 #endif
 }
 
+// Reports the end of a step (StepMark, kernels/device_layout.hpp). Every
+// thread of every CTA calls it as its kernel's last statement: each CTA
+// fences its writes (mapped host memory included) and counts itself; the
+// last one writes the epoch, so that the host sees it only after every
+// write of the kernel, and of the kernels it waited for.
+__device__ __forceinline__ void signal_step_end(const StepMark &m) {
+  if (m.done == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x != 0 || threadIdx.y != 0 || threadIdx.z != 0) return;
+  __threadfence_system();
+  const unsigned total = gridDim.x * gridDim.y * gridDim.z;
+  if (total > 1) {
+    if (atomicAdd(m.ctas, 1u) != total - 1) return;
+    *m.ctas = 0;  // for the next launch, which stream order puts after this one
+    __threadfence_system();
+  }
+  *reinterpret_cast<volatile unsigned long long *>(m.done) = m.epoch;
+}
+
 // Launches kernel on s with programmatic dependent launch, as clusters of
 // cluster_x CTAs when cluster_x > 1.
 template <typename... Params, typename... Args>
-Status launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
                   uint32_t cluster_x, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
@@ -69,8 +84,7 @@ Status launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
   }
   cfg.attrs = attr;
   cfg.numAttrs = n;
-  WKV_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-  return Status::ok();
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
 // Storage types on the device: float, __half, __nv_bfloat16.
@@ -91,9 +105,9 @@ template <> struct DevType<bf16> {
   static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
 };
 
-// Calls body with constexpr HEAD_DIM set to d, or returns WKV_ERR_UNSUPPORTED.
+// Calls body with constexpr HEAD_DIM set to d, or returns cudaErrorNotSupported.
 #define WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, ...)                                      \
-  [&]() -> ::wkv::Status {                                                           \
+  [&]() -> cudaError_t {                                                             \
     switch (d) {                                                                     \
       case 64: { constexpr uint32_t HEAD_DIM = 64; return __VA_ARGS__(); }           \
       case 80: { constexpr uint32_t HEAD_DIM = 80; return __VA_ARGS__(); }           \
@@ -101,7 +115,7 @@ template <> struct DevType<bf16> {
       case 128: { constexpr uint32_t HEAD_DIM = 128; return __VA_ARGS__(); }         \
       case 256: { constexpr uint32_t HEAD_DIM = 256; return __VA_ARGS__(); }         \
       default:                                                                       \
-        return WKV_ERROR(WKV_ERR_UNSUPPORTED, "head_dim %u has no CUDA kernel", (unsigned)(d)); \
+        return cudaErrorNotSupported;                                                \
     }                                                                                \
   }()
 

@@ -18,13 +18,19 @@ namespace wkv::kernels {
 //   first_slot[c]      token slot of the cluster's first member in the head's
 //                      page list: page first_slot / page_tokens, row
 //                      first_slot % page_tokens; members are consecutive slots
-//   pages[p]           device-accessible address of page p of the head: a slot
-//                      of the device block cache, or a pinned, mapped host page.
-//                      A page holds K rows [page_tokens][d] then V rows
-//                      [page_tokens][d] in the storage dtype (page_stride bytes
-//                      apart is not needed: V starts at page_tokens * row_bytes).
-//                      Entries are 8-byte words the buffer manager swaps
-//                      between a host page and a cache slot while steps run.
+//   pages[p]           device-accessible address of page p of the head (a
+//                      pinned, mapped host page). A page holds K rows
+//                      [page_tokens][d] then V rows [page_tokens][d] in the
+//                      storage dtype: V starts at page_tokens * row_bytes.
+//   unit_begin[c]      the cluster's first unit: unit j of cluster c (members
+//                      [j * page_tokens, (j + 1) * page_tokens)) is unit
+//                      unit_begin[c] + j of the head, laid out like a page
+//   unit_dir[u / kUnitChunk][u % kUnitChunk]
+//                      the device cache frame holding unit u, or kNoFrame
+//                      (0xffffffff). Written while steps run: by a gather
+//                      that admits a unit (compare-and-swap from kNoFrame),
+//                      by the buffer manager that evicts one (to kNoFrame).
+//                      unit_dir may be null: no unit is cached.
 // Steady zone (device rows, [tokens][d] in the storage dtype, contiguous):
 //   sink_k/sink_v      sink_tokens rows
 //   tail_k/tail_v      tail_tokens rows
@@ -33,7 +39,9 @@ struct DevRun {
   const float *value_sum;
   const uint32_t *size;
   const uint32_t *first_slot;
+  const uint32_t *unit_begin;
   const uint8_t *const *pages;
+  uint32_t *const *unit_dir;
   const uint8_t *sink_k, *sink_v;
   const uint8_t *tail_k, *tail_v;
   uint32_t clusters;
@@ -44,6 +52,32 @@ struct DevRun {
   uint32_t ret_off;      // this run's first entry in ret_ids / ret_pos
   uint32_t est_off;      // this run's first entry in est_ids
   uint32_t scratch_off;  // this run's first float in the [G][clusters] logits scratch
+  uint32_t reserved;
+};
+
+// Entries of a unit map chunk, and the entry of a unit no frame holds (the
+// engine's kUnitChunk and kNoFrame, lib/index/head.hpp).
+constexpr uint32_t kUnitMapChunk = 4096;
+constexpr uint32_t kNoCacheFrame = 0xffffffffu;
+
+// What a gather did with the i-th frame it was given for admissions: mapped
+// unit map entry `entry` (a device address) to `frame`, or nothing (entry 0:
+// another step admitted the unit first). `run` is the run of the unit.
+struct AdmitEntry {
+  uint64_t entry;
+  uint32_t frame;
+  uint32_t run;
+};
+
+// Where a step's last kernel reports that the step has ended: it writes
+// `epoch` to *done (mapped host memory, or device memory) after all its
+// writes are visible to the host. Kernels of several CTAs count finished
+// CTAs in *ctas (device memory, zero between launches; the last CTA resets
+// it). done null: nothing is reported.
+struct StepMark {
+  unsigned long long *done = nullptr;
+  unsigned long long epoch = 0;
+  unsigned int *ctas = nullptr;
 };
 
 // The output of lookup for all runs (device):

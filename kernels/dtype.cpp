@@ -1,4 +1,4 @@
-#include "lib/common/dtype.hpp"
+#include "kernels/dtype.hpp"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(WKV_NO_TARGET_CLONES)
 #include <immintrin.h>
@@ -90,21 +90,23 @@ inline void f16_to_float_n(const f16 *src, float *dst, size_t n) { f16_to_float_
 
 }  // namespace
 
-void to_float(DType t, const void *src, float *dst, size_t n) {
+bool to_float(DType t, const void *src, float *dst, size_t n) {
   if (t == DType::kF16) {
     f16_to_float_n(static_cast<const f16 *>(src), dst, n);
-    return;
+    return true;
   }
-  WKV_DISPATCH_DTYPE(t, T, [&] {
+  return WKV_DISPATCH_DTYPE(t, T, false, [&] {
     const T *s = static_cast<const T *>(src);
     for (size_t i = 0; i < n; ++i) dst[i] = load(s, i);
+    return true;
   });
 }
 
-void from_float(DType t, const float *src, void *dst, size_t n) {
-  WKV_DISPATCH_DTYPE(t, T, [&] {
+bool from_float(DType t, const float *src, void *dst, size_t n) {
+  return WKV_DISPATCH_DTYPE(t, T, false, [&] {
     T *o = static_cast<T *>(dst);
     for (size_t i = 0; i < n; ++i) store(o, i, src[i]);
+    return true;
   });
 }
 

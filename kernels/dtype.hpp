@@ -1,20 +1,22 @@
 // Storage dtypes of keys, values, queries and outputs, and their conversion
 // to and from float. Accumulation is always in float (or double in tests).
+// Below both the kernels and the engine: it includes nothing of either (the
+// engine checks that the values match the public header's WKV_DTYPE_*).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
-
-#include "wavekv/wavekv.h"
 
 namespace wkv {
 
 enum class DType : uint32_t {
-  kF32 = WKV_DTYPE_F32,
-  kF16 = WKV_DTYPE_F16,
-  kBF16 = WKV_DTYPE_BF16,
+  kF32 = 0,
+  kF16 = 1,
+  kBF16 = 2,
 };
 
+inline bool dtype_known(DType t) { return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16; }
 inline uint32_t dtype_bytes(DType t) { return t == DType::kF32 ? 4u : 2u; }
 inline const char *dtype_name(DType t) {
   switch (t) {
@@ -22,7 +24,7 @@ inline const char *dtype_name(DType t) {
     case DType::kF16: return "f16";
     case DType::kBF16: return "bf16";
   }
-  return "?";
+  return "unknown";
 }
 
 // IEEE binary16 and bfloat16 as raw bits; conversions round to nearest even.
@@ -65,21 +67,22 @@ template <> inline void store<float>(float *p, size_t i, float x) { p[i] = x; }
 template <> inline void store<f16>(f16 *p, size_t i, float x) { p[i].bits = float_to_f16(x); }
 template <> inline void store<bf16>(bf16 *p, size_t i, float x) { p[i].bits = float_to_bf16(x); }
 
-// Converts n elements of type `t` at src to float.
-void to_float(DType t, const void *src, float *dst, size_t n);
-// Converts n floats to type `t` at dst.
-void from_float(DType t, const float *src, void *dst, size_t n);
+// Converts n elements of type `t` at src to float. False (nothing written)
+// for an unknown dtype.
+bool to_float(DType t, const void *src, float *dst, size_t n);
+// Converts n floats to type `t` at dst. False for an unknown dtype.
+bool from_float(DType t, const float *src, void *dst, size_t n);
 
-// Calls f.template operator()<T>() with T the storage type of `t`.
-#define WKV_DISPATCH_DTYPE(t, T, ...)                 \
+// Calls the lambda (...) with T the storage type of `t` (float, f16, bf16)
+// and returns its result; for an unknown dtype returns `unknown` instead.
+#define WKV_DISPATCH_DTYPE(t, T, unknown, ...)        \
   [&] {                                               \
     switch (t) {                                      \
       case ::wkv::DType::kF32: { using T = float; return __VA_ARGS__(); } \
       case ::wkv::DType::kF16: { using T = ::wkv::f16; return __VA_ARGS__(); } \
       case ::wkv::DType::kBF16: { using T = ::wkv::bf16; return __VA_ARGS__(); } \
     }                                                 \
-    using T = float;                                  \
-    return __VA_ARGS__();                             \
+    return unknown;                                   \
   }()
 
 }  // namespace wkv

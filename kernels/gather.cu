@@ -2,21 +2,23 @@
 //
 // Grid: x = run, y = chunks of that run's retrieval clusters. Every thread
 // of a run's CTAs shares the steady-zone copy; then each warp copies whole
-// clusters, one at a time: its lanes move 16-byte pieces of consecutive
-// member rows, kUnroll pieces of K and kUnroll of V per lane loaded before
-// any is stored, so that a warp keeps 4 KiB of page reads in flight. Reads
-// of mapped host pages cross PCIe with a latency of a microsecond or more;
-// thousands of warps each with several loads outstanding are what fills
-// the link. Members are consecutive token slots, so a warp's loads fall in
-// one or two pages at a time and coalesce into whole rows.
+// clusters, one at a time, unit by unit (page_tokens members): its lanes
+// move 16-byte pieces of the unit's rows, kUnroll pieces of K and kUnroll
+// of V per lane loaded before any is stored, so that a warp keeps a unit
+// (4 KiB at d = 128, 16-bit) of reads in flight. Reads of mapped host pages
+// cross PCIe with a latency of a microsecond or more; thousands of warps
+// each with several loads outstanding are what fills the link. A unit's
+// members are consecutive token slots, so its loads fall in one or two
+// pages and coalesce into whole rows.
 //
-// Hit and miss counts are per page touched, kept per lane and summed per
-// warp: two atomics per warp, not per page.
+// Hit and miss counts are per unit, kept per lane and summed per warp: two
+// atomics per warp, not per unit.
 #include "kernels/gather_cuda.hpp"
 
 #include <algorithm>
 
 #include "kernels/cuda_common.cuh"
+#include "kernels/table_cuda.hpp"
 
 namespace wkv::kernels {
 namespace {
@@ -24,11 +26,32 @@ namespace {
 constexpr int kWarps = 8;   // warps per CTA
 constexpr int kUnroll = 4;  // 16-byte pieces of K (and of V) in flight per lane
 
-__device__ __forceinline__ int4 load_page(const uint8_t *p) {
+__device__ __forceinline__ int4 load_row_piece(const uint8_t *p) {
   return __ldcs(reinterpret_cast<const int4 *>(p));  // streamed: read once
 }
 
+// Where member row `r` of a unit is read: its frame, or its page.
+struct UnitSource {
+  const uint8_t *frame;  // null: from pages
+  const uint8_t *const *pages;
+  uint32_t first_slot;   // slot of the unit's first member
+};
+
+__device__ __forceinline__ void row_addresses(const UnitSource &src, uint32_t r, uint32_t pt, uint32_t rb,
+                                              const uint8_t **k, const uint8_t **v) {
+  if (src.frame) {
+    *k = src.frame + size_t(r) * rb;
+    *v = src.frame + size_t(pt + r) * rb;
+  } else {
+    const uint32_t slot = src.first_slot + r;
+    const uint8_t *page = src.pages[slot / pt];
+    *k = page + size_t(slot % pt) * rb;
+    *v = page + size_t(pt + slot % pt) * rb;
+  }
+}
+
 __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a) {
+  constexpr uint32_t kNone = kNoCacheFrame, kChunk = kUnitMapChunk;
   const uint32_t r = blockIdx.x;
   const DevRun &run = a.runs[r];
   const uint32_t rb = a.row_bytes, cpr = rb / 16, pt = a.page_tokens;
@@ -53,79 +76,139 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
     reinterpret_cast<int4 *>(a.xv + size_t(base + t) * rb)[c] = vv;
   }
 
-  // Retrieval clusters, one warp each.
+  // Retrieval clusters, one warp each, unit by unit.
   const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t n_ret = run.n_ret, ret_off = run.ret_off;
   const uint32_t rbase = base + sink + tail;
-  const uintptr_t cache_lo = reinterpret_cast<uintptr_t>(a.cache_base);
-  const uint8_t *const *pages = run.pages;
-  const uint32_t *first_slot = run.first_slot, *size = run.size;
   uint32_t hits = 0, misses = 0;
   for (uint32_t i = blockIdx.y * kWarps + warp; i < n_ret; i += gridDim.y * kWarps) {
     const uint32_t id = a.lookup.ret_ids[ret_off + i];
-    const uint32_t first = first_slot[id], n = size[id];
+    const uint32_t first = run.first_slot[id], n = run.size[id];
     const uint32_t dst_row = rbase + a.lookup.ret_pos[ret_off + i];
-    if (n == 0) continue;
-    for (uint32_t p = first / pt + lane; p <= (first + n - 1) / pt; p += 32) {
-      const uintptr_t addr = reinterpret_cast<uintptr_t>(pages[p]);
-      if (addr - cache_lo < a.cache_bytes)
-        ++hits;
-      else
-        ++misses;
-    }
-    const uint32_t total = n * cpr;
-    for (uint32_t q0 = 0; q0 < total; q0 += 32 * kUnroll) {
-      int4 kv[kUnroll], vv[kUnroll];
+    const uint32_t ub = run.unit_dir ? run.unit_begin[id] : 0;
+    for (uint32_t j = 0; j * pt < n; ++j) {
+      const uint32_t rows = min(pt, n - j * pt), u = ub + j;
+      // 1. Where the unit is: its frame in the cache, or its pages.
+      uint32_t *entry = run.unit_dir ? run.unit_dir[u / kChunk] + u % kChunk : nullptr;
+      const uint32_t f = entry ? *reinterpret_cast<volatile uint32_t *>(entry) : kNone;
+      const bool hit = f < a.frames;
+      UnitSource src{hit ? a.cache + size_t(f) * a.frame_bytes : nullptr, run.pages, first + j * pt};
+      if (lane == 0) {
+        if (hit)
+          ++hits;
+        else
+          ++misses;
+      }
+      // 2. The rows, kUnroll pieces of K and of V per lane in flight. A
+      //    missed unit takes the next given frame, if any is left, while the
+      //    first loads are in flight (the frame id is a read over PCIe).
+      const uint32_t total = rows * cpr;
+      uint32_t g = 0xffffffffu, af = kNone;
+      for (uint32_t q0 = 0; q0 < total; q0 += 32 * kUnroll) {
+        int4 kv[kUnroll], vv[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const uint32_t q = q0 + u * 32 + lane;
-        if (q < total) {
-          const uint32_t m = q / cpr, c = q - m * cpr;
-          const uint32_t slot = first + m;
-          const uint8_t *page = pages[slot / pt];
-          const uint32_t row = slot % pt;
-          kv[u] = load_page(page + size_t(row) * rb + size_t(c) * 16);
-          vv[u] = load_page(page + size_t(pt + row) * rb + size_t(c) * 16);
+        for (int x = 0; x < kUnroll; ++x) {
+          const uint32_t q = q0 + x * 32 + lane;
+          if (q < total) {
+            const uint32_t m = q / cpr, c = q - m * cpr;
+            const uint8_t *kp, *vp;
+            row_addresses(src, m, pt, rb, &kp, &vp);
+            kv[x] = load_row_piece(kp + size_t(c) * 16);
+            vv[x] = load_row_piece(vp + size_t(c) * 16);
+          }
+        }
+        if (q0 == 0) {
+          if (lane == 0) {
+            if (!hit && entry && a.given) {
+              g = atomicAdd(&a.work[0], 1u);
+              if (g < a.n_given) af = a.given[g];
+            }
+            if (hit && a.hits) {
+              const uint32_t h = atomicAdd(&a.work[1], 1u);
+              if (h < a.hit_cap) a.hits[h] = f;
+            }
+          }
+          g = __shfl_sync(0xffffffffu, g, 0);
+          af = __shfl_sync(0xffffffffu, af, 0);
+        }
+        uint8_t *frame = af < a.frames ? a.cache + size_t(af) * a.frame_bytes : nullptr;
+#pragma unroll
+        for (int x = 0; x < kUnroll; ++x) {
+          const uint32_t q = q0 + x * 32 + lane;
+          if (q < total) {
+            const uint32_t m = q / cpr, c = q - m * cpr;
+            const size_t row = size_t(dst_row + j * pt + m);
+            reinterpret_cast<int4 *>(a.xk + row * rb)[c] = kv[x];
+            reinterpret_cast<int4 *>(a.xv + row * rb)[c] = vv[x];
+            if (frame) {
+              reinterpret_cast<int4 *>(frame + size_t(m) * rb)[c] = kv[x];
+              reinterpret_cast<int4 *>(frame + size_t(pt + m) * rb)[c] = vv[x];
+            }
+          }
         }
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const uint32_t q = q0 + u * 32 + lane;
-        if (q < total) {
-          const uint32_t m = q / cpr, c = q - m * cpr;
-          reinterpret_cast<int4 *>(a.xk + size_t(dst_row + m) * rb)[c] = kv[u];
-          reinterpret_cast<int4 *>(a.xv + size_t(dst_row + m) * rb)[c] = vv[u];
+      const bool admit = af < a.frames;
+      // 4. Map the admitted frame once its rows are visible to every reader.
+      if (admit) {
+        __threadfence();
+        __syncwarp();
+        if (lane == 0) {
+          const uint32_t old = atomicCAS(entry, kNone, af);
+          a.admits[g] = AdmitEntry{old == kNone ? reinterpret_cast<uint64_t>(entry) : 0ull, af, r};
         }
+      } else if (lane == 0 && g < a.n_given) {
+        // Given but not usable (an unaligned frame count): reported unused.
+        a.admits[g] = AdmitEntry{0ull, a.given[g], r};
       }
     }
   }
-  if (a.counters) {
+  if (a.stats) {
     hits = __reduce_add_sync(0xffffffffu, hits);
     misses = __reduce_add_sync(0xffffffffu, misses);
     if (lane == 0) {
-      if (hits) atomicAdd(&a.counters[0], static_cast<unsigned long long>(hits));
-      if (misses) atomicAdd(&a.counters[1], static_cast<unsigned long long>(misses));
+      if (hits) atomicAdd(&a.stats[0], static_cast<unsigned long long>(hits));
+      if (misses) atomicAdd(&a.stats[1], static_cast<unsigned long long>(misses));
     }
   }
+
+  // 5. The last CTA reports the record's counts and the step's end.
+  if (!a.work) return;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  if (atomicAdd(&a.work[2], 1u) != gridDim.x * gridDim.y - 1) return;
+  const uint32_t taken = atomicAdd(&a.work[0], 0u), logged = atomicAdd(&a.work[1], 0u);
+  if (a.record_counts) {
+    a.record_counts[0] = min(taken, a.n_given);
+    a.record_counts[1] = min(logged, a.hit_cap);
+  }
+  a.work[0] = a.work[1] = a.work[2] = 0;  // for the next launch (stream order)
+  __threadfence_system();
+  if (a.mark.done) *reinterpret_cast<volatile unsigned long long *>(a.mark.done) = a.mark.epoch;
 }
 
 }  // namespace
 
-Status gather_cuda(const GatherArgs &a, cudaStream_t stream) {
-  if (a.n_runs == 0) return Status::ok();
+cudaError_t gather_cuda(const GatherArgs &a, cudaStream_t stream) {
+  if (a.n_runs == 0) {
+    if (a.mark.done) return mark_step_end(a.mark.done, a.mark.epoch, stream);
+    return cudaSuccess;
+  }
   if (!a.runs || !a.xk || !a.xv || !a.lookup.offsets || !a.lookup.ret_ids || !a.lookup.ret_pos)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "gather: a null pointer");
-  if (a.row_bytes == 0 || a.row_bytes % 16 != 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "gather: row_bytes %u is not a positive multiple of 16",
-                     a.row_bytes);
-  if (a.page_tokens == 0) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "gather: page_tokens is 0");
+    return cudaErrorInvalidValue;
+  if (a.row_bytes == 0 || a.row_bytes % 16 != 0 || a.page_tokens == 0) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a.xk) % 16 != 0 || reinterpret_cast<uintptr_t>(a.xv) % 16 != 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "gather: execution buffer not 16-byte aligned");
-  if (a.n_runs > 0x7fffffffu) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "gather: %u runs", a.n_runs);
+    return cudaErrorInvalidValue;
+  if ((a.given || a.hits || a.mark.done) && !a.work) return cudaErrorInvalidValue;
+  if (a.given && (!a.admits || !a.cache)) return cudaErrorInvalidValue;
+  if (a.frames > 0 && (!a.cache || a.frame_bytes < size_t(2) * a.page_tokens * a.row_bytes ||
+                       a.frame_bytes % 16 != 0))
+    return cudaErrorInvalidValue;
+  if (a.n_runs > 0x7fffffffu) return cudaErrorInvalidValue;
   const uint32_t chunks = std::max<uint32_t>(1, std::min<uint32_t>((a.max_ret + kWarps - 1) / kWarps, 65535));
   gather_kernel<<<dim3(a.n_runs, chunks), kWarps * 32, 0, stream>>>(a);
   WKV_CUDA_CHECK_LAUNCH("gather_kernel");
-  return Status::ok();
+  return cudaSuccess;
 }
 
 }  // namespace wkv::kernels

@@ -1,17 +1,17 @@
 // Assembly of the execution buffer on the device: the steady zone and the
-// retrieval clusters of every run, read from the device block cache or
-// straight from pinned, mapped host pages. Plain C++ (no CUDA header).
+// retrieval clusters of every run, each unit of a cluster read from the
+// device block cache when a frame holds it, straight from its pinned, mapped
+// host pages otherwise; a missed unit is admitted into a free frame on the
+// way. Plain C++: only the CUDA runtime's type declarations are needed to
+// call it.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/device_layout.hpp"
-#include "lib/common/status.hpp"
+#include <driver_types.h>  // cudaError_t, cudaStream_t
 
-// The CUDA runtime's stream type, declared exactly as cuda_runtime.h does.
-struct CUstream_st;
-typedef struct CUstream_st *cudaStream_t;
+#include "kernels/device_layout.hpp"
 
 namespace wkv::kernels {
 
@@ -26,29 +26,54 @@ namespace wkv::kernels {
 // Member m of cluster id sits in token slot first_slot[id] + m of the run's
 // pages: page pages[slot / page_tokens], row slot % page_tokens, K at
 // page + row * row_bytes, V at page + (page_tokens + row) * row_bytes.
+// It belongs to unit u = unit_begin[id] + m / page_tokens; when the unit map
+// holds a frame f for u, the member is read from the cache instead: frame f
+// at cache + f * frame_bytes, row m % page_tokens, laid out like a page.
+//
+// Admission (when `given` is set): a unit missed in the cache is also
+// written into the next given frame and mapped there with a compare-and-swap
+// of its unit map entry from kNoCacheFrame, after the frame's rows; a frame
+// whose swap loses (another step mapped the unit first) is left unused.
+// Given frame i is reported in admits[i] (AdmitEntry), every unit read from
+// the cache in hits[] (its frame), and the last CTA writes the number of
+// given frames taken and of hits logged to record_counts[0] and [1] (at most
+// n_given and hit_cap) before it reports the step's end in `mark`.
 struct GatherArgs {
   const DevRun *runs = nullptr;  // device [n_runs]
   uint32_t n_runs = 0;
   DevLookup lookup{};            // device arrays; reads ret_ids, ret_pos, offsets
   uint32_t max_ret = 0;          // >= every run's n_ret; sizes the grid only
   uint32_t row_bytes = 0;        // d * dtype bytes, a multiple of 16
-  uint32_t page_tokens = 0;      // token slots per page
+  uint32_t page_tokens = 0;      // token slots per page (and rows per unit)
   uint8_t *xk = nullptr;         // device execution buffer, K rows
   uint8_t *xv = nullptr;         // device execution buffer, V rows
-  // The device block cache's address range: a page inside it is a hit.
-  const void *cache_base = nullptr;
-  size_t cache_bytes = 0;
-  // Device counters, in pages touched by retrieval clusters (a cluster over
-  // three pages counts three): counters[0] += hits, counters[1] += misses.
-  // May be null.
-  unsigned long long *counters = nullptr;
+  // The device block cache: `frames` frames of frame_bytes (>= one page).
+  uint8_t *cache = nullptr;
+  size_t frame_bytes = 0;
+  uint32_t frames = 0;
+  // Admissions and the access log, in memory the host reads after the step
+  // (mapped); all null for none.
+  const uint32_t *given = nullptr;  // [n_given] free frames
+  uint32_t n_given = 0;
+  AdmitEntry *admits = nullptr;     // [n_given]
+  uint32_t *hits = nullptr;         // [hit_cap]
+  uint32_t hit_cap = 0;
+  uint32_t *record_counts = nullptr;  // [2]: given frames taken, hits logged
+  // Device counters of the gather, zero between launches (the last CTA
+  // resets them): [0] given frames taken, [1] hits, [2] CTAs done. Required
+  // with `given` or `mark`.
+  uint32_t *work = nullptr;
+  // Device counters, in units: stats[0] += hits, stats[1] += misses. May be
+  // null.
+  unsigned long long *stats = nullptr;
+  StepMark mark{};  // mark.ctas is unused: work[2] counts the CTAs
 };
 
 // Enqueues the gather on `stream` (no host wait). Every row pointer (sink,
-// tail, pages, xk, xv) must be 16-byte aligned: rows move in 16-byte loads
-// and stores. WKV_ERR_INVALID_ARGUMENT for a null buffer, row_bytes not a
-// multiple of 16, page_tokens 0, unaligned xk/xv; WKV_ERR_DEVICE on a launch
-// failure.
-Status gather_cuda(const GatherArgs &a, cudaStream_t stream);
+// tail, pages, frames, xk, xv) must be 16-byte aligned: rows move in 16-byte
+// loads and stores. cudaErrorInvalidValue for a null buffer, row_bytes not a
+// multiple of 16, page_tokens 0, unaligned xk/xv, admissions without work
+// counters; the launch's error otherwise.
+cudaError_t gather_cuda(const GatherArgs &a, cudaStream_t stream);
 
 }  // namespace wkv::kernels

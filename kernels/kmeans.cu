@@ -72,6 +72,7 @@
 #include <vector>
 
 #include "kernels/cuda_common.cuh"
+#include "kernels/kmeans_init.hpp"
 
 namespace wkv::kernels {
 namespace {
@@ -103,7 +104,7 @@ bool head_dim_ok(uint32_t d) { return d == 64 || d == 80 || d == 96 || d == 128 
 
 inline size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
 
-uint32_t clamp_k(uint32_t k, uint32_t T) { return std::clamp<uint32_t>(k, 1, std::max<uint32_t>(T, 1)); }
+uint32_t clamp_k(uint32_t k, uint32_t T) { return kmeans_clamp_k(k, T); }
 
 uint32_t bit_width(uint64_t x) {
   uint32_t b = 0;
@@ -119,7 +120,7 @@ struct Layout {
   uint32_t nchunk, rounds, score_chunk;
 };
 
-Status cub_temp_bytes(uint64_t n_items, uint64_t n_clusters, int end_bit, size_t *bytes) {
+cudaError_t cub_temp_bytes(uint64_t n_items, uint64_t n_clusters, int end_bit, size_t *bytes) {
   size_t sort_bytes = 0, scan_bytes = 0;
   cub::DoubleBuffer<uint32_t> k(nullptr, nullptr), v(nullptr, nullptr);
   WKV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, k, v,
@@ -128,23 +129,21 @@ Status cub_temp_bytes(uint64_t n_items, uint64_t n_clusters, int end_bit, size_t
                                                static_cast<uint32_t *>(nullptr),
                                                static_cast<int>(n_clusters)));
   *bytes = std::max(sort_bytes, scan_bytes);
-  return Status::ok();
+  return cudaSuccess;
 }
 
-Status make_layout(const KMeansBatchParams &p, const KMeansBatchShape &sh, int end_bit, Layout *L) {
+cudaError_t make_layout(const KMeansBatchParams &p, const KMeansBatchShape &sh, int end_bit, Layout *L) {
   const uint64_t S = sh.segments, Tm = sh.max_tokens, Km = sh.max_clusters, N = sh.total_tokens;
   const uint64_t d = p.head_dim;
   if (S == 0 || Tm == 0 || Km == 0 || N == 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means shape has a zero field");
+    return cudaErrorInvalidValue;
   if (Tm > kKMeansMaxTokens || Km > Tm)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means shape: max_tokens %llu (limit %u), max_clusters %llu",
-                     (unsigned long long)Tm, kKMeansMaxTokens, (unsigned long long)Km);
+    return cudaErrorInvalidValue;
   if (S > 65535 || N > (1ull << 31) - 1 || S * Km > (1ull << 31) - 1 || S * Tm > 0xffffffffull)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means batch too large: %llu segments, %llu tokens",
-                     (unsigned long long)S, (unsigned long long)N);
+    return cudaErrorInvalidValue;
   L->nchunk = static_cast<uint32_t>((Tm + kMeanRows - 1) / kMeanRows);
   L->rounds = std::max<uint32_t>(p.iters, 1);
-  WKV_RETURN_IF_ERROR(cub_temp_bytes(N, S * Km, end_bit, &L->cub_bytes));
+  WKV_CUDA_TRY(cub_temp_bytes(N, S * Km, end_bit, &L->cub_bytes));
   size_t off = 0;
   auto take = [&](size_t bytes) {
     size_t at = off;
@@ -175,7 +174,7 @@ Status make_layout(const KMeansBatchParams &p, const KMeansBatchShape &sh, int e
     L->scores = take(L->score_chunk * one);
   }
   L->total = off;
-  return Status::ok();
+  return cudaSuccess;
 }
 
 // Device helpers --------------------------------------------------------------
@@ -214,39 +213,6 @@ __device__ __forceinline__ bool better(float v, uint32_t i, float bv, uint32_t b
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-__device__ __forceinline__ uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
-
-// A seeded bijection of [0, T): a 4-round Feistel network on the smallest
-// even-bit domain holding T, cycle-walked back into range. The first k
-// images of 0, 1, 2, ... are k distinct, well-spread tokens.
-__device__ uint32_t seeded_perm(uint32_t x, uint32_t T, uint64_t seed) {
-  uint32_t bits = 2;
-  while ((1u << bits) < T) ++bits;
-  bits += bits & 1;
-  const uint32_t half = bits / 2, mask = (1u << half) - 1;
-  const uint32_t s0 = static_cast<uint32_t>(seed), s1 = static_cast<uint32_t>(seed >> 32);
-  do {
-    uint32_t L = x >> half, R = x & mask;
-#pragma unroll
-    for (uint32_t r = 0; r < 4; ++r) {
-      const uint32_t rk = mix32(s0 ^ mix32(s1 + 0x9e3779b9u * (r + 1)));
-      const uint32_t F = mix32(R ^ rk) & mask;
-      const uint32_t nl = R;
-      R = L ^ F;
-      L = nl;
-    }
-    x = (L << half) | R;
-  } while (x >= T);
   return x;
 }
 
@@ -998,29 +964,15 @@ __global__ void __launch_bounds__(kBigWarpsSums * 32)
 
 // Host side ---------------------------------------------------------------------
 
-const char *cublas_name(cublasStatus_t s) {
-  switch (s) {
-    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
-    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
-    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
-    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
-    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
-    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
-    default: return "cuBLAS error";
-  }
-}
-
 #define WKV_CUBLAS_CHECK(stmt)                                                                  \
   do {                                                                                          \
     cublasStatus_t wkv_cb_ = (stmt);                                                            \
     if (wkv_cb_ != CUBLAS_STATUS_SUCCESS)                                                       \
-      return WKV_ERROR(wkv_cb_ == CUBLAS_STATUS_ALLOC_FAILED ? WKV_ERR_OUT_OF_MEMORY : WKV_ERR_DEVICE, \
-                       "%s (%d) in %s at %s:%d", cublas_name(wkv_cb_), int(wkv_cb_), #stmt, __FILE__, \
-                       __LINE__);                                                               \
+      return wkv_cb_ == CUBLAS_STATUS_ALLOC_FAILED ? cudaErrorMemoryAllocation : cudaErrorUnknown; \
   } while (0)
 
 template <typename T, int D>
-Status run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hsegs, const KMeansBatchShape &sh,
+cudaError_t run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hsegs, const KMeansBatchShape &sh,
                  const Layout &L, int end_bit, const KMeansBatchOut &out, uint8_t *ws, void *cublas,
                  cudaStream_t stream) {
   const uint32_t S = sh.segments, Tm = sh.max_tokens, Km = sh.max_clusters;
@@ -1160,7 +1112,7 @@ Status run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hsegs, c
   centroid_big_kernel<T, D><<<kBigBlocks, kBigWarpsSums * 32, 0, stream>>>(segs, ao.counts, starts, renum,
                                                                           sorted_vals, Tm, Km, big_n, big_ids, out);
   WKV_CUDA_CHECK_LAUNCH("centroid_big_kernel");
-  return Status::ok();
+  return cudaSuccess;
 }
 
 // Pages ---------------------------------------------------------------------------
@@ -1194,81 +1146,59 @@ __global__ void write_pages_batch_kernel(const WritePagesJob *jobs, uint32_t cpr
             uint64_t(gridDim.x) * blockDim.x);
 }
 
-Status check_page_args(uint32_t row_bytes, uint32_t page_tokens) {
+cudaError_t check_page_args(uint32_t row_bytes, uint32_t page_tokens) {
   if (row_bytes == 0 || row_bytes % 16 != 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "row_bytes %u is not a positive multiple of 16", row_bytes);
-  if (page_tokens == 0) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "page_tokens is 0");
-  return Status::ok();
+    return cudaErrorInvalidValue;
+  if (page_tokens == 0) return cudaErrorInvalidValue;
+  return cudaSuccess;
 }
 
 constexpr uint32_t kPageBlocksMax = 2048;
 
 }  // namespace
 
-KMeansBatchShape kmeans_batch_shape(const KMeansSegmentDesc *segs, uint32_t n) {
-  KMeansBatchShape sh;
-  sh.segments = n;
-  for (uint32_t s = 0; s < n; ++s) {
-    sh.max_tokens = std::max(sh.max_tokens, segs[s].tokens);
-    sh.max_clusters = std::max(sh.max_clusters, clamp_k(segs[s].clusters, segs[s].tokens));
-    sh.total_tokens += segs[s].tokens;
-  }
-  return sh;
-}
-
-void kmeans_batch_offsets(const KMeansSegmentDesc *segs, uint32_t n, uint64_t *tok_off, uint64_t *clu_off) {
-  uint64_t t = 0, c = 0;
-  for (uint32_t s = 0; s < n; ++s) {
-    if (tok_off) tok_off[s] = t;
-    if (clu_off) clu_off[s] = c;
-    t += segs[s].tokens;
-    c += clamp_k(segs[s].clusters, segs[s].tokens);
-  }
-}
-
-Status kmeans_batch_workspace_size(const KMeansBatchParams &p, const KMeansBatchShape &shape, size_t *bytes) {
-  if (!bytes) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "bytes is null");
+cudaError_t kmeans_batch_workspace_size(const KMeansBatchParams &p, const KMeansBatchShape &shape, size_t *bytes) {
+  if (!bytes) return cudaErrorInvalidValue;
   if (!head_dim_ok(p.head_dim))
-    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "head_dim %u has no CUDA k-means", p.head_dim);
+    return cudaErrorNotSupported;
   Layout L;
-  WKV_RETURN_IF_ERROR(make_layout(p, shape, 32, &L));
+  WKV_CUDA_TRY(make_layout(p, shape, 32, &L));
   *bytes = L.total;
-  return Status::ok();
+  return cudaSuccess;
 }
 
-Status kmeans_cublas_create(void **handle) {
-  if (!handle) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "handle is null");
+cudaError_t kmeans_cublas_create(void **handle) {
+  if (!handle) return cudaErrorInvalidValue;
   cublasHandle_t h = nullptr;
   WKV_CUBLAS_CHECK(cublasCreate(&h));
   *handle = h;
-  return Status::ok();
+  return cudaSuccess;
 }
 
 void kmeans_cublas_destroy(void *handle) {
   if (handle) cublasDestroy(static_cast<cublasHandle_t>(handle));
 }
 
-Status kmeans_batch_cuda(const KMeansBatchParams &p, const KMeansSegmentDesc *segs, uint32_t n,
+cudaError_t kmeans_batch_cuda(const KMeansBatchParams &p, const KMeansSegmentDesc *segs, uint32_t n,
                          const KMeansBatchOut &out, void *workspace, size_t workspace_bytes, void *cublas,
                          cudaStream_t stream) {
-  if (n == 0) return Status::ok();
+  if (n == 0) return cudaSuccess;
   if (!segs || !workspace || !out.n_clusters || !out.begin || !out.order || !out.centroid || !out.value_sum ||
       !out.size)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means: a null pointer");
+    return cudaErrorInvalidValue;
   if (p.assign == KMeansAssign::kCublas && !cublas)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means: the cuBLAS path needs a cuBLAS handle");
+    return cudaErrorInvalidValue;
   if (p.assign != KMeansAssign::kFused && p.assign != KMeansAssign::kCublas)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means: unknown assignment path %u", unsigned(p.assign));
+    return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means workspace is not 256-byte aligned");
+    return cudaErrorInvalidValue;
   std::vector<DevSeg> hsegs(n);
   uint64_t tok = 0, clu = 0;
   for (uint32_t s = 0; s < n; ++s) {
     const KMeansSegmentDesc &d = segs[s];
     if (d.tokens == 0 || d.tokens > kKMeansMaxTokens)
-      return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means segment %u has %u tokens (1..%u)", s, d.tokens,
-                       kKMeansMaxTokens);
-    if (!d.keys || !d.values) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means segment %u: null rows", s);
+      return cudaErrorInvalidValue;
+    if (!d.keys || !d.values) return cudaErrorInvalidValue;
     hsegs[s] = DevSeg{d.keys, d.values, d.tokens, clamp_k(d.clusters, d.tokens), static_cast<uint32_t>(tok),
                       static_cast<uint32_t>(clu), d.seed};
     tok += d.tokens;
@@ -1277,46 +1207,45 @@ Status kmeans_batch_cuda(const KMeansBatchParams &p, const KMeansSegmentDesc *se
   const KMeansBatchShape sh = kmeans_batch_shape(segs, n);
   const int end_bit = static_cast<int>(std::max<uint32_t>(1, bit_width(uint64_t(sh.segments) * sh.max_clusters - 1)));
   Layout L;
-  WKV_RETURN_IF_ERROR(make_layout(p, sh, end_bit, &L));
+  WKV_CUDA_TRY(make_layout(p, sh, end_bit, &L));
   if (L.total > workspace_bytes)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "k-means workspace holds %zu bytes, the batch needs %zu",
-                     workspace_bytes, L.total);
+    return cudaErrorInvalidValue;
   uint8_t *ws = static_cast<uint8_t *>(workspace);
-  return WKV_DISPATCH_HEAD_DIM(p.head_dim, HD, [&]() -> Status {
+  return WKV_DISPATCH_HEAD_DIM(p.head_dim, HD, [&]() -> cudaError_t {
     switch (p.dtype) {
       case DType::kF32: return run_batch<float, HD>(p, hsegs, sh, L, end_bit, out, ws, cublas, stream);
       case DType::kF16: return run_batch<f16, HD>(p, hsegs, sh, L, end_bit, out, ws, cublas, stream);
       case DType::kBF16: return run_batch<bf16, HD>(p, hsegs, sh, L, end_bit, out, ws, cublas, stream);
     }
-    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "k-means: unknown dtype %u", unsigned(p.dtype));
+    return cudaErrorNotSupported;
   });
 }
 
-Status write_pages_cuda(const WritePagesJob &job, uint32_t row_bytes, uint32_t page_tokens, cudaStream_t stream) {
-  WKV_RETURN_IF_ERROR(check_page_args(row_bytes, page_tokens));
-  if (job.tokens == 0) return Status::ok();
+cudaError_t write_pages_cuda(const WritePagesJob &job, uint32_t row_bytes, uint32_t page_tokens, cudaStream_t stream) {
+  WKV_CUDA_TRY(check_page_args(row_bytes, page_tokens));
+  if (job.tokens == 0) return cudaSuccess;
   if (!job.order || !job.k || !job.v || !job.pages)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "write_pages: a null pointer");
+    return cudaErrorInvalidValue;
   const uint32_t cpr = row_bytes / 16;
   const uint64_t chunks = uint64_t(job.tokens) * cpr;
   const unsigned blocks = static_cast<unsigned>(std::min<uint64_t>((chunks + 255) / 256, kPageBlocksMax));
   write_pages_kernel<<<blocks, 256, 0, stream>>>(job, cpr, row_bytes, page_tokens);
   WKV_CUDA_CHECK_LAUNCH("write_pages_kernel");
-  return Status::ok();
+  return cudaSuccess;
 }
 
-Status write_pages_batch_cuda(const WritePagesJob *jobs, uint32_t n, uint32_t max_tokens, uint32_t row_bytes,
+cudaError_t write_pages_batch_cuda(const WritePagesJob *jobs, uint32_t n, uint32_t max_tokens, uint32_t row_bytes,
                               uint32_t page_tokens, cudaStream_t stream) {
-  WKV_RETURN_IF_ERROR(check_page_args(row_bytes, page_tokens));
-  if (n == 0 || max_tokens == 0) return Status::ok();
-  if (!jobs) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "write_pages: jobs is null");
-  if (n > 65535) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "write_pages: %u jobs (at most 65535)", n);
+  WKV_CUDA_TRY(check_page_args(row_bytes, page_tokens));
+  if (n == 0 || max_tokens == 0) return cudaSuccess;
+  if (!jobs) return cudaErrorInvalidValue;
+  if (n > 65535) return cudaErrorInvalidValue;
   const uint32_t cpr = row_bytes / 16;
   const uint64_t chunks = uint64_t(max_tokens) * cpr;
   const unsigned bx = static_cast<unsigned>(std::min<uint64_t>((chunks + 255) / 256, 256));
   write_pages_batch_kernel<<<dim3(bx, n), 256, 0, stream>>>(jobs, cpr, row_bytes, page_tokens);
   WKV_CUDA_CHECK_LAUNCH("write_pages_batch_kernel");
-  return Status::ok();
+  return cudaSuccess;
 }
 
 }  // namespace wkv::kernels

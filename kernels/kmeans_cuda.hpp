@@ -1,5 +1,5 @@
 // Segmented spherical k-means on the device, and the write of clustered
-// segments into pages. Plain C++ (no CUDA header): the CUDA backend's host
+// segments into pages. Plain C++ (only the CUDA runtime's type declarations): the CUDA backend's host
 // code includes it with any C++ compiler.
 //
 // The device k-means is kmeans_segment (kernels/cpu_kernels.hpp) batched:
@@ -12,27 +12,12 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "lib/common/dtype.hpp"
-#include "lib/common/status.hpp"
+#include <driver_types.h>  // cudaError_t, cudaStream_t
 
-// The CUDA runtime's stream type, declared exactly as cuda_runtime.h does.
-struct CUstream_st;
-typedef struct CUstream_st *cudaStream_t;
+#include "kernels/dtype.hpp"
+#include "kernels/kmeans_types.hpp"
 
 namespace wkv::kernels {
-
-// Largest segment the device k-means takes (tokens).
-constexpr uint32_t kKMeansMaxTokens = 65536;
-
-// One segment to cluster; a host-side descriptor whose pointers are device
-// memory.
-struct KMeansSegmentDesc {
-  const void *keys = nullptr;    // device [tokens][d], storage dtype, contiguous
-  const void *values = nullptr;  // device [tokens][d], only feed value_sum
-  uint32_t tokens = 0;           // T, 1 .. kKMeansMaxTokens
-  uint32_t clusters = 0;         // k requested; clamped to [1, T]
-  uint64_t seed = 0;             // same seed and input, same clusters
-};
 
 // How the assignment step computes its [T x d] x [d x k] product.
 enum class KMeansAssign : uint32_t {
@@ -64,57 +49,16 @@ struct KMeansBatchParams {
   size_t score_bytes = 64u << 20;  // kCublas only: score buffer bound (64 MiB)
 };
 
-// Bounds of a batch, for sizing its workspace: a workspace sized for a shape
-// serves every batch within it.
-struct KMeansBatchShape {
-  uint32_t segments = 0;      // S
-  uint32_t max_tokens = 0;    // largest T
-  uint32_t max_clusters = 0;  // largest clamped k (min(k, T), at least 1)
-  uint64_t total_tokens = 0;  // sum of T
-};
-
-// The batch's outputs, in device memory, packed by segment. With
-//   tok_off[s] = sum of T over segments before s,
-//   clu_off[s] = sum of clamped k over segments before s,
-// segment s owns
-//   n_clusters[s]                          clusters kept (no empty one), C_s
-//   order[tok_off[s] .. + T)               segment-local token indices,
-//                                          grouped by cluster, ascending within
-//   begin[clu_off[s] + s .. + k + 1)       begin[c] for c <= C_s as in
-//                                          SegmentClusters; entries past C_s = T
-//   size[clu_off[s] .. + k)                members of cluster c; 0 past C_s
-//   centroid[(clu_off[s] + c) * d + i]     plain mean of the members' original
-//                                          keys (f32); 0 past C_s
-//   value_sum[(clu_off[s] + c) * d + i]    sum of the members' values (f32)
-// Sizes: order sum T; begin sum k + S; size sum k; centroid and value_sum
-// sum k * d. kmeans_batch_offsets gives tok_off and clu_off.
-struct KMeansBatchOut {
-  uint32_t *n_clusters = nullptr;
-  uint32_t *begin = nullptr;
-  uint32_t *order = nullptr;
-  float *centroid = nullptr;
-  float *value_sum = nullptr;
-  uint32_t *size = nullptr;
-};
-
-// The tight shape of a batch of n host descriptors.
-KMeansBatchShape kmeans_batch_shape(const KMeansSegmentDesc *segs, uint32_t n);
-
-// tok_off[s] and clu_off[s] of a batch (host arrays of n entries each; either
-// may be null), as KMeansBatchOut describes them.
-void kmeans_batch_offsets(const KMeansSegmentDesc *segs, uint32_t n,
-                          uint64_t *tok_off, uint64_t *clu_off);
-
 // Bytes of device workspace that kmeans_batch_cuda needs for any batch within
 // `shape` under `p`. Allocate once (cudaMalloc: 256-byte aligned) and reuse;
-// WKV_ERR_INVALID_ARGUMENT for an unsupported shape or head_dim.
-Status kmeans_batch_workspace_size(const KMeansBatchParams &p,
+// cudaErrorInvalidValue for an unsupported shape or head_dim.
+cudaError_t kmeans_batch_workspace_size(const KMeansBatchParams &p,
                                    const KMeansBatchShape &shape, size_t *bytes);
 
 // Creates and destroys the cuBLAS handle that kmeans_batch_cuda takes
 // (cublasHandle_t as void*). One handle per stream that runs k-means at a
 // time; destroying nullptr is a no-op.
-Status kmeans_cublas_create(void **handle);
+cudaError_t kmeans_cublas_create(void **handle);
 void kmeans_cublas_destroy(void *handle);
 
 // Clusters n segments (host descriptors `segs`, device data) into `out`,
@@ -127,10 +71,10 @@ void kmeans_cublas_destroy(void *handle);
 // KMeansAssign::kCublas and may be null otherwise; the call binds it to
 // `stream`.
 //
-// Errors: WKV_ERR_INVALID_ARGUMENT (T = 0 or above kKMeansMaxTokens,
-// workspace too small, a null pointer), WKV_ERR_UNSUPPORTED (head_dim),
-// WKV_ERR_DEVICE (a CUDA or cuBLAS failure at launch).
-Status kmeans_batch_cuda(const KMeansBatchParams &p,
+// Errors: cudaErrorInvalidValue (T = 0 or above kKMeansMaxTokens,
+// workspace too small, a null pointer), cudaErrorNotSupported (head_dim),
+// a CUDA error (a CUDA or cuBLAS failure at launch).
+cudaError_t kmeans_batch_cuda(const KMeansBatchParams &p,
                          const KMeansSegmentDesc *segs, uint32_t n,
                          const KMeansBatchOut &out, void *workspace,
                          size_t workspace_bytes, void *cublas,
@@ -154,13 +98,13 @@ struct WritePagesJob {
 };
 
 // Writes one segment (`job` in host memory, its pointers device-accessible).
-// row_bytes is a multiple of 16. WKV_ERR_INVALID_ARGUMENT otherwise.
-Status write_pages_cuda(const WritePagesJob &job, uint32_t row_bytes,
+// row_bytes is a multiple of 16. cudaErrorInvalidValue otherwise.
+cudaError_t write_pages_cuda(const WritePagesJob &job, uint32_t row_bytes,
                         uint32_t page_tokens, cudaStream_t stream);
 
 // Writes n jobs in one launch; `jobs` is a device array, max_tokens bounds
 // every job's tokens (it sizes the grid).
-Status write_pages_batch_cuda(const WritePagesJob *jobs, uint32_t n,
+cudaError_t write_pages_batch_cuda(const WritePagesJob *jobs, uint32_t n,
                               uint32_t max_tokens, uint32_t row_bytes,
                               uint32_t page_tokens, cudaStream_t stream);
 

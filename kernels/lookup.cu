@@ -615,7 +615,7 @@ __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__r
 // 4. Offsets -----------------------------------------------------------------
 
 __global__ void __launch_bounds__(kOffsetThreads) offsets_kernel(const uint32_t *__restrict__ run_tokens,
-                                                                 uint32_t R, int32_t *offsets) {
+                                                                 uint32_t R, int32_t *offsets, StepMark mark) {
   __shared__ uint32_t tmp[32];
   wait_prior_grid();
   uint32_t carry = 0;
@@ -628,6 +628,7 @@ __global__ void __launch_bounds__(kOffsetThreads) offsets_kernel(const uint32_t 
     carry += total;
   }
   if (threadIdx.x == 0) offsets[R] = static_cast<int32_t>(carry);
+  signal_step_end(mark);
 }
 
 // Whether estimate_kernel<D, kEstSplits> was compiled for sm_90 or later
@@ -644,74 +645,71 @@ bool cluster_estimate_usable() {
 
 // Raises fn's dynamic shared memory limit to `bytes`, once per device
 // (the attribute belongs to the current device's context).
-Status ensure_smem(const void *fn, size_t bytes, std::atomic<uint64_t> *done) {
-  if (bytes <= 48 * 1024) return Status::ok();
+cudaError_t ensure_smem(const void *fn, size_t bytes, std::atomic<uint64_t> *done) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
   int dev = 0;
   WKV_CUDA_CHECK(cudaGetDevice(&dev));
   const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (bit && (done->load(std::memory_order_relaxed) & bit)) return Status::ok();
+  if (bit && (done->load(std::memory_order_relaxed) & bit)) return cudaSuccess;
   WKV_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   done->fetch_or(bit, std::memory_order_relaxed);
-  return Status::ok();
+  return cudaSuccess;
 }
 
 
 template <uint32_t D>
-Status lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
-                   const DevLookup &out, float *scores, uint32_t max_clusters, cudaStream_t s) {
+cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
+                   const DevLookup &out, float *scores, uint32_t max_clusters, const StepMark &mark, cudaStream_t s) {
   static std::atomic<uint64_t> logits_smem_set{0}, select_smem_set{0};
   if (R > 0 && max_clusters > 0) {
     // 1. Logits.
     const uint32_t tiles = (max_clusters + kTileC - 1) / kTileC;
-    WKV_RETURN_IF_ERROR(ensure_smem(reinterpret_cast<const void *>(logits_kernel<D>), logits_smem<D>(kMaxGroup),
+    WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(logits_kernel<D>), logits_smem<D>(kMaxGroup),
                                     &logits_smem_set));
-    WKV_RETURN_IF_ERROR(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), logits_smem<D>(G), s, 1,
+    WKV_CUDA_TRY(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), logits_smem<D>(G), s, 1,
                                    runs, G, scale, q, out.logits));
   }
   if (R > 0) {
     // 2. Scores and selection.
     const uint32_t cap = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
-    WKV_RETURN_IF_ERROR(ensure_smem(reinterpret_cast<const void *>(select_kernel),
+    WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(select_kernel),
                                     kLookupSmemClusters * sizeof(uint32_t), &select_smem_set));
-    WKV_RETURN_IF_ERROR(launch_pdl(select_kernel, dim3(R), dim3(kSelectThreads), cap * sizeof(uint32_t), s, 1,
+    WKV_CUDA_TRY(launch_pdl(select_kernel, dim3(R), dim3(kSelectThreads), cap * sizeof(uint32_t), s, 1,
                                    runs, G, out, scores, cap));
 
     // 3. Estimate.
     static const bool clusters_ok = cluster_estimate_usable<D>();
     if (clusters_ok) {
-      WKV_RETURN_IF_ERROR(launch_pdl(estimate_kernel<D, kEstSplits>, dim3(R * G * kEstSplits), dim3(kEstThreads),
+      WKV_CUDA_TRY(launch_pdl(estimate_kernel<D, kEstSplits>, dim3(R * G * kEstSplits), dim3(kEstThreads),
                                      0, s, kEstSplits, runs, G, out));
     } else {
-      WKV_RETURN_IF_ERROR(launch_pdl(estimate_kernel<D, 1>, dim3(R * G), dim3(kEstThreads), 0, s, 1, runs, G, out));
+      WKV_CUDA_TRY(launch_pdl(estimate_kernel<D, 1>, dim3(R * G), dim3(kEstThreads), 0, s, 1, runs, G, out));
     }
   }
   // 4. Offsets.
   return launch_pdl(offsets_kernel, dim3(1), dim3(kOffsetThreads), 0, s, 1,
-                    static_cast<const uint32_t *>(out.run_tokens), R, out.offsets);
+                    static_cast<const uint32_t *>(out.run_tokens), R, out.offsets, mark);
 }
 
 }  // namespace
 
-Status lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale,
+cudaError_t lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale,
                     const float *q, const DevLookup &out, float *scores, uint32_t max_clusters,
-                    void *stream) {
+                    void *stream, const StepMark &mark) {
   if (G == 0 || G > kMaxGroup)
-    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "lookup_zones: %u query heads per KV head (1..%u supported)", G,
-                     kMaxGroup);
+    return cudaErrorNotSupported;
   if (max_clusters > kLookupSmemClusters && scores == nullptr)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
-                     "lookup_zones: runs of up to %u clusters need the scores scratch (more than %u)",
-                     max_clusters, kLookupSmemClusters);
+    return cudaErrorInvalidValue;
   if (R > 0 && (runs == nullptr || q == nullptr || out.ret_ids == nullptr || out.ret_pos == nullptr ||
                 out.est_ids == nullptr || out.run_tokens == nullptr || out.est_out == nullptr ||
                 out.est_lse == nullptr || (max_clusters > 0 && out.logits == nullptr)))
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "lookup_zones: a null device pointer");
-  if (out.offsets == nullptr) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "lookup_zones: null offsets");
+    return cudaErrorInvalidValue;
+  if (out.offsets == nullptr) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(q) % 16 != 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "lookup_zones: q must be 16-byte aligned");
+    return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> Status {
-    return lookup_impl<HEAD_DIM>(runs, R, G, scale, q, out, scores, max_clusters, s);
+  return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> cudaError_t {
+    return lookup_impl<HEAD_DIM>(runs, R, G, scale, q, out, scores, max_clusters, mark, s);
   });
 }
 

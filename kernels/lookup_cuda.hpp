@@ -9,8 +9,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <driver_types.h>  // cudaError_t, cudaStream_t
+
 #include "kernels/device_layout.hpp"
-#include "lib/common/status.hpp"
 
 namespace wkv::kernels {
 
@@ -35,7 +36,7 @@ constexpr uint32_t kMaxGroup = 32;
 //   scores     optional f32 scratch, [clusters] per run at scratch_off / G
 //              (so sized like out.logits / G). When given, every run's
 //              scores are written there (handy for checks). Required (else
-//              WKV_ERR_INVALID_ARGUMENT) when max_clusters > kLookupSmemClusters:
+//              cudaErrorInvalidValue) when max_clusters > kLookupSmemClusters:
 //              larger runs select over it instead of shared memory.
 //   max_clusters  host-known upper bound of clusters over the runs: sizes
 //              the grid. A run with more clusters is a caller bug; the
@@ -43,12 +44,13 @@ constexpr uint32_t kMaxGroup = 32;
 //
 // Pre: n_ret + n_est <= clusters for each run (clamped on the device if not);
 // 1 <= G <= kMaxGroup; d in {64, 80, 96, 128, 256}.
+// `mark`: where the last kernel reports the step's end (StepMark).
 // Selection is exact: ret_ids and est_ids are the ids select_zones returns
 // for the scores this kernel computed (score descending, ties to the lower
 // id, NaN as -inf, both sorted ascending). est_out/est_lse follow
 // estimate_zone (zeros and -inf when a run has no estimation cluster).
-Status lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale,
+cudaError_t lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale,
                     const float *q, const DevLookup &out, float *scores, uint32_t max_clusters,
-                    void *stream);
+                    void *stream, const StepMark &mark = StepMark{});
 
 }  // namespace wkv::kernels

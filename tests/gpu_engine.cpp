@@ -215,30 +215,75 @@ TEST(GpuEngine, DefaultBudgetIsAsAccurateAsTheCpuEngine) {
   EXPECT_LT(median(eg), median(ec) * 1.25 + 0.01);
 }
 
-TEST(GpuEngine, CapturedStepReplaysWithTheSameResult) {
+// Until whole-step graphs exist, a step captured into a CUDA graph would
+// replay its run table and epochs as they were: capturing is refused before
+// anything is enqueued or changed, and the engine stays usable (the capture
+// ends cleanly, with nothing of the engine in it).
+TEST(GpuEngine, CapturingAStepIsRefusedAndChangesNothing) {
   REQUIRE_GPU();
   Twin t(0.018f, 0.232f);
   t.append(6000);
   std::vector<float> q = t.query();
   std::vector<float> direct = t.decode_gpu(q);
   DevVec dq(pack(kDT, q)), dout(q.size() * 2);
-  ASSERT_EQ(cudaMemset(dout.p, 0xff, dout.n), cudaSuccess);
+  std::vector<uint8_t> kb, vb;
+  t.draw(1, &kb, &vb);
+  DevVec dk(kb), dv(vb);
   wkv_seq *s = t.sgpu.get();
-  cudaGraph_t graph;
+  const wkv_seq_info before = t.sgpu.info(0);
+  cudaGraph_t graph = nullptr;
   ASSERT_EQ(cudaStreamBeginCapture(t.stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  int rc = wkv_decode(t.pgpu.get(), &s, 1, 0, dq.p, 0, 0, dout.p, 0, 0, t.stream);
-  ASSERT_EQ(cudaStreamEndCapture(t.stream, &graph), cudaSuccess);
-  ASSERT_EQ(rc, WKV_OK) << wkv_last_error();
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (int i = 0; i < 3; ++i) {
-    ASSERT_EQ(cudaMemset(dout.p, 0xff, dout.n), cudaSuccess);
-    ASSERT_EQ(cudaGraphLaunch(exec, t.stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
-    EXPECT_EQ(unpack(kDT, dout.host(), q.size()), direct) << "replay " << i;
-  }
-  cudaGraphExecDestroy(exec);
+  const int rc_decode = wkv_decode(t.pgpu.get(), &s, 1, 0, dq.p, 0, 0, dout.p, 0, 0, t.stream);
+  const std::string msg = wkv_last_error();
+  const int rc_append = wkv_seq_append(s, 0, dk.p, dv.p, 1, 0, 0, t.stream);
+  const int rc_lookup = wkv_lookup(t.pgpu.get(), &s, 1, 0, dq.p, 0, 0, t.stream);
+  ASSERT_EQ(cudaStreamEndCapture(t.stream, &graph), cudaSuccess) << "the refused calls left the capture valid";
+  EXPECT_EQ(rc_decode, WKV_ERR_UNSUPPORTED);
+  EXPECT_NE(msg.find("captured"), std::string::npos) << msg;
+  EXPECT_EQ(rc_append, WKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(rc_lookup, WKV_ERR_UNSUPPORTED);
+  size_t nodes = 1;
+  ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
+  EXPECT_EQ(nodes, 0u) << "nothing was enqueued";
   cudaGraphDestroy(graph);
+  EXPECT_EQ(t.sgpu.info(0).tokens, before.tokens) << "nothing was appended";
+  EXPECT_EQ(t.decode_gpu(q), direct) << "the engine is as before";
+}
+
+// Defect 1 of the redesign: a plan destroyed between lookup and update (or a
+// step never updated) left its epoch in flight for ever; quarantined frames
+// were never released again and the cache drained to nothing. Here every
+// step's plan is destroyed right after its assemble, over a cache smaller
+// than what the steps read: frames keep being evicted and admitted again.
+TEST(GpuEngine, AbandonedStepsStillGiveTheirFramesBack) {
+  REQUIRE_GPU();
+  Twin t(0.2f, 0.2f, 96 * 4096);
+  t.append(12000);
+  std::vector<std::unique_ptr<DevVec>> keep;
+  for (int i = 0; i < 40; ++i) {
+    std::vector<float> q = t.query();
+    keep.push_back(std::make_unique<DevVec>(pack(kDT, q)));
+    wavekv::Plan p(t.gpu);
+    wkv_seq *s = t.sgpu.get();
+    ASSERT_EQ(wkv_lookup(p.get(), &s, 1, 0, keep.back()->p, 0, 0, t.stream), WKV_OK) << wkv_last_error();
+    ASSERT_EQ(wkv_assemble(p.get(), t.stream), WKV_OK) << wkv_last_error();
+  }  // each plan destroyed with its step in flight, never updated
+  ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
+  ASSERT_TRUE(manager_caught_up(t.gpu));
+  const wkv_stats s0 = t.gpu.stats();
+  std::printf("after 40 abandoned steps: %llu admissions, %llu evictions (cache of 96 frames)\n",
+              static_cast<unsigned long long>(s0.cache_admissions),
+              static_cast<unsigned long long>(s0.cache_evictions));
+  EXPECT_GT(s0.cache_admissions, 2u * 96u) << "frames were freed and admitted again";
+  EXPECT_GT(s0.cache_evictions, 96u);
+  // The cache still serves: a repeated query hits.
+  std::vector<float> q = t.query();
+  t.decode_gpu(q);
+  ASSERT_TRUE(manager_caught_up(t.gpu));
+  const wkv_stats s1 = t.gpu.stats();
+  EXPECT_LT(t.error(q, t.decode_gpu(q)), 1e-1);
+  const wkv_stats s2 = t.gpu.stats();
+  EXPECT_GT(s2.cache_hits, s1.cache_hits);
 }
 
 TEST(GpuEngine, CacheWarmsUpOverRepeatedQueriesAndKeepsItsSize) {
@@ -369,6 +414,87 @@ TEST(GpuEngine, ConcurrentGrowthsOnTwoStreamsStayExact) {
   EXPECT_LT(a.worst, 1e-2);
   EXPECT_LT(b.worst, 1e-2);
   EXPECT_EQ(a.seq.info(0).segments, b.seq.info(0).segments);
+}
+
+// Defect 3: destroying a sequence synchronized the device and freed every
+// head buffer with cudaFree. Its memory now goes in stream order once the
+// steps that read it have ended: the destroy returns while the device is
+// still busy with the sequence's own work.
+TEST(GpuEngine, DestroyingASequenceDoesNotWaitForTheDevice) {
+  REQUIRE_GPU();
+  Twin t(1.0f, 0.0f);
+  t.append(3000);
+  wkv_stats s0 = t.gpu.stats();
+  auto seq = std::make_unique<wavekv::Sequence>(t.gpu);
+  std::vector<uint8_t> kb, vb;
+  t.draw(2000, &kb, &vb);
+  DevVec dk(kb), dv(vb);
+  // The stream is held for 400 ms behind a host function; the sequence's
+  // appends and a decode of it wait behind it.
+  ASSERT_EQ(cudaLaunchHostFunc(
+                t.stream, [](void *) { std::this_thread::sleep_for(std::chrono::milliseconds(400)); }, nullptr),
+            cudaSuccess);
+  seq->append(0, dk.p, dv.p, 2000, 0, 0, t.stream);
+  std::vector<float> q = t.query();
+  DevVec dq(pack(kDT, q)), dout(q.size() * 2);
+  auto plan = std::make_unique<wavekv::Plan>(t.gpu);
+  wkv_seq *s = seq->get();
+  ASSERT_EQ(wkv_decode(plan->get(), &s, 1, 0, dq.p, 0, 0, dout.p, 0, 0, t.stream), WKV_OK) << wkv_last_error();
+  const auto t0 = std::chrono::steady_clock::now();
+  seq.reset();   // the plan still holds it
+  plan.reset();  // the sequence's last reference: its memory is released
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(ms, 100.0) << "destroying waited for the device";
+  ASSERT_EQ(cudaStreamQuery(t.stream), cudaErrorNotReady) << "the device is still busy with the sequence";
+  ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
+  ASSERT_TRUE(manager_caught_up(t.gpu));
+  const wkv_stats s1 = t.gpu.stats();
+  EXPECT_EQ(s1.sequences, s0.sequences);
+  EXPECT_EQ(s1.tokens, s0.tokens);
+  EXPECT_EQ(s1.pages_used, s0.pages_used) << "the pages came back once the steps had ended";
+  EXPECT_LT(t.error(q, t.decode_gpu(q)), 1e-2) << "the other sequence is untouched";
+}
+
+// Defect 6: verbs set the engine's device and never restored the caller's.
+TEST(GpuEngine, VerbsLeaveTheCallersDeviceCurrent) {
+  REQUIRE_GPU();
+  int n = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&n), cudaSuccess);
+  if (n < 2) GTEST_SKIP() << "needs two CUDA devices";
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  wkv_config c = config(WKV_DEVICE_CUDA, 1.0f, 0.0f);
+  c.device_id = 1;
+  wavekv::Engine e(c);
+  wavekv::Sequence seq(e);
+  wavekv::Plan plan(e);
+  Context ctx(5);
+  std::vector<uint8_t> kb, vb;
+  ctx.draw(2000, &kb, &vb);
+  DevVec dk(kb), dv(vb);
+  std::vector<float> q = ctx.query();
+  DevVec dq(pack(kDT, q)), dout(q.size() * 2);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  auto current = [] {
+    int d = -1;
+    cudaGetDevice(&d);
+    return d;
+  };
+  ASSERT_EQ(wkv_seq_append(seq.get(), 0, dk.p, dv.p, 2000, 0, 0, nullptr), WKV_OK) << wkv_last_error();
+  EXPECT_EQ(current(), 0);
+  wkv_seq *s = seq.get();
+  ASSERT_EQ(wkv_lookup(plan.get(), &s, 1, 0, dq.p, 0, 0, nullptr), WKV_OK) << wkv_last_error();
+  EXPECT_EQ(current(), 0);
+  ASSERT_EQ(wkv_assemble(plan.get(), nullptr), WKV_OK);
+  ASSERT_EQ(wkv_attend(plan.get(), dout.p, 0, 0, nullptr, nullptr), WKV_OK);
+  ASSERT_EQ(wkv_update(plan.get(), nullptr), WKV_OK);
+  EXPECT_EQ(current(), 0);
+  (void)e.stats();
+  EXPECT_EQ(current(), 0);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_LT(ctx.error(q, unpack(kDT, dout.host(), q.size())), 1e-2);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
 TEST(GpuEngine, BadInputIsRefusedAndTheEngineStaysUsable) {

@@ -10,12 +10,13 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "kernels/cpu_kernels.hpp"
 #include "kernels/gather_cuda.hpp"
 #include "kernels/kmeans_cuda.hpp"
-#include "lib/common/dtype.hpp"
+#include "kernels/dtype.hpp"
 
 namespace wkv::kernels {
 namespace {
@@ -32,10 +33,10 @@ bool have_gpu() {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
 
 #define ASSERT_CUDA(x) ASSERT_EQ((x), cudaSuccess) << cudaGetErrorString(x)
-#define ASSERT_OK(x)                                  \
-  do {                                                \
-    ::wkv::Status st_ = (x);                          \
-    ASSERT_TRUE(st_.is_ok()) << st_.message();        \
+#define ASSERT_OK(x)                                        \
+  do {                                                      \
+    const cudaError_t st_ = (x);                            \
+    ASSERT_EQ(st_, cudaSuccess) << cudaGetErrorString(st_); \
   } while (0)
 
 // Device memory owned by a test.
@@ -560,7 +561,7 @@ TEST(KMeansCuda, RejectsBadArguments) {
   size_t bytes = 0;
   ASSERT_OK(kmeans_batch_workspace_size(p, kmeans_batch_shape(&seg, 1), &bytes));
   p.head_dim = 72;
-  EXPECT_EQ(kmeans_batch_workspace_size(p, kmeans_batch_shape(&seg, 1), &bytes).code(), WKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(kmeans_batch_workspace_size(p, kmeans_batch_shape(&seg, 1), &bytes), cudaErrorNotSupported);
   p.head_dim = 128;
   DevBuf rows(100 * 128 * 2), ws(bytes), outb(1 << 20);
   seg.keys = rows.p;
@@ -568,14 +569,14 @@ TEST(KMeansCuda, RejectsBadArguments) {
   KMeansBatchOut o;
   o.n_clusters = o.begin = o.order = o.size = outb.as<uint32_t>();
   o.centroid = o.value_sum = outb.as<float>();
-  EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes - 256, nullptr, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes - 256, nullptr, nullptr), cudaErrorInvalidValue);
   p.assign = KMeansAssign::kCublas;
-  EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes, nullptr, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes, nullptr, nullptr), cudaErrorInvalidValue);
   p.assign = KMeansAssign::kFused;
   seg.tokens = 0;
-  EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes, nullptr, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes, nullptr, nullptr), cudaErrorInvalidValue);
   seg.tokens = kKMeansMaxTokens + 1;
-  EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes, nullptr, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes, nullptr, nullptr), cudaErrorInvalidValue);
   ASSERT_CUDA(cudaDeviceSynchronize());
 }
 
@@ -646,8 +647,8 @@ TEST(WritePagesCuda, PagesMatchTheCpuLayoutByteForByte) {
 TEST(WritePagesCuda, RejectsRowsThatAreNotWholeVectors) {
   REQUIRE_GPU();
   WritePagesJob job;
-  EXPECT_EQ(write_pages_cuda(job, 100, 8, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(write_pages_cuda(job, 256, 0, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(write_pages_cuda(job, 100, 8, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(write_pages_cuda(job, 256, 0, nullptr), cudaErrorInvalidValue);
 }
 
 // Gather ----------------------------------------------------------------------------
@@ -655,36 +656,48 @@ TEST(WritePagesCuda, RejectsRowsThatAreNotWholeVectors) {
 // One run of a random gather problem, on the host.
 struct HostRun {
   uint32_t sink = 0, tail = 0, n_ret = 0;
-  std::vector<uint32_t> first_slot, size, ret_ids, ret_pos;
+  std::vector<uint32_t> first_slot, size, unit_begin, ret_ids, ret_pos;
   std::vector<uint8_t *> pages;     // device-accessible addresses
   std::vector<uint8_t *> page_host; // where the test reads the same bytes
+  std::vector<uint32_t> unit_map;   // frame of each unit, or kNoCacheFrame
   std::vector<uint8_t> sink_k, sink_v, tail_k, tail_v;
 };
 
-TEST(GatherCuda, AssemblesRunsByteForByteAndCountsHitsAndMisses) {
+// Units of a cluster of n members, page_tokens each (the last shorter).
+uint32_t units_of(uint32_t n, uint32_t pt) { return (n + pt - 1) / pt; }
+
+// The assembly reads every unit of a retrieval cluster from its cache frame
+// when the unit map names one, from its host pages otherwise; a missed unit
+// is admitted into the next given frame and mapped there; hits, admissions
+// and their counts are reported, and the step's end last.
+TEST(GatherCuda, AssemblesUnitsFromFramesAndPagesAndAdmitsMisses) {
   REQUIRE_GPU();
   struct Case { uint32_t row_bytes, page_tokens; };
   const Case cases[] = {{256, 8}, {160, 12}, {256, 16}, {512, 1}};
   std::mt19937_64 rng(301);
   for (const Case &cs : cases) {
     SCOPED_TRACE(testing::Message() << "row_bytes " << cs.row_bytes << " page_tokens " << cs.page_tokens);
-    const uint32_t rb = cs.row_bytes, pt = cs.page_tokens, slot_bytes = 2 * pt * rb;
+    const uint32_t rb = cs.row_bytes, pt = cs.page_tokens, frame_bytes = 2 * pt * rb;
     const uint32_t R = 7;
     std::vector<HostRun> runs(R);
-    uint32_t total_pages = 0;
+    uint32_t total_pages = 0, total_units = 0;
     for (uint32_t r = 0; r < R; ++r) {
       HostRun &h = runs[r];
       const uint32_t C = 20 + rng() % 200;
       uint32_t slot = 0;
+      h.unit_begin.push_back(0);
       for (uint32_t c = 0; c < C; ++c) {
         // Mostly ~16 tokens; one big cluster per run spans more than 32 pages.
         const uint32_t n = c == C / 2 ? 40 * pt + 3 : 1 + rng() % 31;
         h.first_slot.push_back(slot);
         h.size.push_back(n);
+        h.unit_begin.push_back(h.unit_begin.back() + units_of(n, pt));
         slot += n;
       }
       h.pages.resize((slot + pt - 1) / pt);
       total_pages += static_cast<uint32_t>(h.pages.size());
+      total_units += h.unit_begin.back();
+      h.unit_map.assign(h.unit_begin.back(), kNoCacheFrame);
       h.sink = rng() % 5;
       h.tail = r == 1 ? 0 : rng() % 65;
       h.n_ret = r == 2 ? 0 : (r == 3 ? C : 1 + rng() % (C / 3));
@@ -700,18 +713,14 @@ TEST(GatherCuda, AssemblesRunsByteForByteAndCountsHitsAndMisses) {
       h.tail_k = random_bytes(rng, size_t(h.tail) * rb);
       h.tail_v = random_bytes(rng, size_t(h.tail) * rb);
     }
-    // Pages: about a third in a device "cache", the rest in mapped host memory.
-    DevBuf cache(size_t(total_pages) * slot_bytes);
-    HostBuf host(size_t(total_pages) * slot_bytes);
+    // Pages in mapped host memory, in a shuffled order; a cache of frames
+    // with their own bytes, a third of the units mapped to one, and as many
+    // free frames given for admissions as half the misses.
+    HostBuf host(size_t(total_pages) * frame_bytes);
     ASSERT_NE(host.p, nullptr);
-    ASSERT_NE(cache.p, nullptr);
-    std::vector<uint8_t> cache_img(size_t(total_pages) * slot_bytes);
     {
-      const auto bytes = random_bytes(rng, size_t(total_pages) * slot_bytes);
+      const auto bytes = random_bytes(rng, size_t(total_pages) * frame_bytes);
       std::memcpy(host.p, bytes.data(), bytes.size());
-      const auto cbytes = random_bytes(rng, size_t(total_pages) * slot_bytes);
-      cache_img = cbytes;
-      ASSERT_CUDA(cudaMemcpy(cache.p, cbytes.data(), cbytes.size(), cudaMemcpyHostToDevice));
     }
     std::vector<uint32_t> perm(total_pages);
     std::iota(perm.begin(), perm.end(), 0u);
@@ -719,16 +728,37 @@ TEST(GatherCuda, AssemblesRunsByteForByteAndCountsHitsAndMisses) {
     uint32_t next = 0;
     for (HostRun &h : runs)
       for (size_t p = 0; p < h.pages.size(); ++p) {
-        const size_t at = size_t(perm[next++]) * slot_bytes;
-        if (rng() % 3 == 0) {
-          h.pages[p] = cache.as<uint8_t>() + at;
-          h.page_host.push_back(cache_img.data() + at);
-        } else {
-          h.pages[p] = host.device() + at;
-          h.page_host.push_back(host.bytes() + at);
-        }
+        const size_t at = size_t(perm[next++]) * frame_bytes;
+        h.pages[p] = host.device() + at;
+        h.page_host.push_back(host.bytes() + at);
       }
-    // Device images of the runs and the lookup.
+    const uint32_t frames = total_units + 16;
+    std::vector<uint8_t> cache_img = random_bytes(rng, size_t(frames) * frame_bytes);
+    DevBuf cache(cache_img.size());
+    ASSERT_NE(cache.p, nullptr);
+    upload(cache, cache_img);
+    std::vector<uint32_t> free_frames(frames);
+    std::iota(free_frames.begin(), free_frames.end(), 0u);
+    std::shuffle(free_frames.begin(), free_frames.end(), rng);
+    uint64_t want_hits = 0, want_misses = 0;
+    for (HostRun &h : runs)
+      for (uint32_t id : h.ret_ids)
+        for (uint32_t u = h.unit_begin[id]; u < h.unit_begin[id + 1]; ++u) {
+          if (rng() % 3 == 0) {
+            h.unit_map[u] = free_frames.back();
+            free_frames.pop_back();
+            ++want_hits;
+          } else {
+            ++want_misses;
+          }
+        }
+    ASSERT_GT(want_hits, 0u);
+    ASSERT_GT(want_misses, 1u);
+    const uint32_t n_given = static_cast<uint32_t>(want_misses / 2);
+    std::vector<uint32_t> given(free_frames.end() - n_given, free_frames.end());
+
+    // Device images of the runs, their unit maps (one chunk each) and the
+    // lookup.
     std::vector<std::unique_ptr<DevBuf>> keep;
     auto dev = [&](const auto &vec) {
       keep.push_back(std::make_unique<DevBuf>(vec.size() * sizeof(vec[0])));
@@ -736,16 +766,23 @@ TEST(GatherCuda, AssemblesRunsByteForByteAndCountsHitsAndMisses) {
       return keep.back()->p;
     };
     std::vector<DevRun> druns(R);
+    std::vector<uint32_t *> chunk_of(R);
     std::vector<uint32_t> all_ids, all_pos;
     std::vector<int32_t> offsets(R + 1, 0);
-    uint64_t want_hits = 0, want_misses = 0;
     for (uint32_t r = 0; r < R; ++r) {
-      const HostRun &h = runs[r];
+      HostRun &h = runs[r];
+      ASSERT_LE(h.unit_map.size(), kUnitMapChunk);
+      std::vector<uint32_t> chunk(kUnitMapChunk, kNoCacheFrame);
+      std::copy(h.unit_map.begin(), h.unit_map.end(), chunk.begin());
+      chunk_of[r] = static_cast<uint32_t *>(dev(chunk));
+      std::vector<uint32_t *> dir{chunk_of[r]};
       DevRun &d = druns[r];
       std::memset(&d, 0, sizeof(d));
       d.size = static_cast<const uint32_t *>(dev(h.size));
       d.first_slot = static_cast<const uint32_t *>(dev(h.first_slot));
+      d.unit_begin = static_cast<const uint32_t *>(dev(h.unit_begin));
       d.pages = static_cast<const uint8_t *const *>(dev(h.pages));
+      d.unit_dir = static_cast<uint32_t *const *>(dev(dir));
       d.sink_k = static_cast<const uint8_t *>(dev(h.sink_k));
       d.sink_v = static_cast<const uint8_t *>(dev(h.sink_v));
       d.tail_k = static_cast<const uint8_t *>(dev(h.tail_k));
@@ -758,25 +795,31 @@ TEST(GatherCuda, AssemblesRunsByteForByteAndCountsHitsAndMisses) {
       all_ids.insert(all_ids.end(), h.ret_ids.begin(), h.ret_ids.end());
       all_pos.insert(all_pos.end(), h.ret_pos.begin(), h.ret_pos.end());
       uint32_t ret_tokens = 0;
-      for (uint32_t id : h.ret_ids) {
-        ret_tokens += h.size[id];
-        const uint32_t first = h.first_slot[id];
-        for (uint32_t p = first / pt; p <= (first + h.size[id] - 1) / pt; ++p) {
-          const bool hit = h.pages[p] >= cache.as<uint8_t>() && h.pages[p] < cache.as<uint8_t>() + cache.n;
-          want_hits += hit;
-          want_misses += !hit;
-        }
-      }
+      for (uint32_t id : h.ret_ids) ret_tokens += h.size[id];
       offsets[r + 1] = offsets[r] + static_cast<int32_t>(h.sink + h.tail + ret_tokens);
     }
-    ASSERT_GT(want_hits, 0u);
-    ASSERT_GT(want_misses, 0u);
     const uint32_t rows = static_cast<uint32_t>(offsets[R]);
     const uint32_t guard = 64;  // rows past the end that must stay untouched
-    DevBuf xk(size_t(rows + guard) * rb), xv(size_t(rows + guard) * rb), counters(16);
+    DevBuf xk(size_t(rows + guard) * rb), xv(size_t(rows + guard) * rb), stats(16), work(16);
     ASSERT_CUDA(cudaMemset(xk.p, 0xee, xk.n));
     ASSERT_CUDA(cudaMemset(xv.p, 0xee, xv.n));
-    ASSERT_CUDA(cudaMemset(counters.p, 0, 16));
+    ASSERT_CUDA(cudaMemset(stats.p, 0, 16));
+    ASSERT_CUDA(cudaMemset(work.p, 0, 16));
+    // The step's record in mapped host memory: given frames, admissions,
+    // hits, counts, and the end mark.
+    const uint32_t hit_cap = static_cast<uint32_t>(want_hits);
+    HostBuf rec(4 * n_given + sizeof(AdmitEntry) * n_given + 4 * hit_cap + 64);
+    ASSERT_NE(rec.p, nullptr);
+    std::memset(rec.p, 0, 4 * n_given + sizeof(AdmitEntry) * n_given + 4 * hit_cap + 64);
+    uint8_t *rh = rec.bytes(), *rd = rec.device();
+    auto *counts_h = reinterpret_cast<uint32_t *>(rh);
+    auto *done_h = reinterpret_cast<unsigned long long *>(rh + 8);
+    auto *admits_h = reinterpret_cast<AdmitEntry *>(rh + 64);
+    auto *given_h = reinterpret_cast<uint32_t *>(rh + 64 + sizeof(AdmitEntry) * n_given);
+    auto *hits_h = given_h + n_given;
+    std::copy(given.begin(), given.end(), given_h);
+    auto to_dev = [&](void *hp) { return rd + (static_cast<uint8_t *>(hp) - rh); };
+
     GatherArgs a;
     a.runs = static_cast<const DevRun *>(dev(druns));
     a.n_runs = R;
@@ -789,31 +832,54 @@ TEST(GatherCuda, AssemblesRunsByteForByteAndCountsHitsAndMisses) {
     a.page_tokens = pt;
     a.xk = xk.as<uint8_t>();
     a.xv = xv.as<uint8_t>();
-    a.cache_base = cache.p;
-    a.cache_bytes = cache.n;
-    a.counters = counters.as<unsigned long long>();
-    ASSERT_OK(gather_cuda(a, nullptr));
+    a.cache = cache.as<uint8_t>();
+    a.frame_bytes = frame_bytes;
+    a.frames = frames;
+    a.given = reinterpret_cast<const uint32_t *>(to_dev(given_h));
+    a.n_given = n_given;
+    a.admits = reinterpret_cast<AdmitEntry *>(to_dev(admits_h));
+    a.hits = reinterpret_cast<uint32_t *>(to_dev(hits_h));
+    a.hit_cap = hit_cap;
+    a.record_counts = reinterpret_cast<uint32_t *>(to_dev(counts_h));
+    a.work = work.as<uint32_t>();
+    a.stats = stats.as<unsigned long long>();
+    a.mark.done = reinterpret_cast<unsigned long long *>(to_dev(done_h));
+    a.mark.epoch = 77;
+    ASSERT_CUDA(gather_cuda(a, nullptr));
     ASSERT_CUDA(cudaDeviceSynchronize());
 
-    // The CPU gather.
+    // The CPU gather: cached units from their frames, the rest from pages.
     std::vector<uint8_t> wk(size_t(rows + guard) * rb, 0xee), wv(size_t(rows + guard) * rb, 0xee);
+    auto member = [&](const HostRun &h, uint32_t id, uint32_t m, const uint8_t **k, const uint8_t **v) {
+      const uint32_t u = h.unit_begin[id] + m / pt, f = h.unit_map[u];
+      if (f != kNoCacheFrame) {
+        const uint8_t *fr = cache_img.data() + size_t(f) * frame_bytes;
+        *k = fr + size_t(m % pt) * rb;
+        *v = fr + size_t(pt + m % pt) * rb;
+      } else {
+        const uint32_t slot = h.first_slot[id] + m;
+        const uint8_t *page = h.page_host[slot / pt];
+        *k = page + size_t(slot % pt) * rb;
+        *v = page + size_t(pt + slot % pt) * rb;
+      }
+    };
     for (uint32_t r = 0; r < R; ++r) {
       const HostRun &h = runs[r];
       size_t row = offsets[r];
-      std::memcpy(&wk[row * rb], h.sink_k.data(), h.sink_k.size());
-      std::memcpy(&wv[row * rb], h.sink_v.data(), h.sink_v.size());
+      if (!h.sink_k.empty()) std::memcpy(&wk[row * rb], h.sink_k.data(), h.sink_k.size());
+      if (!h.sink_v.empty()) std::memcpy(&wv[row * rb], h.sink_v.data(), h.sink_v.size());
       row += h.sink;
-      std::memcpy(&wk[row * rb], h.tail_k.data(), h.tail_k.size());
-      std::memcpy(&wv[row * rb], h.tail_v.data(), h.tail_v.size());
+      if (!h.tail_k.empty()) std::memcpy(&wk[row * rb], h.tail_k.data(), h.tail_k.size());
+      if (!h.tail_v.empty()) std::memcpy(&wv[row * rb], h.tail_v.data(), h.tail_v.size());
       row += h.tail;
       for (uint32_t i = 0; i < h.n_ret; ++i) {
         const uint32_t id = h.ret_ids[i];
         for (uint32_t m = 0; m < h.size[id]; ++m) {
-          const uint32_t slot = h.first_slot[id] + m;
-          const uint8_t *page = h.page_host[slot / pt];
+          const uint8_t *k, *v;
+          member(h, id, m, &k, &v);
           const size_t dst = (row + h.ret_pos[i] + m) * rb;
-          std::memcpy(&wk[dst], page + size_t(slot % pt) * rb, rb);
-          std::memcpy(&wv[dst], page + size_t(pt + slot % pt) * rb, rb);
+          std::memcpy(&wk[dst], k, rb);
+          std::memcpy(&wv[dst], v, rb);
         }
       }
     }
@@ -825,21 +891,77 @@ TEST(GatherCuda, AssemblesRunsByteForByteAndCountsHitsAndMisses) {
       ASSERT_EQ(0, std::memcmp(&gv[row * rb], &wv[row * rb], rb)) << "V row " << row;
     }
     std::vector<unsigned long long> cnt;
-    download(&cnt, counters.p, 2);
+    download(&cnt, stats.p, 2);
     EXPECT_EQ(cnt[0], want_hits);
     EXPECT_EQ(cnt[1], want_misses);
+    // The record: every given frame taken, every hit logged, the end last.
+    EXPECT_EQ(counts_h[0], n_given);
+    EXPECT_EQ(counts_h[1], hit_cap);
+    EXPECT_EQ(*done_h, 77u);
+    std::vector<uint32_t> work_after;
+    download(&work_after, work.p, 4);
+    EXPECT_EQ(work_after[0] + work_after[1] + work_after[2], 0u) << "the last CTA resets the counters";
+    std::multiset<uint32_t> logged(hits_h, hits_h + hit_cap), cached;
+    for (const HostRun &h : runs)
+      for (uint32_t id : h.ret_ids)
+        for (uint32_t u = h.unit_begin[id]; u < h.unit_begin[id + 1]; ++u)
+          if (h.unit_map[u] != kNoCacheFrame) cached.insert(h.unit_map[u]);
+    EXPECT_EQ(logged, cached);
+    // Each admission: its frame holds the unit's rows, laid out like a page,
+    // and its unit map entry names the frame.
+    std::vector<uint8_t> cache_after;
+    download(&cache_after, cache.p, cache.n);
+    std::set<uint32_t> used;
+    for (uint32_t i = 0; i < n_given; ++i) {
+      const AdmitEntry e = admits_h[i];
+      ASSERT_NE(e.entry, 0u) << "admission " << i << " (no other step competes)";
+      EXPECT_EQ(e.frame, given[i]);
+      ASSERT_LT(e.run, R);
+      const HostRun &h = runs[e.run];
+      const uint64_t at = e.entry - reinterpret_cast<uint64_t>(chunk_of[e.run]);
+      ASSERT_EQ(at % 4, 0u);
+      const uint32_t u = static_cast<uint32_t>(at / 4);
+      ASSERT_LT(u, h.unit_map.size());
+      EXPECT_EQ(h.unit_map[u], kNoCacheFrame) << "only missed units are admitted";
+      EXPECT_TRUE(used.insert(e.frame).second);
+      uint32_t id = static_cast<uint32_t>(std::upper_bound(h.unit_begin.begin(), h.unit_begin.end(), u) -
+                                          h.unit_begin.begin()) - 1;
+      const uint32_t j = u - h.unit_begin[id];
+      const uint8_t *fr = cache_after.data() + size_t(e.frame) * frame_bytes;
+      for (uint32_t m = j * pt; m < std::min(h.size[id], (j + 1) * pt); ++m) {
+        const uint8_t *k, *v;
+        member(h, id, m, &k, &v);
+        ASSERT_EQ(0, std::memcmp(fr + size_t(m % pt) * rb, k, rb)) << "frame " << e.frame << " K row " << m;
+        ASSERT_EQ(0, std::memcmp(fr + size_t(pt + m % pt) * rb, v, rb)) << "frame " << e.frame << " V row " << m;
+      }
+      std::vector<uint32_t> entry;
+      download(&entry, reinterpret_cast<const void *>(e.entry), 1);
+      EXPECT_EQ(entry[0], e.frame);
+      runs[e.run].unit_map[u] = e.frame;  // for the second pass
+    }
 
-    // Without counters the copy is the same.
+    // A second pass without admissions reads the admitted units from their
+    // frames: the same bytes, more hits.
     ASSERT_CUDA(cudaMemset(xk.p, 0xee, xk.n));
-    a.counters = nullptr;
-    ASSERT_OK(gather_cuda(a, nullptr));
+    ASSERT_CUDA(cudaMemset(stats.p, 0, 16));
+    GatherArgs b = a;
+    b.given = nullptr;
+    b.n_given = 0;
+    b.admits = nullptr;
+    b.hits = nullptr;
+    b.record_counts = nullptr;
+    b.mark = StepMark{};
+    ASSERT_CUDA(gather_cuda(b, nullptr));
     ASSERT_CUDA(cudaDeviceSynchronize());
     download(&gk, xk.p, xk.n);
     EXPECT_EQ(gk, wk);
+    download(&cnt, stats.p, 2);
+    EXPECT_EQ(cnt[0], want_hits + n_given);
+    EXPECT_EQ(cnt[1], want_misses - n_given);
   }
 }
 
-TEST(GatherCuda, RejectsMisalignedRows) {
+TEST(GatherCuda, RejectsMisalignedRowsAndAdmissionsWithoutCounters) {
   REQUIRE_GPU();
   GatherArgs a;
   DevBuf buf(4096);
@@ -850,10 +972,13 @@ TEST(GatherCuda, RejectsMisalignedRows) {
   a.xk = a.xv = buf.as<uint8_t>();
   a.page_tokens = 8;
   a.row_bytes = 136;
-  EXPECT_EQ(gather_cuda(a, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(gather_cuda(a, nullptr), cudaErrorInvalidValue);
   a.row_bytes = 256;
   a.xv = buf.as<uint8_t>() + 8;
-  EXPECT_EQ(gather_cuda(a, nullptr).code(), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(gather_cuda(a, nullptr), cudaErrorInvalidValue);
+  a.xv = buf.as<uint8_t>();
+  a.mark.done = reinterpret_cast<unsigned long long *>(buf.p);
+  EXPECT_EQ(gather_cuda(a, nullptr), cudaErrorInvalidValue) << "a mark needs the work counters";
 }
 
 }  // namespace

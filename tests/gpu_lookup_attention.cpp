@@ -21,7 +21,7 @@
 #include "kernels/cpu_kernels.hpp"
 #include "kernels/device_layout.hpp"
 #include "kernels/lookup_cuda.hpp"
-#include "lib/common/dtype.hpp"
+#include "kernels/dtype.hpp"
 
 namespace wkv::kernels {
 namespace {
@@ -49,10 +49,10 @@ bool gpu_available() {
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
-#define STATUS_OK(expr)                                  \
-  do {                                                   \
-    const ::wkv::Status st_ = (expr);                    \
-    ASSERT_TRUE(st_.is_ok()) << #expr << ": " << st_.message(); \
+#define STATUS_OK(expr)                                              \
+  do {                                                               \
+    const cudaError_t st_ = (expr);                                  \
+    ASSERT_EQ(st_, cudaSuccess) << #expr << ": " << cudaGetErrorString(st_); \
   } while (0)
 
 // A device array that frees itself.
@@ -461,11 +461,11 @@ TEST(LookupZones, RejectsBadArguments) {
   int32_t dummy = 0;
   out.offsets = &dummy;
   const float *q = reinterpret_cast<const float *>(16);
-  EXPECT_EQ(lookup_zones(nullptr, 0, 0, 128, 0.1f, q, out, nullptr, 0, nullptr).code(), WKV_ERR_UNSUPPORTED);
-  EXPECT_EQ(lookup_zones(nullptr, 0, 33, 128, 0.1f, q, out, nullptr, 0, nullptr).code(), WKV_ERR_UNSUPPORTED);
-  EXPECT_EQ(lookup_zones(nullptr, 0, 4, 72, 0.1f, q, out, nullptr, 0, nullptr).code(), WKV_ERR_UNSUPPORTED);
-  EXPECT_EQ(lookup_zones(nullptr, 0, 4, 128, 0.1f, q, out, nullptr, kLookupSmemClusters + 1, nullptr).code(),
-            WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(lookup_zones(nullptr, 0, 0, 128, 0.1f, q, out, nullptr, 0, nullptr), cudaErrorNotSupported);
+  EXPECT_EQ(lookup_zones(nullptr, 0, 33, 128, 0.1f, q, out, nullptr, 0, nullptr), cudaErrorNotSupported);
+  EXPECT_EQ(lookup_zones(nullptr, 0, 4, 72, 0.1f, q, out, nullptr, 0, nullptr), cudaErrorNotSupported);
+  EXPECT_EQ(lookup_zones(nullptr, 0, 4, 128, 0.1f, q, out, nullptr, kLookupSmemClusters + 1, nullptr),
+            cudaErrorInvalidValue);
 }
 
 // Attention -------------------------------------------------------------------
@@ -687,26 +687,21 @@ TEST(AttendRagged, RejectsBadArguments) {
   alignas(16) static float buf[64];
   int32_t *offs = reinterpret_cast<int32_t *>(buf);
   EXPECT_EQ(attend_ragged(DType::kF16, offs, buf, buf, buf, 2, 2, 0, 128, 0.1f, 10, nullptr, nullptr, buf, 0, 0,
-                          nullptr, buf, 64, nullptr)
-                .code(),
-            WKV_ERR_UNSUPPORTED);
+                          nullptr, buf, 64, nullptr),
+            cudaErrorNotSupported);
   EXPECT_EQ(attend_ragged(DType::kF16, offs, buf, buf, buf, 2, 2, 4, 72, 0.1f, 10, nullptr, nullptr, buf, 0, 0,
-                          nullptr, buf, 64, nullptr)
-                .code(),
-            WKV_ERR_UNSUPPORTED);
+                          nullptr, buf, 64, nullptr),
+            cudaErrorNotSupported);
   EXPECT_EQ(attend_ragged(DType::kF16, offs, buf, buf, buf, 3, 2, 4, 128, 0.1f, 10, nullptr, nullptr, buf, 0, 0,
-                          nullptr, buf, 64, nullptr)
-                .code(),
-            WKV_ERR_INVALID_ARGUMENT);
+                          nullptr, buf, 64, nullptr),
+            cudaErrorInvalidValue);
   EXPECT_EQ(attend_ragged(DType::kF16, offs, buf + 1, buf, buf, 2, 2, 4, 128, 0.1f, 10, nullptr, nullptr, buf, 0, 0,
-                          nullptr, buf, 64, nullptr)
-                .code(),
-            WKV_ERR_INVALID_ARGUMENT);
+                          nullptr, buf, 64, nullptr),
+            cudaErrorInvalidValue);
   // Scratch too small: checked before any launch.
   EXPECT_EQ(attend_ragged(DType::kF16, offs, buf, buf, buf, 2, 2, 4, 128, 0.1f, 10000, nullptr, nullptr, buf, 0, 0,
-                          nullptr, buf, 64, nullptr)
-                .code(),
-            WKV_ERR_INVALID_ARGUMENT);
+                          nullptr, buf, 64, nullptr),
+            cudaErrorInvalidValue);
 }
 
 // merge_estimate ----------------------------------------------------------------

@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "lib/common/dtype.hpp"
+#include "kernels/dtype.hpp"
 #include "wavekv/wavekv.h"
 
 namespace wkvtest {

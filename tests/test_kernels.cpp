@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kernels/cpu_kernels.hpp"
-#include "lib/common/dtype.hpp"
+#include "kernels/dtype.hpp"
 
 namespace wkv::kernels {
 namespace {

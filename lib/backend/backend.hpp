@@ -1,34 +1,130 @@
-// The interface both backends implement: the device side of the decoding
-// verbs. The engine validates arguments and keeps sequences; a backend runs
-// the steps over a plan whose sequences, layer and query are already set.
+// The interface both backends implement, in three parts:
 //
-// Pre for every call: the plan's stage allows it (checked by the engine).
-// The caller's stream is plan.stream.
+//   engine memory  where a head's bulk arrays live (lib/index/head.hpp):
+//                  host memory on the CPU backend, device memory on a CUDA
+//                  backend; allocated, copied and freed in stream order
+//   index growth   the two steps of a growth that depend on the device: the
+//                  k-means of a batch of segments and the write of clustered
+//                  rows into host pages (everything else of a growth is
+//                  lib/index/growth.cpp, the same for both)
+//   the step       lookup, assemble, attend, merge over a plan whose
+//                  sequences, layer and query the engine has set and checked
+//
+// Streams are the caller's (cudaStream_t as void*; ignored on the CPU).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
+#include "kernels/kmeans_types.hpp"
+#include "lib/buffer/buffer_manager.hpp"
 #include "lib/common/status.hpp"
+#include "lib/index/head.hpp"
 #include "wavekv/wavekv.h"
 
 namespace wkv {
 
 class Plan;
-class Sequence;
+
+// One segment of a growth's k-means batch (engine memory).
+using ClusterJob = kernels::KMeansSegmentDesc;
+
+// What a k-means batch gives back, packed by segment as KMeansBatchOut
+// describes (kernels/kmeans_types.hpp). Host arrays: n_clusters, begin,
+// size, tok_off, clu_off; engine memory: order, centroid, value_sum. Valid
+// until cluster_done().
+struct ClusterOut {
+  const uint32_t *n_clusters = nullptr;  // [S]
+  const uint32_t *begin = nullptr;       // [sum k + S]
+  const uint32_t *size = nullptr;        // [sum k]
+  const uint64_t *tok_off = nullptr;     // [S]
+  const uint64_t *clu_off = nullptr;     // [S]
+  const uint32_t *order = nullptr;       // engine memory [sum T]
+  const float *centroid = nullptr;       // engine memory [sum k][d]
+  const float *value_sum = nullptr;      // engine memory [sum k][d]
+};
+
+// Clustered rows of one segment into its pages: token slot j of the segment
+// gets row order[j] of rows k and v (engine memory). Slot j lives in page
+// j / page_tokens of `pages` (host ids) or `dev_pages` (their device
+// addresses, engine memory; CUDA only), at row j % page_tokens.
+struct PageWriteJob {
+  const uint32_t *order = nullptr;
+  const uint8_t *k = nullptr, *v = nullptr;
+  const PageId *pages = nullptr;
+  uint8_t *const *dev_pages = nullptr;
+  uint32_t tokens = 0;
+};
 
 class Backend {
  public:
   virtual ~Backend() = default;
   // WKV_DEVICE_CPU or WKV_DEVICE_CUDA.
   virtual uint32_t device() const = 0;
-  // Appends rows of a layer (k and v on the engine's device); see
-  // Sequence::append. All or nothing.
-  virtual Status append(Sequence &seq, uint32_t layer, const uint8_t *k, const uint8_t *v,
-                        uint32_t n, int64_t token_stride, int64_t head_stride, void *stream) = 0;
-  // Ends the prompt phase of a layer; see Sequence::finish_prompt.
-  virtual Status finish_prompt(Sequence &seq, uint32_t layer, void *stream) = 0;
-  // A sequence is being destroyed: forget anything cached of it.
-  virtual void on_destroy(Sequence &seq) { (void)seq; }
+
+  // Checks a caller's stream before `verb` enqueues anything on it: of the
+  // engine's device, and not being captured into a CUDA graph (a captured
+  // step would replay its run table as it was: refused until whole-step
+  // graphs exist).
+  virtual Status check_stream(void *stream, const char *verb) = 0;
+  // Checks that a caller's tensor pointer is usable by the engine's device
+  // and aligned to `align` bytes.
+  virtual Status check_pointer(const void *p, const char *what, size_t align) = 0;
+
+  // Engine memory ---------------------------------------------------------
+  // True on the CPU backend: engine memory is host memory and nothing is
+  // mirrored.
+  virtual bool host_memory() const = 0;
+  // A region of at least `bytes` bytes, 256-byte aligned, in stream order.
+  virtual Status mem_alloc(size_t bytes, void *stream, Region *out) = 0;
+  // Frees a region after the work already enqueued on `stream`; leaves it
+  // empty. Pre: no work on another stream still uses it.
+  virtual void mem_free(Region *r, void *stream) = 0;
+  // Frees a region once every step begun so far has ended (whatever its
+  // stream): for memory that plans in flight may still read.
+  virtual void mem_free_deferred(Region *r) = 0;
+  // Copies between engine memory and host memory, either way, in stream
+  // order. A copy from host memory has read it when the call returns.
+  virtual Status mem_copy(void *dst, const void *src, size_t bytes, void *stream) = 0;
+  // Copies `rows` rows of `width` bytes, pitches in bytes.
+  virtual Status mem_copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
+                               size_t width, size_t rows, void *stream) = 0;
+  virtual Status mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream) = 0;
+  // Waits for everything enqueued on `stream` (reads of engine memory into
+  // host memory are complete after it).
+  virtual Status mem_sync(void *stream) = 0;
+
+  // Index growth ------------------------------------------------------------
+  // Complete prompt segments a layer gathers per KV head before they are
+  // clustered during the appends (the prompt's end clusters the rest).
+  virtual uint32_t prompt_batch_segments() const = 0;
+  // Clusters a batch of segments (one call at a time: the caller holds the
+  // engine's growth lock until cluster_done). Adds the k-means time to the
+  // engine's counters.
+  virtual Status cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, void *stream) = 0;
+  // The caller has enqueued its last read of the ClusterOut on `stream`.
+  virtual void cluster_done(void *stream) = 0;
+  // Writes clustered segments into host pages, in stream order.
+  virtual Status write_pages(const PageWriteJob *jobs, uint32_t n, void *stream) = 0;
+  // The address a kernel reads host page `id` at (CUDA: mapped memory).
+  virtual const uint8_t *page_address(PageId id) = 0;
+
+  // Marks the end of an append's or growth's device work on `stream` in the
+  // sequence's tracker (the buffer manager frees a destroyed sequence's
+  // memory once it is done).
+  virtual Status end_work(StepTracker &tracker, uint64_t epoch, void *stream) = 0;
+
+  // The buffer manager's view of the device (done words, the record ring,
+  // unit map stores), and the device cache's frames (0: no cache).
+  virtual BufferManager::Device *buffer_device() = 0;
+  virtual uint32_t cache_units() const { return 0; }
+
+  // Registers a new head with the device cache (CUDA); a no-op elsewhere.
+  virtual void on_head_created(HeadState &head) { (void)head; }
+  // A head is being destroyed: its cache frames go back (CUDA).
+  virtual void on_head_destroyed(HeadState &head) { (void)head; }
+
+  // The step --------------------------------------------------------------
   // Describes the plan's assembled execution buffer (pointers on the device).
   virtual void xbuf(const Plan &plan, wkv_xbuf_view *view) = 0;
   // Adds the backend's own figures (cache) to *out.
@@ -38,13 +134,12 @@ class Backend {
   // Lays out steady and retrieval tokens in the execution buffer.
   virtual Status assemble(Plan &plan) = 0;
   // Exact attention over the execution buffer merged with the estimate.
-  virtual Status attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride,
-                        float *lse) = 0;
+  virtual Status attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse) = 0;
   // Folds the estimate into a caller's output and lse.
   virtual Status merge(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
                        int64_t lse_seq_stride) = 0;
-  // Hands the access record to the buffer manager.
-  virtual Status update(Plan &plan) = 0;
+  // Frees a plan's backend buffers once its steps have ended.
+  virtual void release_plan(Plan &plan) { (void)plan; }
 };
 
 }  // namespace wkv

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "lib/common/dtype.hpp"
+#include "kernels/dtype.hpp"
 #include "lib/common/status.hpp"
 #include "wavekv/wavekv.h"
 

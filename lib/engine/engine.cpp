@@ -9,10 +9,14 @@
 
 namespace wkv {
 
+static_assert(static_cast<uint32_t>(DType::kF32) == WKV_DTYPE_F32 &&
+                  static_cast<uint32_t>(DType::kF16) == WKV_DTYPE_F16 &&
+                  static_cast<uint32_t>(DType::kBF16) == WKV_DTYPE_BF16,
+              "the kernels' dtypes are the ABI's");
+
 #if defined(WKV_WITH_CUDA)
 // The CUDA backend, when the build has it; fills *out or returns why not.
-Status make_cuda_backend(Engine &engine, std::unique_ptr<Backend> *out,
-                         HostArena::Options *arena_opts);
+Status make_cuda_backend(Engine &engine, std::unique_ptr<Backend> *out, HostArena::Options *arena_opts);
 bool cuda_device_usable(int device_id);
 #endif
 
@@ -43,16 +47,25 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
   uint32_t device = cfg.c.device;
 #if defined(WKV_WITH_CUDA)
   if (device == WKV_DEVICE_AUTO) device = cuda_device_usable(cfg.c.device_id) ? WKV_DEVICE_CUDA : WKV_DEVICE_CPU;
+  e->cfg_.c.device = device;
   if (device == WKV_DEVICE_CUDA) WKV_RETURN_IF_ERROR(make_cuda_backend(*e, &e->backend_, &ao));
 #else
   if (device == WKV_DEVICE_AUTO) device = WKV_DEVICE_CPU;
   if (device == WKV_DEVICE_CUDA)
     return WKV_ERROR(WKV_ERR_UNSUPPORTED, "this build of wavekv has no CUDA backend (built without nvcc)");
-#endif
   e->cfg_.c.device = device;
-  e->pool_ = std::make_unique<ThreadPool>(cfg.c.threads);
-  e->arena_ = std::make_unique<HostArena>(std::move(ao));
-  if (device == WKV_DEVICE_CPU) e->backend_ = make_cpu_backend(*e);
+#endif
+  try {
+    e->pool_ = std::make_unique<ThreadPool>(cfg.c.threads);
+    e->arena_ = std::make_unique<HostArena>(std::move(ao));
+    if (device == WKV_DEVICE_CPU) e->backend_ = make_cpu_backend(*e);
+    BufferManager::Options bo;
+    bo.units = e->backend_->cache_units();
+    e->buffers_ = std::make_unique<BufferManager>(bo, e->backend_->buffer_device());
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory opening an engine");
+  }
+  WKV_RETURN_IF_ERROR(e->buffers_->start());
   *out = std::move(e);
   return Status::ok();
 }
@@ -61,6 +74,7 @@ Engine::~Engine() = default;
 
 void Engine::fill_stats(wkv_stats *out) {
   HostArena::Stats a = arena_->stats();
+  BufferManager::Stats b = buffers_->stats();
   const uint64_t d = cfg_.c.head_dim;
   out->device = cfg_.c.device;
   out->sequences = counters_.sequences.load();
@@ -74,7 +88,8 @@ void Engine::fill_stats(wkv_stats *out) {
   out->pages_used = a.pages_used;
   out->pages_free = a.pages_total - a.pages_used;
   out->steady_bytes = counters_.steady_rows.load() * 2ull * cfg_.row_bytes();
-  out->meta_bytes = out->clusters * (2 * d * sizeof(float) + sizeof(uint32_t) + 16);
+  // Centroid and value sum (f32) plus the mapping table's three words.
+  out->meta_bytes = out->clusters * (2 * d * sizeof(float) + 3 * sizeof(uint32_t));
   out->lookups = counters_.lookups.load();
   out->retrieved_clusters = counters_.retrieved_clusters.load();
   out->estimated_clusters = counters_.estimated_clusters.load();
@@ -83,7 +98,9 @@ void Engine::fill_stats(wkv_stats *out) {
   out->cache_misses = counters_.cache_misses.load();
   out->device_cache_bytes = 0;
   out->kmeans_ns = counters_.kmeans_ns.load();
-  out->cache_admissions = out->cache_evictions = out->manager_backlog = 0;
+  out->cache_admissions = b.admissions;
+  out->cache_evictions = b.evictions;
+  out->manager_backlog = b.backlog;
   backend_->fill_stats(out);
 }
 
@@ -105,7 +122,8 @@ std::string Engine::stats_json() {
     << ",\"retrieval_frac\":" << c.retrieval_frac << ",\"estimation_frac\":" << c.estimation_frac
     << ",\"page_bytes\":" << c.page_bytes << ",\"page_tokens\":" << cfg_.page_tokens()
     << ",\"threads\":" << pool_->threads() << ",\"host_budget_bytes\":" << c.host_budget_bytes
-    << ",\"host_chunk_bytes\":" << c.host_chunk_bytes << "},\"stats\":{"
+    << ",\"host_chunk_bytes\":" << c.host_chunk_bytes << ",\"metadata_allocator\":\"" << meta_allocator_name()
+    << "\"},\"stats\":{"
     << "\"sequences\":" << s.sequences << ",\"tokens\":" << s.tokens << ",\"segments\":" << s.segments
     << ",\"clusters\":" << s.clusters << ",\"host_bytes_reserved\":" << s.host_bytes_reserved
     << ",\"host_bytes_used\":" << s.host_bytes_used << ",\"pages_used\":" << s.pages_used
@@ -115,8 +133,8 @@ std::string Engine::stats_json() {
     << ",\"estimated_clusters\":" << s.estimated_clusters
     << ",\"attended_tokens\":" << s.attended_tokens << ",\"cache_hits\":" << s.cache_hits
     << ",\"cache_misses\":" << s.cache_misses << ",\"kmeans_ns\":" << s.kmeans_ns
-    << ",\"cache_admissions\":" << s.cache_admissions << ",\"cache_evictions\":" << s.cache_evictions
-    << ",\"manager_backlog\":" << s.manager_backlog << "}}";
+    << ",\"device_cache_bytes\":" << s.device_cache_bytes << ",\"cache_admissions\":" << s.cache_admissions
+    << ",\"cache_evictions\":" << s.cache_evictions << ",\"manager_backlog\":" << s.manager_backlog << "}}";
   return o.str();
 }
 
@@ -128,42 +146,63 @@ Status Plan::check_versions() const {
   return Status::ok();
 }
 
+Plan::~Plan() { engine_->backend().release_plan(*this); }
+
+Status Engine::append(Sequence &seq, uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
+                      int64_t token_stride, int64_t head_stride, void *stream) {
+  const size_t esz = dtype_bytes(cfg_.dtype());
+  WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_seq_append"));
+  WKV_RETURN_IF_ERROR(backend_->check_pointer(k, "k", esz));
+  WKV_RETURN_IF_ERROR(backend_->check_pointer(v, "v", esz));
+  const uint64_t epoch = buffers_->begin(seq.tracker());
+  Status st = append_tokens(index(), seq.layer(layer), layer, k, v, n, token_stride, head_stride, stream);
+  Status marked = backend_->end_work(seq.tracker(), epoch, stream);
+  return st.is_ok() ? marked : st;
+}
+
+Status Engine::end_prompt_locked(Sequence &seq, uint32_t layer, void *stream) {
+  const LayerState &L = seq.layer(layer);
+  if (L.generating || L.tokens == 0) return Status::ok();
+  const uint64_t epoch = buffers_->begin(seq.tracker());
+  Status st = wkv::end_prompt(index(), seq.layer(layer), layer, stream);
+  Status marked = backend_->end_work(seq.tracker(), epoch, stream);
+  return st.is_ok() ? marked : st;
+}
+
+Status Engine::end_prompt(Sequence &seq, uint32_t layer, void *stream) {
+  WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_seq_end_prompt"));
+  return end_prompt_locked(seq, layer, stream);
+}
+
 Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_t n, uint32_t layer,
                       const void *q, int64_t seq_stride, int64_t head_stride, void *stream) {
   const wkv_config &c = cfg_.c;
-  const uint32_t d = c.head_dim, nq = c.n_q_heads, H = c.n_kv_heads, G = cfg_.group();
+  const uint32_t H = c.n_kv_heads, G = cfg_.group();
+  plan.stage = Plan::Stage::kEmpty;
+  plan.stream = stream;
+  // 1. Everything checked before anything changes: a refused lookup ends
+  //    no prompt.
+  WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_lookup"));
+  WKV_RETURN_IF_ERROR(backend_->check_pointer(q, "q", dtype_bytes(cfg_.dtype())));
   for (uint32_t i = 0; i < n; ++i) {
     if (seqs[i]->layer(layer).tokens == 0)
       return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "sequence %u has no tokens at layer %u", i, layer);
   }
-  // 1. The prompt of a layer ends at its first lookup.
-  for (uint32_t i = 0; i < n; ++i) WKV_RETURN_IF_ERROR(seqs[i]->finish_prompt(layer, stream));
+  // 2. The prompt of a layer ends at its first lookup.
+  for (uint32_t i = 0; i < n; ++i) WKV_RETURN_IF_ERROR(end_prompt_locked(*seqs[i], layer, stream));
 
-  plan.stage = Plan::Stage::kEmpty;
-  plan.stream = stream;
   try {
-    // 2. Hold the sequences, copy the query, size the runs.
+    // 3. Hold the sequences, size the runs.
     plan.seqs.assign(seqs, seqs + n);
     plan.seq_versions.resize(n);
     for (uint32_t i = 0; i < n; ++i) plan.seq_versions[i] = seqs[i]->layer(layer).version;
     plan.layer = layer;
     plan.n_seqs = n;
-    plan.epoch = counters_.epoch.fetch_add(1) + 1;
     plan.q_src = q;
     plan.q_seq_stride = seq_stride;
     plan.q_head_stride = head_stride;
-    if (backend_->device() == WKV_DEVICE_CPU) {
-      grow_to(plan.q, static_cast<size_t>(n) * nq * d);
-      const size_t esz = dtype_bytes(cfg_.dtype());
-      for (uint32_t i = 0; i < n; ++i)
-        for (uint32_t h = 0; h < nq; ++h)
-          to_float(cfg_.dtype(),
-                   static_cast<const uint8_t *>(q) +
-                       (static_cast<size_t>(i) * seq_stride + static_cast<size_t>(h) * head_stride) * esz,
-                   &plan.q[(static_cast<size_t>(i) * nq + h) * d], d);
-    }
     grow_to(plan.runs, static_cast<size_t>(n) * H);
-    size_t ret = 0, est = 0, lg = 0, sc = 0;
+    size_t ret = 0, est = 0, lg = 0;
     for (uint32_t i = 0; i < n; ++i) {
       const LayerState &L = seqs[i]->layer(layer);
       for (uint32_t h = 0; h < H; ++h) {
@@ -171,33 +210,26 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
         const HeadState &hs = L.heads[h];
         r.seq = i;
         r.head = h;
-        r.clusters = hs.index.meta.clusters();
+        r.clusters = hs.clusters();
         zone_sizes(cfg_, r.clusters, &r.n_ret, &r.n_est);
         r.ret_off = ret;
         r.est_off = est;
         r.logits_off = lg;
-        r.steady_tokens = L.sink_rows(cfg_.c.sink_tokens) + L.tail_rows();
+        r.steady_tokens = hs.sink.n + hs.tail.n;
         r.ret_tokens = 0;
         ret += r.n_ret;
         est += r.n_est;
         lg += static_cast<size_t>(G) * r.clusters;
-        sc += r.clusters;
       }
     }
-    grow_to(plan.ret_ids, ret);
-    grow_to(plan.est_ids, est);
-    grow_to(plan.logits, lg);
-    grow_to(plan.scores, sc);
-    grow_to(plan.scratch, sc);
-    grow_to(plan.est_out, static_cast<size_t>(n) * nq * d);
-    grow_to(plan.est_lse, static_cast<size_t>(n) * nq);
   } catch (const std::bad_alloc &) {
     plan.seqs.clear();
     plan.n_seqs = 0;
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory sizing the plan");
   }
-  // 3. Score, select, estimate.
-  WKV_RETURN_IF_ERROR(backend_->lookup(plan));
+  // 4. Score, select, estimate.
+  Status st = backend_->lookup(plan);
+  if (!st.is_ok()) return st;
   plan.stage = Plan::Stage::kLookedUp;
   counters_.lookups.fetch_add(n);
   return Status::ok();
@@ -205,8 +237,11 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
 
 Status Engine::assemble(Plan &plan, void *stream) {
   plan.stream = stream;
-  if (plan.stage == Plan::Stage::kEmpty) return WKV_ERROR(WKV_ERR_STATE, "assemble needs a lookup first");
+  const Plan::Stage stage = plan.stage;
+  plan.stage = Plan::Stage::kEmpty;
+  if (stage == Plan::Stage::kEmpty) return WKV_ERROR(WKV_ERR_STATE, "assemble needs a lookup first");
   WKV_RETURN_IF_ERROR(plan.check_versions());
+  WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_assemble"));
   WKV_RETURN_IF_ERROR(backend_->assemble(plan));
   plan.stage = Plan::Stage::kAssembled;
   return Status::ok();
@@ -215,24 +250,44 @@ Status Engine::assemble(Plan &plan, void *stream) {
 Status Engine::attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
                       void *stream) {
   plan.stream = stream;
-  if (plan.stage != Plan::Stage::kAssembled)
+  if (plan.stage != Plan::Stage::kAssembled) {
+    plan.stage = Plan::Stage::kEmpty;
     return WKV_ERROR(WKV_ERR_STATE, "attend needs a lookup and an assemble first");
-  WKV_RETURN_IF_ERROR(plan.check_versions());
-  return backend_->attend(plan, out, seq_stride, head_stride, lse);
+  }
+  Status st = plan.check_versions();
+  if (st.is_ok()) st = backend_->check_stream(stream, "wkv_attend");
+  if (st.is_ok()) st = backend_->check_pointer(out, "out", dtype_bytes(cfg_.dtype()));
+  if (st.is_ok() && lse) st = backend_->check_pointer(lse, "lse", sizeof(float));
+  if (st.is_ok()) st = backend_->attend(plan, out, seq_stride, head_stride, lse);
+  if (!st.is_ok()) plan.stage = Plan::Stage::kEmpty;
+  return st;
 }
 
 Status Engine::merge(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
                      int64_t lse_seq_stride, void *stream) {
   plan.stream = stream;
   if (plan.stage == Plan::Stage::kEmpty) return WKV_ERROR(WKV_ERR_STATE, "merge needs a lookup first");
-  return backend_->merge(plan, out, seq_stride, head_stride, lse, lse_seq_stride);
+  Status st = backend_->check_stream(stream, "wkv_merge");
+  if (st.is_ok()) st = backend_->check_pointer(out, "out", dtype_bytes(cfg_.dtype()));
+  if (st.is_ok()) st = backend_->check_pointer(lse, "lse", sizeof(float));
+  if (st.is_ok()) st = backend_->merge(plan, out, seq_stride, head_stride, lse, lse_seq_stride);
+  if (!st.is_ok()) plan.stage = Plan::Stage::kEmpty;
+  return st;
 }
 
 Status Engine::update(Plan &plan, void *stream) {
   plan.stream = stream;
-  if (plan.stage == Plan::Stage::kEmpty) return WKV_ERROR(WKV_ERR_STATE, "update needs a lookup first");
-  WKV_RETURN_IF_ERROR(plan.check_versions());
-  return backend_->update(plan);
+  if (plan.stage != Plan::Stage::kAssembled) {
+    const bool looked_up = plan.stage == Plan::Stage::kLookedUp;
+    plan.stage = Plan::Stage::kEmpty;
+    return WKV_ERROR(WKV_ERR_STATE, looked_up ? "update needs an assemble first (it reports what was read)"
+                                              : "update needs a lookup and an assemble first");
+  }
+  Status st = plan.check_versions();
+  if (!st.is_ok()) plan.stage = Plan::Stage::kEmpty;
+  // The access record was opened by the assemble and is taken by the
+  // buffer manager once the step's kernels have ended; nothing is enqueued.
+  return st;
 }
 
 }  // namespace wkv

@@ -1,45 +1,30 @@
 // The engine: one process-wide instance bound to one device. Owns the
-// configuration, the host arena, the thread pool and the backend; sequences
-// and plans hold it alive through shared ownership, so closing the engine's
-// handle while they live is safe.
+// configuration, the host arena, the thread pool, the backend and the buffer
+// manager; sequences and plans hold it alive through shared ownership, so
+// closing the engine's handle while they live is safe.
 //
-// Lock order (outer first): none is held across a call into another object;
-// HostArena::mu_ is the only engine-wide lock and is a leaf.
+// Lock order (outer first): growth_mu_ (one index growth at a time), then
+// the arena's and the buffer manager's locks, which are leaves.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "lib/backend/backend.hpp"
+#include "lib/buffer/buffer_manager.hpp"
 #include "lib/common/config.hpp"
+#include "lib/common/counters.hpp"
 #include "lib/common/status.hpp"
 #include "lib/common/thread_pool.hpp"
+#include "lib/index/growth.hpp"
 #include "lib/store/host_arena.hpp"
 
 namespace wkv {
 
 class Plan;
 class Sequence;
-
-// Counters of an engine, updated without locks.
-struct EngineCounters {
-  std::atomic<uint64_t> sequences{0};
-  std::atomic<uint64_t> tokens{0};
-  std::atomic<uint64_t> segments{0};
-  std::atomic<uint64_t> clusters{0};
-  std::atomic<uint64_t> steady_rows{0};
-  std::atomic<uint64_t> lookups{0};
-  std::atomic<uint64_t> retrieved_clusters{0};
-  std::atomic<uint64_t> estimated_clusters{0};
-  std::atomic<uint64_t> attended_tokens{0};
-  std::atomic<uint64_t> cache_hits{0};
-  std::atomic<uint64_t> cache_misses{0};
-  std::atomic<uint64_t> kmeans_ns{0};
-  std::atomic<uint64_t> next_seq_id{1};
-  std::atomic<uint32_t> epoch{0};
-};
 
 class Engine : public std::enable_shared_from_this<Engine> {
  public:
@@ -51,12 +36,24 @@ class Engine : public std::enable_shared_from_this<Engine> {
   HostArena &arena() { return *arena_; }
   ThreadPool &pool() { return *pool_; }
   Backend &backend() { return *backend_; }
+  BufferManager &buffers() { return *buffers_; }
   EngineCounters &counters() { return counters_; }
+  // The index's view of the engine (lib/index/growth.hpp).
+  IndexContext index() {
+    return IndexContext{cfg_, *backend_, *arena_, *pool_, counters_, *buffers_, growth_mu_};
+  }
 
   void fill_stats(wkv_stats *out);
   std::string stats_json();
 
-  // The decoding verbs, in the order of a step.
+  // Appends and ends prompts (lib/index/growth.hpp), with the stream and
+  // pointers checked first and the sequence's tracker around the work.
+  Status append(Sequence &seq, uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
+                int64_t token_stride, int64_t head_stride, void *stream);
+  Status end_prompt(Sequence &seq, uint32_t layer, void *stream);
+
+  // The decoding verbs, in the order of a step. Any failure leaves the plan
+  // holding no step.
   Status lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_t n, uint32_t layer,
                 const void *q, int64_t seq_stride, int64_t head_stride, void *stream);
   Status assemble(Plan &plan, void *stream);
@@ -68,12 +65,18 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
  private:
   Engine() = default;
+  Status end_prompt_locked(Sequence &seq, uint32_t layer, void *stream);
 
   Config cfg_;
+  // Destroyed in reverse order: the buffer manager first (it waits for the
+  // steps in flight and runs the releases left, which need the backend and
+  // the arena), the arena last.
   std::unique_ptr<HostArena> arena_;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<Backend> backend_;
+  std::unique_ptr<BufferManager> buffers_;
   EngineCounters counters_;
+  std::mutex growth_mu_;
 };
 
 // The CPU backend.

@@ -1,16 +1,17 @@
 // A plan: the reusable state of one decoding step for a batch of sequences at
 // one layer. Lookup fills the zones and the estimate, assemble fills the
-// execution buffer, attend and merge read both, update hands the access
-// record to the buffer manager. Buffers only grow, so steady-state decoding
-// allocates nothing.
+// execution buffer, attend and merge read both, update closes the step.
+// Buffers only grow, so steady-state decoding allocates nothing.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <vector>
 
-#include "lib/common/meta_alloc.hpp"
+#include "kernels/device_layout.hpp"
+#include "lib/buffer/buffer_manager.hpp"
 #include "lib/common/status.hpp"
+#include "lib/index/head.hpp"
 
 namespace wkv {
 
@@ -29,48 +30,66 @@ struct RunPlan {
   uint64_t steady_tokens = 0, ret_tokens = 0;
 };
 
+// A plan's device buffers (CUDA backend), in engine memory. Plain data: the
+// CUDA backend owns what they mean (lib/backend/cuda/cuda_backend.cpp).
+struct PlanDevice {
+  Region runs, q, ret_ids, ret_pos, est_ids, run_tokens, est_out, est_lse, offsets, logits;
+  Region xk, xv, scratch;
+  Region counters;  // the kernels' per-plan counters (kernels::StepCounters)
+  std::vector<kernels::DevRun> host_runs;
+  std::vector<uint64_t> run_heads;  // per run: the head's cache id << 32 | generation
+  uint64_t xbuf_tokens = 0;         // capacity of xk / xv in tokens
+  uint32_t max_run_tokens = 0;      // bound on any run's tokens
+  uint32_t total_ret = 0;
+  uint32_t want_units = 0;          // bound on the units the step retrieves
+};
+
 class Plan {
  public:
   enum class Stage { kEmpty, kLookedUp, kAssembled };
 
-  explicit Plan(std::shared_ptr<Engine> engine) : engine_(std::move(engine)) {}
+  Plan(std::shared_ptr<Engine> engine, std::shared_ptr<StepTracker> tracker)
+      : engine_(std::move(engine)), tracker_(std::move(tracker)) {}
+  ~Plan();  // its backend buffers go once its steps have ended
+  Plan(const Plan &) = delete;
+  Plan &operator=(const Plan &) = delete;
+
   Engine &engine() const { return *engine_; }
   const std::shared_ptr<Engine> &engine_ptr() const { return engine_; }
+  StepTracker &tracker() { return *tracker_; }
 
   Stage stage = Stage::kEmpty;
   uint32_t layer = 0;
   uint32_t n_seqs = 0;
-  uint32_t epoch = 0;  // the lookup's epoch, for recency
-  void *stream = nullptr;  // the caller's stream of the current verb
+  void *stream = nullptr;                       // the caller's stream of the current verb
   std::vector<std::shared_ptr<Sequence>> seqs;  // held until the next lookup
   std::vector<uint64_t> seq_versions;           // layer versions at lookup
 
-  std::vector<float> q;             // [n_seqs][n_q_heads][d] (CPU backend)
-  const void *q_src = nullptr;      // the caller's q of the lookup (valid during it)
+  const void *q_src = nullptr;  // the caller's q of the lookup (valid during it)
   int64_t q_seq_stride = 0, q_head_stride = 0;
-  std::vector<RunPlan> runs;        // [n_seqs * n_kv_heads]
+  std::vector<RunPlan> runs;    // [n_seqs * n_kv_heads]
+
+  // The CPU backend's step.
+  std::vector<float> q;             // [n_seqs][n_q_heads][d]
   std::vector<uint32_t> ret_ids, est_ids;
   std::vector<float> logits;        // concatenated [G][clusters] per run
   std::vector<float> scores;        // concatenated [clusters] per run
   std::vector<uint32_t> scratch;    // concatenated [clusters] per run
   std::vector<float> est_out;       // [n_seqs][n_q_heads][d]
   std::vector<float> est_lse;       // [n_seqs][n_q_heads]
-
-  // Execution buffer: ragged runs, see wkv_xbuf_view in wavekv.h.
-  std::vector<int32_t> offsets;     // [runs + 1]
+  std::vector<int32_t> offsets;     // the execution buffer (see wkv_xbuf_view): [runs + 1]
   std::vector<uint8_t> xk, xv;      // [tokens][d] in the storage dtype
-
-  // Scratch of attend: [n_seqs][n_q_heads][d] and [n_seqs][n_q_heads].
   std::vector<float> exact_out, exact_lse;
 
-  // The backend's own state of this plan (device buffers), if any.
-  std::shared_ptr<void> dev;
+  // The CUDA backend's step.
+  PlanDevice dev;
 
   // Checks that no sequence changed since the lookup.
   Status check_versions() const;
 
  private:
   std::shared_ptr<Engine> engine_;
+  std::shared_ptr<StepTracker> tracker_;
 };
 
 // Grows v to n elements without giving capacity back, geometrically, so that

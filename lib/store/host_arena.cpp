@@ -92,7 +92,9 @@ Status HostArena::add_chunk(std::unique_lock<std::mutex> &held) {
   uint32_t pages = static_cast<uint32_t>(bytes / opts_.page_bytes);
   try {
     chunk_bytes_.push_back(bytes);
-    free_.reserve(free_.size() + pages);
+    // Room for every page of every chunk, so that release() never
+    // allocates (it runs in destructors).
+    free_.reserve(pages_total_ + pages);
   } catch (...) {
     if (chunk_bytes_.size() > index) chunk_bytes_.pop_back();
     if (opts_.on_unregister) opts_.on_unregister(p, bytes);
@@ -131,10 +133,11 @@ Status HostArena::allocate(uint32_t n, PageId *out) {
   return Status::ok();
 }
 
-void HostArena::release(const PageId *ids, uint32_t n) {
+void HostArena::release(const PageId *ids, uint32_t n) noexcept {
   if (n == 0) return;
   std::lock_guard<std::mutex> lock(mu_);
-  // Capacity for every page was reserved when its chunk was added.
+  // Capacity for every page was reserved when its chunk was added: no
+  // allocation, no throw.
   for (uint32_t i = 0; i < n; ++i) free_.push_back(ids[i]);
   pages_used_ -= n;
 }

@@ -60,7 +60,8 @@ class HostArena {
   // the budget cannot hold them, WKV_ERR_OUT_OF_MEMORY when the OS refuses.
   Status allocate(uint32_t n, PageId *out);
   // Returns n pages to the free list. Pre: each was allocated and not freed.
-  void release(const PageId *ids, uint32_t n);
+  // Never allocates or throws (destructors call it).
+  void release(const PageId *ids, uint32_t n) noexcept;
 
   // The slot of a page. Pre: id was allocated.
   uint8_t *page_ptr(PageId id) const {

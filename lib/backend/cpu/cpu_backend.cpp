@@ -1,10 +1,14 @@
-// The CPU backend: host memory stands in for the device (no cache tier), the
-// kernels are the CPU references, and work is spread over the engine's pool
-// across (sequence, KV head) runs.
+// The CPU backend: host memory stands in for the device (no cache tier),
+// the kernels are the CPU references, and work is spread over the engine's
+// pool across (sequence, KV head) runs. Every verb runs to its end before it
+// returns, so its step ends there too.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
 
 #include "kernels/cpu_kernels.hpp"
 #include "lib/engine/engine.hpp"
@@ -14,23 +18,91 @@
 namespace wkv {
 namespace {
 
-class CpuBackend final : public Backend {
+class CpuBackend final : public Backend, public BufferManager::Device {
  public:
   explicit CpuBackend(Engine &e) : e_(e) {}
+  ~CpuBackend() override {
+    for (uint64_t *w : words_) delete[] w;
+  }
+
   uint32_t device() const override { return WKV_DEVICE_CPU; }
-  Status append(Sequence &seq, uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
-                int64_t token_stride, int64_t head_stride, void *) override {
-    return seq.append_host(layer, k, v, n, token_stride, head_stride);
+  Status check_stream(void *, const char *) override { return Status::ok(); }
+  Status check_pointer(const void *p, const char *what, size_t align) override {
+    if (reinterpret_cast<uintptr_t>(p) % align != 0)
+      return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "%s (%p) is not aligned to its %zu-byte elements", what, p, align);
+    return Status::ok();
   }
-  Status finish_prompt(Sequence &seq, uint32_t layer, void *) override {
-    return seq.finish_prompt_host(layer);
+
+  // Engine memory is host memory.
+  bool host_memory() const override { return true; }
+  Status mem_alloc(size_t bytes, void *, Region *out) override {
+    const size_t n = (std::max<size_t>(bytes, 1) + 255) & ~size_t{255};
+    void *p = std::aligned_alloc(256, n);
+    if (!p) return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %zu bytes", bytes);
+    out->p = static_cast<uint8_t *>(p);
+    out->bytes = n;
+    return Status::ok();
   }
-  Status lookup(Plan &plan) override;
-  Status assemble(Plan &plan) override;
-  Status attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse) override;
-  Status merge(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
-               int64_t lse_seq_stride) override;
-  Status update(Plan &plan) override;
+  void mem_free(Region *r, void *) override {
+    std::free(r->p);
+    *r = Region{};
+  }
+  void mem_free_deferred(Region *r) override {
+    if (!r->p) return;
+    uint8_t *p = r->p;
+    *r = Region{};
+    try {
+      e_.buffers().defer([p] { std::free(p); });
+    } catch (...) {
+      // Out of memory for the release itself: kept rather than freed under
+      // a reader.
+    }
+  }
+  Status mem_copy(void *dst, const void *src, size_t bytes, void *) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+    return Status::ok();
+  }
+  Status mem_copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width, size_t rows,
+                       void *) override {
+    for (size_t i = 0; i < rows; ++i)
+      std::memcpy(static_cast<uint8_t *>(dst) + i * dst_pitch, static_cast<const uint8_t *>(src) + i * src_pitch,
+                  width);
+    return Status::ok();
+  }
+  Status mem_fill(void *dst, uint8_t byte, size_t bytes, void *) override {
+    std::memset(dst, byte, bytes);
+    return Status::ok();
+  }
+  Status mem_sync(void *) override { return Status::ok(); }
+
+  // Index growth: every complete segment is clustered as it completes.
+  uint32_t prompt_batch_segments() const override { return 1; }
+  Status cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, void *) override;
+  void cluster_done(void *) override {}
+  Status write_pages(const PageWriteJob *jobs, uint32_t n, void *) override;
+  const uint8_t *page_address(PageId id) override { return e_.arena().page_ptr(id); }
+  Status end_work(StepTracker &t, uint64_t epoch, void *) override {
+    e_.buffers().end_on_host(t, epoch);
+    return Status::ok();
+  }
+
+  // The buffer manager's words are plain host memory.
+  BufferManager::Device *buffer_device() override { return this; }
+  Status alloc_words(size_t n, uint64_t **host, uint64_t **dev) override {
+    uint64_t *w = new (std::nothrow) uint64_t[n]();
+    if (!w) return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for step trackers");
+    std::lock_guard<std::mutex> lock(words_mu_);
+    words_.push_back(w);
+    *host = *dev = w;
+    return Status::ok();
+  }
+  Status alloc_ring(size_t, uint8_t **, uint8_t **) override {
+    return WKV_ERROR(WKV_ERR_INTERNAL, "the CPU backend has no device cache");
+  }
+  Status clear_entries(const uint64_t *, uint32_t) override {
+    return WKV_ERROR(WKV_ERR_INTERNAL, "the CPU backend has no device cache");
+  }
+
   void xbuf(const Plan &plan, wkv_xbuf_view *view) override {
     view->n_runs = static_cast<uint32_t>(plan.runs.size());
     view->n_tokens = static_cast<uint64_t>(plan.offsets[plan.runs.size()]);
@@ -38,59 +110,179 @@ class CpuBackend final : public Backend {
     view->v = plan.xv.data();
     view->offsets = plan.offsets.data();
   }
+  Status lookup(Plan &plan) override;
+  Status assemble(Plan &plan) override;
+  Status attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse) override;
+  Status merge(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
+               int64_t lse_seq_stride) override;
 
  private:
+  // Runs body as one step of the plan's tracker: it ends when body returns.
+  template <typename Fn> Status step(Plan &plan, Fn &&body) {
+    const uint64_t epoch = e_.buffers().begin(plan.tracker());
+    Status st = body();
+    e_.buffers().end_on_host(plan.tracker(), epoch);
+    return st;
+  }
+
   Engine &e_;
+  std::mutex words_mu_;
+  std::vector<uint64_t *> words_;
+  // The k-means outputs, packed as a device batch's (ClusterOut).
+  std::vector<uint32_t> km_n_, km_begin_, km_size_, km_order_;
+  std::vector<uint64_t> km_tok_off_, km_clu_off_;
+  std::vector<float> km_centroid_, km_value_sum_;
 };
+
+Status CpuBackend::cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, void *) {
+  const Config &cfg = e_.config();
+  const uint32_t d = cfg.c.head_dim;
+  const DType dt = cfg.dtype();
+  std::vector<kernels::SegmentClusters> sc;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    sc.resize(n);
+    km_tok_off_.resize(n);
+    km_clu_off_.resize(n);
+    kernels::kmeans_batch_offsets(jobs, n, km_tok_off_.data(), km_clu_off_.data());
+    e_.pool().parallel_for(n, [&](size_t i) {
+      const ClusterJob &j = jobs[i];
+      std::vector<float> kf(size_t(j.tokens) * d), vf(size_t(j.tokens) * d);
+      to_float(dt, j.keys, kf.data(), kf.size());
+      to_float(dt, j.values, vf.data(), vf.size());
+      kernels::KMeansParams kp;
+      kp.n_clusters = j.clusters;
+      kp.iters = cfg.c.kmeans_iters;
+      kp.seed = j.seed;
+      kernels::kmeans_segment(kp, kf.data(), vf.data(), j.tokens, d, &sc[i]);
+    });
+    // 2. Packed as the device's batch: segment s at tok_off[s], clu_off[s].
+    const kernels::KMeansBatchShape shape = kernels::kmeans_batch_shape(jobs, n);
+    uint64_t sum_k = 0;
+    for (uint32_t i = 0; i < n; ++i) sum_k += kernels::kmeans_clamp_k(jobs[i].clusters, jobs[i].tokens);
+    km_n_.assign(n, 0);
+    km_begin_.assign(sum_k + n, 0);
+    km_size_.assign(sum_k, 0);
+    km_order_.assign(shape.total_tokens, 0);
+    km_centroid_.assign(sum_k * d, 0.f);
+    km_value_sum_.assign(sum_k * d, 0.f);
+    for (uint32_t i = 0; i < n; ++i) {
+      const kernels::SegmentClusters &s = sc[i];
+      const uint64_t co = km_clu_off_[i], to = km_tok_off_[i];
+      km_n_[i] = s.n_clusters;
+      std::copy(s.begin.begin(), s.begin.end(), km_begin_.begin() + co + i);
+      std::copy(s.size.begin(), s.size.end(), km_size_.begin() + co);
+      std::copy(s.order.begin(), s.order.end(), km_order_.begin() + to);
+      std::copy(s.centroid.begin(), s.centroid.end(), km_centroid_.begin() + co * d);
+      std::copy(s.value_sum.begin(), s.value_sum.end(), km_value_sum_.begin() + co * d);
+    }
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory clustering %u segments", n);
+  }
+  e_.counters().kmeans_ns.fetch_add(static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()));
+  out->n_clusters = km_n_.data();
+  out->begin = km_begin_.data();
+  out->size = km_size_.data();
+  out->tok_off = km_tok_off_.data();
+  out->clu_off = km_clu_off_.data();
+  out->order = km_order_.data();
+  out->centroid = km_centroid_.data();
+  out->value_sum = km_value_sum_.data();
+  return Status::ok();
+}
+
+Status CpuBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *) {
+  const Config &cfg = e_.config();
+  const uint32_t pt = cfg.page_tokens();
+  const size_t row = cfg.row_bytes();
+  HostArena &arena = e_.arena();
+  e_.pool().parallel_for(n, [&](size_t i) {
+    const PageWriteJob &j = jobs[i];
+    for (uint32_t t = 0; t < j.tokens; ++t) {
+      uint8_t *slot = arena.page_ptr(j.pages[t / pt]);
+      const size_t src = static_cast<size_t>(j.order[t]) * row;
+      std::memcpy(slot + static_cast<size_t>(t % pt) * row, j.k + src, row);
+      std::memcpy(slot + static_cast<size_t>(pt + t % pt) * row, j.v + src, row);
+    }
+  });
+  return Status::ok();
+}
 
 Status CpuBackend::lookup(Plan &plan) {
   const Config &cfg = e_.config();
   const uint32_t d = cfg.c.head_dim, nq = cfg.c.n_q_heads, G = cfg.group();
   const float scale = cfg.scale();
-  uint64_t ret_total = 0, est_total = 0;
+  const DType dt = cfg.dtype();
+  const size_t esz = dtype_bytes(dt);
+  const uint32_t n = plan.n_seqs;
+  size_t ret = 0, est = 0, lg = 0;
   for (const RunPlan &r : plan.runs) {
-    ret_total += r.n_ret;
-    est_total += r.n_est;
+    ret += r.n_ret;
+    est += r.n_est;
+    lg += static_cast<size_t>(G) * r.clusters;
   }
-  // scores and scratch are laid out like logits, one row per run instead of G.
-  e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
-    RunPlan &r = plan.runs[ri];
-    const MetaIndex &meta = plan.seqs[r.seq]->layer(plan.layer).heads[r.head].index.meta;
-    const float *q = &plan.q[(static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G) * d];
-    float *est_out = &plan.est_out[(static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G) * d];
-    float *est_lse = &plan.est_lse[static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G];
-    if (r.clusters == 0) {
-      std::fill(est_out, est_out + static_cast<size_t>(G) * d, 0.0f);
-      std::fill(est_lse, est_lse + G, -std::numeric_limits<float>::infinity());
-      return;
-    }
-    float *logits = &plan.logits[r.logits_off];
-    // The per-run offset into scores/scratch is logits_off / G.
-    float *score = &plan.scores[r.logits_off / G];
-    uint32_t *scratch = &plan.scratch[r.logits_off / G];
-    uint32_t *ret_ids = plan.ret_ids.data() + r.ret_off, *est_ids = plan.est_ids.data() + r.est_off;
-    // Scoring and estimation read the meta index's f16 mirror where there
-    // is one: half the bytes of the f32 arrays, and both are bound by them.
-    const bool mirror = meta.has_f16();
-    if (mirror)
-      kernels::score_clusters(DType::kF16, q, G, meta.centroid_f16.data(), r.clusters, d, scale, logits, score);
-    else
-      kernels::score_clusters(q, G, meta.centroid.data(), r.clusters, d, scale, logits, score);
-    kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, ret_ids, est_ids, scratch);
-    // One pass over the value rows serves the whole query group.
-    if (mirror)
-      kernels::estimate_zone_group_means(logits, G, r.clusters, est_ids, r.n_est, meta.value_mean_f16.data(),
-                                         meta.size.data(), d, est_out, est_lse);
-    else
-      kernels::estimate_zone_group(logits, G, r.clusters, est_ids, r.n_est, meta.value_sum.data(),
-                                   meta.size.data(), d, est_out, est_lse);
-    uint64_t toks = 0;
-    for (uint32_t i = 0; i < r.n_ret; ++i) toks += meta.size[ret_ids[i]];
-    r.ret_tokens = toks;
+  try {
+    grow_to(plan.q, static_cast<size_t>(n) * nq * d);
+    grow_to(plan.ret_ids, ret);
+    grow_to(plan.est_ids, est);
+    grow_to(plan.logits, lg);
+    grow_to(plan.scores, lg / G);
+    grow_to(plan.scratch, lg / G);
+    grow_to(plan.est_out, static_cast<size_t>(n) * nq * d);
+    grow_to(plan.est_lse, static_cast<size_t>(n) * nq);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for a lookup");
+  }
+  // The query in f32 (it may change after the call).
+  for (uint32_t i = 0; i < n; ++i)
+    for (uint32_t h = 0; h < nq; ++h)
+      to_float(dt,
+               static_cast<const uint8_t *>(plan.q_src) +
+                   (static_cast<size_t>(i) * plan.q_seq_stride + static_cast<size_t>(h) * plan.q_head_stride) * esz,
+               &plan.q[(static_cast<size_t>(i) * nq + h) * d], d);
+  return step(plan, [&]() -> Status {
+    // scores and scratch are laid out like logits, one row per run instead of G.
+    e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
+      RunPlan &r = plan.runs[ri];
+      const HeadState &hs = plan.seqs[r.seq]->layer(plan.layer).heads[r.head];
+      const float *q = &plan.q[(static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G) * d];
+      float *est_out = &plan.est_out[(static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G) * d];
+      float *est_lse = &plan.est_lse[static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G];
+      if (r.clusters == 0) {
+        std::fill(est_out, est_out + static_cast<size_t>(G) * d, 0.0f);
+        std::fill(est_lse, est_lse + G, -std::numeric_limits<float>::infinity());
+        return;
+      }
+      float *logits = &plan.logits[r.logits_off];
+      float *score = &plan.scores[r.logits_off / G];
+      uint32_t *scratch = &plan.scratch[r.logits_off / G];
+      uint32_t *ret_ids = plan.ret_ids.data() + r.ret_off, *est_ids = plan.est_ids.data() + r.est_off;
+      const MetaIndex &meta = hs.meta;
+      const uint32_t *size = hs.map.size.data();
+      // Scoring and estimation read the compact f16 mirror where there is
+      // one: half the bytes of the f32 arrays, and both are bound by them.
+      const bool compact = meta.compact_ok && meta.centroid_f16.size() == static_cast<size_t>(r.clusters) * d;
+      if (compact)
+        kernels::score_clusters(DType::kF16, q, G, meta.centroid_f16.data(), r.clusters, d, scale, logits, score);
+      else
+        kernels::score_clusters(q, G, meta.centroid.as<float>(), r.clusters, d, scale, logits, score);
+      kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, ret_ids, est_ids, scratch);
+      // One pass over the value rows serves the whole query group.
+      if (compact)
+        kernels::estimate_zone_group_means(logits, G, r.clusters, est_ids, r.n_est, meta.value_mean_f16.data(), size,
+                                           d, est_out, est_lse);
+      else
+        kernels::estimate_zone_group(logits, G, r.clusters, est_ids, r.n_est, meta.value_sum.as<float>(), size, d,
+                                     est_out, est_lse);
+      uint64_t toks = 0;
+      for (uint32_t i = 0; i < r.n_ret; ++i) toks += size[ret_ids[i]];
+      r.ret_tokens = toks;
+    });
+    e_.counters().retrieved_clusters.fetch_add(ret);
+    e_.counters().estimated_clusters.fetch_add(est);
+    return Status::ok();
   });
-  e_.counters().retrieved_clusters.fetch_add(ret_total);
-  e_.counters().estimated_clusters.fetch_add(est_total);
-  return Status::ok();
 }
 
 Status CpuBackend::assemble(Plan &plan) {
@@ -115,35 +307,37 @@ Status CpuBackend::assemble(Plan &plan) {
                      static_cast<unsigned long long>(total));
   }
   // 2. Steady zone, then the retrieval clusters page by page.
-  HostArena &arena = e_.arena();
-  e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
-    const RunPlan &r = plan.runs[ri];
-    const HeadState &hs = plan.seqs[r.seq]->layer(plan.layer).heads[r.head];
-    uint8_t *xk = plan.xk.data() + static_cast<size_t>(plan.offsets[ri]) * row;
-    uint8_t *xv = plan.xv.data() + static_cast<size_t>(plan.offsets[ri]) * row;
-    size_t t = 0;
-    auto put = [&](const uint8_t *k, const uint8_t *v, size_t rows) {
-      std::memcpy(xk + t * row, k, rows * row);
-      std::memcpy(xv + t * row, v, rows * row);
-      t += rows;
-    };
-    put(hs.sink.k_data(), hs.sink.v_data(), hs.sink.rows());
-    put(hs.tail.k_data(), hs.tail.v_data(), hs.tail.rows());
-    for (uint32_t i = 0; i < r.n_ret; ++i) {
-      const ClusterDesc &cd = hs.index.map[plan.ret_ids[r.ret_off + i]];
-      uint32_t page = cd.page, off = cd.offset, left = cd.size;
-      while (left > 0) {
-        uint32_t n = std::min(left, pt - off);
-        const uint8_t *slot = arena.page_ptr(hs.index.pages[page]);
-        put(slot + static_cast<size_t>(off) * row, slot + static_cast<size_t>(pt + off) * row, n);
-        left -= n;
-        off = 0;
-        ++page;
+  return step(plan, [&]() -> Status {
+    HostArena &arena = e_.arena();
+    e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
+      const RunPlan &r = plan.runs[ri];
+      const HeadState &hs = plan.seqs[r.seq]->layer(plan.layer).heads[r.head];
+      uint8_t *xk = plan.xk.data() + static_cast<size_t>(plan.offsets[ri]) * row;
+      uint8_t *xv = plan.xv.data() + static_cast<size_t>(plan.offsets[ri]) * row;
+      size_t t = 0;
+      auto put = [&](const uint8_t *k, const uint8_t *v, size_t rows) {
+        if (rows == 0) return;  // k and v may be null then
+        std::memcpy(xk + t * row, k, rows * row);
+        std::memcpy(xv + t * row, v, rows * row);
+        t += rows;
+      };
+      put(hs.sink.k_at(0), hs.sink.v_at(0), hs.sink.n);
+      put(hs.tail.k_at(0), hs.tail.v_at(0), hs.tail.n);
+      for (uint32_t i = 0; i < r.n_ret; ++i) {
+        const uint32_t id = plan.ret_ids[r.ret_off + i];
+        uint32_t slot = hs.map.first_slot[id], left = hs.map.size[id];
+        while (left > 0) {
+          const uint32_t off = slot % pt, m = std::min(left, pt - off);
+          const uint8_t *page = arena.page_ptr(hs.map.pages[slot / pt]);
+          put(page + static_cast<size_t>(off) * row, page + static_cast<size_t>(pt + off) * row, m);
+          left -= m;
+          slot += m;
+        }
       }
-    }
+    });
+    e_.counters().attended_tokens.fetch_add(total);
+    return Status::ok();
   });
-  e_.counters().attended_tokens.fetch_add(total);
-  return Status::ok();
 }
 
 Status CpuBackend::attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse) {
@@ -158,25 +352,27 @@ Status CpuBackend::attend(Plan &plan, void *out, int64_t seq_stride, int64_t hea
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for attention scratch");
   }
-  e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
-    const RunPlan &r = plan.runs[ri];
-    const size_t qh = static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G;
-    float *o = &plan.exact_out[qh * d];
-    float *l = &plan.exact_lse[qh];
-    uint32_t n = static_cast<uint32_t>(plan.offsets[ri + 1] - plan.offsets[ri]);
-    kernels::attend_exact(dt, &plan.q[qh * d], G, plan.xk.data() + plan.offsets[ri] * row,
-                          plan.xv.data() + plan.offsets[ri] * row, n, d, cfg.scale(), o, l);
-    for (uint32_t g = 0; g < G; ++g) {
-      float merged = kernels::merge_partials(o + g * d, l[g], &plan.est_out[(qh + g) * d],
-                                             plan.est_lse[qh + g], d, o + g * d);
-      uint8_t *dst = static_cast<uint8_t *>(out) +
-                     (static_cast<size_t>(r.seq) * seq_stride +
-                      static_cast<size_t>(r.head * G + g) * head_stride) * esz;
-      from_float(dt, o + g * d, dst, d);
-      if (lse) lse[static_cast<size_t>(r.seq) * nq + r.head * G + g] = merged;
-    }
+  return step(plan, [&]() -> Status {
+    e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
+      const RunPlan &r = plan.runs[ri];
+      const size_t qh = static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G;
+      float *o = &plan.exact_out[qh * d];
+      float *l = &plan.exact_lse[qh];
+      const uint32_t n = static_cast<uint32_t>(plan.offsets[ri + 1] - plan.offsets[ri]);
+      kernels::attend_exact(dt, &plan.q[qh * d], G, plan.xk.data() + plan.offsets[ri] * row,
+                            plan.xv.data() + plan.offsets[ri] * row, n, d, cfg.scale(), o, l);
+      for (uint32_t g = 0; g < G; ++g) {
+        const float merged = kernels::merge_partials(o + g * d, l[g], &plan.est_out[(qh + g) * d],
+                                                     plan.est_lse[qh + g], d, o + g * d);
+        uint8_t *dst = static_cast<uint8_t *>(out) + (static_cast<size_t>(r.seq) * seq_stride +
+                                                      static_cast<size_t>(r.head * G + g) * head_stride) *
+                                                         esz;
+        from_float(dt, o + g * d, dst, d);
+        if (lse) lse[static_cast<size_t>(r.seq) * nq + r.head * G + g] = merged;
+      }
+    });
+    return Status::ok();
   });
-  return Status::ok();
 }
 
 Status CpuBackend::merge(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
@@ -185,29 +381,21 @@ Status CpuBackend::merge(Plan &plan, void *out, int64_t seq_stride, int64_t head
   const uint32_t d = cfg.c.head_dim, nq = cfg.c.n_q_heads;
   const DType dt = cfg.dtype();
   const size_t esz = dtype_bytes(dt);
-  e_.pool().parallel_for(plan.n_seqs, [&](size_t s) {
-    float o[256];  // head_dim <= 256 (checked at open)
-    for (uint32_t h = 0; h < nq; ++h) {
-      uint8_t *dst = static_cast<uint8_t *>(out) +
-                     (s * static_cast<size_t>(seq_stride) + static_cast<size_t>(h) * head_stride) * esz;
-      to_float(dt, dst, o, d);
-      float &l = lse[s * static_cast<size_t>(lse_seq_stride) + h];
-      const size_t qh = s * nq + h;
-      l = kernels::merge_partials(o, l, &plan.est_out[qh * d], plan.est_lse[qh], d, o);
-      from_float(dt, o, dst, d);
-    }
+  return step(plan, [&]() -> Status {
+    e_.pool().parallel_for(plan.n_seqs, [&](size_t s) {
+      float o[256];  // head_dim <= 256 (checked at open)
+      for (uint32_t h = 0; h < nq; ++h) {
+        uint8_t *dst = static_cast<uint8_t *>(out) +
+                       (s * static_cast<size_t>(seq_stride) + static_cast<size_t>(h) * head_stride) * esz;
+        to_float(dt, dst, o, d);
+        float &l = lse[s * static_cast<size_t>(lse_seq_stride) + h];
+        const size_t qh = s * nq + h;
+        l = kernels::merge_partials(o, l, &plan.est_out[qh * d], plan.est_lse[qh], d, o);
+        from_float(dt, o, dst, d);
+      }
+    });
+    return Status::ok();
   });
-  return Status::ok();
-}
-
-Status CpuBackend::update(Plan &plan) {
-  // No cache tier on the CPU: the access record only refreshes recency, which
-  // the spill tier uses to pick cold clusters.
-  for (const RunPlan &r : plan.runs) {
-    MappingTable &map = plan.seqs[r.seq]->layer(plan.layer).heads[r.head].index.map;
-    for (uint32_t i = 0; i < r.n_ret; ++i) map[plan.ret_ids[r.ret_off + i]].last_access = plan.epoch;
-  }
-  return Status::ok();
 }
 
 }  // namespace

@@ -1,0 +1,417 @@
+#include "lib/buffer/buffer_manager.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "lib/index/head.hpp"
+
+namespace wkv {
+namespace {
+
+constexpr size_t kWordsPerSlab = 4096;
+constexpr size_t kRecordAlign = 64;
+
+size_t record_bytes(uint32_t n_given, uint32_t hit_cap, uint32_t n_runs) {
+  size_t b = sizeof(RecordHeader) + 4ull * n_given + 4ull * hit_cap;
+  b = (b + 15) & ~size_t{15};
+  b += sizeof(AdmitEntry) * n_given + 8ull * n_runs;
+  return (b + kRecordAlign - 1) & ~(kRecordAlign - 1);
+}
+
+// The arrays of a record at h (host addresses).
+struct RecordArrays {
+  uint32_t *given, *hits;
+  AdmitEntry *admits;
+  uint64_t *heads;
+};
+RecordArrays arrays_of(RecordHeader *h) {
+  uint8_t *p = reinterpret_cast<uint8_t *>(h) + sizeof(RecordHeader);
+  RecordArrays a;
+  a.given = reinterpret_cast<uint32_t *>(p);
+  a.hits = a.given + h->n_given;
+  size_t off = (sizeof(RecordHeader) + 4ull * h->n_given + 4ull * h->hit_cap + 15) & ~size_t{15};
+  a.admits = reinterpret_cast<AdmitEntry *>(reinterpret_cast<uint8_t *>(h) + off);
+  a.heads = reinterpret_cast<uint64_t *>(a.admits + h->n_given);
+  return a;
+}
+
+}  // namespace
+
+BufferManager::BufferManager(Options opts, Device *device) : opts_(opts), dev_(device) {
+  heads_.resize(1);
+  if (opts_.units > 0) {
+    policy_ = std::make_unique<LruPolicy>(opts_.units);
+    owner_.resize(opts_.units);
+    free_units_.reserve(opts_.units);
+    for (uint32_t u = opts_.units; u-- > 0;) free_units_.push_back(u);
+  }
+}
+
+Status BufferManager::start() {
+  if (opts_.units > 0) {
+    WKV_RETURN_IF_ERROR(dev_->alloc_ring(opts_.ring_bytes, &ring_, &ring_dev_));
+  }
+  thread_ = std::thread([this] { run(); });
+  return Status::ok();
+}
+
+BufferManager::~BufferManager() {
+  // Steps may still run on the device (a caller that closes without waiting
+  // for its streams): their memory goes only once they have ended.
+  for (int i = 0; i < 200000; ++i) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t next = epoch_.load() + 1;
+    if (oldest_in_flight(lock) == next) break;
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  for (Pending &p : pending_) p.release();
+  pending_.clear();
+}
+
+Status BufferManager::new_tracker(std::shared_ptr<StepTracker> *out) {
+  auto t = std::make_shared<StepTracker>();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_words_.empty()) {
+    uint64_t *host = nullptr, *dev = nullptr;
+    WKV_RETURN_IF_ERROR(dev_->alloc_words(kWordsPerSlab, &host, &dev));
+    free_words_.reserve(free_words_.size() + kWordsPerSlab);
+    // Device addresses follow from the host ones by a constant offset.
+    for (size_t i = kWordsPerSlab; i-- > 0;) free_words_.push_back(host + i);
+    slab_offsets_.push_back({host, dev});
+  }
+  uint64_t *w = free_words_.back();
+  *w = 0;
+  t->done_ = w;
+  t->done_dev_ = device_word(w);
+  trackers_.push_back(t);
+  free_words_.pop_back();
+  *out = std::move(t);
+  return Status::ok();
+}
+
+uint64_t *BufferManager::device_word(uint64_t *host) const {
+  for (const auto &s : slab_offsets_)
+    if (host >= s.first && host < s.first + kWordsPerSlab) return s.second + (host - s.first);
+  return nullptr;
+}
+
+uint64_t BufferManager::begin(StepTracker &t) {
+  // Published as "taking" first: a scan that runs before the epoch lands
+  // treats this tracker as in flight from its last done epoch on.
+  t.issued_.store(StepTracker::kTaking, std::memory_order_seq_cst);
+  const uint64_t e = epoch_.fetch_add(1, std::memory_order_seq_cst) + 1;
+  t.issued_.store(e, std::memory_order_seq_cst);
+  return e;
+}
+
+uint64_t BufferManager::oldest_in_flight(std::unique_lock<std::mutex> &) {
+  uint64_t oldest = epoch_.load(std::memory_order_seq_cst) + 1;
+  size_t kept = 0;
+  for (size_t i = 0; i < trackers_.size(); ++i) {
+    std::shared_ptr<StepTracker> &t = trackers_[i];
+    const uint64_t issued = t->issued_.load(std::memory_order_seq_cst);
+    const uint64_t done = *t->done_;
+    const bool idle = issued != StepTracker::kTaking && done >= issued;
+    if (!idle) oldest = std::min(oldest, done + 1);
+    if (idle && t.use_count() == 1) {  // its owner is gone and it is idle
+      free_words_.push_back(const_cast<uint64_t *>(t->done_));
+      continue;
+    }
+    if (kept != i) trackers_[kept] = std::move(t);
+    ++kept;
+  }
+  trackers_.resize(kept);
+  return oldest;
+}
+
+void BufferManager::defer(std::function<void()> release) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t stamp = epoch_.load(std::memory_order_seq_cst);
+  if (oldest_in_flight(lock) > stamp) {
+    lock.unlock();
+    release();
+    return;
+  }
+  pending_.push_back({stamp, std::move(release)});
+  lock.unlock();
+  cv_.notify_one();
+}
+
+uint32_t BufferManager::head_created(uint32_t *gen) {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint32_t id;
+  if (!free_heads_.empty()) {
+    id = free_heads_.back();
+    free_heads_.pop_back();
+  } else {
+    id = static_cast<uint32_t>(heads_.size());
+    heads_.emplace_back();
+  }
+  heads_[id].alive = true;
+  *gen = ++heads_[id].gen;
+  return id;
+}
+
+void BufferManager::head_destroyed(uint32_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (id == 0 || id >= heads_.size() || !heads_[id].alive) return;
+  heads_[id].alive = false;
+  free_heads_.push_back(id);
+}
+
+StepRecord BufferManager::open_record(const StepTracker &t, uint64_t epoch, const uint64_t *heads, uint32_t n_runs,
+                                      uint32_t want, uint32_t hit_cap) {
+  StepRecord r;
+  if (!ring_) return r;
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint32_t n_given =
+      static_cast<uint32_t>(std::min<size_t>({static_cast<size_t>(want), free_units_.size(), opts_.max_given}));
+  const size_t bytes = record_bytes(n_given, hit_cap, n_runs);
+  // 1. Room in the ring: after the newest record, else from the start.
+  size_t at = SIZE_MAX;
+  if (open_.empty()) {
+    ring_head_ = ring_tail_ = 0;
+    if (bytes <= opts_.ring_bytes) at = 0;
+  } else if (ring_head_ > ring_tail_) {
+    if (bytes <= opts_.ring_bytes - ring_head_)
+      at = ring_head_;
+    else if (bytes < ring_tail_)
+      at = 0;
+  } else if (ring_head_ < ring_tail_ && bytes <= ring_tail_ - ring_head_) {
+    at = ring_head_;
+  }
+  if (at == SIZE_MAX) {
+    ++dropped_;
+    return r;
+  }
+  // 2. The header and the units it may admit into.
+  RecordHeader *h = reinterpret_cast<RecordHeader *>(ring_ + at);
+  std::memset(h, 0, sizeof *h);
+  h->epoch = epoch;
+  h->tracker = &t;
+  h->n_given = n_given;
+  h->hit_cap = hit_cap;
+  h->n_runs = n_runs;
+  h->bytes = static_cast<uint32_t>(bytes);
+  RecordArrays a = arrays_of(h);
+  for (uint32_t i = 0; i < n_given; ++i) {
+    a.given[i] = free_units_.back();
+    free_units_.pop_back();
+  }
+  std::memcpy(a.heads, heads, 8ull * n_runs);
+  open_.push_back(h);
+  ring_head_ = at + bytes;
+  lock.unlock();
+  cv_.notify_one();
+
+  const ptrdiff_t dev = ring_dev_ - ring_;
+  r.header = reinterpret_cast<RecordHeader *>(reinterpret_cast<uint8_t *>(h) + dev);
+  r.given = reinterpret_cast<const uint32_t *>(reinterpret_cast<uint8_t *>(a.given) + dev);
+  r.hits = reinterpret_cast<uint32_t *>(reinterpret_cast<uint8_t *>(a.hits) + dev);
+  r.admits = reinterpret_cast<AdmitEntry *>(reinterpret_cast<uint8_t *>(a.admits) + dev);
+  r.heads = reinterpret_cast<uint64_t *>(reinterpret_cast<uint8_t *>(a.heads) + dev);
+  r.n_given = n_given;
+  r.hit_cap = hit_cap;
+  return r;
+}
+
+void BufferManager::cancel_record(const StepRecord &r) {
+  if (!r.header) return;
+  RecordHeader *h = reinterpret_cast<RecordHeader *>(reinterpret_cast<uint8_t *>(r.header) - (ring_dev_ - ring_));
+  std::lock_guard<std::mutex> lock(mu_);
+  h->used = 0;
+  h->hits = 0;
+  h->cancelled = 1;
+}
+
+BufferManager::Stats BufferManager::stats() {
+  Stats s;
+  std::lock_guard<std::mutex> lock(mu_);
+  s.admissions = admissions_.load();
+  s.evictions = evictions_.load();
+  s.lost = lost_.load();
+  s.backlog = open_.size() + (busy_.load() ? 1 : 0);
+  s.dropped_records = dropped_;
+  s.free = free_units_.size();
+  s.quarantined = quarantined_.load();
+  s.resident = resident_.load();
+  return s;
+}
+
+bool BufferManager::quiesce(int timeout_ms) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (open_.empty() && pending_.empty() && !busy_.load()) return true;
+    }
+    cv_.notify_one();
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// The manager's thread ----------------------------------------------------------
+
+void BufferManager::run() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stop_) return;
+      const bool waiting = !open_.empty() || !pending_.empty() || !quarantine_.empty();
+      // Steps end on the device, which tells no one: while some are
+      // awaited, look again every 50 us.
+      if (waiting)
+        cv_.wait_for(lock, std::chrono::microseconds(50));
+      else
+        cv_.wait(lock);
+      if (stop_) return;
+      busy_.store(true);
+    }
+    take_records();
+    evict();
+    release_ready();
+    busy_.store(false);
+  }
+}
+
+bool BufferManager::take_records() {
+  bool any = false;
+  for (;;) {
+    RecordHeader *h;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (open_.empty()) return any;
+      h = open_.front();
+      if (!h->cancelled && h->tracker->done() < h->epoch) return any;
+    }
+    take_record(*h);
+    any = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    open_.pop_front();
+    ring_tail_ = open_.empty() ? ring_head_ : static_cast<size_t>(reinterpret_cast<uint8_t *>(open_.front()) - ring_);
+  }
+}
+
+void BufferManager::take_record(const RecordHeader &hc) {
+  RecordHeader *h = const_cast<RecordHeader *>(&hc);
+  RecordArrays a = arrays_of(h);
+  const uint32_t used = std::min(h->used, h->n_given), hits = std::min(h->hits, h->hit_cap);
+  // 1. Recency: every unit the step read from the cache.
+  for (uint32_t i = 0; i < hits; ++i) {
+    const uint32_t u = a.hits[i];
+    if (u < opts_.units && owner_[u].entry != 0) policy_->on_access(u);
+  }
+  // 2. Admissions become resident frames of live heads; the rest go back.
+  const uint64_t stamp = epoch_.load(std::memory_order_seq_cst);
+  uint32_t admitted = 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (uint32_t i = 0; i < h->n_given; ++i) {
+    const uint32_t u = a.given[i];
+    const AdmitEntry e = i < used ? a.admits[i] : AdmitEntry{0, u, 0};
+    // The frame is given[i] whatever the log says.
+    if (e.entry == 0) {
+      free_units_.push_back(u);  // never mapped: nothing can read it
+      continue;
+    }
+    const uint64_t head = e.run < h->n_runs ? a.heads[e.run] : 0;
+    const uint32_t id = static_cast<uint32_t>(head >> 32), gen = static_cast<uint32_t>(head);
+    if (id != 0 && id < heads_.size() && heads_[id].alive && heads_[id].gen == gen) {
+      owner_[u] = Owner{id, gen, e.entry};
+      policy_->on_insert(u);
+      ++resident_;
+      ++admitted;
+    } else {
+      // Mapped in a head that is gone: steps in flight may still read it.
+      quarantine_.push_back({stamp, u});
+      ++quarantined_;
+    }
+  }
+  admissions_ += admitted;
+  admit_rate_ = 0.9 * admit_rate_ + 0.1 * admitted;
+}
+
+void BufferManager::evict() {
+  if (opts_.units == 0) return;
+  const size_t target =
+      std::min<size_t>(opts_.units / 4, static_cast<size_t>(4 * admit_rate_) + 32);
+  std::vector<uint32_t> victims;
+  std::vector<uint64_t> entries;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const size_t have = free_units_.size() + quarantined_.load();
+    if (have >= target) return;
+    size_t need = target - have;
+    while (need-- > 0) {
+      const int64_t v = policy_->victim();
+      if (v < 0) break;
+      const uint32_t u = static_cast<uint32_t>(v);
+      policy_->on_erase(u);
+      const Owner o = owner_[u];
+      owner_[u] = Owner{};
+      --resident_;
+      victims.push_back(u);
+      // A dead head's unit map is not written again (it is freed once the
+      // steps in flight have ended).
+      if (o.head < heads_.size() && heads_[o.head].alive && heads_[o.head].gen == o.gen) entries.push_back(o.entry);
+    }
+  }
+  if (victims.empty()) return;
+  // 1. Clear the unit map entries and wait: steps that begin after this
+  //    read the host pages. 2. Quarantine until the steps that began before
+  //    have ended. If the stores failed, the entries may still point at the
+  //    frames: they are lost to the cache rather than reused under a reader.
+  if (!entries.empty()) {
+    Status st = dev_->clear_entries(entries.data(), static_cast<uint32_t>(entries.size()));
+    if (!st.is_ok()) {
+      lost_ += victims.size();
+      return;
+    }
+  }
+  const uint64_t stamp = epoch_.load(std::memory_order_seq_cst);
+  for (uint32_t u : victims) {
+    quarantine_.push_back({stamp, u});
+    ++quarantined_;
+  }
+  evictions_ += victims.size();
+}
+
+bool BufferManager::release_ready() {
+  std::vector<Pending> ready;
+  uint64_t oldest;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    oldest = oldest_in_flight(lock);
+    size_t kept = 0;
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      if (pending_[i].stamp < oldest)
+        ready.push_back(std::move(pending_[i]));
+      else
+        pending_[kept++] = std::move(pending_[i]);
+    }
+    pending_.resize(kept);
+    // Quarantined frames whose readers have ended are free again.
+    size_t q = 0;
+    for (size_t i = 0; i < quarantine_.size(); ++i) {
+      if (quarantine_[i].stamp < oldest) {
+        free_units_.push_back(quarantine_[i].unit);
+        --quarantined_;
+      } else {
+        quarantine_[q++] = std::move(quarantine_[i]);
+      }
+    }
+    quarantine_.resize(q);
+  }
+  for (Pending &p : ready) p.release();
+  return !ready.empty();
+}
+
+}  // namespace wkv

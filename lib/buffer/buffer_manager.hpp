@@ -1,0 +1,257 @@
+// The buffer manager: frames, pins and epochs.
+//
+// Frames are the device block cache's units (lib/index/head.hpp: page_tokens
+// members of one cluster, laid out like a page) and the host pages a step
+// reads. A step pins every frame it may read from the moment it takes its
+// epoch until its kernels have ended; nothing is freed, reused or moved while
+// a step that could read it is in flight.
+//
+// Epochs. One 64-bit counter for the engine. Every verb that enqueues work
+// reading engine memory (lookup, assemble, attend, merge, an append) takes a
+// fresh epoch in its owner's StepTracker (a plan's, or a sequence's for its
+// appends), and its last kernel writes that epoch into the tracker's done
+// word when it ends (the CPU backend writes it on return). A tracker whose
+// done word is behind its issued epoch has a step in flight; the oldest
+// epoch in flight is the least done + 1 over such trackers. A step ends
+// when its kernels end, whatever happens to its plan: destroyed, abandoned
+// between lookup and update, or never updated, nothing stays pinned.
+//
+// Quarantine. A frame given up at epoch S (a cache unit evicted after its
+// unit map entry was cleared, a destroyed sequence's pages and device
+// arrays) is released only once the oldest epoch in flight is past S:
+// every step that could have seen it has ended.
+//
+// The device cache (CUDA engines). A step's assemble opens an access record
+// in a ring of pinned, mapped host memory allocated at open, and is handed
+// free units in it; its gather kernel copies each missed unit into one of
+// them as it lays it out in the execution buffer (a miss crosses PCIe once),
+// maps it in the head's unit map with a compare-and-swap, and logs the
+// admission and every unit it found in the cache. The manager's thread
+// takes records once their step has ended: hits refresh recency, admissions
+// become resident frames, units the step did not use go back. It keeps a
+// reserve of free units by evicting the policy's victims: clear the unit
+// map entries (a kernel on its own stream, which it waits for), quarantine.
+// When the ring is full, a step gets no record: it admits nothing and its
+// hits refresh nothing (recency is a hint; the decoding path never blocks
+// or allocates for it). Dropping an older record instead would lose the
+// units its step admitted.
+//
+// Lock order: mu_ is a leaf. The manager thread holds it only to move
+// records, free units and deferred releases between queues, never across a
+// device wait; the decoding path holds it for a few instructions per step.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "kernels/device_layout.hpp"
+#include "lib/buffer/replacement.hpp"
+#include "lib/common/status.hpp"
+
+namespace wkv {
+
+class BufferManager;
+
+// The steps in flight of one owner (a plan, or a sequence's appends).
+class StepTracker {
+ public:
+  // Where a kernel writes the epoch of its step when it ends (device address
+  // of a mapped host word on a CUDA engine, a host address otherwise).
+  uint64_t *done_device() const { return done_dev_; }
+  // The epoch of the last step begun (0: none).
+  uint64_t issued() const { return issued_.load(std::memory_order_acquire); }
+  // The epoch of the last step ended.
+  uint64_t done() const { return *done_; }
+
+ private:
+  friend class BufferManager;
+  static constexpr uint64_t kTaking = ~uint64_t{0};  // taking an epoch now
+  std::atomic<uint64_t> issued_{0};
+  volatile uint64_t *done_ = nullptr;
+  uint64_t *done_dev_ = nullptr;
+};
+
+// One access record of a step, in the ring (pinned, mapped host memory).
+// The host fills the header and `given` before the step's gather is
+// enqueued; the gather writes the rest; the manager reads it after the step.
+//
+//   RecordHeader
+//   uint32_t   given[n_given]      free units the step may admit into
+//   uint32_t   hits[hit_cap]       units it read from the cache
+//   AdmitEntry admits[n_given]     what it did with given[i], i < used
+//   uint64_t   heads[n_runs]       the run's head: cache id << 32 | generation
+struct RecordHeader {
+  uint64_t epoch;
+  const StepTracker *tracker;
+  uint32_t n_given, hit_cap, n_runs;
+  uint32_t used;  // written by the device: given units taken (<= n_given)
+  uint32_t hits;  // written by the device, right after used: hit log entries (<= hit_cap)
+  uint32_t bytes;  // the record's size in the ring
+  uint32_t cancelled;  // its step was never enqueued
+  uint32_t pad[5];
+};
+static_assert(sizeof(RecordHeader) == 64, "RecordHeader is one 64-byte line");
+static_assert(offsetof(RecordHeader, hits) == offsetof(RecordHeader, used) + 4, "the gather writes used, hits");
+
+// What a gather did with given unit i (kernels/device_layout.hpp).
+using kernels::AdmitEntry;
+static_assert(sizeof(AdmitEntry) == 16, "AdmitEntry is 16 bytes");
+
+// A record as the step's kernels see it (device addresses of mapped memory).
+struct StepRecord {
+  RecordHeader *header = nullptr;  // nullptr: no record (nothing admitted or logged)
+  const uint32_t *given = nullptr;
+  uint32_t *hits = nullptr;
+  AdmitEntry *admits = nullptr;
+  uint64_t *heads = nullptr;
+  uint32_t n_given = 0, hit_cap = 0;
+};
+
+class BufferManager {
+ public:
+  // What the backend does for the manager.
+  class Device {
+   public:
+    virtual ~Device() = default;
+    // n 8-byte words that the device writes and the host reads (pinned,
+    // mapped on CUDA), zeroed; *dev their device address. Freed at close.
+    virtual Status alloc_words(size_t n, uint64_t **host, uint64_t **dev) = 0;
+    // Ring memory for the access records (pinned, mapped on CUDA); *dev its
+    // device address. Freed at close.
+    virtual Status alloc_ring(size_t bytes, uint8_t **host, uint8_t **dev) = 0;
+    // Stores kNoFrame at n unit map entries (device addresses) and waits for
+    // the stores: afterwards no step that begins reads those frames.
+    virtual Status clear_entries(const uint64_t *entries, uint32_t n) = 0;
+  };
+
+  struct Options {
+    uint32_t units = 0;         // device cache frames (0: no cache)
+    size_t ring_bytes = 32u << 20;
+    uint32_t max_given = 8192;  // free units handed to one step at most
+  };
+
+  struct Stats {
+    uint64_t admissions = 0, evictions = 0;
+    uint64_t lost = 0;             // frames withheld after a failed unit map store
+    uint64_t backlog = 0;          // records not yet taken
+    uint64_t dropped_records = 0;  // steps that got no record (ring full)
+    uint64_t resident = 0, free = 0, quarantined = 0;
+  };
+
+  BufferManager(Options opts, Device *device);
+  ~BufferManager();
+  BufferManager(const BufferManager &) = delete;
+  BufferManager &operator=(const BufferManager &) = delete;
+
+  // Allocates the ring and starts the manager's thread.
+  Status start();
+
+  // A tracker for a new plan or sequence. Kept by the manager until its
+  // owner has dropped it and its last step has ended.
+  Status new_tracker(std::shared_ptr<StepTracker> *out);
+  // Takes an epoch for a step of `t` about to be enqueued.
+  uint64_t begin(StepTracker &t);
+  // The step of `t` at `epoch` ended on the host (the CPU backend's verbs).
+  void end_on_host(StepTracker &t, uint64_t epoch) { *t.done_ = epoch; }
+
+  // Runs `release` once every step begun so far has ended, on the manager's
+  // thread (or at once when none is in flight). For frames given up: a
+  // destroyed sequence's pages and device arrays, a plan's buffers.
+  void defer(std::function<void()> release);
+
+  // The device cache ------------------------------------------------------
+  uint32_t units() const { return opts_.units; }
+  // An id for a head whose unit map the cache may store into; released by
+  // head_destroyed. *gen tells a reused id's incarnations apart.
+  uint32_t head_created(uint32_t *gen);
+  void head_destroyed(uint32_t id);
+
+  // Opens the access record of a step of `t` at `epoch` over n_runs runs
+  // (heads[r] of each), handing it up to `want` free units and room for
+  // `hit_cap` hits. An empty record when the ring is full.
+  StepRecord open_record(const StepTracker &t, uint64_t epoch, const uint64_t *heads, uint32_t n_runs,
+                         uint32_t want, uint32_t hit_cap);
+  // The step of an open record will not be enqueued after all: its units go
+  // back untouched.
+  void cancel_record(const StepRecord &r);
+
+  Stats stats();
+  // Waits (up to `timeout_ms`) until every record of an ended step has been
+  // taken and every release that can run has run. For tests and stats.
+  bool quiesce(int timeout_ms);
+  // The last epoch taken; moves the counter on to `epoch` (tests of
+  // epochs past 2^32).
+  uint64_t epoch() const { return epoch_.load(); }
+  void advance_epoch(uint64_t epoch) { epoch_.store(std::max(epoch_.load(), epoch)); }
+
+ private:
+  struct Owner {  // a resident frame's head and unit map entry
+    uint32_t head = 0, gen = 0;
+    uint64_t entry = 0;
+  };
+  struct Pending {  // a release waiting for the steps in flight
+    uint64_t stamp;
+    std::function<void()> release;
+  };
+  struct Quarantined {  // a frame waiting for the steps in flight
+    uint64_t stamp;
+    uint32_t unit;
+  };
+  struct HeadSlot {
+    uint32_t gen = 0;
+    bool alive = false;
+  };
+
+  void run();
+  // Pre: mu_ held. The oldest epoch in flight (or the next one if none);
+  // forgets trackers whose owners are gone and whose steps have ended.
+  uint64_t oldest_in_flight(std::unique_lock<std::mutex> &held);
+  // The device address of a done word. Pre: mu_ held.
+  uint64_t *device_word(uint64_t *host) const;
+  // Takes the ended records at the ring's tail. Pre: mu_ not held.
+  bool take_records();
+  void take_record(const RecordHeader &h);
+  // Evicts until the reserve is met. Pre: mu_ not held.
+  void evict();
+  // Runs releases whose steps have ended. Pre: mu_ not held.
+  bool release_ready();
+
+  Options opts_;
+  Device *dev_;
+  std::atomic<uint64_t> epoch_{0};
+
+  std::mutex mu_;  // guards everything below up to the manager's own state
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::vector<std::shared_ptr<StepTracker>> trackers_;
+  std::vector<uint64_t *> free_words_;  // done words of dropped trackers
+  std::vector<std::pair<uint64_t *, uint64_t *>> slab_offsets_;  // word slabs: host, device
+  std::vector<Pending> pending_;
+  std::vector<uint32_t> free_units_;
+  std::vector<HeadSlot> heads_;  // [0] unused
+  std::vector<uint32_t> free_heads_;
+  uint8_t *ring_ = nullptr, *ring_dev_ = nullptr;
+  size_t ring_head_ = 0, ring_tail_ = 0;  // bytes, head = next write
+  std::deque<RecordHeader *> open_;       // records in ring order
+  uint64_t dropped_ = 0;
+  std::atomic<uint64_t> admissions_{0}, evictions_{0}, lost_{0}, resident_{0}, quarantined_{0};
+
+  // The manager thread's own state (no lock).
+  std::unique_ptr<ReplacementPolicy> policy_;
+  std::vector<Owner> owner_;  // [units]
+  std::vector<Quarantined> quarantine_;
+  double admit_rate_ = 0;  // recent admissions per record
+  std::thread thread_;
+  std::atomic<bool> busy_{false};
+};
+
+}  // namespace wkv

@@ -1,0 +1,490 @@
+#include "lib/index/growth.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <new>
+#include <vector>
+
+namespace wkv {
+namespace {
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Room for `add` more rows after the live ones, the live rows moved to the
+// front of new regions when the old ones are full. All or nothing.
+Status reserve_rows(const IndexContext &ix, Rows *rows, uint64_t add, uint64_t min_cap, void *stream) {
+  const uint64_t need = rows->n + add;
+  if (rows->begin + need <= rows->cap) return Status::ok();
+  const uint64_t cap = std::max<uint64_t>({need, rows->n + rows->n / 2, min_cap});
+  const size_t bytes = cap * rows->row_bytes;
+  Region k, v;
+  WKV_RETURN_IF_ERROR(ix.backend.mem_alloc(bytes, stream, &k));
+  Status st = ix.backend.mem_alloc(bytes, stream, &v);
+  if (st.is_ok() && rows->n > 0) {
+    st = ix.backend.mem_copy(k.p, rows->k_at(0), rows->n * rows->row_bytes, stream);
+    if (st.is_ok()) st = ix.backend.mem_copy(v.p, rows->v_at(0), rows->n * rows->row_bytes, stream);
+  }
+  if (!st.is_ok()) {
+    ix.backend.mem_free(&k, stream);
+    ix.backend.mem_free(&v, stream);
+    return st;
+  }
+  std::swap(rows->k, k);
+  std::swap(rows->v, v);
+  ix.backend.mem_free_deferred(&k);
+  ix.backend.mem_free_deferred(&v);
+  rows->begin = 0;
+  rows->cap = cap;
+  return Status::ok();
+}
+
+// Appends a segment's clusters to the meta index's compact f16 mirror, or
+// drops the mirror for good when a value does not fit in f16. Pre: room
+// for them is reserved (no allocation, no throw).
+void append_compact(const float *centroid, const float *value_sum, const uint32_t *size, uint32_t n, uint32_t d,
+                    MetaIndex *meta) {
+  constexpr float kF16Max = 65504.0f;
+  bool fits = true;  // a NaN fails the compares too
+  for (size_t i = 0; i < size_t(n) * d; ++i) fits &= std::fabs(centroid[i]) <= kF16Max;
+  for (uint32_t c = 0; c < n; ++c)
+    for (uint32_t j = 0; j < d; ++j) fits &= std::fabs(value_sum[size_t(c) * d + j] / size[c]) <= kF16Max;
+  if (!fits) {
+    MetaVector<f16>().swap(meta->centroid_f16);
+    MetaVector<f16>().swap(meta->value_mean_f16);
+    meta->compact_ok = false;
+    return;
+  }
+  const size_t at = meta->centroid_f16.size(), m = size_t(n) * d;
+  meta->centroid_f16.resize(at + m);
+  meta->value_mean_f16.resize(at + m);
+  from_float(DType::kF16, centroid, meta->centroid_f16.data() + at, m);
+  float mean[256];  // head_dim <= 256 (checked at open)
+  for (uint32_t c = 0; c < n; ++c) {
+    for (uint32_t j = 0; j < d; ++j) mean[j] = value_sum[size_t(c) * d + j] / size[c];
+    from_float(DType::kF16, mean, meta->value_mean_f16.data() + at + size_t(c) * d, d);
+  }
+}
+
+template <typename V> void reserve_total(V &v, size_t n) {
+  if (n > v.capacity()) v.reserve(std::max(n, v.capacity() * 2));
+}
+
+// One head's share of a growth, staged before anything changes.
+struct HeadGrowth {
+  uint32_t add_c = 0, add_p = 0, add_u = 0;
+  std::vector<uint32_t> first_slot, size, unit_begin;  // the new entries
+  std::vector<PageId> pages;
+};
+
+// Clusters `count` segments of `seg_tokens` tokens (the last one
+// `last_tokens`) from the front of every head's tail, and commits them.
+Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t count, uint32_t seg_tokens,
+            uint32_t last_tokens, bool generated, void *stream) {
+  const Config &cfg = ix.cfg;
+  const uint32_t H = static_cast<uint32_t>(L.heads.size());
+  const uint32_t d = cfg.c.head_dim, pt = cfg.page_tokens();
+  const uint64_t consumed = static_cast<uint64_t>(count - 1) * seg_tokens + last_tokens;
+  const uint32_t S = count * H;
+  std::lock_guard<std::mutex> growth_lock(ix.growth_mu);
+
+  // 1. Cuts and seeds: segment i of head h is job h * count + i.
+  std::vector<ClusterJob> jobs;
+  std::vector<uint32_t> first_row;
+  std::vector<uint32_t> seg_pages, seg_first_page;
+  std::vector<PageId> ids;
+  std::vector<HeadGrowth> grow;
+  try {
+    jobs.resize(S);
+    first_row.resize(S);
+    seg_pages.resize(S);
+    seg_first_page.resize(S);
+    grow.resize(H);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory planning %u segments", S);
+  }
+  uint32_t npages = 0;
+  for (uint32_t h = 0; h < H; ++h) {
+    uint32_t first = 0;
+    for (uint32_t i = 0; i < count; ++i) {
+      const uint32_t si = h * count + i;
+      ClusterJob &j = jobs[si];
+      j.tokens = i + 1 == count ? last_tokens : seg_tokens;
+      j.keys = L.heads[h].tail.k_at(first);
+      j.values = L.heads[h].tail.v_at(first);
+      j.clusters = std::max<uint32_t>(1, (j.tokens + cfg.c.cluster_tokens - 1) / cfg.c.cluster_tokens);
+      j.seed = segment_seed(cfg.c.seed, layer, h, L.tail_begin + first);
+      first_row[si] = first;
+      seg_pages[si] = (j.tokens + pt - 1) / pt;
+      seg_first_page[si] = npages;
+      npages += seg_pages[si];
+      first += j.tokens;
+    }
+  }
+
+  // 2. The k-means (the backend's), then pages, all or nothing.
+  ClusterOut out;
+  WKV_RETURN_IF_ERROR(ix.backend.cluster(jobs.data(), S, &out, stream));
+  struct ClusterDone {
+    Backend &b;
+    void *s;
+    ~ClusterDone() { b.cluster_done(s); }
+  } cluster_done{ix.backend, stream};
+  try {
+    ids.resize(npages);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %u page ids", npages);
+  }
+  WKV_RETURN_IF_ERROR(ix.arena.allocate(npages, ids.data()));
+  struct PageGuard {
+    HostArena &arena;
+    std::vector<PageId> &ids;
+    bool keep = false;
+    ~PageGuard() {
+      if (!keep) arena.release(ids.data(), static_cast<uint32_t>(ids.size()));
+    }
+  } page_guard{ix.arena, ids};
+
+  // 3. The new mapping entries of every head, and room for them everywhere:
+  //    host tables, engine memory, the mirror. Growing a region keeps its
+  //    contents, so a failure here leaves every head as it was.
+  const bool compact = ix.backend.host_memory() && cfg.dtype() != DType::kF32;
+  try {
+    for (uint32_t h = 0; h < H; ++h) {
+      HeadState &hs = L.heads[h];
+      HeadGrowth &g = grow[h];
+      uint32_t p = static_cast<uint32_t>(hs.map.pages.size()), u = hs.map.units();
+      for (uint32_t i = 0; i < count; ++i) {
+        const uint32_t si = h * count + i;
+        const uint32_t nc = out.n_clusters[si];
+        const uint32_t *b = out.begin + out.clu_off[si] + si;
+        const uint32_t *sz = out.size + out.clu_off[si];
+        for (uint32_t c = 0; c < nc; ++c) {
+          g.first_slot.push_back(p * pt + b[c]);
+          g.size.push_back(sz[c]);
+          u += (sz[c] + pt - 1) / pt;
+          g.unit_begin.push_back(u);
+        }
+        for (uint32_t j = 0; j < seg_pages[si]; ++j) g.pages.push_back(ids[seg_first_page[si] + j]);
+        g.add_c += nc;
+        p += seg_pages[si];
+      }
+      g.add_p = static_cast<uint32_t>(g.pages.size());
+      g.add_u = u - hs.map.units();
+      const uint32_t C1 = hs.clusters() + g.add_c;
+      reserve_total(hs.map.first_slot, C1);
+      reserve_total(hs.map.size, C1);
+      reserve_total(hs.map.unit_begin, C1 + 1);
+      reserve_total(hs.map.pages, hs.map.pages.size() + g.add_p);
+      reserve_total(hs.segments, hs.segments.size() + count);
+      if (compact && hs.meta.compact_ok) {
+        reserve_total(hs.meta.centroid_f16, size_t(C1) * d);
+        reserve_total(hs.meta.value_mean_f16, size_t(C1) * d);
+      }
+    }
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the mapping table of a growth");
+  }
+  for (uint32_t h = 0; h < H; ++h) {
+    HeadState &hs = L.heads[h];
+    const HeadGrowth &g = grow[h];
+    const size_t C1 = hs.clusters() + g.add_c;
+    WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.centroid, C1 * d * sizeof(float),
+                                    size_t(hs.clusters()) * d * sizeof(float), stream));
+    WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.value_sum, C1 * d * sizeof(float),
+                                    size_t(hs.clusters()) * d * sizeof(float), stream));
+    WKV_RETURN_IF_ERROR(mirror_reserve(ix, hs, static_cast<uint32_t>(C1),
+                                       static_cast<uint32_t>(hs.map.pages.size() + g.add_p),
+                                       hs.map.units() + g.add_u, stream));
+  }
+
+  // 4. The device's work, beyond what any step reads: meta rows, mirror
+  //    entries, clustered rows into their pages. Only a failing device can
+  //    fail here, and nothing visible has changed yet.
+  std::vector<PageWriteJob> writes(S);
+  for (uint32_t h = 0; h < H; ++h) {
+    HeadState &hs = L.heads[h];
+    const HeadGrowth &g = grow[h];
+    uint32_t c = hs.clusters(), pp = 0;
+    for (uint32_t i = 0; i < count; ++i) {
+      const uint32_t si = h * count + i;
+      const uint32_t nc = out.n_clusters[si];
+      const size_t co = out.clu_off[si];
+      WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.centroid.as<float>() + size_t(c) * d,
+                                              out.centroid + co * d, size_t(nc) * d * sizeof(float), stream));
+      WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.value_sum.as<float>() + size_t(c) * d,
+                                              out.value_sum + co * d, size_t(nc) * d * sizeof(float), stream));
+      PageWriteJob &w = writes[si];
+      w.order = out.order + out.tok_off[si];
+      w.k = hs.tail.k_at(first_row[si]);
+      w.v = hs.tail.v_at(first_row[si]);
+      w.pages = g.pages.data() + pp;
+      w.dev_pages = hs.mirror.pages.p ? hs.mirror.pages.as<uint8_t *>() + hs.map.pages.size() + pp : nullptr;
+      w.tokens = jobs[si].tokens;
+      c += nc;
+      pp += seg_pages[si];
+    }
+    WKV_RETURN_IF_ERROR(mirror_fill_entries(ix, hs, hs.clusters(), g.first_slot.data(), g.size.data(),
+                                            g.unit_begin.data(), g.add_c, static_cast<uint32_t>(hs.map.pages.size()),
+                                            g.pages.data(), g.add_p, stream));
+  }
+  WKV_RETURN_IF_ERROR(ix.backend.write_pages(writes.data(), S, stream));
+
+  // 5. Commit (nothing can fail from here): mapping tables, segments, the
+  //    compact mirror, and the tails lose their clustered front.
+  page_guard.keep = true;
+  uint64_t new_clusters = 0;
+  for (uint32_t h = 0; h < H; ++h) {
+    HeadState &hs = L.heads[h];
+    const HeadGrowth &g = grow[h];
+    uint32_t c = hs.clusters(), p = static_cast<uint32_t>(hs.map.pages.size());
+    for (uint32_t i = 0; i < count; ++i) {
+      const uint32_t si = h * count + i;
+      const uint32_t nc = out.n_clusters[si];
+      SegmentDesc sd{};
+      sd.token_begin = L.tail_begin + first_row[si];
+      sd.tokens = jobs[si].tokens;
+      sd.cluster_begin = c;
+      sd.clusters = nc;
+      sd.page_begin = p;
+      sd.pages = seg_pages[si];
+      sd.generated = generated ? 1 : 0;
+      hs.segments.push_back(sd);
+      if (compact && hs.meta.compact_ok)
+        append_compact(out.centroid + out.clu_off[si] * d, out.value_sum + out.clu_off[si] * d,
+                       out.size + out.clu_off[si], nc, d, &hs.meta);
+      c += nc;
+      p += seg_pages[si];
+    }
+    hs.map.first_slot.insert(hs.map.first_slot.end(), g.first_slot.begin(), g.first_slot.end());
+    hs.map.size.insert(hs.map.size.end(), g.size.begin(), g.size.end());
+    hs.map.unit_begin.insert(hs.map.unit_begin.end(), g.unit_begin.begin(), g.unit_begin.end());
+    hs.map.pages.insert(hs.map.pages.end(), g.pages.begin(), g.pages.end());
+    for (uint32_t sz : g.size) hs.max_cluster = std::max(hs.max_cluster, sz);
+    hs.tail.begin += consumed;
+    hs.tail.n -= consumed;
+    new_clusters += g.add_c;
+  }
+  L.tail_begin += consumed;
+  ix.counters.segments.fetch_add(S);
+  ix.counters.clusters.fetch_add(new_clusters);
+  ix.counters.steady_rows.fetch_sub(consumed * H);
+  return Status::ok();
+}
+
+}  // namespace
+
+uint64_t segment_seed(uint64_t seed, uint32_t layer, uint32_t head, uint64_t token_begin) {
+  // splitmix64's finaliser over the combined words.
+  const uint64_t a = (static_cast<uint64_t>(layer) << 32) | head;
+  uint64_t z = seed ^ (a * 0x9e3779b97f4a7c15ull) ^ (token_begin + 0x632be59bd9b4e019ull + (a << 6));
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream) {
+  if (bytes <= r->bytes) return Status::ok();
+  Region fresh;
+  WKV_RETURN_IF_ERROR(ix.backend.mem_alloc(round_up(std::max(bytes, r->bytes + r->bytes / 2), 256), stream, &fresh));
+  if (keep > 0) {
+    Status st = ix.backend.mem_copy(fresh.p, r->p, std::min(keep, r->bytes), stream);
+    if (!st.is_ok()) {
+      ix.backend.mem_free(&fresh, stream);
+      return st;
+    }
+  }
+  std::swap(*r, fresh);
+  ix.backend.mem_free_deferred(&fresh);
+  return Status::ok();
+}
+
+Status mirror_reserve(const IndexContext &ix, HeadState &h, uint32_t clusters, uint32_t pages, uint32_t units,
+                      void *stream) {
+  if (ix.backend.host_memory()) return Status::ok();
+  HeadMirror &m = h.mirror;
+  const uint32_t C0 = h.clusters(), P0 = static_cast<uint32_t>(h.map.pages.size());
+  WKV_RETURN_IF_ERROR(grow_region(ix, &m.first_slot, size_t(clusters) * 4, size_t(C0) * 4, stream));
+  WKV_RETURN_IF_ERROR(grow_region(ix, &m.size, size_t(clusters) * 4, size_t(C0) * 4, stream));
+  const bool first = m.unit_begin.p == nullptr;
+  WKV_RETURN_IF_ERROR(grow_region(ix, &m.unit_begin, (size_t(clusters) + 1) * 4, (size_t(C0) + 1) * 4, stream));
+  if (first) WKV_RETURN_IF_ERROR(ix.backend.mem_fill(m.unit_begin.p, 0, 4, stream));  // unit_begin[0]
+  WKV_RETURN_IF_ERROR(grow_region(ix, &m.pages, size_t(pages) * 8, size_t(P0) * 8, stream));
+  // Unit map chunks: allocated, cleared and listed in the directory now;
+  // no step reads past the head's units until the growth commits.
+  const size_t chunks = (units + kUnitChunk - 1) / kUnitChunk, had = m.unit_chunks.size();
+  if (chunks <= had) return Status::ok();
+  try {
+    m.unit_chunks.reserve(chunks);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for a unit map");
+  }
+  WKV_RETURN_IF_ERROR(grow_region(ix, &m.unit_dir, chunks * 8, had * 8, stream));
+  for (size_t i = had; i < chunks; ++i) {
+    Region c;
+    WKV_RETURN_IF_ERROR(ix.backend.mem_alloc(size_t(kUnitChunk) * 4, stream, &c));
+    Status st = ix.backend.mem_fill(c.p, 0xff, size_t(kUnitChunk) * 4, stream);  // kNoFrame
+    if (st.is_ok()) st = ix.backend.mem_copy(m.unit_dir.p + i * 8, &c.p, 8, stream);
+    if (!st.is_ok()) {
+      ix.backend.mem_free(&c, stream);
+      return st;
+    }
+    m.unit_chunks.push_back(c);  // reserved above: no throw
+  }
+  return Status::ok();
+}
+
+Status mirror_fill_entries(const IndexContext &ix, HeadState &h, uint32_t c0, const uint32_t *first_slot,
+                           const uint32_t *size, const uint32_t *unit_begin, uint32_t n_clusters, uint32_t p0,
+                           const PageId *pages, uint32_t n_pages, void *stream) {
+  if (ix.backend.host_memory()) return Status::ok();
+  HeadMirror &m = h.mirror;
+  if (n_clusters > 0) {
+    WKV_RETURN_IF_ERROR(ix.backend.mem_copy(m.first_slot.p + size_t(c0) * 4, first_slot, size_t(n_clusters) * 4, stream));
+    WKV_RETURN_IF_ERROR(ix.backend.mem_copy(m.size.p + size_t(c0) * 4, size, size_t(n_clusters) * 4, stream));
+    // unit_begin[c0 + 1 ..]: entry 0 is written when the head is created.
+    WKV_RETURN_IF_ERROR(
+        ix.backend.mem_copy(m.unit_begin.p + (size_t(c0) + 1) * 4, unit_begin, size_t(n_clusters) * 4, stream));
+  }
+  if (n_pages > 0) {
+    std::vector<const uint8_t *> addr;
+    try {
+      addr.resize(n_pages);
+    } catch (const std::bad_alloc &) {
+      return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %u page addresses", n_pages);
+    }
+    for (uint32_t i = 0; i < n_pages; ++i) addr[i] = ix.backend.page_address(pages[i]);
+    WKV_RETURN_IF_ERROR(ix.backend.mem_copy(m.pages.p + size_t(p0) * 8, addr.data(), size_t(n_pages) * 8, stream));
+  }
+  return Status::ok();
+}
+
+Status mirror_fill(const IndexContext &ix, HeadState &h, uint32_t c0, uint32_t p0, void *stream) {
+  const MappingTable &t = h.map;
+  return mirror_fill_entries(ix, h, c0, t.first_slot.data() + c0, t.size.data() + c0, t.unit_begin.data() + c0 + 1,
+                             t.clusters() - c0, p0, t.pages.data() + p0, static_cast<uint32_t>(t.pages.size()) - p0,
+                             stream);
+}
+
+void init_layer(const IndexContext &ix, LayerState *L) {
+  const size_t row = ix.cfg.row_bytes();
+  L->heads.resize(ix.cfg.c.n_kv_heads);
+  for (HeadState &h : L->heads) {
+    h.sink.row_bytes = h.tail.row_bytes = row;
+    h.map.unit_begin.push_back(0);
+    ix.backend.on_head_created(h);
+  }
+}
+
+void release_layer(const IndexContext &ix, LayerState &L, bool counted) noexcept {
+  for (HeadState &h : L.heads) {
+    ix.backend.on_head_destroyed(h);
+    for (Region *r : {&h.sink.k, &h.sink.v, &h.tail.k, &h.tail.v, &h.meta.centroid, &h.meta.value_sum,
+                      &h.mirror.first_slot, &h.mirror.size, &h.mirror.unit_begin, &h.mirror.pages, &h.mirror.unit_dir})
+      ix.backend.mem_free_deferred(r);
+    for (Region &c : h.mirror.unit_chunks) ix.backend.mem_free_deferred(&c);
+    // Pages too may be read by a step in flight (a CUDA gather).
+    try {
+      ix.buffers.defer([&arena = ix.arena, pages = std::move(h.map.pages)] {
+        arena.release(pages.data(), static_cast<uint32_t>(pages.size()));
+      });
+    } catch (...) {
+      // Out of memory for the release itself: the pages stay allocated
+      // (counted in use) rather than being reused under a reader.
+    }
+    if (counted) {
+      ix.counters.segments.fetch_sub(h.segments.size());
+      ix.counters.clusters.fetch_sub(h.clusters());
+      ix.counters.steady_rows.fetch_sub(h.sink.n + h.tail.n);
+    }
+  }
+  if (counted) ix.counters.tokens.fetch_sub(L.tokens);
+  L.heads.clear();
+  L.tokens = L.tail_begin = 0;
+}
+
+Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, const uint8_t *k, const uint8_t *v,
+                     uint32_t n, int64_t token_stride, int64_t head_stride, void *stream) {
+  const Config &cfg = ix.cfg;
+  const uint32_t H = static_cast<uint32_t>(L.heads.size()), sink = cfg.c.sink_tokens;
+  const size_t row = cfg.row_bytes(), esz = dtype_bytes(cfg.dtype());
+  const uint64_t to_sink = L.tokens < sink ? std::min<uint64_t>(sink - L.tokens, n) : 0;
+  const uint64_t to_tail = n - to_sink;
+
+  // 1. Room for the rows (may move the live rows; nothing visible changes).
+  //    A tail is sized for what a generating layer gathers between two
+  //    growths (the window and an update segment), not for the prompt.
+  const uint64_t tail_min = cfg.c.window_tokens + cfg.c.update_segment_tokens + 1;
+  for (HeadState &h : L.heads) {
+    if (to_sink) WKV_RETURN_IF_ERROR(reserve_rows(ix, &h.sink, to_sink, sink, stream));
+    if (to_tail) WKV_RETURN_IF_ERROR(reserve_rows(ix, &h.tail, to_tail, tail_min, stream));
+  }
+  // 2. The rows, strided from the caller's tensor. Not yet counted.
+  const size_t pitch = static_cast<size_t>(token_stride) * esz;
+  for (uint32_t hd = 0; hd < H; ++hd) {
+    HeadState &h = L.heads[hd];
+    const size_t off = static_cast<size_t>(hd) * static_cast<size_t>(head_stride) * esz;
+    if (to_sink) {
+      WKV_RETURN_IF_ERROR(ix.backend.mem_copy_rows(h.sink.k_at(h.sink.n), row, k + off, pitch, row, to_sink, stream));
+      WKV_RETURN_IF_ERROR(ix.backend.mem_copy_rows(h.sink.v_at(h.sink.n), row, v + off, pitch, row, to_sink, stream));
+    }
+    if (to_tail) {
+      const size_t skip = to_sink * pitch;
+      WKV_RETURN_IF_ERROR(
+          ix.backend.mem_copy_rows(h.tail.k_at(h.tail.n), row, k + off + skip, pitch, row, to_tail, stream));
+      WKV_RETURN_IF_ERROR(
+          ix.backend.mem_copy_rows(h.tail.v_at(h.tail.n), row, v + off + skip, pitch, row, to_tail, stream));
+    }
+  }
+  for (HeadState &h : L.heads) {
+    h.sink.n += to_sink;
+    h.tail.n += to_tail;
+  }
+  const uint64_t tail_begin = L.tail_begin;
+  if (L.tokens < sink) L.tail_begin = std::min<uint64_t>(sink, L.tokens + n);
+
+  // 3. Cluster the segments complete beyond the window. Where they are cut
+  //    never depends on how the prompt was split into appends, nor on when
+  //    the backend clusters them.
+  const uint64_t tail = L.tokens + n - L.tail_begin;
+  const uint32_t seg = L.generating ? cfg.c.update_segment_tokens : cfg.c.segment_tokens;
+  const uint64_t ready = tail > cfg.c.window_tokens ? tail - cfg.c.window_tokens : 0;
+  uint32_t count = static_cast<uint32_t>(ready / seg);
+  if (!L.generating && count < ix.backend.prompt_batch_segments()) count = 0;
+  ix.counters.steady_rows.fetch_add(static_cast<uint64_t>(n) * H);
+  if (count > 0) {
+    Status st = grow(ix, L, layer, count, seg, seg, L.generating, stream);
+    if (!st.is_ok()) {
+      // The layer as before the call.
+      for (HeadState &h : L.heads) {
+        h.sink.n -= to_sink;
+        h.tail.n -= to_tail;
+      }
+      L.tail_begin = tail_begin;
+      ix.counters.steady_rows.fetch_sub(static_cast<uint64_t>(n) * H);
+      return st;
+    }
+  }
+  L.tokens += n;
+  L.version++;
+  ix.counters.tokens.fetch_add(n);
+  return Status::ok();
+}
+
+Status end_prompt(const IndexContext &ix, LayerState &L, uint32_t layer, void *stream) {
+  if (L.generating || L.tokens == 0) return Status::ok();
+  const Config &cfg = ix.cfg;
+  const uint64_t tail = L.tokens - L.tail_begin;
+  const uint64_t ready = tail > cfg.c.window_tokens ? tail - cfg.c.window_tokens : 0;
+  if (ready > 0) {
+    const uint32_t seg = cfg.c.segment_tokens;
+    const uint32_t count = static_cast<uint32_t>((ready + seg - 1) / seg);
+    const uint32_t last = static_cast<uint32_t>(ready - static_cast<uint64_t>(count - 1) * seg);
+    WKV_RETURN_IF_ERROR(grow(ix, L, layer, count, seg, last, false, stream));
+  }
+  L.generating = true;
+  L.version++;
+  return Status::ok();
+}
+
+}  // namespace wkv

@@ -1,0 +1,80 @@
+// The index's one growth path, for both backends: appends to the steady
+// zone, segment cuts and seeds, page allocation, the commit of a growth to
+// the meta index, the mapping table and its device mirror, and the rollback
+// of a growth that fails. The backend contributes the k-means and the copies
+// (Backend's cluster, write_pages and mem_*), nothing else: the same input
+// gives the same cuts and seeds on every backend.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+
+#include "lib/backend/backend.hpp"
+#include "lib/buffer/buffer_manager.hpp"
+#include "lib/common/config.hpp"
+#include "lib/common/counters.hpp"
+#include "lib/common/status.hpp"
+#include "lib/common/thread_pool.hpp"
+#include "lib/index/head.hpp"
+#include "lib/store/host_arena.hpp"
+
+namespace wkv {
+
+// What the index works with: the engine's parts, by reference.
+struct IndexContext {
+  const Config &cfg;
+  Backend &backend;
+  HostArena &arena;
+  ThreadPool &pool;
+  EngineCounters &counters;
+  BufferManager &buffers;
+  std::mutex &growth_mu;  // one growth at a time (the backend's k-means workspace)
+};
+
+// The seed of the k-means of the segment of (layer, head) that begins at
+// token `token_begin`: independent streams per segment, the same on every
+// backend and however the prompt was split into appends.
+uint64_t segment_seed(uint64_t seed, uint32_t layer, uint32_t head, uint64_t token_begin);
+
+// Appends n tokens' K and V rows to a layer: k and v point at token 0,
+// head 0 on the engine's device, strides in elements. Clusters the segments
+// that complete (the backend's prompt batching decides when, not where).
+// All or nothing: on an error nothing is appended and every token stored
+// before is intact.
+Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, const uint8_t *k, const uint8_t *v,
+                     uint32_t n, int64_t token_stride, int64_t head_stride, void *stream);
+
+// Ends the prompt of a layer: clusters what the prompt holds beyond the
+// window and switches the layer to generated-token segments. A no-op once
+// generating or without tokens. All or nothing.
+Status end_prompt(const IndexContext &ix, LayerState &L, uint32_t layer, void *stream);
+
+// Creates the heads of a new layer (their mirrors registered with the
+// backend).
+void init_layer(const IndexContext &ix, LayerState *L);
+
+// Gives back everything a layer holds: engine memory and pages once no step
+// in flight can read them. `counted`: the layer's tokens, segments and
+// clusters are in the engine's counters (false for a layer being built).
+// Never throws.
+void release_layer(const IndexContext &ix, LayerState &L, bool counted = true) noexcept;
+
+// The device mirror of a head's mapping table (no-op on a host-memory
+// backend), the one code path that builds it. mirror_reserve makes room for
+// `clusters`, `pages` and `units` (cleared unit map chunks included; may
+// fail for memory and then changes nothing a step reads); mirror_fill_entries
+// copies n_clusters entries from cluster c0 on and n_pages page addresses
+// from page p0 on (fails only if the device does); mirror_fill copies the
+// host table's entries from c0 and p0 to its end.
+Status mirror_reserve(const IndexContext &ix, HeadState &h, uint32_t clusters, uint32_t pages, uint32_t units,
+                      void *stream);
+Status mirror_fill_entries(const IndexContext &ix, HeadState &h, uint32_t c0, const uint32_t *first_slot,
+                           const uint32_t *size, const uint32_t *unit_begin, uint32_t n_clusters, uint32_t p0,
+                           const PageId *pages, uint32_t n_pages, void *stream);
+Status mirror_fill(const IndexContext &ix, HeadState &h, uint32_t c0, uint32_t p0, void *stream);
+
+// Ensures r holds `bytes`, keeping its first `keep` bytes (geometric growth);
+// the replaced region is freed once no step in flight can read it.
+Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream);
+
+}  // namespace wkv

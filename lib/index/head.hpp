@@ -1,0 +1,132 @@
+// The state of one (sequence, layer, KV head): everything the engine knows
+// of it, in one type with one owner (its sequence), used by both backends.
+//
+//   steady zone    the sink's rows and the unclustered tail's rows
+//   segments       runs of tokens clustered together, in token order
+//   meta index     per cluster: centroid and value sum (f32)
+//   mapping table  per cluster: its first token slot and size; the page list
+//   mirror         the device's copy of the mapping table (CUDA engines only),
+//                  written by lib/index/growth.cpp alone, after the host's
+//
+// Bulk arrays (rows, centroids, value sums, the mirror) live in engine memory:
+// host memory on a CPU engine, device memory on a CUDA engine. A Region is a
+// block of it, allocated, copied and freed through the backend (Backend's
+// mem_* functions); its layout is the same on both. Everything else is host
+// memory. Nothing here knows which backend it serves: a head moves between
+// engines as a HeadSnapshot (lib/index/snapshot.hpp).
+//
+// A cluster's members are stored contiguously in cluster order in the token
+// slots of the head's page list: member m of cluster c is in slot
+// first_slot[c] + m, that is page pages[slot / page_tokens], row
+// slot % page_tokens. Each segment starts on a fresh page.
+//
+// For the device block cache a cluster is cut into units of page_tokens
+// members (the last one shorter): unit j of cluster c holds members
+// [j * page_tokens, (j + 1) * page_tokens), has index unit_begin[c] + j in
+// the head, and is laid out like a page (K rows, then V rows). The mirror's
+// unit map says, per unit, which device cache frame holds it (or none).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/device_layout.hpp"
+#include "kernels/dtype.hpp"
+#include "lib/common/meta_alloc.hpp"
+#include "lib/store/host_arena.hpp"
+
+namespace wkv {
+
+// A block of engine memory.
+struct Region {
+  uint8_t *p = nullptr;
+  size_t bytes = 0;  // capacity
+  template <typename T> T *as() const { return reinterpret_cast<T *>(p); }
+};
+
+// K and V rows in engine memory, [rows][row_bytes] each. Live rows are
+// [begin, begin + n) of the regions: consuming from the front only moves
+// begin; appending may move the live rows to the front of new regions.
+struct Rows {
+  Region k, v;
+  uint64_t begin = 0, n = 0;
+  uint64_t cap = 0;  // rows the regions hold
+  size_t row_bytes = 0;
+  uint8_t *k_at(uint64_t i) const { return k.p + (begin + i) * row_bytes; }
+  uint8_t *v_at(uint64_t i) const { return v.p + (begin + i) * row_bytes; }
+};
+
+// A run of tokens clustered together.
+struct SegmentDesc {
+  uint64_t token_begin;    // first token of the sequence it covers
+  uint32_t tokens;         // tokens in the segment
+  uint32_t cluster_begin;  // first cluster id
+  uint32_t clusters;       // clusters (empty ones dropped)
+  uint32_t page_begin;     // first index into the head's page list
+  uint32_t pages;
+  uint32_t generated;      // 1 if made of generated tokens
+};
+
+// Per cluster c < clusters: centroid[c * d .. + d), the plain mean of its
+// member keys, and value_sum[c * d .. + d), the sum of their values, f32 in
+// engine memory. On a CPU engine with 16-bit storage, a compact f16 mirror
+// of the centroids and of the value means VS / size (scoring streams every
+// centroid at every step, estimation a quarter of the value rows: half the
+// bytes is about half the time); empty for good once a value falls outside
+// f16's range, when the step reads the f32 arrays.
+struct MetaIndex {
+  Region centroid, value_sum;
+  MetaVector<f16> centroid_f16, value_mean_f16;
+  bool compact_ok = true;  // the f16 mirror holds every cluster
+};
+
+// The cluster mapping table (host): where each cluster's members are.
+struct MappingTable {
+  MetaVector<uint32_t> first_slot;  // [clusters]
+  MetaVector<uint32_t> size;        // [clusters]
+  MetaVector<uint32_t> unit_begin;  // [clusters + 1]: units before cluster c
+  MetaVector<PageId> pages;         // the head's host pages
+  uint32_t clusters() const { return static_cast<uint32_t>(size.size()); }
+  uint32_t units() const { return unit_begin.empty() ? 0 : unit_begin.back(); }
+};
+
+// Entries of one chunk of a unit map: chunks never move, so that the buffer
+// manager may store into them while growths extend the map.
+constexpr uint32_t kUnitChunk = kernels::kUnitMapChunk;
+// A unit map entry of a unit no cache frame holds.
+constexpr uint32_t kNoFrame = kernels::kNoCacheFrame;
+
+// The device's copy of a head's mapping table (CUDA engines). first_slot,
+// size and unit_begin as in MappingTable; pages[p] the device-accessible
+// address of page p; unit_dir[i] the device address of unit map chunk i,
+// whose entries are frames of the device cache or kNoFrame.
+struct HeadMirror {
+  Region first_slot, size, unit_begin, pages, unit_dir;
+  MetaVector<Region> unit_chunks;  // host list of the chunks unit_dir points at
+  uint32_t cache_id = 0;           // the head's id in the buffer manager (0: none)
+  uint32_t cache_gen = 0;
+};
+
+struct HeadState {
+  Rows sink, tail;
+  MetaVector<SegmentDesc> segments;
+  MetaIndex meta;
+  MappingTable map;
+  HeadMirror mirror;
+  uint32_t max_cluster = 0;  // largest cluster size
+  uint32_t clusters() const { return map.clusters(); }
+};
+
+// The heads of one layer of a sequence and what they share: tokens
+// [0, sink) sit in each head's sink, [tail_begin, tokens) in its tail, and
+// everything between in clustered segments. Sink and tail are the steady
+// zone.
+struct LayerState {
+  uint64_t tokens = 0;      // appended to this layer
+  uint64_t tail_begin = 0;  // first unclustered token (>= the sink's tokens)
+  bool generating = false;  // set when the prompt ends
+  uint64_t version = 0;     // bumped by every change, checked by plans
+  std::vector<HeadState> heads;
+};
+
+}  // namespace wkv
