@@ -427,16 +427,20 @@ TEST(GpuEngine, DestroyingASequenceDoesNotWaitForTheDevice) {
   wkv_stats s0 = t.gpu.stats();
   auto seq = std::make_unique<wavekv::Sequence>(t.gpu);
   std::vector<uint8_t> kb, vb;
-  t.draw(2000, &kb, &vb);
+  Context other(7);  // its own tokens: t's reference holds t's only
+  other.draw(5000, &kb, &vb);
   DevVec dk(kb), dv(vb);
-  // The stream is held for 400 ms behind a host function; the sequence's
-  // appends and a decode of it wait behind it.
+  seq->append(0, dk.p, dv.p, 5000, 0, 0, t.stream);
+  seq->end_prompt(0, t.stream);  // the index is built (a growth waits for its stream)
+  ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
+  std::vector<float> q = t.query();
+  DevVec dq(pack(kDT, q)), dout(q.size() * 2);  // (cudaMemcpy would wait for the stream below)
+  // The stream is held for 400 ms behind a host function; an append of the
+  // sequence and a decode of it wait behind it.
   ASSERT_EQ(cudaLaunchHostFunc(
                 t.stream, [](void *) { std::this_thread::sleep_for(std::chrono::milliseconds(400)); }, nullptr),
             cudaSuccess);
-  seq->append(0, dk.p, dv.p, 2000, 0, 0, t.stream);
-  std::vector<float> q = t.query();
-  DevVec dq(pack(kDT, q)), dout(q.size() * 2);
+  seq->append(0, dk.p, dv.p, 10, 0, 0, t.stream);
   auto plan = std::make_unique<wavekv::Plan>(t.gpu);
   wkv_seq *s = seq->get();
   ASSERT_EQ(wkv_decode(plan->get(), &s, 1, 0, dq.p, 0, 0, dout.p, 0, 0, t.stream), WKV_OK) << wkv_last_error();
@@ -448,6 +452,8 @@ TEST(GpuEngine, DestroyingASequenceDoesNotWaitForTheDevice) {
   ASSERT_EQ(cudaStreamQuery(t.stream), cudaErrorNotReady) << "the device is still busy with the sequence";
   ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
   ASSERT_TRUE(manager_caught_up(t.gpu));
+  for (int i = 0; i < 400 && t.gpu.stats().pages_used != s0.pages_used; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the releases run on the manager's thread
   const wkv_stats s1 = t.gpu.stats();
   EXPECT_EQ(s1.sequences, s0.sequences);
   EXPECT_EQ(s1.tokens, s0.tokens);

@@ -40,6 +40,8 @@ RecordArrays arrays_of(RecordHeader *h) {
 
 BufferManager::BufferManager(Options opts, Device *device) : opts_(opts), dev_(device) {
   heads_.resize(1);
+  // Generous until the first records tell what steps take.
+  give_hint_.store(opts_.max_given);
   if (opts_.units > 0) {
     policy_ = std::make_unique<LruPolicy>(opts_.units);
     owner_.resize(opts_.units);
@@ -121,7 +123,9 @@ uint64_t BufferManager::oldest_in_flight(std::unique_lock<std::mutex> &) {
     const uint64_t done = *t->done_;
     const bool idle = issued != StepTracker::kTaking && done >= issued;
     if (!idle) oldest = std::min(oldest, done + 1);
-    if (idle && t.use_count() == 1) {  // its owner is gone and it is idle
+    // Forgotten once its owner is gone, its steps have ended and no record
+    // in the ring names it.
+    if (idle && t.use_count() == 1 && t->records_ == 0) {
       free_words_.push_back(const_cast<uint64_t *>(t->done_));
       continue;
     }
@@ -167,13 +171,13 @@ void BufferManager::head_destroyed(uint32_t id) {
   free_heads_.push_back(id);
 }
 
-StepRecord BufferManager::open_record(const StepTracker &t, uint64_t epoch, const uint64_t *heads, uint32_t n_runs,
+StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint64_t *heads, uint32_t n_runs,
                                       uint32_t want, uint32_t hit_cap) {
   StepRecord r;
   if (!ring_) return r;
   std::unique_lock<std::mutex> lock(mu_);
-  const uint32_t n_given =
-      static_cast<uint32_t>(std::min<size_t>({static_cast<size_t>(want), free_units_.size(), opts_.max_given}));
+  const uint32_t n_given = static_cast<uint32_t>(std::min<size_t>(
+      {static_cast<size_t>(want), free_units_.size(), opts_.max_given, give_hint_.load(std::memory_order_relaxed)}));
   const size_t bytes = record_bytes(n_given, hit_cap, n_runs);
   // 1. Room in the ring: after the newest record, else from the start.
   size_t at = SIZE_MAX;
@@ -208,6 +212,7 @@ StepRecord BufferManager::open_record(const StepTracker &t, uint64_t epoch, cons
   }
   std::memcpy(a.heads, heads, 8ull * n_runs);
   open_.push_back(h);
+  ++t.records_;
   ring_head_ = at + bytes;
   lock.unlock();
   cv_.notify_one();
@@ -296,6 +301,7 @@ bool BufferManager::take_records() {
     take_record(*h);
     any = true;
     std::lock_guard<std::mutex> lock(mu_);
+    --const_cast<StepTracker *>(h->tracker)->records_;
     open_.pop_front();
     ring_tail_ = open_.empty() ? ring_head_ : static_cast<size_t>(reinterpret_cast<uint8_t *>(open_.front()) - ring_);
   }
@@ -337,6 +343,12 @@ void BufferManager::take_record(const RecordHeader &hc) {
   }
   admissions_ += admitted;
   admit_rate_ = 0.9 * admit_rate_ + 0.1 * admitted;
+  // Handing out frames costs the decoding path a copy each: hand about what
+  // steps take, and double it while a step takes all it was handed.
+  if (h->n_given > 0) {
+    const uint32_t hint = used >= h->n_given ? 2 * h->n_given : 2 * used;
+    give_hint_.store(std::clamp<uint32_t>(hint, opts_.min_given, opts_.max_given), std::memory_order_relaxed);
+  }
 }
 
 void BufferManager::evict() {

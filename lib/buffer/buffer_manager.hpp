@@ -78,6 +78,7 @@ class StepTracker {
   std::atomic<uint64_t> issued_{0};
   volatile uint64_t *done_ = nullptr;
   uint64_t *done_dev_ = nullptr;
+  uint32_t records_ = 0;  // records in the ring that name it (guarded by the manager's mu_)
 };
 
 // One access record of a step, in the ring (pinned, mapped host memory).
@@ -137,6 +138,7 @@ class BufferManager {
     uint32_t units = 0;         // device cache frames (0: no cache)
     size_t ring_bytes = 32u << 20;
     uint32_t max_given = 8192;  // free units handed to one step at most
+    uint32_t min_given = 64;    // ... and at least, while free units last
   };
 
   struct Stats {
@@ -178,7 +180,7 @@ class BufferManager {
   // Opens the access record of a step of `t` at `epoch` over n_runs runs
   // (heads[r] of each), handing it up to `want` free units and room for
   // `hit_cap` hits. An empty record when the ring is full.
-  StepRecord open_record(const StepTracker &t, uint64_t epoch, const uint64_t *heads, uint32_t n_runs,
+  StepRecord open_record(StepTracker &t, uint64_t epoch, const uint64_t *heads, uint32_t n_runs,
                          uint32_t want, uint32_t hit_cap);
   // The step of an open record will not be enqueued after all: its units go
   // back untouched.
@@ -250,6 +252,9 @@ class BufferManager {
   std::vector<Owner> owner_;  // [units]
   std::vector<Quarantined> quarantine_;
   double admit_rate_ = 0;  // recent admissions per record
+  // Free units to hand a step: twice what the last record took, doubled
+  // while steps take all they are given (written by the manager's thread).
+  std::atomic<uint32_t> give_hint_{0};
   std::thread thread_;
   std::atomic<bool> busy_{false};
 };
