@@ -30,6 +30,11 @@ readonly NEEDS=(
   "libmimalloc-dev:inc:mimalloc.h"
   "libtbb-dev:inc:tbb/tbb.h"
   "libxxhash-dev:inc:xxhash.h"
+  "cargo:cmd:cargo"
+  "rustc:cmd:rustc"
+  "golang-go:cmd:go"
+  "python3-pytest:cmd:pytest-3"
+  "python3-numpy:cmd:f2py3"
 )
 
 # Prefixes to look under: the system ones and those named by the environment.

@@ -1,0 +1,234 @@
+package wavekv
+
+/*
+#include <wavekv/wavekv.h>
+*/
+import "C"
+
+import "fmt"
+
+// Dtype is the engine's storage dtype: the element type of K, V, q and
+// outputs.
+type Dtype uint32
+
+const (
+	DtypeF32  Dtype = C.WKV_DTYPE_F32  // float32; tensors are F32
+	DtypeF16  Dtype = C.WKV_DTYPE_F16  // IEEE half; tensors are F16 (the bits)
+	DtypeBF16 Dtype = C.WKV_DTYPE_BF16 // bfloat16; tensors are BF16 (the bits)
+)
+
+func (d Dtype) String() string {
+	switch d {
+	case DtypeF32:
+		return "f32"
+	case DtypeF16:
+		return "f16"
+	case DtypeBF16:
+		return "bf16"
+	}
+	return fmt.Sprintf("dtype(%d)", uint32(d))
+}
+
+// Device is where an engine runs.
+type Device uint32
+
+const (
+	DeviceCPU  Device = C.WKV_DEVICE_CPU  // host memory and host pointers
+	DeviceCUDA Device = C.WKV_DEVICE_CUDA // a CUDA GPU: device pointers
+	DeviceAuto Device = C.WKV_DEVICE_AUTO // CUDA when usable, else CPU (a Config only)
+)
+
+func (d Device) String() string {
+	switch d {
+	case DeviceCPU:
+		return "cpu"
+	case DeviceCUDA:
+		return "cuda"
+	case DeviceAuto:
+		return "auto"
+	}
+	return fmt.Sprintf("device(%d)", uint32(d))
+}
+
+// Bits of Config.Flags.
+const (
+	ConfigNoNUMA   uint32 = C.WKV_CONFIG_NO_NUMA   // do not bind host arenas to a NUMA node
+	ConfigNoPinned uint32 = C.WKV_CONFIG_NO_PINNED // pageable host memory for arenas (CUDA)
+)
+
+// Config is everything an engine is opened with (wkv_config). Start from
+// DefaultConfig, then set the model shape. wavekv.h documents each field,
+// its default and bounds, and the environment variables that override
+// fields at open time.
+type Config struct {
+	Device              Device  // where the engine runs (DeviceCPU)
+	DeviceID            int32   // CUDA device ordinal (0)
+	NLayers             uint32  // model layers (required)
+	NQHeads             uint32  // query heads (required)
+	NKVHeads            uint32  // KV heads; must divide NQHeads (required)
+	HeadDim             uint32  // 64, 80, 96, 128 or 256 (required)
+	Dtype               Dtype   // of K, V, q and outputs (DtypeF16)
+	SegmentTokens       uint32  // prompt tokens clustered together (8192)
+	UpdateSegmentTokens uint32  // generated tokens clustered together (1024)
+	ClusterTokens       uint32  // mean tokens per cluster (16)
+	KMeansIters         uint32  // k-means iterations (10)
+	SinkTokens          uint32  // first tokens always attended (4)
+	WindowTokens        uint32  // most recent tokens always attended (64)
+	RetrievalFrac       float32 // fraction of clusters attended exactly (0.018)
+	EstimationFrac      float32 // fraction of clusters estimated (0.232)
+	PageBytes           uint32  // bytes of K (and of V) per page (2048)
+	Threads             uint32  // worker threads; 0 = one per core (0)
+	Flags               uint32  // Config* bits (0)
+	HostBudgetBytes     uint64  // cap on host page memory; 0 = unlimited (0)
+	HostChunkBytes      uint64  // host arena chunk size (64 MiB)
+	DeviceCacheBytes    uint64  // GPU block cache; 0 = 5% of the KV held (0)
+	Seed                uint64  // seed of k-means initialisation (0x5eed)
+}
+
+// DefaultConfig returns the library's defaults (wkv_config_init); the shape
+// fields are zero and must be set.
+func DefaultConfig() Config {
+	var c C.wkv_config
+	C.wkv_config_init(&c)
+	return configFromC(&c)
+}
+
+func configFromC(c *C.wkv_config) Config {
+	return Config{
+		Device:              Device(c.device),
+		DeviceID:            int32(c.device_id),
+		NLayers:             uint32(c.n_layers),
+		NQHeads:             uint32(c.n_q_heads),
+		NKVHeads:            uint32(c.n_kv_heads),
+		HeadDim:             uint32(c.head_dim),
+		Dtype:               Dtype(c.dtype),
+		SegmentTokens:       uint32(c.segment_tokens),
+		UpdateSegmentTokens: uint32(c.update_segment_tokens),
+		ClusterTokens:       uint32(c.cluster_tokens),
+		KMeansIters:         uint32(c.kmeans_iters),
+		SinkTokens:          uint32(c.sink_tokens),
+		WindowTokens:        uint32(c.window_tokens),
+		RetrievalFrac:       float32(c.retrieval_frac),
+		EstimationFrac:      float32(c.estimation_frac),
+		PageBytes:           uint32(c.page_bytes),
+		Threads:             uint32(c.threads),
+		Flags:               uint32(c.flags),
+		HostBudgetBytes:     uint64(c.host_budget_bytes),
+		HostChunkBytes:      uint64(c.host_chunk_bytes),
+		DeviceCacheBytes:    uint64(c.device_cache_bytes),
+		Seed:                uint64(c.seed),
+	}
+}
+
+// toC fills a wkv_config from the defaults up: fields a newer header adds
+// keep their defaults.
+func (cfg *Config) toC() C.wkv_config {
+	var c C.wkv_config
+	C.wkv_config_init(&c)
+	c.device = C.uint32_t(cfg.Device)
+	c.device_id = C.int32_t(cfg.DeviceID)
+	c.n_layers = C.uint32_t(cfg.NLayers)
+	c.n_q_heads = C.uint32_t(cfg.NQHeads)
+	c.n_kv_heads = C.uint32_t(cfg.NKVHeads)
+	c.head_dim = C.uint32_t(cfg.HeadDim)
+	c.dtype = C.uint32_t(cfg.Dtype)
+	c.segment_tokens = C.uint32_t(cfg.SegmentTokens)
+	c.update_segment_tokens = C.uint32_t(cfg.UpdateSegmentTokens)
+	c.cluster_tokens = C.uint32_t(cfg.ClusterTokens)
+	c.kmeans_iters = C.uint32_t(cfg.KMeansIters)
+	c.sink_tokens = C.uint32_t(cfg.SinkTokens)
+	c.window_tokens = C.uint32_t(cfg.WindowTokens)
+	c.retrieval_frac = C.float(cfg.RetrievalFrac)
+	c.estimation_frac = C.float(cfg.EstimationFrac)
+	c.page_bytes = C.uint32_t(cfg.PageBytes)
+	c.threads = C.uint32_t(cfg.Threads)
+	c.flags = C.uint32_t(cfg.Flags)
+	c.host_budget_bytes = C.uint64_t(cfg.HostBudgetBytes)
+	c.host_chunk_bytes = C.uint64_t(cfg.HostChunkBytes)
+	c.device_cache_bytes = C.uint64_t(cfg.DeviceCacheBytes)
+	c.seed = C.uint64_t(cfg.Seed)
+	return c
+}
+
+// Stats are an engine's statistics (wkv_stats); counters are totals since
+// the engine opened. wavekv.h documents each.
+type Stats struct {
+	Device            Device
+	Sequences         uint64 // live sequences
+	Tokens            uint64 // tokens held, summed over sequences and layers
+	Segments          uint64 // clustered segments, summed likewise
+	Clusters          uint64 // clusters in the meta index, summed likewise
+	HostBytesReserved uint64
+	HostBytesUsed     uint64
+	HostBudgetBytes   uint64
+	PageBytes         uint64
+	PagesUsed         uint64
+	PagesFree         uint64
+	SteadyBytes       uint64
+	MetaBytes         uint64
+	Lookups           uint64 // (sequence, layer) lookups served
+	RetrievedClusters uint64
+	EstimatedClusters uint64
+	AttendedTokens    uint64
+	CacheHits         uint64
+	CacheMisses       uint64
+	DeviceCacheBytes  uint64
+	KMeansNs          uint64
+	CacheAdmissions   uint64
+	CacheEvictions    uint64
+	ManagerBacklog    uint64
+}
+
+func statsFromC(s *C.wkv_stats) Stats {
+	return Stats{
+		Device:            Device(s.device),
+		Sequences:         uint64(s.sequences),
+		Tokens:            uint64(s.tokens),
+		Segments:          uint64(s.segments),
+		Clusters:          uint64(s.clusters),
+		HostBytesReserved: uint64(s.host_bytes_reserved),
+		HostBytesUsed:     uint64(s.host_bytes_used),
+		HostBudgetBytes:   uint64(s.host_budget_bytes),
+		PageBytes:         uint64(s.page_bytes),
+		PagesUsed:         uint64(s.pages_used),
+		PagesFree:         uint64(s.pages_free),
+		SteadyBytes:       uint64(s.steady_bytes),
+		MetaBytes:         uint64(s.meta_bytes),
+		Lookups:           uint64(s.lookups),
+		RetrievedClusters: uint64(s.retrieved_clusters),
+		EstimatedClusters: uint64(s.estimated_clusters),
+		AttendedTokens:    uint64(s.attended_tokens),
+		CacheHits:         uint64(s.cache_hits),
+		CacheMisses:       uint64(s.cache_misses),
+		DeviceCacheBytes:  uint64(s.device_cache_bytes),
+		KMeansNs:          uint64(s.kmeans_ns),
+		CacheAdmissions:   uint64(s.cache_admissions),
+		CacheEvictions:    uint64(s.cache_evictions),
+		ManagerBacklog:    uint64(s.manager_backlog),
+	}
+}
+
+// SeqInfo is what one layer of a sequence holds (wkv_seq_info).
+type SeqInfo struct {
+	Generating bool   // the layer's prompt has ended
+	Tokens     uint64 // tokens appended to this layer
+	Clustered  uint64 // tokens in clustered segments
+	Sink       uint64 // tokens in the sink
+	Tail       uint64 // unclustered recent tokens, attended exactly
+	Segments   uint64 // clustered segments, per KV head
+	Clusters   uint64 // clusters summed over KV heads
+	Pages      uint64 // pages summed over KV heads
+}
+
+func seqInfoFromC(i *C.wkv_seq_info) SeqInfo {
+	return SeqInfo{
+		Generating: i.generating != 0,
+		Tokens:     uint64(i.tokens),
+		Clustered:  uint64(i.clustered),
+		Sink:       uint64(i.sink),
+		Tail:       uint64(i.tail),
+		Segments:   uint64(i.segments),
+		Clusters:   uint64(i.clusters),
+		Pages:      uint64(i.pages),
+	}
+}

@@ -1,0 +1,3 @@
+module wavekv
+
+go 1.19

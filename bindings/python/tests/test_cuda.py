@@ -1,0 +1,128 @@
+"""A CUDA engine fed CUDA tensors (skipped visibly without torch, a GPU, or a
+libwavekv built with CUDA)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import wavekv
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+if not torch.cuda.is_available():
+    pytest.skip("torch sees no CUDA device", allow_module_level=True)
+
+HQ, HKV, D = 8, 2, 128
+
+
+def cuda_engine(**fields: Any) -> wavekv.Engine:
+    base = dict(n_layers=2, n_q_heads=HQ, n_kv_heads=HKV, head_dim=D, device="cuda",
+                device_id=torch.cuda.current_device(), retrieval_frac=1.0, estimation_frac=0.0)
+    base.update(fields)
+    try:
+        return wavekv.Engine(**base)
+    except (wavekv.UnsupportedError, wavekv.NoDeviceError) as exc:
+        pytest.skip("libwavekv cannot open a CUDA engine here: %s" % exc)
+        raise
+
+
+def sdpa(q: Any, k: Any, v: Any) -> Any:
+    """torch's scaled_dot_product_attention. q [n][HQ][D]; k, v [n][T][HKV][D]."""
+    kk = k.transpose(1, 2).repeat_interleave(HQ // HKV, 1)
+    vv = v.transpose(1, 2).repeat_interleave(HQ // HKV, 1)
+    return F.scaled_dot_product_attention(q[:, :, None, :], kk, vv)[:, :, 0, :]
+
+
+@pytest.mark.parametrize("dtype,tdtype,atol", [("f16", torch.float16, 3e-3),
+                                               ("bf16", torch.bfloat16, 2e-2),
+                                               ("f32", torch.float32, 1e-4)])
+def test_decode_matches_sdpa_on_a_side_stream(dtype: str, tdtype: Any, atol: float) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, prompt, steps = 2, 3000, 6
+    stream = torch.cuda.Stream()
+    with cuda_engine(dtype=dtype) as eng, eng.plan() as plan, \
+            eng.sequence() as s0, eng.sequence() as s1, torch.cuda.stream(stream):
+        assert eng.device == "cuda"
+        seqs = [s0, s1]
+        # [n, HKV, T, D] as a model holds them; appended as [T, HKV, D] views
+        k = torch.randn(n, HKV, prompt + steps, D, device="cuda", generator=gen, dtype=tdtype)
+        v = torch.randn(n, HKV, prompt + steps, D, device="cuda", generator=gen, dtype=tdtype)
+        for i, seq in enumerate(seqs):
+            for start in range(0, prompt, 1024):
+                end = min(prompt, start + 1024)
+                seq.append(0, k[i, :, start:end].transpose(0, 1), v[i, :, start:end].transpose(0, 1))
+            seq.end_prompt(0)
+        for t in range(prompt, prompt + steps):
+            for i, seq in enumerate(seqs):
+                seq.append(0, k[i, :, t:t + 1].transpose(0, 1), v[i, :, t:t + 1].transpose(0, 1))
+            q = torch.randn(n, HQ, D, device="cuda", generator=gen, dtype=tdtype)
+            out = plan.decode(seqs, 0, q)  # on torch's current stream: the side stream
+            assert out.is_cuda and out.dtype == tdtype and out.shape == (n, HQ, D)
+            want = sdpa(q, k[:, :, :t + 1].transpose(1, 2), v[:, :, :t + 1].transpose(1, 2))
+            torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=atol)
+        stats = eng.stats()
+        assert stats.device == "cuda" and stats.lookups == n * steps
+    stream.synchronize()
+
+
+def test_explicit_stream_and_out() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    stream = torch.cuda.Stream()
+    with cuda_engine(dtype="f16") as eng, eng.plan() as plan, eng.sequence() as seq:
+        k = torch.randn(500, HKV, D, device="cuda", generator=gen, dtype=torch.float16)
+        v = torch.randn(500, HKV, D, device="cuda", generator=gen, dtype=torch.float16)
+        q = torch.randn(1, HQ, D, device="cuda", generator=gen, dtype=torch.float16)
+        stream.wait_stream(torch.cuda.current_stream())
+        seq.append(1, k, v, stream=stream)
+        out = torch.empty(1, HQ, D, device="cuda", dtype=torch.float16)
+        plan.decode([seq], 1, q, out=out, stream=stream.cuda_stream)
+        stream.synchronize()
+        torch.testing.assert_close(out.float(), sdpa(q, k[None], v[None]).float(), atol=3e-3, rtol=3e-3)
+
+
+def test_wrong_device_is_refused() -> None:
+    with cuda_engine(dtype="f16") as eng, eng.sequence() as seq, eng.plan() as plan:
+        host = torch.zeros(4, HKV, D, dtype=torch.float16)
+        with pytest.raises(wavekv.InvalidArgumentError, match="on cpu; this engine takes tensors on cuda"):
+            seq.append(0, host, host)
+        assert seq.info(0).tokens == 0
+        dev = host.cuda()
+        seq.append(0, dev, dev)
+        with pytest.raises(wavekv.InvalidArgumentError, match="out is on cpu"):
+            plan.decode([seq], 0, torch.zeros(1, HQ, D, dtype=torch.float16, device="cuda"),
+                        out=torch.zeros(1, HQ, D, dtype=torch.float16))
+
+
+def test_xbuf_on_the_device() -> None:
+    with cuda_engine(dtype="f16") as eng, eng.sequence() as seq, eng.plan() as plan:
+        k = torch.randn(300, HKV, D, device="cuda", dtype=torch.float16)
+        seq.append(0, k, k)
+        plan.lookup([seq], 0, torch.randn(1, HQ, D, device="cuda", dtype=torch.float16))
+        plan.assemble()
+        x = plan.xbuf()
+        offsets = torch.as_tensor(x.offsets, device="cuda")
+        keys = torch.as_tensor(x.k, device="cuda")
+        torch.cuda.synchronize()
+        assert offsets.shape == (x.n_runs + 1,) and x.n_runs == HKV
+        assert int(offsets[-1]) == HKV * 300 <= x.n_tokens  # full retrieval: every token
+        assert keys.shape == (x.n_tokens, D) and keys.dtype == torch.float16
+        # run 0 holds KV head 0's keys, in some order
+        run0 = keys[int(offsets[0]):int(offsets[1])].float()
+        torch.testing.assert_close(run0.sum(0), k[:, 0].float().sum(0), atol=1e-2, rtol=1e-3)
+
+
+def test_cupy_arrays() -> None:
+    cupy = pytest.importorskip("cupy")
+    with cuda_engine(dtype="f32") as eng, eng.sequence() as seq, eng.plan() as plan:
+        k = cupy.random.standard_normal((400, HKV, D), dtype=cupy.float32)
+        v = cupy.random.standard_normal((400, HKV, D), dtype=cupy.float32)
+        q = cupy.random.standard_normal((1, HQ, D), dtype=cupy.float32)
+        seq.append(0, k, v)
+        out = plan.decode([seq], 0, q)
+        assert isinstance(out, cupy.ndarray)
+        want = sdpa(torch.as_tensor(q, device="cuda"), torch.as_tensor(k, device="cuda")[None],
+                    torch.as_tensor(v, device="cuda")[None])
+        torch.testing.assert_close(torch.as_tensor(out, device="cuda"), want, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,137 @@
+"""The scenario every binding runs: a CPU engine, two sequences, a synthetic
+context appended in chunks, decoding steps for both compared with exact
+attention computed here (NumPy, float64), the stats, and three errors."""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import pytest
+
+import wavekv
+from wavekv import _lib
+
+LAYERS, HQ, HKV, D = 2, 8, 2, 128
+PROMPT, CHUNK, STEPS = 2500, 600, 6
+
+
+class Context:
+    """Keys drawn around a few centres per KV head, queries pointing at one of
+    them: attention concentrates as in a trained model, so that the default
+    budget (a few clusters attended exactly) is a fair approximation."""
+
+    def __init__(self, np: Any, seed: int) -> None:
+        self.np = np
+        self.rng = np.random.default_rng(seed)
+        self.centres = self.rng.standard_normal((128, HKV, D))
+
+    def kv(self, n: int) -> Any:
+        np, rng = self.np, self.rng
+        pick = rng.integers(0, len(self.centres), size=(n, HKV))
+        k = self.centres[pick, np.arange(HKV)] + 0.3 * rng.standard_normal((n, HKV, D))
+        v = rng.standard_normal((n, HKV, D))
+        return k.astype(np.float32), v.astype(np.float32)
+
+    def q(self) -> Any:
+        np, rng = self.np, self.rng
+        target = self.centres[rng.integers(0, len(self.centres)), np.arange(HQ) // (HQ // HKV)]
+        return (target + 0.3 * rng.standard_normal((HQ, D))).astype(np.float32)
+
+
+def rel_err(np: Any, got: Any, want: Any) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("budget", ["full", "default"])
+def test_two_sequences_chunked_prompt_and_decoding(np: Any, exact: Any, budget: str) -> None:
+    fields = dict(retrieval_frac=1.0, estimation_frac=0.0) if budget == "full" else {}
+    contexts = [Context(np, seed) for seed in (1, 2)]
+    # history[s][layer] = (list of k chunks, list of v chunks)
+    history: List[List[Any]] = [[([], []) for _ in range(LAYERS)] for _ in contexts]
+    worst = 0.0
+    with wavekv.Engine(n_layers=LAYERS, n_q_heads=HQ, n_kv_heads=HKV, head_dim=D, dtype="f32",
+                       device="cpu", threads=2, **fields) as engine:
+        assert engine.device == "cpu"
+        with engine.sequence() as s0, engine.sequence() as s1, engine.plan() as plan:
+            seqs = [s0, s1]
+            # 1. the prompt, in chunks, then its end
+            for layer in range(LAYERS):
+                for s, seq in enumerate(seqs):
+                    for start in range(0, PROMPT, CHUNK):
+                        k, v = contexts[s].kv(min(CHUNK, PROMPT - start))
+                        seq.append(layer, k, v)
+                        history[s][layer][0].append(k)
+                        history[s][layer][1].append(v)
+                    seq.end_prompt(layer)
+            # 2. decoding steps for both sequences at once
+            for _ in range(STEPS):
+                for layer in range(LAYERS):
+                    for s, seq in enumerate(seqs):
+                        k, v = contexts[s].kv(1)
+                        seq.append(layer, k, v)
+                        history[s][layer][0].append(k)
+                        history[s][layer][1].append(v)
+                    q = np.stack([c.q() for c in contexts])
+                    out = plan.decode(seqs, layer, q)
+                    for s in range(len(seqs)):
+                        k_all = np.concatenate(history[s][layer][0])
+                        v_all = np.concatenate(history[s][layer][1])
+                        want = exact(q[s], k_all, v_all)
+                        if budget == "full":
+                            np.testing.assert_allclose(out[s], want, atol=1e-4, rtol=1e-4)
+                        worst = max(worst, rel_err(np, out[s].astype(np.float64), want))
+            # 3. what the engine and the sequences hold
+            total = PROMPT + STEPS
+            for seq in seqs:
+                for layer in range(LAYERS):
+                    info = seq.info(layer)
+                    assert info.tokens == total and info.generating
+                    assert info.sink + info.clustered + info.tail == total
+                    assert info.clusters > 0 and info.pages > 0
+            stats = engine.stats()
+            assert stats.device == "cpu" and stats.sequences == 2
+            assert stats.tokens == 2 * LAYERS * total
+            assert stats.lookups == 2 * LAYERS * STEPS
+            assert stats.clusters > 0 and stats.host_bytes_used > 0
+            if budget == "full":
+                assert stats.estimated_clusters == 0
+                assert stats.attended_tokens >= stats.lookups * HKV * PROMPT
+            else:
+                assert stats.estimated_clusters > 0
+                assert stats.attended_tokens < stats.lookups * HKV * PROMPT / 4
+            js = engine.stats_json()
+            assert js["config"]["n_layers"] == LAYERS and js["stats"]["tokens"] == stats.tokens
+    # the default budget attends a few clusters exactly and estimates others
+    print("worst relative error at the %s budget: %.3g" % (budget, worst))
+    assert worst < (1e-5 if budget == "full" else 0.05), worst
+
+
+def test_save_and_reload_a_sequence() -> None:
+    if not hasattr(_lib.lib(), "wkv_seq_save"):
+        pytest.skip("sequence files do not exist in the C ABI yet (no wkv_seq_save)")
+    assert hasattr(wavekv.Sequence, "save"), "libwavekv has wkv_seq_save: bind it"
+
+
+def test_three_errors(np: Any) -> None:
+    ctx = Context(np, 3)
+    engine = wavekv.Engine(n_layers=LAYERS, n_q_heads=HQ, n_kv_heads=HKV, head_dim=D, dtype="f32",
+                           threads=2)
+    seq = engine.sequence()
+    k, v = ctx.kv(16)
+    # a bad shape: refused by the binding before calling in
+    with pytest.raises(wavekv.InvalidArgumentError) as bad_shape:
+        seq.append(0, k[:, :1], v[:, :1])
+    assert bad_shape.value.status == 1 and bad_shape.value.status_name == "WKV_ERR_INVALID_ARGUMENT"
+    assert "shape (16, 1, 128)" in bad_shape.value.message
+    # an unknown layer: the library's status and message
+    with pytest.raises(wavekv.OutOfRangeError) as unknown_layer:
+        seq.append(LAYERS, k, v)
+    assert unknown_layer.value.status == 3
+    assert "layer %d out of range" % LAYERS in unknown_layer.value.message
+    # use after close
+    seq.close()
+    engine.close()
+    for call in (lambda: seq.append(0, k, v), lambda: engine.sequence(), lambda: engine.stats()):
+        with pytest.raises(wavekv.InvalidHandleError) as closed:
+            call()
+        assert closed.value.status == 2 and "closed" in closed.value.message

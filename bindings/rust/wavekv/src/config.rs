@@ -1,0 +1,146 @@
+use std::mem;
+use std::ops::Deref;
+
+use wavekv_sys as sys;
+
+use crate::element::Dtype;
+
+/// Where an engine runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// The CPU backend: host memory, host pointers (`WKV_DEVICE_CPU`).
+    Cpu,
+    /// A CUDA GPU: device pointers (`WKV_DEVICE_CUDA`).
+    Cuda,
+    /// CUDA when this build and machine have a GPU, else CPU
+    /// (`WKV_DEVICE_AUTO`; only in a [`Config`], never an engine's device).
+    Auto,
+}
+
+impl Device {
+    /// The `WKV_DEVICE_*` value.
+    pub fn raw(self) -> u32 {
+        match self {
+            Device::Cpu => sys::WKV_DEVICE_CPU,
+            Device::Cuda => sys::WKV_DEVICE_CUDA,
+            Device::Auto => sys::WKV_DEVICE_AUTO,
+        }
+    }
+
+    /// The device of a `WKV_DEVICE_*` value; `None` for one this binding
+    /// does not know.
+    pub fn from_raw(raw: u32) -> Option<Device> {
+        match raw {
+            sys::WKV_DEVICE_CPU => Some(Device::Cpu),
+            sys::WKV_DEVICE_CUDA => Some(Device::Cuda),
+            sys::WKV_DEVICE_AUTO => Some(Device::Auto),
+            _ => None,
+        }
+    }
+}
+
+/// Everything an engine is opened with: a `wkv_config` filled with the
+/// library's defaults (`wkv_config_init`) and the model shape, changed by the
+/// builder methods below. The fields read through `Deref`
+/// (`config.segment_tokens`); wavekv.h documents each, with its default and
+/// bounds, and the environment variables that override them at open time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Config {
+    raw: sys::wkv_config,
+}
+
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident: $ty:ty;)*) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(mut self, value: $ty) -> Config {
+                self.raw.$name = value;
+                self
+            }
+        )*
+    };
+}
+
+impl Config {
+    /// The library's defaults for a model of this shape (head_dim 64, 80,
+    /// 96, 128 or 256; n_kv_heads dividing n_q_heads).
+    pub fn new(n_layers: u32, n_q_heads: u32, n_kv_heads: u32, head_dim: u32) -> Config {
+        // SAFETY: wkv_config is plain data; wkv_config_init fills all of it.
+        let mut raw: sys::wkv_config = unsafe { mem::zeroed() };
+        unsafe { sys::wkv_config_init(&mut raw) };
+        raw.n_layers = n_layers;
+        raw.n_q_heads = n_q_heads;
+        raw.n_kv_heads = n_kv_heads;
+        raw.head_dim = head_dim;
+        Config { raw }
+    }
+
+    /// A configuration from a raw struct, `size` included, taken as is.
+    pub fn from_raw(raw: sys::wkv_config) -> Config {
+        Config { raw }
+    }
+
+    /// The raw struct, as `wkv_engine_open` reads it.
+    pub fn as_raw(&self) -> &sys::wkv_config {
+        &self.raw
+    }
+
+    /// The raw struct, for fields this binding has no setter for.
+    pub fn as_raw_mut(&mut self) -> &mut sys::wkv_config {
+        &mut self.raw
+    }
+
+    /// Where the engine runs (CPU).
+    pub fn device(mut self, device: Device) -> Config {
+        self.raw.device = device.raw();
+        self
+    }
+
+    /// The dtype of K, V, q and outputs (F16).
+    pub fn dtype(mut self, dtype: Dtype) -> Config {
+        self.raw.dtype = dtype.raw();
+        self
+    }
+
+    setters! {
+        /// CUDA device ordinal (0).
+        device_id: i32;
+        /// Prompt tokens clustered together (8192).
+        segment_tokens: u32;
+        /// Generated tokens clustered together (1024).
+        update_segment_tokens: u32;
+        /// Mean tokens per cluster (16).
+        cluster_tokens: u32;
+        /// K-means iterations (10).
+        kmeans_iters: u32;
+        /// First tokens always attended (4).
+        sink_tokens: u32;
+        /// Most recent tokens always attended (64).
+        window_tokens: u32;
+        /// Fraction of clusters attended exactly (0.018).
+        retrieval_frac: f32;
+        /// Fraction of clusters estimated (0.232).
+        estimation_frac: f32;
+        /// Bytes of K (and of V) per page (2048).
+        page_bytes: u32;
+        /// Worker threads; 0 = one per core (0).
+        threads: u32;
+        /// `WKV_CONFIG_*` bits (0).
+        flags: u32;
+        /// Cap on host page memory; 0 = unlimited (0).
+        host_budget_bytes: u64;
+        /// Host arena chunk size (64 MiB).
+        host_chunk_bytes: u64;
+        /// GPU block cache; 0 = 5% of the KV held (0).
+        device_cache_bytes: u64;
+        /// Seed of k-means initialisation (0x5eed).
+        seed: u64;
+    }
+}
+
+impl Deref for Config {
+    type Target = sys::wkv_config;
+    fn deref(&self) -> &sys::wkv_config {
+        &self.raw
+    }
+}

@@ -1,0 +1,397 @@
+use std::ffi::CStr;
+use std::fmt;
+use std::mem;
+use std::os::raw::{c_char, c_void};
+use std::ptr;
+
+use wavekv_sys as sys;
+
+use crate::config::{Config, Device};
+use crate::element::{Dtype, Element};
+use crate::error::{check, fail, Result, Status};
+use crate::plan::Plan;
+use crate::tensor::{check_dtype, check_span, packed_rows, Shape, Strides};
+
+/// Statistics of one engine (`wkv_stats`; wavekv.h documents each counter).
+pub type Stats = sys::wkv_stats;
+
+/// What one layer of a sequence holds (`wkv_seq_info`).
+pub type SeqInfo = sys::wkv_seq_info;
+
+/// An open engine (`wkv_engine`). Dropping it, or [`Engine::close`], closes
+/// the handle; sequences and plans made from it keep working (wavekv.h), so
+/// they neither borrow it nor keep it alive.
+///
+/// `Engine` is `Send` and `Sync`: wavekv.h lets several threads use one
+/// engine at once, and every method here that reaches the library takes
+/// `&self`, except `close`, which takes `&mut self`.
+pub struct Engine {
+    raw: *mut sys::wkv_engine,
+    shape: Shape,
+}
+
+// SAFETY: the handle is not tied to a thread, and the library allows
+// concurrent use of an engine; closing needs &mut self, so no other thread
+// can be using the handle then.
+unsafe impl Send for Engine {}
+unsafe impl Sync for Engine {}
+
+fn closed<T>(func: &str, what: &str) -> Result<T> {
+    fail(
+        Status::InvalidHandle,
+        format!("{}: the {} is closed", func, what),
+    )
+}
+
+impl Engine {
+    /// Opens an engine (`wkv_engine_open`).
+    pub fn open(config: &Config) -> Result<Engine> {
+        let mut raw: *mut sys::wkv_engine = ptr::null_mut();
+        check(unsafe { sys::wkv_engine_open(config.as_raw(), &mut raw) })?;
+        let mut engine = Engine {
+            raw,
+            shape: Shape {
+                n_layers: 0,
+                n_q_heads: 0,
+                n_kv_heads: 0,
+                head_dim: 0,
+                dtype: Dtype::F32,
+                device: sys::WKV_DEVICE_CPU,
+            },
+        };
+        // The effective configuration (an environment variable may have
+        // changed a field) gives the shape that slices are checked against.
+        let c = engine.config()?;
+        let mut device = 0u32;
+        check(unsafe { sys::wkv_engine_device(engine.raw, &mut device) })?;
+        let dtype = match Dtype::from_raw(c.dtype) {
+            Some(d) => d,
+            None => {
+                return fail(
+                    Status::Unsupported,
+                    format!(
+                        "wkv_engine_open: dtype {} is unknown to this binding",
+                        c.dtype
+                    ),
+                )
+            }
+        };
+        engine.shape = Shape {
+            n_layers: c.n_layers,
+            n_q_heads: c.n_q_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            dtype,
+            device,
+        };
+        Ok(engine)
+    }
+
+    fn live(&self, func: &str) -> Result<*mut sys::wkv_engine> {
+        if self.raw.is_null() {
+            return closed(func, "engine");
+        }
+        Ok(self.raw)
+    }
+
+    /// Closes the handle now rather than when dropped. Closing again is a
+    /// no-op; every later call that needs the handle returns
+    /// [`Status::InvalidHandle`].
+    pub fn close(&mut self) {
+        // SAFETY: raw is a live handle or null, which is a no-op.
+        unsafe { sys::wkv_engine_close(self.raw) };
+        self.raw = ptr::null_mut();
+    }
+
+    /// Whether [`Engine::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.raw.is_null()
+    }
+
+    /// The effective configuration, defaults and environment resolved
+    /// (`wkv_engine_config`).
+    pub fn config(&self) -> Result<Config> {
+        let raw = self.live("wkv_engine_config")?;
+        // SAFETY: plain data; the library fills the `size` bytes it is told.
+        let mut c: sys::wkv_config = unsafe { mem::zeroed() };
+        c.size = mem::size_of::<sys::wkv_config>() as u32;
+        check(unsafe { sys::wkv_engine_config(raw, &mut c) })?;
+        Ok(Config::from_raw(c))
+    }
+
+    /// The backend the engine runs on, as opened.
+    pub fn device(&self) -> Device {
+        Device::from_raw(self.shape.device).unwrap_or(Device::Auto)
+    }
+
+    /// The engine's storage dtype: tensors passed in are slices of its
+    /// [`Element`] type.
+    pub fn dtype(&self) -> Dtype {
+        self.shape.dtype
+    }
+
+    /// Model layers.
+    pub fn n_layers(&self) -> u32 {
+        self.shape.n_layers
+    }
+
+    /// Query heads.
+    pub fn n_q_heads(&self) -> u32 {
+        self.shape.n_q_heads
+    }
+
+    /// KV heads.
+    pub fn n_kv_heads(&self) -> u32 {
+        self.shape.n_kv_heads
+    }
+
+    /// Elements per head.
+    pub fn head_dim(&self) -> u32 {
+        self.shape.head_dim
+    }
+
+    /// The engine's statistics (`wkv_engine_stats`).
+    pub fn stats(&self) -> Result<Stats> {
+        let raw = self.live("wkv_engine_stats")?;
+        let mut s = Stats::default();
+        unsafe { sys::wkv_stats_init(&mut s) };
+        check(unsafe { sys::wkv_engine_stats(raw, &mut s) })?;
+        Ok(s)
+    }
+
+    /// The configuration and statistics as one JSON object
+    /// (`wkv_engine_stats_json`).
+    pub fn stats_json(&self) -> Result<String> {
+        let raw = self.live("wkv_engine_stats_json")?;
+        let mut json: *mut c_char = ptr::null_mut();
+        check(unsafe { sys::wkv_engine_stats_json(raw, &mut json) })?;
+        if json.is_null() {
+            return fail(
+                Status::Internal,
+                "wkv_engine_stats_json: no string returned".to_string(),
+            );
+        }
+        // SAFETY: a NUL-terminated string the library allocated for us,
+        // copied, then released with wkv_free.
+        let s = unsafe { CStr::from_ptr(json) }
+            .to_string_lossy()
+            .into_owned();
+        unsafe { sys::wkv_free(json as *mut c_void) };
+        Ok(s)
+    }
+
+    /// Creates an empty sequence (`wkv_seq_create`).
+    pub fn create_sequence(&self) -> Result<Sequence> {
+        let raw = self.live("wkv_seq_create")?;
+        let mut seq: *mut sys::wkv_seq = ptr::null_mut();
+        check(unsafe { sys::wkv_seq_create(raw, &mut seq) })?;
+        Ok(Sequence {
+            raw: seq,
+            shape: self.shape,
+        })
+    }
+
+    /// Creates a plan, the reusable state of decoding steps
+    /// (`wkv_plan_create`).
+    pub fn create_plan(&self) -> Result<Plan> {
+        let raw = self.live("wkv_plan_create")?;
+        let mut plan: *mut sys::wkv_plan = ptr::null_mut();
+        check(unsafe { sys::wkv_plan_create(raw, &mut plan) })?;
+        Ok(Plan::from_raw(plan, self.shape))
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl fmt::Debug for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine")
+            .field("raw", &self.raw)
+            .field("shape", &self.shape)
+            .finish()
+    }
+}
+
+/// One sequence's KV cache (`wkv_seq`). Dropping it, or
+/// [`Sequence::close`], destroys the handle.
+///
+/// `Send` but not `Sync`: wavekv.h requires that each sequence is used by one
+/// thread at a time. Appending takes `&mut self`, so it cannot happen while a
+/// plan's step ([`crate::Step`]) borrows the sequence.
+pub struct Sequence {
+    raw: *mut sys::wkv_seq,
+    shape: Shape,
+}
+
+// SAFETY: the handle may move between threads; without Sync, only one
+// thread at a time can reach it.
+unsafe impl Send for Sequence {}
+
+impl Sequence {
+    pub(crate) fn live(&self, func: &str) -> Result<*mut sys::wkv_seq> {
+        if self.raw.is_null() {
+            return closed(func, "sequence");
+        }
+        Ok(self.raw)
+    }
+
+    /// Destroys the handle now rather than when dropped. Again is a no-op;
+    /// every later call returns [`Status::InvalidHandle`]. A plan that still
+    /// refers to the sequence keeps its data alive (wavekv.h).
+    pub fn close(&mut self) {
+        // SAFETY: raw is a live handle or null, which is a no-op.
+        unsafe { sys::wkv_seq_destroy(self.raw) };
+        self.raw = ptr::null_mut();
+    }
+
+    /// Whether [`Sequence::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.raw.is_null()
+    }
+
+    /// Appends tokens' keys and values to one layer (`wkv_seq_append`):
+    /// `k` and `v` are packed `[n_tokens][n_kv_heads][head_dim]`, and
+    /// n_tokens is their length over `n_kv_heads * head_dim`.
+    pub fn append<T: Element>(&mut self, layer: u32, k: &[T], v: &[T]) -> Result<()> {
+        const F: &str = "wkv_seq_append";
+        let raw = self.live(F)?;
+        check_dtype::<T>(F, "k", &self.shape)?;
+        let row = self.shape.n_kv_heads as usize * self.shape.head_dim as usize;
+        let n = packed_rows(F, "k", k.len(), row, "a token's n_kv_heads x head_dim")?;
+        if v.len() != k.len() {
+            return fail(
+                Status::InvalidArgument,
+                format!("{}: v has {} elements, k has {}", F, v.len(), k.len()),
+            );
+        }
+        if n > u32::MAX as u64 {
+            return fail(
+                Status::InvalidArgument,
+                format!("{}: {} tokens in one call", F, n),
+            );
+        }
+        // SAFETY: live handle; k and v hold n tokens, read during the call
+        // (a CPU engine; CUDA engines take device pointers through
+        // append_raw).
+        check(unsafe {
+            sys::wkv_seq_append(
+                raw,
+                layer,
+                k.as_ptr() as *const c_void,
+                v.as_ptr() as *const c_void,
+                n as u32,
+                0,
+                0,
+                ptr::null_mut(),
+            )
+        })
+    }
+
+    /// Appends `n_tokens` tokens from `[n_tokens][n_kv_heads][head_dim]`
+    /// tensors with explicit strides, in elements (`wkv_seq_append`).
+    pub fn append_strided<T: Element>(
+        &mut self,
+        layer: u32,
+        k: &[T],
+        v: &[T],
+        n_tokens: u32,
+        strides: Strides,
+    ) -> Result<()> {
+        const F: &str = "wkv_seq_append";
+        let raw = self.live(F)?;
+        check_dtype::<T>(F, "k", &self.shape)?;
+        let (kv, d) = (self.shape.n_kv_heads as u64, self.shape.head_dim as u64);
+        check_span(F, "k", k.len(), n_tokens as u64, kv, d, strides)?;
+        check_span(F, "v", v.len(), n_tokens as u64, kv, d, strides)?;
+        // SAFETY: as in append; the spans are checked above.
+        check(unsafe {
+            sys::wkv_seq_append(
+                raw,
+                layer,
+                k.as_ptr() as *const c_void,
+                v.as_ptr() as *const c_void,
+                n_tokens,
+                strides.outer,
+                strides.inner,
+                ptr::null_mut(),
+            )
+        })
+    }
+
+    /// `wkv_seq_append` with raw pointers and a stream, for CUDA engines
+    /// (device pointers, a `cudaStream_t` or null).
+    ///
+    /// # Safety
+    /// `k` and `v` must point to memory on the engine's device that holds
+    /// the tensors the strides describe, valid for the call (and, on CUDA,
+    /// until the copy on `stream` completes); `stream` must be null or a
+    /// live stream.
+    pub unsafe fn append_raw(
+        &mut self,
+        layer: u32,
+        k: *const c_void,
+        v: *const c_void,
+        n_tokens: u32,
+        strides: Strides,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        let raw = self.live("wkv_seq_append")?;
+        check(sys::wkv_seq_append(
+            raw,
+            layer,
+            k,
+            v,
+            n_tokens,
+            strides.outer,
+            strides.inner,
+            stream,
+        ))
+    }
+
+    /// Ends the prompt of one layer now, so that its index is built with the
+    /// prefill (`wkv_seq_end_prompt`).
+    pub fn end_prompt(&mut self, layer: u32) -> Result<()> {
+        let raw = self.live("wkv_seq_end_prompt")?;
+        check(unsafe { sys::wkv_seq_end_prompt(raw, layer, ptr::null_mut()) })
+    }
+
+    /// `wkv_seq_end_prompt` on a CUDA stream.
+    ///
+    /// # Safety
+    /// `stream` must be null or a live stream of the engine's device.
+    pub unsafe fn end_prompt_raw(&mut self, layer: u32, stream: *mut c_void) -> Result<()> {
+        let raw = self.live("wkv_seq_end_prompt")?;
+        check(sys::wkv_seq_end_prompt(raw, layer, stream))
+    }
+
+    /// What one layer holds (`wkv_seq_info_get`).
+    pub fn info(&self, layer: u32) -> Result<SeqInfo> {
+        let raw = self.live("wkv_seq_info_get")?;
+        let mut info = SeqInfo::default();
+        unsafe { sys::wkv_seq_info_init(&mut info) };
+        check(unsafe { sys::wkv_seq_info_get(raw, layer, &mut info) })?;
+        Ok(info)
+    }
+
+    /// The raw handle, for calls this crate does not wrap; null once closed.
+    /// It stays owned by the `Sequence`.
+    pub fn as_raw(&self) -> *mut sys::wkv_seq {
+        self.raw
+    }
+}
+
+impl Drop for Sequence {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl fmt::Debug for Sequence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sequence").field("raw", &self.raw).finish()
+    }
+}
