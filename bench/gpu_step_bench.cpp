@@ -230,7 +230,7 @@ int main(int argc, char **argv) {
   row_ms("ingest ms, cold arena (pins host memory)", build_ms);
   wkv_stats_init(&st);
   CHECK(wkv_engine_stats(e, &st));
-  std::printf("cache: %llu hits, %llu misses (pages), %llu bytes\n", static_cast<unsigned long long>(st.cache_hits),
+  std::printf("cache: %llu hits, %llu misses (units of page_tokens members), %llu bytes\n", static_cast<unsigned long long>(st.cache_hits),
               static_cast<unsigned long long>(st.cache_misses), static_cast<unsigned long long>(st.device_cache_bytes));
   wkv_plan_destroy(plan);
   wkv_seq_destroy(seq);

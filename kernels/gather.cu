@@ -30,24 +30,38 @@ __device__ __forceinline__ int4 load_row_piece(const uint8_t *p) {
   return __ldcs(reinterpret_cast<const int4 *>(p));  // streamed: read once
 }
 
-// Where member row `r` of a unit is read: its frame, or its page.
+// Where a unit's rows are read: K and V of rows [0, split) from k0 / v0 and
+// of rows [split, rows) from k1 / v1, each contiguous with row stride
+// row_bytes. A frame is one part; a unit in host pages is one part, or two
+// where it crosses into the next page. Found once per unit, so that a row's
+// address costs no division.
 struct UnitSource {
-  const uint8_t *frame;  // null: from pages
-  const uint8_t *const *pages;
-  uint32_t first_slot;   // slot of the unit's first member
+  const uint8_t *k0, *v0, *k1, *v1;
+  uint32_t split;
 };
 
-__device__ __forceinline__ void row_addresses(const UnitSource &src, uint32_t r, uint32_t pt, uint32_t rb,
-                                              const uint8_t **k, const uint8_t **v) {
-  if (src.frame) {
-    *k = src.frame + size_t(r) * rb;
-    *v = src.frame + size_t(pt + r) * rb;
-  } else {
-    const uint32_t slot = src.first_slot + r;
-    const uint8_t *page = src.pages[slot / pt];
-    *k = page + size_t(slot % pt) * rb;
-    *v = page + size_t(pt + slot % pt) * rb;
+__device__ __forceinline__ UnitSource unit_source(const uint8_t *frame, const uint8_t *const *pages, uint32_t slot,
+                                                  uint32_t rows, uint32_t pt, uint32_t rb) {
+  UnitSource s;
+  if (frame) {
+    s.k0 = frame;
+    s.v0 = frame + size_t(pt) * rb;
+    s.k1 = s.v1 = nullptr;
+    s.split = rows;
+    return s;
   }
+  const uint32_t p = slot / pt, off = slot - p * pt;
+  const uint8_t *page = pages[p];
+  s.k0 = page + size_t(off) * rb;
+  s.v0 = page + size_t(pt + off) * rb;
+  s.split = min(rows, pt - off);
+  s.k1 = s.v1 = nullptr;
+  if (s.split < rows) {
+    const uint8_t *next = pages[p + 1];
+    s.k1 = next;
+    s.v1 = next + size_t(pt) * rb;
+  }
+  return s;
 }
 
 __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a) {
@@ -92,7 +106,8 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
       uint32_t *entry = run.unit_dir ? run.unit_dir[u / kChunk] + u % kChunk : nullptr;
       const uint32_t f = entry ? *reinterpret_cast<volatile uint32_t *>(entry) : kNone;
       const bool hit = f < a.frames;
-      UnitSource src{hit ? a.cache + size_t(f) * a.frame_bytes : nullptr, run.pages, first + j * pt};
+      const UnitSource src =
+          unit_source(hit ? a.cache + size_t(f) * a.frame_bytes : nullptr, run.pages, first + j * pt, rows, pt, rb);
       if (lane == 0) {
         if (hit)
           ++hits;
@@ -111,10 +126,10 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
           const uint32_t q = q0 + x * 32 + lane;
           if (q < total) {
             const uint32_t m = q / cpr, c = q - m * cpr;
-            const uint8_t *kp, *vp;
-            row_addresses(src, m, pt, rb, &kp, &vp);
-            kv[x] = load_row_piece(kp + size_t(c) * 16);
-            vv[x] = load_row_piece(vp + size_t(c) * 16);
+            const bool first_part = m < src.split;
+            const size_t at = size_t(first_part ? m : m - src.split) * rb + size_t(c) * 16;
+            kv[x] = load_row_piece((first_part ? src.k0 : src.k1) + at);
+            vv[x] = load_row_piece((first_part ? src.v0 : src.v1) + at);
           }
         }
         if (q0 == 0) {

@@ -435,10 +435,11 @@ TEST(GpuEngine, DestroyingASequenceDoesNotWaitForTheDevice) {
   ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
   std::vector<float> q = t.query();
   DevVec dq(pack(kDT, q)), dout(q.size() * 2);  // (cudaMemcpy would wait for the stream below)
-  // The stream is held for 400 ms behind a host function; an append of the
+  t.decode_gpu(q);  // the kernels loaded (lazy loading takes a while the first time)
+  // The stream is held for 1.5 s behind a host function; an append of the
   // sequence and a decode of it wait behind it.
   ASSERT_EQ(cudaLaunchHostFunc(
-                t.stream, [](void *) { std::this_thread::sleep_for(std::chrono::milliseconds(400)); }, nullptr),
+                t.stream, [](void *) { std::this_thread::sleep_for(std::chrono::milliseconds(1500)); }, nullptr),
             cudaSuccess);
   seq->append(0, dk.p, dv.p, 10, 0, 0, t.stream);
   auto plan = std::make_unique<wavekv::Plan>(t.gpu);

@@ -27,6 +27,20 @@
  * several threads at once provided that each wkv_seq and each wkv_plan is used
  * by one thread at a time.
  *
+ * Streams (CUDA): the work the engine enqueues for a sequence (its appends,
+ * its growths, the steps that read it) runs in the order of the streams it
+ * was given: appending to a sequence on one stream while a step that reads it
+ * runs on another needs the caller's ordering (one stream, or events), as any
+ * CUDA library's buffers do. Every call leaves the calling thread's current
+ * CUDA device as it found it. Capturing a call into a CUDA graph is refused
+ * (WKV_ERR_UNSUPPORTED, nothing enqueued, the capture left valid): a replay
+ * would run a step as it was at capture, ignoring later appends and growths.
+ *
+ * Memory is never freed under a reader: a destroyed sequence or plan, and
+ * every buffer a growth replaces, is released in stream order once the steps
+ * that were in flight when it was given up have ended, without waiting for
+ * the device.
+ *
  * The prompt of a layer, appended whole or in chunks, then ended so that its
  * index is built with the prefill rather than at the first decoding step:
  *
@@ -231,13 +245,15 @@ typedef struct wkv_stats {
   uint64_t retrieved_clusters; /* clusters attended exactly, summed over lookups */
   uint64_t estimated_clusters; /* clusters estimated, summed over lookups */
   uint64_t attended_tokens;    /* tokens attended exactly, summed over lookups */
-  uint64_t cache_hits;         /* retrieved pages found in the device cache */
-  uint64_t cache_misses;       /* retrieved pages read from host memory */
+  uint64_t cache_hits;         /* retrieved units (page_tokens members of one
+                                  cluster) read from the device cache */
+  uint64_t cache_misses;       /* retrieved units read from host pages */
   uint64_t device_cache_bytes; /* device block cache size */
   uint64_t kmeans_ns;          /* time spent clustering, nanoseconds (wall
                                   time on the CPU, device time on a GPU) */
-  uint64_t cache_admissions;   /* pages copied into the device cache */
-  uint64_t cache_evictions;    /* pages the device cache gave up */
+  uint64_t cache_admissions;   /* units admitted into the device cache (a miss
+                                  is written there as it is assembled) */
+  uint64_t cache_evictions;    /* units the device cache gave up */
   uint64_t manager_backlog;    /* decoding steps whose accesses the buffer
                                   manager has not yet applied (0: caught up) */
 } wkv_stats;
@@ -264,7 +280,8 @@ WKV_API int wkv_seq_create(wkv_engine *engine, wkv_seq **out);
 /*
  * Destroys a sequence and releases its pages. A plan that still refers to the
  * sequence keeps its data alive until the plan's next lookup or its
- * destruction. NULL is a no-op.
+ * destruction; its memory goes once no step in flight reads it (the call
+ * never waits for the device). NULL is a no-op.
  */
 WKV_API void wkv_seq_destroy(wkv_seq *seq);
 
@@ -317,7 +334,8 @@ WKV_API int wkv_seq_end_prompt(wkv_seq *seq, uint32_t layer, void *stream);
 /* What one layer of a sequence holds. */
 typedef struct wkv_seq_info {
   uint32_t size;         /* sizeof(wkv_seq_info), set by wkv_seq_info_init */
-  uint32_t generating;   /* 1 once the layer has had its first lookup */
+  uint32_t generating;   /* 1 once the layer's prompt has ended
+                            (wkv_seq_end_prompt or its first lookup) */
   uint64_t tokens;       /* tokens appended to this layer */
   uint64_t clustered;    /* tokens in clustered segments */
   uint64_t sink;         /* tokens in the sink */
@@ -342,7 +360,10 @@ typedef struct wkv_plan wkv_plan;
  * Creates a plan: the reusable state of decoding steps (the selected zones,
  * the estimate, the execution buffer, the access record). Its buffers grow to
  * the largest step seen and are then reused, so a decoding loop allocates
- * nothing per step. A plan serves one step at a time.
+ * nothing per step. A plan serves one step at a time. Whichever verb fails
+ * (lookup, assemble, attend, merge, update, decode), the plan holds no step
+ * afterwards: a later attend or merge is refused (WKV_ERR_STATE) rather than
+ * answering with an earlier step's result.
  */
 WKV_API int wkv_plan_create(wkv_engine *engine, wkv_plan **out);
 
@@ -365,7 +386,8 @@ WKV_API void wkv_plan_destroy(wkv_plan *plan);
  * (a sequence of another engine), WKV_ERR_OUT_OF_RANGE (layer),
  * WKV_ERR_BUDGET / WKV_ERR_OUT_OF_MEMORY (clustering the prompt's remainder).
  * On any failure the plan holds no step (assemble and attend need a new
- * lookup).
+ * lookup). Everything is checked before anything changes: a refused lookup
+ * ends no prompt.
  */
 WKV_API int wkv_lookup(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
                        uint32_t layer, const void *q, int64_t seq_stride,
@@ -437,9 +459,12 @@ WKV_API int wkv_merge(wkv_plan *plan, void *out, int64_t seq_stride,
                       void *stream);
 
 /*
- * Update: hands the plan's access record (which clusters were retrieved) to
- * the buffer manager, which updates recency and schedules cache admissions
- * off the critical path. Requires a lookup.
+ * Update: closes the step. The step's access record (the cache units it read,
+ * the misses it admitted into free cache frames as it assembled) was opened
+ * by wkv_assemble and is taken by the buffer manager once the step's kernels
+ * have ended, off the critical path, whether or not update is called: a step
+ * abandoned after its assemble pins nothing for longer than its kernels run.
+ * Requires an assemble (WKV_ERR_STATE otherwise); enqueues nothing.
  */
 WKV_API int wkv_update(wkv_plan *plan, void *stream);
 
