@@ -41,12 +41,13 @@ class FakeDevice : public BufferManager::Device {
     return Status::ok();
   }
   Status clear_entries(const uint64_t *entries, uint32_t n) override {
-    if (fail_clears) return WKV_ERROR(WKV_ERR_DEVICE, "injected store failure");
-    for (uint32_t i = 0; i < n; ++i) *reinterpret_cast<uint32_t *>(entries[i]) = kNoFrame;
+    if (fail_clears.load()) return WKV_ERROR(WKV_ERR_DEVICE, "injected store failure");
+    // The device's stores, as atomics: the test reads the map meanwhile.
+    for (uint32_t i = 0; i < n; ++i) __atomic_store_n(reinterpret_cast<uint32_t *>(entries[i]), kNoFrame, __ATOMIC_RELAXED);
     cleared += n;
     return Status::ok();
   }
-  bool fail_clears = false;
+  std::atomic<bool> fail_clears{false};
   uint32_t cleared = 0;
 
  private:
@@ -75,6 +76,8 @@ struct Fixture {
     return t;
   }
   uint64_t head_word() const { return (static_cast<uint64_t>(head) << 32) | gen; }
+  // An entry of the head's unit map as the device would read it.
+  uint32_t entry(uint32_t u) const { return __atomic_load_n(&unit_map[u], __ATOMIC_RELAXED); }
 
   // One step as a gather runs it: misses admitted into the given frames
   // (unit u mapped at unit_map[u]), hits logged, then the step's end.
@@ -97,7 +100,7 @@ struct Fixture {
     for (uint32_t u : units) {
       if (used == s.rec.n_given) break;
       const uint32_t f = s.rec.given[used];
-      unit_map[u] = f;
+      __atomic_store_n(&unit_map[u], f, __ATOMIC_RELAXED);
       s.rec.admits[used] = AdmitEntry{reinterpret_cast<uint64_t>(&unit_map[u]), f, 0};
       frames.push_back(f);
       ++used;
@@ -125,7 +128,7 @@ TEST(BufferManager, AdmittedFramesBecomeResidentAndUnusedOnesReturn) {
   EXPECT_EQ(s.admissions, 3u);
   EXPECT_EQ(s.resident, 3u);
   EXPECT_EQ(s.free + s.resident + s.quarantined, 64u) << "the 7 unused frames went back";
-  EXPECT_EQ(f.unit_map[1], frames[0]);
+  EXPECT_EQ(f.entry(1), frames[0]);
 }
 
 TEST(BufferManager, EvictsLeastRecentlyUsedFirstAndClearsTheirEntries) {
@@ -139,19 +142,24 @@ TEST(BufferManager, EvictsLeastRecentlyUsedFirstAndClearsTheirEntries) {
   f.end_step(*t, a);
   ASSERT_TRUE(f.bm.quiesce(5000));
   EXPECT_EQ(f.bm.stats().evictions, 0u) << "4 free frames meet the reserve";
-  // Units 0 and 1 are read again and two more are admitted: the least
-  // recently used are now 2 and 3, and the reserve asks for 2 victims.
-  auto b = f.begin_step(*t, 2);
-  f.run_step(b, {12, 13}, {frames[0], frames[1]});
+  // Units 0 and 1 are read again: the least recently used are now 2 and 3.
+  auto b = f.begin_step(*t, 0);
+  f.run_step(b, {}, {frames[0], frames[1]});
   f.end_step(*t, b);
+  ASSERT_TRUE(f.bm.quiesce(5000));
+  // Two more are admitted: the reserve asks for 2 victims (as soon as the
+  // frames are handed out).
+  auto c = f.begin_step(*t, 2);
+  f.run_step(c, {12, 13}, {});
+  f.end_step(*t, c);
   ASSERT_TRUE(f.bm.quiesce(5000));
   for (int i = 0; i < 500 && f.bm.stats().evictions < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   EXPECT_EQ(f.bm.stats().evictions, 2u);
-  EXPECT_EQ(f.unit_map[0], frames[0]) << "recently read: kept";
-  EXPECT_EQ(f.unit_map[1], frames[1]);
-  EXPECT_EQ(f.unit_map[2], kNoFrame) << "least recently used: evicted, entry cleared";
-  EXPECT_EQ(f.unit_map[3], kNoFrame);
-  EXPECT_NE(f.unit_map[4], kNoFrame);
+  EXPECT_EQ(f.entry(0), frames[0]) << "recently read: kept";
+  EXPECT_EQ(f.entry(1), frames[1]);
+  EXPECT_EQ(f.entry(2), kNoFrame) << "least recently used: evicted, entry cleared";
+  EXPECT_EQ(f.entry(3), kNoFrame);
+  EXPECT_NE(f.entry(4), kNoFrame);
 }
 
 // A frame evicted while a step is in flight (it may have read the frame's
@@ -194,9 +202,9 @@ TEST(BufferManager, AStepOfADestroyedPlanStillEndsItsPins) {
   std::vector<uint32_t> all(8);
   for (uint32_t u = 0; u < 8; ++u) all[u] = u;
   f.run_step(a, all, {});
-  f.end_step(*t, a);
   auto plan = f.tracker();
   const uint64_t e = f.bm.begin(*plan);  // looked up, never updated
+  f.end_step(*t, a);
   StepTracker *raw = plan.get();
   plan.reset();                           // the plan is destroyed
   for (int i = 0; i < 500 && f.bm.stats().evictions < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -273,7 +281,7 @@ TEST(BufferManager, AFailedEntryStoreWithholdsTheFrames) {
     auto b = f.begin_step(*t, 16);
     std::set<uint32_t> still_mapped;
     for (uint32_t u = 0; u < 14; ++u)
-      if (f.unit_map[u] != kNoFrame) still_mapped.insert(f.unit_map[u]);
+      if (f.entry(u) != kNoFrame) still_mapped.insert(f.entry(u));
     for (uint32_t i = 0; i < b.rec.n_given; ++i)
       EXPECT_EQ(still_mapped.count(b.rec.given[i]), 0u) << "frame " << b.rec.given[i] << " is still mapped";
     f.end_step(*t, b);

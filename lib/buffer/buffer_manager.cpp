@@ -90,7 +90,7 @@ Status BufferManager::new_tracker(std::shared_ptr<StepTracker> *out) {
     slab_offsets_.push_back({host, dev});
   }
   uint64_t *w = free_words_.back();
-  *w = 0;
+  __atomic_store_n(w, 0, __ATOMIC_RELEASE);
   t->done_ = w;
   t->done_dev_ = device_word(w);
   trackers_.push_back(t);
@@ -120,13 +120,13 @@ uint64_t BufferManager::oldest_in_flight(std::unique_lock<std::mutex> &) {
   for (size_t i = 0; i < trackers_.size(); ++i) {
     std::shared_ptr<StepTracker> &t = trackers_[i];
     const uint64_t issued = t->issued_.load(std::memory_order_seq_cst);
-    const uint64_t done = *t->done_;
+    const uint64_t done = t->done();
     const bool idle = issued != StepTracker::kTaking && done >= issued;
     if (!idle) oldest = std::min(oldest, done + 1);
     // Forgotten once its owner is gone, its steps have ended and no record
     // in the ring names it.
     if (idle && t.use_count() == 1 && t->records_ == 0) {
-      free_words_.push_back(const_cast<uint64_t *>(t->done_));
+      free_words_.push_back(t->done_);
       continue;
     }
     if (kept != i) trackers_[kept] = std::move(t);

@@ -70,13 +70,15 @@ class StepTracker {
   // The epoch of the last step begun (0: none).
   uint64_t issued() const { return issued_.load(std::memory_order_acquire); }
   // The epoch of the last step ended.
-  uint64_t done() const { return *done_; }
+  // (The word is written by a kernel, or by the host on a CPU engine: atomic
+  // loads and stores on the host side.)
+  uint64_t done() const { return __atomic_load_n(done_, __ATOMIC_ACQUIRE); }
 
  private:
   friend class BufferManager;
   static constexpr uint64_t kTaking = ~uint64_t{0};  // taking an epoch now
   std::atomic<uint64_t> issued_{0};
-  volatile uint64_t *done_ = nullptr;
+  uint64_t *done_ = nullptr;
   uint64_t *done_dev_ = nullptr;
   uint32_t records_ = 0;  // records in the ring that name it (guarded by the manager's mu_)
 };
@@ -163,7 +165,7 @@ class BufferManager {
   // Takes an epoch for a step of `t` about to be enqueued.
   uint64_t begin(StepTracker &t);
   // The step of `t` at `epoch` ended on the host (the CPU backend's verbs).
-  void end_on_host(StepTracker &t, uint64_t epoch) { *t.done_ = epoch; }
+  void end_on_host(StepTracker &t, uint64_t epoch) { __atomic_store_n(t.done_, epoch, __ATOMIC_RELEASE); }
 
   // Runs `release` once every step begun so far has ended, on the manager's
   // thread (or at once when none is in flight). For frames given up: a
