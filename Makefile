@@ -24,7 +24,7 @@ SANITIZER_CMAKE_ARGS ?= -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWKV_CUDA=OFF
 
 CTEST_FLAGS = --output-on-failure -j$(JOBS) --timeout 600 $(CTEST_ARGS)
 
-export ASAN_OPTIONS ?= abort_on_error=0:detect_leaks=1
+export ASAN_OPTIONS ?= abort_on_error=0:detect_leaks=1:allocator_may_return_null=1
 export UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
 export TSAN_OPTIONS ?= halt_on_error=1:second_deadlock_stack=1
 

@@ -1,6 +1,6 @@
-// The C ABI: argument checks, error translation and handle wrappers over the
-// engine. Nothing thrown inside crosses this file: every entry point catches,
-// turns the failure into a status code and the calling thread's message.
+// The C ABI: argument checks, error translation and handles over the engine.
+// Nothing thrown inside crosses this file: every entry point catches, turns
+// the failure into a status code and the calling thread's message.
 #include "wavekv/wavekv.h"
 
 #include <algorithm>
@@ -13,33 +13,32 @@
 #include <string>
 #include <vector>
 
+#include "capi/handles.hpp"
 #include "lib/common/config.hpp"
 #include "lib/engine/engine.hpp"
 #include "lib/engine/plan.hpp"
 #include "lib/engine/sequence.hpp"
 
-// Handles carry a magic word so that a foreign, destroyed or mistyped pointer
-// is reported rather than followed (best effort: a freed handle's memory may
-// be reused).
-constexpr uint64_t kEngineMagic = 0x656e67696e65776bull;  // "kwengine"
-constexpr uint64_t kSeqMagic = 0x00716573776b7773ull;
-constexpr uint64_t kPlanMagic = 0x6e616c70776b7770ull;
-constexpr uint64_t kDeadMagic = 0xdeaddeaddeaddeadull;
-
-struct wkv_engine {
-  uint64_t magic = kEngineMagic;
-  std::shared_ptr<wkv::Engine> e;
-};
-struct wkv_seq {
-  uint64_t magic = kSeqMagic;
-  std::shared_ptr<wkv::Sequence> s;
-};
-struct wkv_plan {
-  uint64_t magic = kPlanMagic;
-  std::unique_ptr<wkv::Plan> p;
-};
-
 namespace {
+
+using wkv::capi::HandleTable;
+
+// One table per handle type; the type is the value's top byte.
+HandleTable<wkv::Engine, 0xE1> &engines() {
+  static auto *t = new HandleTable<wkv::Engine, 0xE1>();  // outlives static destructors
+  return *t;
+}
+HandleTable<wkv::Sequence, 0x5E> &sequences() {
+  static auto *t = new HandleTable<wkv::Sequence, 0x5E>();
+  return *t;
+}
+HandleTable<wkv::Plan, 0x91> &plans() {
+  static auto *t = new HandleTable<wkv::Plan, 0x91>();
+  return *t;
+}
+
+template <typename H> uint64_t value_of(const H *h) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(h)); }
+template <typename H> H *handle_of(uint64_t v) { return reinterpret_cast<H *>(static_cast<uintptr_t>(v)); }
 
 thread_local std::string t_last_error;
 
@@ -74,45 +73,70 @@ template <typename Fn> int guarded(const char *fn, Fn &&body) {
     if (!(cond)) return fail(WKV_ERR_INVALID_ARGUMENT, wkv::format(__VA_ARGS__)); \
   } while (0)
 
-int check_engine(const wkv_engine *e, const char *fn) {
-  if (!e) return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: engine is NULL", fn));
-  if (e->magic != kEngineMagic || !e->e)
-    return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: not a live wkv_engine handle", fn));
+// The live object behind a handle, or a failure naming what the handle is.
+template <typename T, typename Table, typename H>
+int resolve(Table &table, const H *h, const char *fn, const char *what, std::shared_ptr<T> *out) {
+  if (!h) return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: %s is NULL", fn, what));
+  *out = table.get(value_of(h));
+  if (!*out)
+    return fail(WKV_ERR_INVALID_HANDLE,
+                wkv::format("%s: not a live %s handle (destroyed, of another type, or foreign)", fn, what));
   return WKV_OK;
 }
-int check_seq(const wkv_seq *s, const char *fn) {
-  if (!s) return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: sequence is NULL", fn));
-  if (s->magic != kSeqMagic || !s->s)
-    return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: not a live wkv_seq handle", fn));
-  return WKV_OK;
+int resolve_engine(const wkv_engine *h, const char *fn, std::shared_ptr<wkv::Engine> *out) {
+  return resolve(engines(), h, fn, "wkv_engine", out);
 }
-int check_plan(const wkv_plan *p, const char *fn) {
-  if (!p) return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: plan is NULL", fn));
-  if (p->magic != kPlanMagic || !p->p)
-    return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: not a live wkv_plan handle", fn));
-  return WKV_OK;
+int resolve_seq(const wkv_seq *h, const char *fn, std::shared_ptr<wkv::Sequence> *out) {
+  return resolve(sequences(), h, fn, "wkv_seq", out);
+}
+int resolve_plan(const wkv_plan *h, const char *fn, std::shared_ptr<wkv::Plan> *out) {
+  return resolve(plans(), h, fn, "wkv_plan", out);
 }
 
-// Resolves packed (0) strides and checks that the rows of a
-// [n_outer][n_inner][d] tensor do not overlap: the smaller stride spans a
-// row, the larger spans all rows of the smaller.
-int check_strides(const char *fn, const char *what, uint64_t n_outer, uint64_t n_inner, uint32_t d,
+// Resolves packed (0) strides of a [n_outer][n_inner][d] tensor of elements
+// of esz bytes and checks them: not negative, rows that do not overlap (the
+// smaller stride spans a row, the larger spans all rows of the smaller), and
+// an extent, in bytes, that 63 bits hold, all in checked arithmetic.
+int check_strides(const char *fn, const char *what, uint64_t n_outer, uint64_t n_inner, uint32_t d, size_t esz,
                   int64_t *outer_stride, int64_t *inner_stride) {
   if (*inner_stride == 0) *inner_stride = d;
-  if (*outer_stride == 0) *outer_stride = static_cast<int64_t>(n_inner) * *inner_stride;
+  if (*outer_stride == 0) {
+    uint64_t s;
+    if (__builtin_mul_overflow(n_inner, static_cast<uint64_t>(*inner_stride), &s) ||
+        s > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      return fail(WKV_ERR_INVALID_ARGUMENT, wkv::format("%s: %s is too large to address", fn, what));
+    *outer_stride = static_cast<int64_t>(s);
+  }
   if (*outer_stride < 0 || *inner_stride < 0)
     return fail(WKV_ERR_INVALID_ARGUMENT, wkv::format("%s: %s strides must not be negative", fn, what));
-  struct Dim { int64_t stride; uint64_t n; } a{*inner_stride, n_inner}, b{*outer_stride, n_outer};
-  if (a.n <= 1) a.stride = std::numeric_limits<int64_t>::max();
-  if (b.n <= 1) b.stride = std::numeric_limits<int64_t>::max();
-  if (a.stride > b.stride) std::swap(a, b);
-  if (a.n > 1 || b.n > 1) {
-    if (a.stride < static_cast<int64_t>(d) ||
-        (b.n > 1 && a.n > 1 && static_cast<uint64_t>(b.stride) < static_cast<uint64_t>(a.stride) * a.n))
+  // The last element's offset plus one, in bytes.
+  uint64_t a = 0, b = 0, end = 0;
+  const bool overflow =
+      __builtin_mul_overflow(n_outer > 0 ? n_outer - 1 : 0, static_cast<uint64_t>(*outer_stride), &a) ||
+      __builtin_mul_overflow(n_inner > 0 ? n_inner - 1 : 0, static_cast<uint64_t>(*inner_stride), &b) ||
+      __builtin_add_overflow(a, b, &end) || __builtin_add_overflow(end, static_cast<uint64_t>(d), &end) ||
+      __builtin_mul_overflow(end, static_cast<uint64_t>(esz), &end) ||
+      end > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  if (overflow)
+    return fail(WKV_ERR_INVALID_ARGUMENT,
+                wkv::format("%s: %s strides (%lld, %lld elements) over %llu x %llu rows reach past 2^63 bytes", fn,
+                            what, static_cast<long long>(*outer_stride), static_cast<long long>(*inner_stride),
+                            static_cast<unsigned long long>(n_outer), static_cast<unsigned long long>(n_inner)));
+  struct Dim {
+    uint64_t stride, n;
+  } x{static_cast<uint64_t>(*inner_stride), n_inner}, y{static_cast<uint64_t>(*outer_stride), n_outer};
+  if (x.n <= 1) x.stride = std::numeric_limits<uint64_t>::max();
+  if (y.n <= 1) y.stride = std::numeric_limits<uint64_t>::max();
+  if (x.stride > y.stride) std::swap(x, y);
+  if (x.n > 1 || y.n > 1) {
+    uint64_t span = 0;
+    // (The extent check above bounds every product here.)
+    const bool overlap = x.stride < d || (y.n > 1 && x.n > 1 && (__builtin_mul_overflow(x.stride, x.n, &span) ||
+                                                                  y.stride < span));
+    if (overlap)
       return fail(WKV_ERR_INVALID_ARGUMENT,
-                  wkv::format("%s: %s strides (%lld, %lld elements) make rows of %u elements overlap", fn,
-                              what, static_cast<long long>(*outer_stride),
-                              static_cast<long long>(*inner_stride), d));
+                  wkv::format("%s: %s strides (%lld, %lld elements) make rows of %u elements overlap", fn, what,
+                              static_cast<long long>(*outer_stride), static_cast<long long>(*inner_stride), d));
   }
   return WKV_OK;
 }
@@ -124,6 +148,8 @@ int check_layer(const wkv::Engine &e, uint32_t layer, const char *fn) {
   return WKV_OK;
 }
 
+size_t element_bytes(const wkv::Engine &e) { return wkv::dtype_bytes(e.config().dtype()); }
+
 // Copies the prefix of `src` that the caller's size covers.
 template <typename T> void copy_prefix(T *dst, const T &src) {
   uint32_t n = std::min<uint32_t>(dst->size, sizeof(T));
@@ -133,18 +159,19 @@ template <typename T> void copy_prefix(T *dst, const T &src) {
 }
 
 // Collects and checks a batch of sequences for a plan of engine e.
-int collect_seqs(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n, const char *fn,
+int collect_seqs(const wkv::Plan &plan, wkv_seq *const *seqs, uint32_t n, const char *fn,
                  std::vector<std::shared_ptr<wkv::Sequence>> *out) {
   CHECK_ARG(seqs, "%s: seqs is NULL", fn);
   CHECK_ARG(n > 0, "%s: n_seqs is 0", fn);
   out->clear();
   out->reserve(n);
   for (uint32_t i = 0; i < n; ++i) {
-    if (int rc = check_seq(seqs[i], fn)) return rc;
-    if (seqs[i]->s->engine_ptr() != plan->p->engine_ptr())
+    std::shared_ptr<wkv::Sequence> s;
+    if (int rc = resolve_seq(seqs[i], fn, &s)) return rc;
+    if (s->engine_ptr() != plan.engine_ptr())
       return fail(WKV_ERR_INVALID_HANDLE,
                   wkv::format("%s: sequence %u belongs to another engine than the plan", fn, i));
-    out->push_back(seqs[i]->s);
+    out->push_back(std::move(s));
   }
   std::vector<const wkv::Sequence *> sorted;
   sorted.reserve(n);
@@ -158,6 +185,49 @@ int collect_seqs(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n, const char *f
 // A per-thread scratch for the batch, so that steady decoding does not
 // allocate in the ABI layer either.
 thread_local std::vector<std::shared_ptr<wkv::Sequence>> t_batch;
+
+// Runs a verb of a plan; whatever fails (the verb, or the checks before it),
+// the plan holds no step afterwards.
+template <typename Fn> int plan_verb(const char *fn, wkv_plan *handle, Fn &&body) {
+  return guarded(fn, [&] {
+    std::shared_ptr<wkv::Plan> p;
+    if (int rc = resolve_plan(handle, fn, &p)) return rc;
+    int rc = WKV_ERR_INTERNAL;
+    try {
+      rc = body(*p);
+    } catch (...) {
+      p->stage = wkv::Plan::Stage::kEmpty;
+      throw;
+    }
+    if (rc != WKV_OK) p->stage = wkv::Plan::Stage::kEmpty;
+    return rc;
+  });
+}
+
+int lookup_impl(const char *fn, wkv::Plan &plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t layer,
+                const void *q, int64_t seq_stride, int64_t head_stride, void *stream) {
+  // The batch never outlives the call (it holds sequences alive).
+  struct ClearBatch {
+    ~ClearBatch() { t_batch.clear(); }
+  } clear_batch;
+  wkv::Engine &e = plan.engine();
+  if (int rc = collect_seqs(plan, seqs, n_seqs, fn, &t_batch)) return rc;
+  if (int rc = check_layer(e, layer, fn)) return rc;
+  CHECK_ARG(q, "%s: q is NULL", fn);
+  const wkv::Config &cfg = e.config();
+  if (int rc = check_strides(fn, "q", n_seqs, cfg.c.n_q_heads, cfg.c.head_dim, element_bytes(e), &seq_stride,
+                             &head_stride))
+    return rc;
+  wkv::Status s = e.lookup(plan, t_batch.data(), n_seqs, layer, q, seq_stride, head_stride, stream);
+  if (!s.is_ok()) return fail(s.code(), std::string(fn) + ": " + s.message());
+  return WKV_OK;
+}
+
+int out_strides(const char *fn, const wkv::Plan &p, int64_t *seq_stride, int64_t *head_stride) {
+  const wkv::Config &cfg = p.engine().config();
+  return check_strides(fn, "out", p.n_seqs, cfg.c.n_q_heads, cfg.c.head_dim, element_bytes(p.engine()), seq_stride,
+                       head_stride);
+}
 
 }  // namespace
 
@@ -208,35 +278,39 @@ int wkv_engine_open(const wkv_config *cfg, wkv_engine **out) {
     std::shared_ptr<wkv::Engine> e;
     wkv::Status s = wkv::Engine::open(cfg, &e);
     if (!s.is_ok()) return fail(s.code(), "wkv_engine_open: " + s.message());
-    auto h = std::make_unique<wkv_engine>();
-    h->e = std::move(e);
-    *out = h.release();
+    const uint64_t h = engines().insert(std::move(e));
+    if (!h) return fail(WKV_ERR_OUT_OF_MEMORY, "wkv_engine_open: too many live engine handles");
+    *out = handle_of<wkv_engine>(h);
     return done(wkv::Status::ok());
   });
 }
 
 void wkv_engine_close(wkv_engine *engine) {
-  if (!engine || engine->magic != kEngineMagic) return;
-  engine->magic = kDeadMagic;
-  delete engine;
+  try {
+    std::shared_ptr<wkv::Engine> e = engines().remove(value_of(engine));
+    (void)e;  // released here: the engine goes once its sequences and plans have
+  } catch (...) {
+  }
 }
 
 int wkv_engine_config(const wkv_engine *engine, wkv_config *cfg) {
   return guarded("wkv_engine_config", [&] {
-    if (int rc = check_engine(engine, "wkv_engine_config")) return rc;
+    std::shared_ptr<wkv::Engine> e;
+    if (int rc = resolve_engine(engine, "wkv_engine_config", &e)) return rc;
     CHECK_ARG(cfg, "wkv_engine_config: cfg is NULL");
     CHECK_ARG(cfg->size >= 8, "wkv_engine_config: cfg->size %u is too small (set it to sizeof(wkv_config))",
               cfg->size);
-    copy_prefix(cfg, engine->e->config().c);
+    copy_prefix(cfg, e->config().c);
     return done(wkv::Status::ok());
   });
 }
 
 int wkv_engine_device(const wkv_engine *engine, uint32_t *device) {
   return guarded("wkv_engine_device", [&] {
-    if (int rc = check_engine(engine, "wkv_engine_device")) return rc;
+    std::shared_ptr<wkv::Engine> e;
+    if (int rc = resolve_engine(engine, "wkv_engine_device", &e)) return rc;
     CHECK_ARG(device, "wkv_engine_device: device is NULL");
-    *device = engine->e->config().c.device;
+    *device = e->config().c.device;
     return done(wkv::Status::ok());
   });
 }
@@ -249,13 +323,14 @@ void wkv_stats_init(wkv_stats *stats) {
 
 int wkv_engine_stats(wkv_engine *engine, wkv_stats *stats) {
   return guarded("wkv_engine_stats", [&] {
-    if (int rc = check_engine(engine, "wkv_engine_stats")) return rc;
+    std::shared_ptr<wkv::Engine> e;
+    if (int rc = resolve_engine(engine, "wkv_engine_stats", &e)) return rc;
     CHECK_ARG(stats, "wkv_engine_stats: stats is NULL");
     CHECK_ARG(stats->size >= 8, "wkv_engine_stats: stats->size %u is too small (call wkv_stats_init)",
               stats->size);
     wkv_stats full;
     wkv_stats_init(&full);
-    engine->e->fill_stats(&full);
+    e->fill_stats(&full);
     copy_prefix(stats, full);
     return done(wkv::Status::ok());
   });
@@ -265,8 +340,9 @@ int wkv_engine_stats_json(wkv_engine *engine, char **json) {
   return guarded("wkv_engine_stats_json", [&] {
     CHECK_ARG(json, "wkv_engine_stats_json: json is NULL");
     *json = nullptr;
-    if (int rc = check_engine(engine, "wkv_engine_stats_json")) return rc;
-    std::string s = engine->e->stats_json();
+    std::shared_ptr<wkv::Engine> e;
+    if (int rc = resolve_engine(engine, "wkv_engine_stats_json", &e)) return rc;
+    std::string s = e->stats_json();
     char *buf = static_cast<char *>(std::malloc(s.size() + 1));
     if (!buf) return fail(WKV_ERR_OUT_OF_MEMORY, "wkv_engine_stats_json: out of host memory");
     std::memcpy(buf, s.c_str(), s.size() + 1);
@@ -279,36 +355,42 @@ int wkv_seq_create(wkv_engine *engine, wkv_seq **out) {
   return guarded("wkv_seq_create", [&] {
     CHECK_ARG(out, "wkv_seq_create: out is NULL");
     *out = nullptr;
-    if (int rc = check_engine(engine, "wkv_seq_create")) return rc;
-    auto h = std::make_unique<wkv_seq>();
-    wkv::Status s = wkv::Sequence::create(engine->e, &h->s);
+    std::shared_ptr<wkv::Engine> e;
+    if (int rc = resolve_engine(engine, "wkv_seq_create", &e)) return rc;
+    std::shared_ptr<wkv::Sequence> seq;
+    wkv::Status s = wkv::Sequence::create(e, &seq);
     if (!s.is_ok()) return fail(s.code(), "wkv_seq_create: " + s.message());
-    *out = h.release();
+    const uint64_t h = sequences().insert(std::move(seq));
+    if (!h) return fail(WKV_ERR_OUT_OF_MEMORY, "wkv_seq_create: too many live sequence handles");
+    *out = handle_of<wkv_seq>(h);
     return done(wkv::Status::ok());
   });
 }
 
 void wkv_seq_destroy(wkv_seq *seq) {
-  if (!seq || seq->magic != kSeqMagic) return;
-  seq->magic = kDeadMagic;
-  delete seq;
+  try {
+    std::shared_ptr<wkv::Sequence> s = sequences().remove(value_of(seq));
+    (void)s;  // released here, or by the last plan that holds it
+  } catch (...) {
+  }
 }
 
 int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k, const void *v, uint32_t n_tokens,
                    int64_t token_stride, int64_t head_stride, void *stream) {
   return guarded("wkv_seq_append", [&] {
     const char *fn = "wkv_seq_append";
-    if (int rc = check_seq(seq, fn)) return rc;
-    wkv::Engine &e = seq->s->engine();
+    std::shared_ptr<wkv::Sequence> s;
+    if (int rc = resolve_seq(seq, fn, &s)) return rc;
+    wkv::Engine &e = s->engine();
     if (int rc = check_layer(e, layer, fn)) return rc;
     CHECK_ARG(k, "%s: k is NULL", fn);
     CHECK_ARG(v, "%s: v is NULL", fn);
     CHECK_ARG(n_tokens > 0, "%s: n_tokens is 0", fn);
     const wkv::Config &cfg = e.config();
-    if (int rc = check_strides(fn, "k/v", n_tokens, cfg.c.n_kv_heads, cfg.c.head_dim, &token_stride,
-                               &head_stride))
+    if (int rc = check_strides(fn, "k/v", n_tokens, cfg.c.n_kv_heads, cfg.c.head_dim, element_bytes(e),
+                               &token_stride, &head_stride))
       return rc;
-    return done(e.append(*seq->s, layer, static_cast<const uint8_t *>(k), static_cast<const uint8_t *>(v), n_tokens,
+    return done(e.append(*s, layer, static_cast<const uint8_t *>(k), static_cast<const uint8_t *>(v), n_tokens,
                          token_stride, head_stride, stream));
   });
 }
@@ -316,9 +398,10 @@ int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k, const void *v, u
 int wkv_seq_end_prompt(wkv_seq *seq, uint32_t layer, void *stream) {
   return guarded("wkv_seq_end_prompt", [&] {
     const char *fn = "wkv_seq_end_prompt";
-    if (int rc = check_seq(seq, fn)) return rc;
-    if (int rc = check_layer(seq->s->engine(), layer, fn)) return rc;
-    return done(seq->s->engine().end_prompt(*seq->s, layer, stream));
+    std::shared_ptr<wkv::Sequence> s;
+    if (int rc = resolve_seq(seq, fn, &s)) return rc;
+    if (int rc = check_layer(s->engine(), layer, fn)) return rc;
+    return done(s->engine().end_prompt(*s, layer, stream));
   });
 }
 
@@ -331,11 +414,12 @@ void wkv_seq_info_init(wkv_seq_info *info) {
 int wkv_seq_info_get(const wkv_seq *seq, uint32_t layer, wkv_seq_info *info) {
   return guarded("wkv_seq_info_get", [&] {
     const char *fn = "wkv_seq_info_get";
-    if (int rc = check_seq(seq, fn)) return rc;
-    if (int rc = check_layer(seq->s->engine(), layer, fn)) return rc;
+    std::shared_ptr<wkv::Sequence> s;
+    if (int rc = resolve_seq(seq, fn, &s)) return rc;
+    if (int rc = check_layer(s->engine(), layer, fn)) return rc;
     CHECK_ARG(info, "%s: info is NULL", fn);
     CHECK_ARG(info->size >= 8, "%s: info->size %u is too small (call wkv_seq_info_init)", fn, info->size);
-    const wkv::LayerState &L = seq->s->layer(layer);
+    const wkv::LayerState &L = s->layer(layer);
     wkv_seq_info full;
     wkv_seq_info_init(&full);
     full.generating = L.generating ? 1 : 0;
@@ -359,58 +443,36 @@ int wkv_plan_create(wkv_engine *engine, wkv_plan **out) {
   return guarded("wkv_plan_create", [&] {
     CHECK_ARG(out, "wkv_plan_create: out is NULL");
     *out = nullptr;
-    if (int rc = check_engine(engine, "wkv_plan_create")) return rc;
-    auto h = std::make_unique<wkv_plan>();
+    std::shared_ptr<wkv::Engine> e;
+    if (int rc = resolve_engine(engine, "wkv_plan_create", &e)) return rc;
     std::shared_ptr<wkv::StepTracker> tracker;
-    wkv::Status s = engine->e->buffers().new_tracker(&tracker);
+    wkv::Status s = e->buffers().new_tracker(&tracker);
     if (!s.is_ok()) return fail(s.code(), "wkv_plan_create: " + s.message());
-    h->p = std::make_unique<wkv::Plan>(engine->e, std::move(tracker));
-    *out = h.release();
+    const uint64_t h = plans().insert(std::make_shared<wkv::Plan>(e, std::move(tracker)));
+    if (!h) return fail(WKV_ERR_OUT_OF_MEMORY, "wkv_plan_create: too many live plan handles");
+    *out = handle_of<wkv_plan>(h);
     return done(wkv::Status::ok());
   });
 }
 
 void wkv_plan_destroy(wkv_plan *plan) {
-  if (!plan || plan->magic != kPlanMagic) return;
-  plan->magic = kDeadMagic;
-  delete plan;
-}
-
-static int lookup_impl(const char *fn, wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
-                       uint32_t layer, const void *q, int64_t seq_stride, int64_t head_stride,
-                       void *stream) {
-  if (int rc = check_plan(plan, fn)) return rc;
-  // The batch never outlives the call (it holds sequences alive), and a
-  // failed lookup leaves the plan with no step.
-  struct ClearBatch {
-    ~ClearBatch() { t_batch.clear(); }
-  } clear_batch;
-  plan->p->stage = wkv::Plan::Stage::kEmpty;
-  wkv::Engine &e = plan->p->engine();
-  if (int rc = collect_seqs(plan, seqs, n_seqs, fn, &t_batch)) return rc;
-  if (int rc = check_layer(e, layer, fn)) return rc;
-  CHECK_ARG(q, "%s: q is NULL", fn);
-  const wkv::Config &cfg = e.config();
-  if (int rc = check_strides(fn, "q", n_seqs, cfg.c.n_q_heads, cfg.c.head_dim, &seq_stride, &head_stride))
-    return rc;
-  wkv::Status s = e.lookup(*plan->p, t_batch.data(), n_seqs, layer, q, seq_stride, head_stride, stream);
-  if (!s.is_ok()) return fail(s.code(), std::string(fn) + ": " + s.message());
-  return WKV_OK;
+  try {
+    std::shared_ptr<wkv::Plan> p = plans().remove(value_of(plan));
+    (void)p;
+  } catch (...) {
+  }
 }
 
 int wkv_lookup(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t layer, const void *q,
                int64_t seq_stride, int64_t head_stride, void *stream) {
-  return guarded("wkv_lookup", [&] {
-    int rc = lookup_impl("wkv_lookup", plan, seqs, n_seqs, layer, q, seq_stride, head_stride, stream);
+  return plan_verb("wkv_lookup", plan, [&](wkv::Plan &p) {
+    int rc = lookup_impl("wkv_lookup", p, seqs, n_seqs, layer, q, seq_stride, head_stride, stream);
     return rc ? rc : done(wkv::Status::ok());
   });
 }
 
 int wkv_assemble(wkv_plan *plan, void *stream) {
-  return guarded("wkv_assemble", [&] {
-    if (int rc = check_plan(plan, "wkv_assemble")) return rc;
-    return done(plan->p->engine().assemble(*plan->p, stream));
-  });
+  return plan_verb("wkv_assemble", plan, [&](wkv::Plan &p) { return done(p.engine().assemble(p, stream)); });
 }
 
 void wkv_xbuf_view_init(wkv_xbuf_view *view) {
@@ -421,84 +483,78 @@ void wkv_xbuf_view_init(wkv_xbuf_view *view) {
 
 int wkv_plan_xbuf(const wkv_plan *plan, wkv_xbuf_view *view) {
   return guarded("wkv_plan_xbuf", [&] {
-    if (int rc = check_plan(plan, "wkv_plan_xbuf")) return rc;
+    std::shared_ptr<wkv::Plan> p;
+    if (int rc = resolve_plan(plan, "wkv_plan_xbuf", &p)) return rc;
     CHECK_ARG(view, "wkv_plan_xbuf: view is NULL");
     CHECK_ARG(view->size >= 8, "wkv_plan_xbuf: view->size %u is too small (call wkv_xbuf_view_init)",
               view->size);
-    const wkv::Plan &p = *plan->p;
-    if (p.stage != wkv::Plan::Stage::kAssembled)
+    if (p->stage != wkv::Plan::Stage::kAssembled)
       return fail(WKV_ERR_STATE, "wkv_plan_xbuf: the plan has no assembled execution buffer");
     wkv_xbuf_view full;
     wkv_xbuf_view_init(&full);
-    const wkv::Config &cfg = p.engine().config();
+    const wkv::Config &cfg = p->engine().config();
     full.head_dim = cfg.c.head_dim;
     full.dtype = cfg.c.dtype;
-    p.engine().backend().xbuf(p, &full);
+    p->engine().backend().xbuf(*p, &full);
     copy_prefix(view, full);
     return done(wkv::Status::ok());
   });
 }
 
-static int out_strides(const char *fn, const wkv::Plan &p, int64_t *seq_stride, int64_t *head_stride) {
-  const wkv::Config &cfg = p.engine().config();
-  return check_strides(fn, "out", p.n_seqs, cfg.c.n_q_heads, cfg.c.head_dim, seq_stride, head_stride);
-}
-
 int wkv_attend(wkv_plan *plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
                void *stream) {
-  return guarded("wkv_attend", [&] {
-    if (int rc = check_plan(plan, "wkv_attend")) return rc;
+  return plan_verb("wkv_attend", plan, [&](wkv::Plan &p) {
     CHECK_ARG(out, "wkv_attend: out is NULL");
-    if (int rc = out_strides("wkv_attend", *plan->p, &seq_stride, &head_stride)) return rc;
-    return done(plan->p->engine().attend(*plan->p, out, seq_stride, head_stride, lse, stream));
+    if (int rc = out_strides("wkv_attend", p, &seq_stride, &head_stride)) return rc;
+    return done(p.engine().attend(p, out, seq_stride, head_stride, lse, stream));
   });
 }
 
 int wkv_merge(wkv_plan *plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
               int64_t lse_seq_stride, void *stream) {
-  return guarded("wkv_merge", [&] {
-    if (int rc = check_plan(plan, "wkv_merge")) return rc;
+  return plan_verb("wkv_merge", plan, [&](wkv::Plan &p) {
     CHECK_ARG(out, "wkv_merge: out is NULL");
     CHECK_ARG(lse, "wkv_merge: lse is NULL");
-    const wkv::Plan &p = *plan->p;
-    if (p.stage == wkv::Plan::Stage::kEmpty)
-      return fail(WKV_ERR_STATE, "wkv_merge: merge needs a lookup first");
     if (int rc = out_strides("wkv_merge", p, &seq_stride, &head_stride)) return rc;
     const uint32_t nq = p.engine().config().c.n_q_heads;
     if (lse_seq_stride == 0) lse_seq_stride = nq;
+    CHECK_ARG(lse_seq_stride > 0, "wkv_merge: lse_seq_stride %lld is negative",
+              static_cast<long long>(lse_seq_stride));
     CHECK_ARG(lse_seq_stride >= static_cast<int64_t>(nq) || p.n_seqs == 1,
-              "wkv_merge: lse_seq_stride %lld is smaller than n_q_heads %u",
-              static_cast<long long>(lse_seq_stride), nq);
-    return done(plan->p->engine().merge(*plan->p, out, seq_stride, head_stride, lse, lse_seq_stride, stream));
+              "wkv_merge: lse_seq_stride %lld is smaller than n_q_heads %u", static_cast<long long>(lse_seq_stride),
+              nq);
+    int64_t lse_inner = 1, lse_outer = lse_seq_stride;
+    if (int rc = check_strides("wkv_merge", "lse", p.n_seqs, nq, 1, sizeof(float), &lse_outer, &lse_inner))
+      return rc;
+    if (p.stage == wkv::Plan::Stage::kEmpty) return fail(WKV_ERR_STATE, "wkv_merge: merge needs a lookup first");
+    return done(p.engine().merge(p, out, seq_stride, head_stride, lse, lse_seq_stride, stream));
   });
 }
 
 int wkv_update(wkv_plan *plan, void *stream) {
-  return guarded("wkv_update", [&] {
-    if (int rc = check_plan(plan, "wkv_update")) return rc;
-    return done(plan->p->engine().update(*plan->p, stream));
-  });
+  return plan_verb("wkv_update", plan, [&](wkv::Plan &p) { return done(p.engine().update(p, stream)); });
 }
 
 int wkv_decode(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t layer, const void *q,
                int64_t q_seq_stride, int64_t q_head_stride, void *out, int64_t out_seq_stride,
                int64_t out_head_stride, void *stream) {
-  return guarded("wkv_decode", [&] {
+  return plan_verb("wkv_decode", plan, [&](wkv::Plan &p) {
     const char *fn = "wkv_decode";
-    if (int rc = check_plan(plan, fn)) return rc;
     CHECK_ARG(out, "%s: out is NULL", fn);
     {
-      const wkv::Config &cfg = plan->p->engine().config();
+      const wkv::Config &cfg = p.engine().config();
       int64_t a = out_seq_stride, b = out_head_stride;
-      if (int rc = check_strides(fn, "out", n_seqs, cfg.c.n_q_heads, cfg.c.head_dim, &a, &b)) return rc;
+      if (int rc = check_strides(fn, "out", n_seqs, cfg.c.n_q_heads, cfg.c.head_dim, element_bytes(p.engine()), &a,
+                                 &b))
+        return rc;
       out_seq_stride = a;
       out_head_stride = b;
     }
-    if (int rc = lookup_impl(fn, plan, seqs, n_seqs, layer, q, q_seq_stride, q_head_stride, stream)) return rc;
-    wkv::Engine &e = plan->p->engine();
-    wkv::Status s = e.assemble(*plan->p, stream);
-    if (s.is_ok()) s = e.attend(*plan->p, out, out_seq_stride, out_head_stride, nullptr, stream);
-    if (s.is_ok()) s = e.update(*plan->p, stream);
+    if (int rc = lookup_impl(fn, p, seqs, n_seqs, layer, q, q_seq_stride, q_head_stride, stream)) return rc;
+    wkv::Engine &e = p.engine();
+    wkv::Status s = e.assemble(p, stream);
+    if (s.is_ok()) s = e.attend(p, out, out_seq_stride, out_head_stride, nullptr, stream);
+    if (s.is_ok()) s = e.update(p, stream);
     if (!s.is_ok()) return fail(s.code(), std::string(fn) + ": " + s.message());
     return done(wkv::Status::ok());
   });

@@ -1032,9 +1032,11 @@ static void test_merge(void) {
       CHECK(slse[s * 7 + h] == own_lse[i], "strided lse merges like packed");
       CHECK(memcmp(&so[s * 284 + h * 68], &own[i * D], D * sizeof(float)) == 0, "strided out merges like packed");
     }
-  /* lse rows closer than n_q_heads overlap. */
-  EXPECT_ERR(wkv_merge(p, own, 0, 0, own_lse, 1, NULL), WKV_ERR_INVALID_ARGUMENT);
   EXPECT_OK(wkv_update(p, NULL));
+  /* lse rows closer than n_q_heads overlap; a failed verb leaves no step. */
+  EXPECT_ERR(wkv_merge(p, own, 0, 0, own_lse, 1, NULL), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_ERR(wkv_update(p, NULL), WKV_ERR_STATE);
+  EXPECT_ERR(wkv_attend(p, att, 0, 0, att_lse, NULL), WKV_ERR_STATE);
 
   /* wkv_decode on the same engine gives wkv_attend's answer. */
   EXPECT_OK(wkv_decode(p, seqs, 2, 0, q, 0, 0, own, 0, 0, NULL));

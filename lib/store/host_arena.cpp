@@ -56,6 +56,11 @@ Status HostArena::add_chunk(std::unique_lock<std::mutex> &held) {
   size_t index = chunk_bytes_.size();
   if (index >= kMaxChunks)
     return WKV_ERROR(WKV_ERR_BUDGET, "host arena reached its limit of %u chunks", kMaxChunks);
+  // Page ids are 32-bit (chunk * pages_per_chunk + slot): the chunk whose
+  // ids would not fit is refused rather than wrapped onto earlier pages.
+  if ((static_cast<uint64_t>(index) + 1) * pages_per_chunk_ - 1 > kNoPage - 1)
+    return WKV_ERROR(WKV_ERR_BUDGET, "host arena reached its limit of 2^32 - 1 pages (%llu chunks of %u pages)",
+                     static_cast<unsigned long long>(index), pages_per_chunk_);
   size_t bytes = opts_.chunk_bytes;
   if (opts_.budget_bytes) {
     uint64_t room = opts_.budget_bytes > bytes_reserved_ ? opts_.budget_bytes - bytes_reserved_ : 0;

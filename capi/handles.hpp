@@ -1,0 +1,90 @@
+// The C ABI's handles. A handle is not the address of an object: its value
+// names a slot of a process-wide table and the slot's generation, so that a
+// destroyed handle is refused even after the slot (or the memory the object
+// had) is reused, a handle of another type is refused, and destroying a
+// handle twice is a no-op. The library never dereferences a handle's value.
+//
+//   63      56 55                              24 23                  0
+//   |  type   |        generation (32 bits)       |    slot (24 bits)  |
+//
+// A slot's generation moves on at every destroy; a slot whose generation
+// would wrap is retired, never reused. Lookups copy the object's shared_ptr
+// under the table's lock, so a call holds its object alive even if another
+// thread destroys the handle meanwhile (against the header's contract, but
+// not a crash).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace wkv::capi {
+
+static_assert(sizeof(void *) == 8, "handles encode 64-bit values");
+
+template <typename T, uint8_t Type> class HandleTable {
+ public:
+  static constexpr uint32_t kMaxSlots = 1u << 24;
+
+  // Registers obj and returns its handle's value, or 0 when every slot is
+  // taken. May throw std::bad_alloc (nothing registered then).
+  uint64_t insert(std::shared_ptr<T> obj) {
+    std::lock_guard<std::mutex> lock(mu_);
+    uint32_t slot;
+    if (!free_.empty()) {
+      slot = free_.back();
+      free_.pop_back();
+    } else {
+      if (slots_.size() >= kMaxSlots) return 0;
+      free_.reserve(slots_.size() + 1);  // so that remove() never allocates
+      slots_.emplace_back();
+      slot = static_cast<uint32_t>(slots_.size() - 1);
+    }
+    slots_[slot].obj = std::move(obj);
+    return encode(slot, slots_[slot].gen);
+  }
+
+  // The object of a live handle of this type, or nullptr.
+  std::shared_ptr<T> get(uint64_t h) const {
+    uint32_t slot, gen;
+    if (!decode(h, &slot, &gen)) return nullptr;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (slot >= slots_.size() || slots_[slot].gen != gen) return nullptr;
+    return slots_[slot].obj;
+  }
+
+  // Ends a live handle and hands back its object (released by the caller,
+  // outside the lock); nullptr for a handle that is not live.
+  std::shared_ptr<T> remove(uint64_t h) {
+    uint32_t slot, gen;
+    if (!decode(h, &slot, &gen)) return nullptr;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (slot >= slots_.size() || slots_[slot].gen != gen || !slots_[slot].obj) return nullptr;
+    std::shared_ptr<T> obj = std::move(slots_[slot].obj);
+    slots_[slot].obj.reset();
+    if (++slots_[slot].gen != 0) free_.push_back(slot);  // reserved at insert: no throw
+    return obj;
+  }
+
+ private:
+  struct Slot {
+    uint32_t gen = 1;
+    std::shared_ptr<T> obj;
+  };
+  static uint64_t encode(uint32_t slot, uint32_t gen) {
+    return (static_cast<uint64_t>(Type) << 56) | (static_cast<uint64_t>(gen) << 24) | slot;
+  }
+  static bool decode(uint64_t h, uint32_t *slot, uint32_t *gen) {
+    if ((h >> 56) != Type) return false;
+    *slot = static_cast<uint32_t>(h & (kMaxSlots - 1));
+    *gen = static_cast<uint32_t>(h >> 24);
+    return *gen != 0;
+  }
+
+  mutable std::mutex mu_;
+  std::vector<Slot> slots_;
+  std::vector<uint32_t> free_;
+};
+
+}  // namespace wkv::capi
