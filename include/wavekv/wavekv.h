@@ -10,8 +10,11 @@
  *   of the WKV_ERR_* codes otherwise. No function throws, aborts or exits.
  *   After a failure, wkv_last_error() returns a message in words for the
  *   calling thread; the library owns that string.
- * - Handles are opaque. Each has one create and one destroy function;
- *   destroying NULL is a no-op.
+ * - Handles are opaque values, never addresses the caller may follow. Each
+ *   has one create and one destroy function; destroying NULL, or a handle
+ *   already destroyed, is a no-op. A destroyed handle, one of another type or
+ *   a foreign value is refused with WKV_ERR_INVALID_HANDLE, also after its
+ *   slot was reused by a new object.
  * - Structs that may grow begin with a `size` field. Fill them with the
  *   matching *_init function (which sets `size`); the library reads or writes
  *   only the prefix the caller's `size` covers.
