@@ -287,3 +287,76 @@ TEST(GpuHeadState, ALayerMovesBetweenCpuAndCudaAndDecodesTheSame) {
     EXPECT_EQ(sg->layer(0).heads[0].segments.size(), sc->layer(0).heads[0].segments.size());
   }
 }
+
+// Memory faults of a CUDA engine, injected: device memory that cannot be had
+// fails the call that needed it and changes nothing; a host chunk that
+// cannot be pinned stays pageable where the device reads pageable memory
+// (counted in the stats), else fails its growth. The engine goes on serving.
+TEST(GpuHeadState, DeviceMemoryAndPinningFailuresAreReportedAndTheEngineGoesOn) {
+  REQUIRE_GPU();
+  Engine gpu(WKV_DEVICE_CUDA, 1.0f, 0.0f);
+  Context ctx;
+  auto s = gpu.sequence();
+  std::vector<uint8_t> k, v;
+  ctx.draw(1000, &k, &v);
+  gpu.append(*s, k, v, 1000);
+  gpu.end_prompt(*s);
+  uint64_t failed = 0;
+  for (uint32_t skip = 0; skip < 6; ++skip) {
+    gpu.e->faults().arm(wkv::FaultInjector::kEngineAlloc, 1, skip);
+    std::vector<uint8_t> k2, v2;
+    Context other;
+    other.draw(600, &k2, &v2);  // an update segment: rows, regions, mirror
+    Buf dk(true, k2), dv(true, v2);
+    const uint64_t before = s->layer(0).tokens;
+    const wkv::Status st = gpu.e->append(*s, 0, static_cast<uint8_t *>(dk.p), static_cast<uint8_t *>(dv.p), 600,
+                                         kKV * kD, kD, nullptr);
+    gpu.e->faults().arm(wkv::FaultInjector::kEngineAlloc, 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    if (st.is_ok()) {
+      // Took the rows: keep the reference in step.
+      for (uint32_t t = 0; t < 600; ++t)
+        for (uint32_t h = 0; h < kKV; ++h) {
+          const size_t off = (size_t(t) * kKV + h) * kD * 2;
+          std::vector<float> kr(kD), vr(kD);
+          wkv::to_float(wkv::DType::kF16, k2.data() + off, kr.data(), kD);
+          wkv::to_float(wkv::DType::kF16, v2.data() + off, vr.data(), kD);
+          ctx.rows[h].k.insert(ctx.rows[h].k.end(), kr.begin(), kr.end());
+          ctx.rows[h].v.insert(ctx.rows[h].v.end(), vr.begin(), vr.end());
+        }
+      continue;
+    }
+    ++failed;
+    EXPECT_EQ(st.code(), WKV_ERR_OUT_OF_MEMORY) << st.message();
+    EXPECT_EQ(s->layer(0).tokens, before);
+  }
+  EXPECT_GT(failed, 0u);
+  const std::vector<float> q = ctx.query();
+  EXPECT_LT(ctx.error(q, gpu.decode(s, q)), 1e-2);
+
+  int pageable = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, 0), cudaSuccess);
+  Engine pin(WKV_DEVICE_CUDA, 1.0f, 0.0f);
+  pin.e->faults().arm(wkv::FaultInjector::kPinning, 1);
+  auto p = pin.sequence();
+  Context c2;
+  c2.draw(3000, &k, &v);
+  Buf dk(true, k), dv(true, v);
+  wkv::Status st = pin.e->append(*p, 0, static_cast<uint8_t *>(dk.p), static_cast<uint8_t *>(dv.p), 3000, kKV * kD,
+                                 kD, nullptr);
+  if (st.is_ok()) st = pin.e->end_prompt(*p, 0, nullptr);  // the first pages: the first chunk
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  wkv_stats stats;
+  wkv_stats_init(&stats);
+  pin.e->fill_stats(&stats);
+  std::printf("pageable memory access: %d; pin fallbacks %llu; end_prompt: %s\n", pageable,
+              static_cast<unsigned long long>(stats.pin_fallbacks), st.is_ok() ? "ok" : st.message().c_str());
+  if (pageable) {
+    ASSERT_TRUE(st.is_ok()) << st.message();
+    EXPECT_EQ(stats.pin_fallbacks, 1u);
+    const std::vector<float> q2 = c2.query();
+    EXPECT_LT(c2.error(q2, pin.decode(p, q2)), 1e-2) << "pages read from pageable memory";
+  } else {
+    EXPECT_EQ(st.code(), WKV_ERR_OUT_OF_MEMORY) << st.message();
+  }
+}

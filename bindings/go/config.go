@@ -177,6 +177,7 @@ type Stats struct {
 	CacheAdmissions   uint64
 	CacheEvictions    uint64
 	ManagerBacklog    uint64
+	PinFallbacks      uint64
 }
 
 func statsFromC(s *C.wkv_stats) Stats {
@@ -205,6 +206,7 @@ func statsFromC(s *C.wkv_stats) Stats {
 		CacheAdmissions:   uint64(s.cache_admissions),
 		CacheEvictions:    uint64(s.cache_evictions),
 		ManagerBacklog:    uint64(s.manager_backlog),
+		PinFallbacks:      uint64(s.pin_fallbacks),
 	}
 }
 

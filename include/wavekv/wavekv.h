@@ -143,7 +143,8 @@ enum {
 /* Bits of wkv_config.flags. */
 enum {
   WKV_CONFIG_NO_NUMA = 1u << 0,   /* do not bind host arenas to a NUMA node */
-  WKV_CONFIG_NO_PINNED = 1u << 1  /* use pageable host memory for arenas (CUDA) */
+  WKV_CONFIG_NO_PINNED = 1u << 1  /* use pageable host memory for arenas (CUDA;
+                                     needs a device that reads pageable memory) */
 };
 
 /*
@@ -259,6 +260,9 @@ typedef struct wkv_stats {
   uint64_t cache_evictions;    /* units the device cache gave up */
   uint64_t manager_backlog;    /* decoding steps whose accesses the buffer
                                   manager has not yet applied (0: caught up) */
+  uint64_t pin_fallbacks;      /* host arena chunks left pageable because
+                                  pinning them failed (CUDA; the device reads
+                                  them through HMM, more slowly) */
 } wkv_stats;
 
 /* Sets stats->size and zeroes the rest. NULL is a no-op. */

@@ -19,6 +19,7 @@ struct EngineCounters {
   std::atomic<uint64_t> cache_hits{0};
   std::atomic<uint64_t> cache_misses{0};
   std::atomic<uint64_t> kmeans_ns{0};
+  std::atomic<uint64_t> pin_fallbacks{0};  // host chunks left pageable: pinning failed
   std::atomic<uint64_t> next_seq_id{1};
 };
 

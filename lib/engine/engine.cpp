@@ -101,6 +101,7 @@ void Engine::fill_stats(wkv_stats *out) {
   out->cache_admissions = b.admissions;
   out->cache_evictions = b.evictions;
   out->manager_backlog = b.backlog;
+  out->pin_fallbacks = counters_.pin_fallbacks.load();
   backend_->fill_stats(out);
 }
 
@@ -134,7 +135,7 @@ std::string Engine::stats_json() {
     << ",\"attended_tokens\":" << s.attended_tokens << ",\"cache_hits\":" << s.cache_hits
     << ",\"cache_misses\":" << s.cache_misses << ",\"kmeans_ns\":" << s.kmeans_ns
     << ",\"device_cache_bytes\":" << s.device_cache_bytes << ",\"cache_admissions\":" << s.cache_admissions
-    << ",\"cache_evictions\":" << s.cache_evictions << ",\"manager_backlog\":" << s.manager_backlog << "}}";
+    << ",\"cache_evictions\":" << s.cache_evictions << ",\"manager_backlog\":" << s.manager_backlog << ",\"pin_fallbacks\":" << s.pin_fallbacks << "}}";
   return o.str();
 }
 

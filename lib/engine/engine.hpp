@@ -16,6 +16,7 @@
 #include "lib/buffer/buffer_manager.hpp"
 #include "lib/common/config.hpp"
 #include "lib/common/counters.hpp"
+#include "lib/common/faults.hpp"
 #include "lib/common/status.hpp"
 #include "lib/common/thread_pool.hpp"
 #include "lib/index/growth.hpp"
@@ -38,6 +39,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   Backend &backend() { return *backend_; }
   BufferManager &buffers() { return *buffers_; }
   EngineCounters &counters() { return counters_; }
+  // Failures injected by tests (lib/common/faults.hpp).
+  FaultInjector &faults() { return faults_; }
   // The index's view of the engine (lib/index/growth.hpp).
   IndexContext index() {
     return IndexContext{cfg_, *backend_, *arena_, *pool_, counters_, *buffers_, growth_mu_};
@@ -76,6 +79,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<BufferManager> buffers_;
   EngineCounters counters_;
+  FaultInjector faults_;
   std::mutex growth_mu_;
 };
 

@@ -67,6 +67,7 @@ int main(void) {
   FIELD(wkv_stats, cache_admissions);
   FIELD(wkv_stats, cache_evictions);
   FIELD(wkv_stats, manager_backlog);
+  FIELD(wkv_stats, pin_fallbacks);
 
   STRUCT(wkv_seq_info);
   FIELD(wkv_seq_info, size);

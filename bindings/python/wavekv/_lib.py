@@ -90,6 +90,7 @@ class WkvStats(ctypes.Structure):
         ("cache_admissions", c_uint64),
         ("cache_evictions", c_uint64),
         ("manager_backlog", c_uint64),
+        ("pin_fallbacks", c_uint64),
     ]
 
 

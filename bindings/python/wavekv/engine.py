@@ -208,6 +208,7 @@ class Stats:
     cache_admissions: int
     cache_evictions: int
     manager_backlog: int
+    pin_fallbacks: int
 
 
 @dataclass(frozen=True)

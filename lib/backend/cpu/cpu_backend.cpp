@@ -37,7 +37,7 @@ class CpuBackend final : public Backend, public BufferManager::Device {
   bool host_memory() const override { return true; }
   Status mem_alloc(size_t bytes, void *, Region *out) override {
     const size_t n = (std::max<size_t>(bytes, 1) + 255) & ~size_t{255};
-    void *p = std::aligned_alloc(256, n);
+    void *p = e_.faults().fail(FaultInjector::kEngineAlloc) ? nullptr : std::aligned_alloc(256, n);
     if (!p) return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %zu bytes", bytes);
     out->p = static_cast<uint8_t *>(p);
     out->bytes = n;

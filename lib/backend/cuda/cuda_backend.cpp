@@ -220,18 +220,39 @@ Status CudaBackend::init(HostArena::Options *ao) {
   } else {
     (void)cudaGetLastError();
   }
-  // Pages are pinned and mapped so that the gather reads them over PCIe;
-  // pageable memory is the switchable fallback.
+  // Pages are pinned and mapped so that the gather reads them over PCIe.
+  // Where the device can read pageable memory (HMM), a chunk that cannot be
+  // pinned stays pageable instead (slower, counted in the stats); elsewhere
+  // the allocation that needed it fails. WKV_CONFIG_NO_PINNED asks for
+  // pageable memory throughout.
+  int pageable = 0;
+  if (cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, dev_) != cudaSuccess) {
+    (void)cudaGetLastError();
+    pageable = 0;
+  }
+  if ((cfg.c.flags & WKV_CONFIG_NO_PINNED) && !pageable)
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED,
+                     "WKV_CONFIG_NO_PINNED: CUDA device %d cannot read pageable host memory (no HMM)", dev_);
   if (!(cfg.c.flags & WKV_CONFIG_NO_PINNED)) {
     const int dev = dev_;
-    ao->on_register = [dev](void *base, size_t bytes) -> Status {
+    FaultInjector *faults = &e_.faults();
+    std::atomic<uint64_t> *fallbacks = &e_.counters().pin_fallbacks;
+    ao->on_register = [dev, faults, fallbacks, pageable](void *base, size_t bytes) -> Status {
       DeviceGuard g(dev);
-      WKV_CU(cudaHostRegister(base, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable));
-      return Status::ok();
+      cudaError_t err = faults->fail(FaultInjector::kPinning)
+                            ? cudaErrorMemoryAllocation
+                            : cudaHostRegister(base, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+      if (err == cudaSuccess) return Status::ok();
+      (void)cudaGetLastError();
+      if (pageable) {
+        fallbacks->fetch_add(1);
+        return Status::ok();
+      }
+      return cuda_error(err, "cudaHostRegister", __FILE__, __LINE__);
     };
     ao->on_unregister = [dev](void *base, size_t) {
       DeviceGuard g(dev);
-      cudaHostUnregister(base);
+      if (cudaHostUnregister(base) != cudaSuccess) (void)cudaGetLastError();  // a chunk left pageable
     };
   }
   WKV_CU(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
@@ -332,6 +353,8 @@ Status CudaBackend::check_pointer(const void *p, const char *what, size_t align)
 Status CudaBackend::mem_alloc(size_t bytes, void *stream, Region *out) {
   DeviceGuard guard(dev_);
   const size_t n = (std::max<size_t>(bytes, 1) + 255) & ~size_t{255};
+  if (e_.faults().fail(FaultInjector::kEngineAlloc))
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of device memory for %zu bytes (injected)", n);
   void *p = nullptr;
   WKV_CU(cudaMallocAsync(&p, n, static_cast<cudaStream_t>(stream)));
   out->p = static_cast<uint8_t *>(p);

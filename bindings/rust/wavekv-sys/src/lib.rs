@@ -108,6 +108,7 @@ pub struct wkv_stats {
     pub cache_admissions: u64,
     pub cache_evictions: u64,
     pub manager_backlog: u64,
+    pub pin_fallbacks: u64,
 }
 
 /// What one layer of a sequence holds; fill `size` with `wkv_seq_info_init`.

@@ -308,6 +308,7 @@ fn declarations_match_the_header() {
                 cache_admissions,
                 cache_evictions,
                 manager_backlog,
+                pin_fallbacks,
             }
         ),
         layout!(
