@@ -5,6 +5,10 @@
 #   make test       ... and run all tests
 #   make test-asan  the CPU tests under AddressSanitizer + UBSan (build-asan/)
 #   make test-tsan  the CPU tests under ThreadSanitizer (build-tsan/)
+#   make fuzz       each fuzz target for FUZZ_SECONDS (60) under libFuzzer,
+#                   ASan and UBSan (clang, build-fuzz/); inputs it finds stay
+#                   in build-fuzz/corpus, crashes in build-fuzz/crashes
+#   make check      test, test-asan, test-tsan and fuzz: what CI runs
 #   make bench      build and run the benchmark
 #   make install    install into $(PREFIX)
 #   make clean      remove the build directories
@@ -22,13 +26,18 @@ CTEST_ARGS ?=
 # Sanitizer builds: CPU only, with line numbers in the reports.
 SANITIZER_CMAKE_ARGS ?= -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWKV_CUDA=OFF
 
+FUZZ_SECONDS ?= 60
+FUZZ_ARGS ?=
+FUZZ_CMAKE_ARGS ?= -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+  -DWKV_SANITIZE=address -DWKV_FUZZ=ON $(SANITIZER_CMAKE_ARGS)
+
 CTEST_FLAGS = --output-on-failure -j$(JOBS) --timeout 600 $(CTEST_ARGS)
 
 export ASAN_OPTIONS ?= abort_on_error=0:detect_leaks=1:allocator_may_return_null=1
 export UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
 export TSAN_OPTIONS ?= halt_on_error=1:second_deadlock_stack=1
 
-.PHONY: all deps configure build test test-asan test-tsan demo bench install clean help
+.PHONY: all deps configure build test test-asan test-tsan fuzz check demo bench install clean help
 
 all: build
 
@@ -63,6 +72,15 @@ test-tsan: deps
 	$(CMAKE) --build build-tsan -j $(JOBS)
 	$(CTEST) --test-dir build-tsan -L cpu $(CTEST_FLAGS)
 
+# Each tests/fuzz/fuzz_<name>.cpp runs from its seed corpus
+# (tests/fuzz/corpus/<name>, read only) plus what earlier runs found.
+fuzz: deps
+	$(call configure-in,build-fuzz,$(FUZZ_CMAKE_ARGS) $(CMAKE_ARGS))
+	$(CMAKE) --build build-fuzz -j $(JOBS) --target fuzz-targets
+	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tools/run-fuzz.sh build-fuzz $(FUZZ_ARGS)
+
+check: test test-asan test-tsan fuzz
+
 demo: build
 	"$(BUILD)/bin/wavekv" demo
 
@@ -73,7 +91,7 @@ install: build
 	$(CMAKE) --install "$(BUILD)" --prefix "$(PREFIX)"
 
 clean:
-	rm -rf "$(BUILD)" build-asan build-tsan
+	rm -rf "$(BUILD)" build-asan build-tsan build-fuzz
 
 help:
-	@sed -n '3,13p' Makefile
+	@sed -n '3,17p' Makefile

@@ -45,7 +45,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 bool has_v3() {
   static const bool yes = __builtin_cpu_supports("avx2") &&
                           __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
+                          cpu_has_f16c_bit();
   return yes;
 }
 #endif

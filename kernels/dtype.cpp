@@ -3,6 +3,9 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(WKV_NO_TARGET_CLONES)
 #include <immintrin.h>
 #endif
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 namespace wkv {
 namespace {
@@ -74,7 +77,7 @@ __attribute__((target("avx2,f16c"))) void f16_to_float_f16c(
 }
 
 bool cpu_has_f16c() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  static const bool yes = __builtin_cpu_supports("avx2") && cpu_has_f16c_bit();
   return yes;
 }
 
@@ -89,6 +92,13 @@ inline void f16_to_float_n(const f16 *src, float *dst, size_t n) { f16_to_float_
 #endif
 
 }  // namespace
+
+#if defined(__x86_64__)
+bool cpu_has_f16c_bit() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+#endif
 
 bool to_float(DType t, const void *src, float *dst, size_t n) {
   if (t == DType::kF16) {

@@ -28,16 +28,24 @@ inline const char *dtype_name(DType t) {
 }
 
 // IEEE binary16 and bfloat16 as raw bits; conversions round to nearest even.
+// The compiler converts binary16 (F16C where the target has it): _Float16
+// with GCC 12 and clang 15 on, __fp16 (storage only, same conversions) with
+// older clang (the fuzz build), which lacks _Float16 on x86.
+#if defined(__clang__) && __clang_major__ < 15
+using half_t = __fp16;
+#else
+using half_t = _Float16;
+#endif
 struct f16 { uint16_t bits; };
 struct bf16 { uint16_t bits; };
 
 inline float f16_to_float(uint16_t h) {
-  _Float16 x;
+  half_t x;
   std::memcpy(&x, &h, 2);
   return static_cast<float>(x);
 }
 inline uint16_t float_to_f16(float f) {
-  _Float16 x = static_cast<_Float16>(f);
+  half_t x = static_cast<half_t>(f);
   uint16_t h;
   std::memcpy(&h, &x, 2);
   return h;
@@ -66,6 +74,13 @@ template <typename T> inline void store(T *p, size_t i, float x);
 template <> inline void store<float>(float *p, size_t i, float x) { p[i] = x; }
 template <> inline void store<f16>(f16 *p, size_t i, float x) { p[i].bits = float_to_f16(x); }
 template <> inline void store<bf16>(bf16 *p, size_t i, float x) { p[i].bits = float_to_bf16(x); }
+
+#if defined(__x86_64__)
+// Whether the CPU converts binary16 in hardware (F16C; CPUID leaf 1, ECX bit
+// 29). Asked of CPUID directly: not every compiler's __builtin_cpu_supports
+// knows "f16c".
+bool cpu_has_f16c_bit();
+#endif
 
 // Converts n elements of type `t` at src to float. False (nothing written)
 // for an unknown dtype.

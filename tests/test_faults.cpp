@@ -1,7 +1,7 @@
 // Memory faults injected on purpose: a host arena chunk that cannot be had
 // and engine memory that cannot be had (the CPU engine's host regions) are
 // reported as statuses by the call that needed them, nothing half-done is
-// left, and the engine goes on serving. (tests/gpu_engine.cpp injects the
+// left, and the engine goes on serving. (tests/gpu_head_state.cpp injects the
 // CUDA engine's: device memory, and pinning, which falls back to pageable
 // memory where the device can read it.)
 #include <gtest/gtest.h>

@@ -16,7 +16,8 @@ if [[ "${WKV_SKIP_DEPS:-0}" == "1" ]]; then
   exit 0
 fi
 
-# package:kind:what   (kind: cmd = a command, inc = a header under include/)
+# package:kind:what   (kind: cmd = a command, inc = a header under include/,
+#                      glob = a file matching an absolute pattern)
 readonly NEEDS=(
   "cmake:cmd:cmake"
   "g++:cmd:g++"
@@ -35,6 +36,8 @@ readonly NEEDS=(
   "golang-go:cmd:go"
   "python3-pytest:cmd:pytest-3"
   "python3-numpy:cmd:f2py3"
+  "clang:cmd:clang++"
+  "libclang-rt-14-dev:glob:/usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a"
 )
 
 # Prefixes to look under: the system ones and those named by the environment.
@@ -65,6 +68,7 @@ present() {
   dpkg_installed "$pkg" && return 0
   case "$kind" in
     cmd) command -v "$what" > /dev/null 2>&1 && return 0 ;;
+    glob) compgen -G "$what" > /dev/null && return 0 ;;
     inc)
       for p in "${prefixes[@]}"; do
         [[ -e "$p/include/$what" ]] && return 0

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/dtype.hpp"
 #include "tools/exact.hpp"
 #include "wavekv/wavekv.h"
 
@@ -87,7 +88,7 @@ enum : uint64_t { kTagHead = 1, kTagDoc = 2, kTagToken = 3, kTagLayout = 4, kTag
 WKV_TOOL_CLONES
 void f32_to_f16(const float *src, uint16_t *dst, size_t n) {
   for (size_t i = 0; i < n; ++i) {
-    _Float16 h = static_cast<_Float16>(src[i]);
+    wkv::half_t h = static_cast<wkv::half_t>(src[i]);
     std::memcpy(&dst[i], &h, 2);
   }
 }
@@ -95,7 +96,7 @@ void f32_to_f16(const float *src, uint16_t *dst, size_t n) {
 WKV_TOOL_CLONES
 void f16_to_f32(const uint16_t *src, float *dst, size_t n) {
   for (size_t i = 0; i < n; ++i) {
-    _Float16 h;
+    wkv::half_t h;
     std::memcpy(&h, &src[i], 2);
     dst[i] = static_cast<float>(h);
   }

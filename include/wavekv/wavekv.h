@@ -300,8 +300,10 @@ WKV_API void wkv_seq_destroy(wkv_seq *seq);
  *
  * k and v are [n_tokens][n_kv_heads][head_dim] in the engine's dtype, with
  * token_stride and head_stride in elements between consecutive tokens and
- * heads (0 for either means packed: n_kv_heads*head_dim and head_dim); the
- * head_dim elements of a row are contiguous. Keys are post-RoPE.
+ * heads; 0 means packed: head_stride 0 is head_dim, token_stride 0 is
+ * n_kv_heads * head_stride (tokens one after another, heads as given). The
+ * head_dim elements of a row are contiguous; rows must not overlap. Keys are
+ * post-RoPE.
  *
  * Before the sequence's first lookup on this layer (or wkv_seq_end_prompt),
  * appended tokens are the prompt (chunked prefill is fine): complete
@@ -384,7 +386,8 @@ WKV_API void wkv_plan_destroy(wkv_plan *plan);
  * estimation_frac), and computes the estimate of the estimation zone.
  *
  * q is [n_seqs][n_q_heads][head_dim] (post-RoPE) with seq_stride and
- * head_stride in elements (0 = packed); it is copied, so it may change after
+ * head_stride in elements (0 = packed, as in wkv_seq_append: seq_stride 0
+ * is n_q_heads * head_stride); it is copied, so it may change after
  * the call. Query head h belongs to KV head h / (n_q_heads / n_kv_heads).
  * The plan keeps a reference to each sequence until its next lookup.
  *

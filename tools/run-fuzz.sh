@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs every fuzz target of a WKV_FUZZ build for FUZZ_SECONDS (60) each.
+#
+#   tools/run-fuzz.sh <build-dir> [extra libFuzzer flags]
+#
+# Each tests/fuzz/fuzz_<name>.cpp starts from its seed corpus
+# tests/fuzz/corpus/<name> (read only) and from <build-dir>/corpus/<name>,
+# where the inputs it finds are kept for the next run. A crash, leak or
+# failed check is written to <build-dir>/crashes/<name>/ and fails the run;
+# copy such an input into the seed corpus once it is fixed, so that every
+# test run replays it. Prints each target's executions and final status.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+build="${1:?usage: tools/run-fuzz.sh <build-dir> [libFuzzer flags]}"
+shift
+seconds="${FUZZ_SECONDS:-60}"
+status=0
+for src in tests/fuzz/fuzz_*.cpp; do
+  name="$(basename "$src" .cpp)"
+  corpus="${name#fuzz_}"
+  mkdir -p "$build/corpus/$corpus" "$build/crashes/$corpus"
+  log="$build/fuzz-$corpus.log"
+  echo "$name: ${seconds} s (log: $log)"
+  if "$build/bin/$name" -max_total_time="$seconds" -print_final_stats=1 -rss_limit_mb=4096 \
+      -timeout=60 -artifact_prefix="$build/crashes/$corpus/" "$@" \
+      "$build/corpus/$corpus" "tests/fuzz/corpus/$corpus" > "$log" 2>&1; then
+    echo "  ok: $(grep -E 'stat::number_of_executed_units' "$log" | awk '{print $2}') executions," \
+         "$(ls "$build/corpus/$corpus" | wc -l) inputs in its corpus," \
+         "peak RSS $(grep -E 'stat::peak_rss_mb' "$log" | awk '{print $2}') MB"
+  else
+    status=1
+    echo "  FAILED: the input is in $build/crashes/$corpus/; the report:"
+    grep -E -A40 '^==[0-9]+==ERROR|fuzz_[a-z_]+: |runtime error|deadly signal' "$log" | head -60 || tail -40 "$log"
+  fi
+done
+exit $status
