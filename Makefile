@@ -3,11 +3,12 @@
 #   make            install missing dependencies, configure, build
 #   make demo       ... and run the demo
 #   make test       ... and run all tests
-#   make test-asan  the CPU tests under AddressSanitizer + UBSan (build-asan/)
+#   make test-asan  the CPU tests under AddressSanitizer + UBSan (clang,
+#                   build-asan/, which also holds the fuzz targets)
 #   make test-tsan  the CPU tests under ThreadSanitizer (build-tsan/)
 #   make fuzz       each fuzz target for FUZZ_SECONDS (60) under libFuzzer,
-#                   ASan and UBSan (clang, build-fuzz/); inputs it finds stay
-#                   in build-fuzz/corpus, crashes in build-fuzz/crashes
+#                   ASan and UBSan (build-asan/); inputs it finds stay in
+#                   build-asan/corpus, crashes in build-asan/crashes
 #   make check      test, test-asan, test-tsan and fuzz: what CI runs
 #   make bench      build and run the benchmark
 #   make install    install into $(PREFIX)
@@ -28,16 +29,18 @@ SANITIZER_CMAKE_ARGS ?= -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWKV_CUDA=OFF
 
 FUZZ_SECONDS ?= 60
 FUZZ_ARGS ?=
-FUZZ_CMAKE_ARGS ?= -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+# The ASan + UBSan build is clang's, with libFuzzer's coverage: one build
+# serves the sanitized suite and the fuzz targets.
+ASAN_CMAKE_ARGS ?= -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
   -DWKV_SANITIZE=address -DWKV_FUZZ=ON $(SANITIZER_CMAKE_ARGS)
 
 CTEST_FLAGS = --output-on-failure -j$(JOBS) --timeout 600 $(CTEST_ARGS)
 
 export ASAN_OPTIONS ?= abort_on_error=0:detect_leaks=1:allocator_may_return_null=1
 export UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
-export TSAN_OPTIONS ?= halt_on_error=1:second_deadlock_stack=1
+export TSAN_OPTIONS ?= halt_on_error=1:second_deadlock_stack=1:allocator_may_return_null=1
 
-.PHONY: all deps configure build test test-asan test-tsan fuzz check demo bench install clean help
+.PHONY: all deps configure build test asan-build test-asan test-tsan fuzz check demo bench install clean help
 
 all: build
 
@@ -62,9 +65,11 @@ build: configure
 test: build
 	$(CTEST) --test-dir "$(BUILD)" $(CTEST_FLAGS)
 
-test-asan: deps
-	$(call configure-in,build-asan,-DWKV_SANITIZE=address $(SANITIZER_CMAKE_ARGS) $(CMAKE_ARGS))
+asan-build: deps
+	$(call configure-in,build-asan,$(ASAN_CMAKE_ARGS) $(CMAKE_ARGS))
 	$(CMAKE) --build build-asan -j $(JOBS)
+
+test-asan: asan-build
 	$(CTEST) --test-dir build-asan -L cpu $(CTEST_FLAGS)
 
 test-tsan: deps
@@ -74,10 +79,8 @@ test-tsan: deps
 
 # Each tests/fuzz/fuzz_<name>.cpp runs from its seed corpus
 # (tests/fuzz/corpus/<name>, read only) plus what earlier runs found.
-fuzz: deps
-	$(call configure-in,build-fuzz,$(FUZZ_CMAKE_ARGS) $(CMAKE_ARGS))
-	$(CMAKE) --build build-fuzz -j $(JOBS) --target fuzz-targets
-	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tools/run-fuzz.sh build-fuzz $(FUZZ_ARGS)
+fuzz: asan-build
+	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tools/run-fuzz.sh build-asan $(FUZZ_ARGS)
 
 check: test test-asan test-tsan fuzz
 
@@ -91,7 +94,7 @@ install: build
 	$(CMAKE) --install "$(BUILD)" --prefix "$(PREFIX)"
 
 clean:
-	rm -rf "$(BUILD)" build-asan build-tsan build-fuzz
+	rm -rf "$(BUILD)" build-asan build-tsan
 
 help:
 	@sed -n '3,17p' Makefile

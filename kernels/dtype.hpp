@@ -42,7 +42,18 @@ struct bf16 { uint16_t bits; };
 inline float f16_to_float(uint16_t h) {
   half_t x;
   std::memcpy(&x, &h, 2);
-  return static_cast<float>(x);
+  float f = static_cast<float>(x);
+#if defined(__clang__) && __clang_major__ < 15
+  // compiler-rt's conversion keeps a signalling NaN signalling; F16C and
+  // GCC's quiet it. Quiet it here too, so that every build agrees.
+  if (f != f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u |= 0x00400000u;
+    std::memcpy(&f, &u, 4);
+  }
+#endif
+  return f;
 }
 inline uint16_t float_to_f16(float f) {
   half_t x = static_cast<half_t>(f);

@@ -170,7 +170,7 @@ void attend_avx2(const float *q, uint32_t G, const T *k, const T *v, uint32_t n,
 
 bool have_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
+                         wkv::cpu_has_f16c_bit();
   return ok;
 }
 #else
