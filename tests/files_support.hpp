@@ -1,0 +1,143 @@
+// Support of the sequence-file tests: a scratch directory, sequences with
+// every kind of content (sink, clustered prompt and generated segments,
+// tail), decoding through the C ABI, files as bytes, and the sections of a
+// file as the reader lists them. Header-only.
+#pragma once
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "lib/store/seq_file.hpp"
+#include "support.hpp"
+#include "wavekv/wavekv.hpp"
+
+namespace wkvtest {
+
+// A fresh directory under $TMPDIR (or /tmp), removed with what it holds.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    const char *base = std::getenv("TMPDIR");
+    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/wavekv-files-XXXXXX";
+    path_ = mkdtemp(tmpl.data()) ? tmpl : "";
+  }
+  ~ScratchDir() {
+    for (const std::string &n : names()) ::unlink((path_ + "/" + n).c_str());
+    ::rmdir(path_.c_str());
+  }
+  const std::string &path() const { return path_; }
+  std::string file(const std::string &name) const { return path_ + "/" + name; }
+  // The names in the directory, "." and ".." left out.
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    if (DIR *d = opendir(path_.c_str())) {
+      while (dirent *e = readdir(d))
+        if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") out.push_back(e->d_name);
+      closedir(d);
+    }
+    return out;
+  }
+
+ private:
+  std::string path_;
+};
+
+inline std::vector<uint8_t> read_bytes(const std::string &path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+inline void write_bytes(const std::string &path, const std::vector<uint8_t> &b) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char *>(b.data()), static_cast<std::streamsize>(b.size()));
+}
+
+// A small model shape for file tests.
+struct Shape {
+  uint32_t layers = 2, q_heads = 4, kv_heads = 2, head_dim = 64, dtype = WKV_DTYPE_F16;
+};
+
+inline wkv_config file_config(const Shape &s) {
+  wkv_config c;
+  wkv_config_init(&c);
+  c.n_layers = s.layers;
+  c.n_q_heads = s.q_heads;
+  c.n_kv_heads = s.kv_heads;
+  c.head_dim = s.head_dim;
+  c.dtype = s.dtype;
+  c.segment_tokens = 256;
+  c.update_segment_tokens = 64;
+  c.window_tokens = 32;
+  c.threads = 2;
+  return c;
+}
+
+// Tokens and queries of one context in a shape's dtype.
+class Context {
+ public:
+  explicit Context(const Shape &s, uint64_t seed = 7) : s_(s), gen_(s.kv_heads, s.head_dim, seed) {}
+  void tokens(uint32_t n, std::vector<uint8_t> *k, std::vector<uint8_t> *v) {
+    std::vector<float> kf, vf;
+    gen_.next(n, &kf, &vf);
+    *k = pack(s_.dtype, kf);
+    *v = pack(s_.dtype, vf);
+  }
+  std::vector<uint8_t> query() {
+    std::vector<float> q;
+    for (uint32_t h = 0; h < s_.kv_heads; ++h) gen_.query(h, s_.q_heads / s_.kv_heads, &q);
+    return pack(s_.dtype, q);
+  }
+
+ private:
+  Shape s_;
+  KeyGen gen_;
+};
+
+// Fills a sequence with every kind of content: layer 0 and the odd layers
+// end their prompt and generate past an update segment; other even layers
+// stay in their prompt (a clustered segment and an unclustered tail).
+inline void fill(wavekv::Sequence &seq, const Shape &s, Context &ctx, uint32_t prompt = 700,
+                 uint32_t generated = 90) {
+  std::vector<uint8_t> k, v;
+  ctx.tokens(prompt, &k, &v);
+  for (uint32_t l = 0; l < s.layers; ++l) seq.append(l, k.data(), v.data(), prompt);
+  for (uint32_t l = 0; l < s.layers; ++l)
+    if (l == 0 || l % 2 == 1) seq.end_prompt(l);
+  for (uint32_t g = 0; g < generated; ++g) {
+    ctx.tokens(1, &k, &v);
+    for (uint32_t l = 0; l < s.layers; ++l)
+      if (l == 0 || l % 2 == 1) seq.append(l, k.data(), v.data(), 1);
+  }
+}
+
+// One decoding step of every layer: the outputs, concatenated.
+inline std::vector<uint8_t> decode_all(const wavekv::Engine &e, wkv_seq *seq, const Shape &s,
+                                       const std::vector<uint8_t> &q) {
+  wavekv::Plan p(e);
+  std::vector<uint8_t> all;
+  for (uint32_t l = 0; l < s.layers; ++l) {
+    std::vector<uint8_t> out(q.size(), 0xee);
+    p.decode(&seq, 1, l, q.data(), out.data());
+    all.insert(all.end(), out.begin(), out.end());
+  }
+  return all;
+}
+
+// The sections of an intact file, as the reader lists them.
+inline std::vector<wkv::SectionInfo> sections_of(const std::string &path) {
+  wkv::FileIO &io = wkv::posix_io();
+  const int fd = io.open_read(path.c_str());
+  wkv::SeqFileReader r(io, fd);
+  wkv::Status st = r.open();
+  io.close(fd);
+  return st.is_ok() ? r.sections() : std::vector<wkv::SectionInfo>{};
+}
+
+}  // namespace wkvtest
