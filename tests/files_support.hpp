@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include <xxhash.h>
+
 #include "lib/store/seq_file.hpp"
 #include "support.hpp"
 #include "wavekv/wavekv.hpp"
@@ -138,6 +140,41 @@ inline std::vector<wkv::SectionInfo> sections_of(const std::string &path) {
   wkv::Status st = r.open();
   io.close(fd);
   return st.is_ok() ? r.sections() : std::vector<wkv::SectionInfo>{};
+}
+
+// Recomputes every checksum of a file in place, as far as its section
+// headers can be walked, so that a file altered on purpose passes them and
+// meets the checks behind them (tests of hostile files, the fuzzer).
+inline void repair_checksums(std::vector<uint8_t> &b) {
+  using namespace wkv::seqfile;
+  auto put64 = [&](size_t at, uint64_t v) {
+    for (int i = 0; i < 8; ++i) b[at + i] = static_cast<uint8_t>(v >> (8 * i));
+  };
+  auto get64 = [&](size_t at) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v |= uint64_t{b[at + i]} << (8 * i);
+    return v;
+  };
+  if (b.size() < kSuperblockBytes + kTrailerBytes) return;
+  const uint32_t pre = static_cast<uint32_t>(XXH3_64bits(b.data(), 12));
+  for (int i = 0; i < 4; ++i) b[12 + i] = static_cast<uint8_t>(pre >> (8 * i));
+  put64(kSuperblockBytes - 8, XXH3_64bits(b.data(), kSuperblockBytes - 8));
+  const size_t end = b.size() - kTrailerBytes;
+  XXH3_state_t *headers = XXH3_createState();
+  XXH3_64bits_reset(headers);
+  uint64_t count = 0;
+  for (size_t off = kSuperblockBytes; end - off >= kSectionHeaderBytes; ++count) {
+    const uint64_t bytes = get64(off + 16);
+    if (bytes > end - off - kSectionHeaderBytes) break;
+    put64(off + 24, XXH3_64bits(b.data() + off + kSectionHeaderBytes, bytes));
+    put64(off + 40, XXH3_64bits(b.data() + off, 40));
+    XXH3_64bits_update(headers, b.data() + off, kSectionHeaderBytes);
+    off += kSectionHeaderBytes + bytes;
+  }
+  put64(end + 8, count);
+  put64(end + 16, XXH3_64bits_digest(headers));
+  put64(end + 24, XXH3_64bits(b.data() + end, 24));
+  XXH3_freeState(headers);
 }
 
 }  // namespace wkvtest
