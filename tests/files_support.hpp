@@ -81,6 +81,26 @@ inline wkv_config file_config(const Shape &s) {
   return c;
 }
 
+// The engine of the file reader's fuzz target and its seed files
+// (tests/fuzz/): one layer of one KV head, small segments, so that a seed
+// holds every kind of section in a few tens of KB.
+inline wkv_config fuzz_config() {
+  wkv_config c;
+  wkv_config_init(&c);
+  c.n_layers = 1;
+  c.n_q_heads = 2;
+  c.n_kv_heads = 1;
+  c.head_dim = 64;
+  c.dtype = WKV_DTYPE_F16;
+  c.segment_tokens = 64;
+  c.update_segment_tokens = 32;
+  c.cluster_tokens = 8;
+  c.window_tokens = 16;
+  c.kmeans_iters = 3;
+  c.threads = 1;
+  return c;
+}
+
 // Tokens and queries of one context in a shape's dtype.
 class Context {
  public:

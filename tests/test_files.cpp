@@ -531,3 +531,44 @@ TEST_F(SeqFileFaults, SavingOneSequenceDoesNotStopAnotherFromDecoding) {
   saver = std::thread([] {});  // joined again by release
   EXPECT_EQ(read_bytes(dir.file("blocked.wkv")).size(), good.size());
 }
+
+// The fuzz target's seeds (tests/fuzz/corpus/file_reader): a mode byte and
+// a file of each kind, small enough to mutate fast. WKV_WRITE_FUZZ_SEEDS=1
+// writes them anew (after a change of the format); then each is checked to
+// load into the fuzz target's engine.
+TEST(FuzzSeeds, LoadIntoTheFuzzTargetsEngine) {
+  const std::string seeds = WKV_FUZZ_SEEDS;
+  const char *const names[] = {"empty", "sink", "prompt", "generating", "generating-repair"};
+  const Shape shape{1, 2, 1, 64, WKV_DTYPE_F16};
+  wavekv::Engine e(fuzz_config());
+  ScratchDir dir;
+  if (std::getenv("WKV_WRITE_FUZZ_SEEDS")) {
+    Context ctx(shape, 3);
+    std::vector<uint8_t> k, v;
+    const uint32_t tokens[] = {0, 3, 100, 100, 100};
+    for (int i = 0; i < 5; ++i) {
+      wavekv::Sequence seq(e);
+      if (tokens[i]) {
+        ctx.tokens(tokens[i], &k, &v);
+        seq.append(0, k.data(), v.data(), tokens[i]);
+      }
+      if (i >= 3) {
+        seq.end_prompt(0);
+        ctx.tokens(40, &k, &v);
+        seq.append(0, k.data(), v.data(), 40);  // a generated segment, and a tail
+      }
+      seq.save(dir.file("seed"), WKV_SAVE_NO_FSYNC);
+      std::vector<uint8_t> b = read_bytes(dir.file("seed"));
+      b.insert(b.begin(), static_cast<uint8_t>(i == 4));
+      write_bytes(seeds + "/" + names[i], b);
+    }
+  }
+  for (const char *name : names) {
+    SCOPED_TRACE(name);
+    const std::vector<uint8_t> b = read_bytes(seeds + "/" + name);
+    ASSERT_GT(b.size(), 1u);
+    EXPECT_LT(b.size(), 50u << 10) << "seeds stay small";
+    write_bytes(dir.file("seed"), std::vector<uint8_t>(b.begin() + 1, b.end()));
+    wavekv::Sequence seq = wavekv::Sequence::load(e, dir.file("seed"));
+  }
+}

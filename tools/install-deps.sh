@@ -16,7 +16,8 @@ if [[ "${WKV_SKIP_DEPS:-0}" == "1" ]]; then
   exit 0
 fi
 
-# package:kind:what   (kind: cmd = a command, inc = a header under include/)
+# package:kind:what   (kind: cmd = a command, inc = a header under include/,
+# glob = a file matching a pattern under a prefix)
 readonly NEEDS=(
   "cmake:cmd:cmake"
   "g++:cmd:g++"
@@ -30,6 +31,10 @@ readonly NEEDS=(
   "libmimalloc-dev:inc:mimalloc.h"
   "libtbb-dev:inc:tbb/tbb.h"
   "libxxhash-dev:inc:xxhash.h"
+  "libcli11-dev:inc:CLI/CLI.hpp"
+  "nlohmann-json3-dev:inc:nlohmann/json.hpp"
+  "clang:cmd:clang"
+  "libclang-rt-14-dev:glob:lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-*.a"
   "cargo:cmd:cargo"
   "rustc:cmd:rustc"
   "golang-go:cmd:go"
@@ -68,6 +73,11 @@ present() {
     inc)
       for p in "${prefixes[@]}"; do
         [[ -e "$p/include/$what" ]] && return 0
+      done
+      ;;
+    glob)
+      for p in "${prefixes[@]}"; do
+        compgen -G "$p/$what" > /dev/null && return 0
       done
       ;;
   esac
