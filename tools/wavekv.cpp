@@ -49,6 +49,7 @@ int dispatch(int argc, char **argv) {
       "Exit status: 0 success, 1 a wavekv call failed, 2 bad usage; inspect and verify: 0 intact,\n"
       "1 corrupt, 2 unreadable.\n");
   app.add_subcommand("version", "library and header versions");
+  app.add_subcommand("help", "this text (and `wavekv COMMAND --help`)");
   constexpr size_t kN = sizeof kCommands / sizeof kCommands[0];
   std::vector<Options> opts(kN);
   std::vector<CLI::App *> subs(kN, nullptr);
@@ -69,6 +70,10 @@ int dispatch(int argc, char **argv) {
     throw UsageError(e.what());
   }
   if (app.got_subcommand("version")) return version();
+  if (app.got_subcommand("help")) {
+    std::fputs(app.help().c_str(), stdout);
+    return 0;
+  }
   // The deepest command given: a subcommand's parent is parsed too.
   for (size_t i = kN; i-- > 0;)
     if (subs[i]->parsed()) return kCommands[i].run(opts[i]);

@@ -14,7 +14,10 @@
  *   destroying NULL is a no-op.
  * - Structs that may grow begin with a `size` field. Fill them with the
  *   matching *_init function (which sets `size`); the library reads or writes
- *   only the prefix the caller's `size` covers.
+ *   only the prefix the caller's `size` covers. A program built against an
+ *   older header keeps working: when a struct grows, its *_init function
+ *   keeps the old size under the old symbol version (wkv_config grew in 0.2:
+ *   wkv_config_init@WAVEKV_0.1 writes 0.1's struct).
  * - Tensors are raw pointers in the engine's storage dtype (wkv_config.dtype),
  *   with explicit strides counted in elements, not bytes. On a CUDA engine
  *   they are device pointers and streams are cudaStream_t passed as void*
