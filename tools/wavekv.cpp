@@ -43,13 +43,12 @@ int version() {
 }
 
 int dispatch(int argc, char **argv) {
-  CLI::App app{"wavekv: a KV-cache storage engine for long-context LLM inference"};
+  CLI::App app{"wavekv: a KV-cache storage engine for long-context LLM inference", "wavekv"};
   app.require_subcommand(1);
   app.footer(
       "Exit status: 0 success, 1 a wavekv call failed, 2 bad usage; inspect and verify: 0 intact,\n"
       "1 corrupt, 2 unreadable.\n");
   app.add_subcommand("version", "library and header versions");
-  app.add_subcommand("help", "this text (and `wavekv COMMAND --help`)");
   constexpr size_t kN = sizeof kCommands / sizeof kCommands[0];
   std::vector<Options> opts(kN);
   std::vector<CLI::App *> subs(kN, nullptr);
@@ -59,6 +58,10 @@ int dispatch(int argc, char **argv) {
       if (std::string(kCommands[j].name) == kCommands[i].parent) parent = subs[j];
     subs[i] = parent->add_subcommand(kCommands[i].name, kCommands[i].summary);
     kCommands[i].declare(*subs[i], &opts[i]);
+  }
+  if (argc == 2 && std::string(argv[1]) == "help") {  // as --help
+    std::fputs(app.help().c_str(), stdout);
+    return 0;
   }
   try {
     app.parse(argc, argv);
@@ -70,10 +73,6 @@ int dispatch(int argc, char **argv) {
     throw UsageError(e.what());
   }
   if (app.got_subcommand("version")) return version();
-  if (app.got_subcommand("help")) {
-    std::fputs(app.help().c_str(), stdout);
-    return 0;
-  }
   // The deepest command given: a subcommand's parent is parsed too.
   for (size_t i = kN; i-- > 0;)
     if (subs[i]->parsed()) return kCommands[i].run(opts[i]);
