@@ -264,11 +264,7 @@ const char *wkv_last_error(void) { return t_last_error.c_str(); }
 
 void wkv_free(void *ptr) { std::free(ptr); }
 
-void wkv_config_init(wkv_config *cfg) {
-  if (!cfg) return;
-  *cfg = wkv::default_config();
-  cfg->dtype = WKV_DTYPE_F16;
-}
+// wkv_config_init: capi/current.cpp and capi/compat.cpp.
 
 int wkv_engine_open(const wkv_config *cfg, wkv_engine **out) {
   return guarded("wkv_engine_open", [&] {
@@ -402,6 +398,63 @@ int wkv_seq_end_prompt(wkv_seq *seq, uint32_t layer, void *stream) {
     if (int rc = resolve_seq(seq, fn, &s)) return rc;
     if (int rc = check_layer(s->engine(), layer, fn)) return rc;
     return done(s->engine().end_prompt(*s, layer, stream));
+  });
+}
+
+// Sequence files. Errors of the path forms name the path.
+static int save_impl(const char *fn, const wkv_seq *seq, const char *path, int fd, uint32_t flags) {
+  std::shared_ptr<wkv::Sequence> q;
+  if (int rc = resolve_seq(seq, fn, &q)) return rc;
+  CHECK_ARG(!(flags & ~static_cast<uint32_t>(WKV_SAVE_NO_FSYNC)), "%s: unknown flags 0x%x", fn, flags);
+  wkv::Engine &e = q->engine();
+  wkv::Status s = path ? e.save(*q, e.io(), std::string(path), flags) : e.save(*q, e.io(), fd, flags);
+  if (!s.is_ok())
+    return fail(s.code(), path ? wkv::format("%s: '%s': %s", fn, path, s.message().c_str()) : fn + (": " + s.message()));
+  return done(s);
+}
+
+static int load_impl(const char *fn, wkv_engine *engine, const char *path, int fd, wkv_seq **out) {
+  CHECK_ARG(out, "%s: out is NULL", fn);
+  *out = nullptr;
+  std::shared_ptr<wkv::Engine> e;
+  if (int rc = resolve_engine(engine, fn, &e)) return rc;
+  std::shared_ptr<wkv::Sequence> q;
+  wkv::Status s = path ? e->load(e->io(), std::string(path), &q) : e->load(e->io(), fd, &q);
+  if (!s.is_ok())
+    return fail(s.code(), path ? wkv::format("%s: '%s': %s", fn, path, s.message().c_str()) : fn + (": " + s.message()));
+  const uint64_t h = sequences().insert(std::move(q));
+  if (!h) return fail(WKV_ERR_OUT_OF_MEMORY, wkv::format("%s: too many live sequence handles", fn));
+  *out = handle_of<wkv_seq>(h);
+  return done(s);
+}
+
+int wkv_seq_save(const wkv_seq *seq, const char *path, uint32_t flags) {
+  return guarded("wkv_seq_save", [&] {
+    CHECK_ARG(path, "wkv_seq_save: path is NULL");
+    return save_impl("wkv_seq_save", seq, path, -1, flags);
+  });
+}
+
+int wkv_seq_save_fd(const wkv_seq *seq, int fd, uint32_t flags) {
+  return guarded("wkv_seq_save_fd", [&] {
+    CHECK_ARG(fd >= 0, "wkv_seq_save_fd: fd %d is negative", fd);
+    return save_impl("wkv_seq_save_fd", seq, nullptr, fd, flags);
+  });
+}
+
+int wkv_seq_load(wkv_engine *engine, const char *path, wkv_seq **out) {
+  return guarded("wkv_seq_load", [&] {
+    if (out) *out = nullptr;
+    CHECK_ARG(path, "wkv_seq_load: path is NULL");
+    return load_impl("wkv_seq_load", engine, path, -1, out);
+  });
+}
+
+int wkv_seq_load_fd(wkv_engine *engine, int fd, wkv_seq **out) {
+  return guarded("wkv_seq_load_fd", [&] {
+    if (out) *out = nullptr;
+    CHECK_ARG(fd >= 0, "wkv_seq_load_fd: fd %d is negative", fd);
+    return load_impl("wkv_seq_load_fd", engine, nullptr, fd, out);
   });
 }
 

@@ -39,6 +39,7 @@ using half_t = _Float16;
 struct f16 { uint16_t bits; };
 struct bf16 { uint16_t bits; };
 
+#if defined(__FLT16_MANT_DIG__)
 inline float f16_to_float(uint16_t h) {
   half_t x;
   std::memcpy(&x, &h, 2);
@@ -61,6 +62,40 @@ inline uint16_t float_to_f16(float f) {
   std::memcpy(&h, &x, 2);
   return h;
 }
+#else
+// Compilers without _Float16 on this target (clang before 15 on x86, which
+// builds the fuzz targets): the same conversions with float arithmetic
+// (Marat Dukhan's FP16 library, MIT), exact but for NaN payloads (every NaN
+// becomes 0x7e00).
+namespace f16_soft {
+inline uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+}  // namespace f16_soft
+inline float f16_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16, sign = w & 0x80000000u, two_w = w + w;
+  const float normal = f16_soft::from_bits((two_w >> 4) + (0xe0u << 23)) * 0x1.0p-112f;
+  const float subnormal = f16_soft::from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  return f16_soft::from_bits(sign | f16_soft::bits(two_w < (1u << 27) ? subnormal : normal));
+}
+inline uint16_t float_to_f16(float f) {
+  float base = (f < 0 ? -f : f) * 0x1.0p+112f * 0x1.0p-110f;
+  const uint32_t w = f16_soft::bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xff000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = f16_soft::from_bits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t b = f16_soft::bits(base);
+  const uint32_t nonsign = ((b >> 13) & 0x7c00u) + (b & 0x0fffu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+}
+#endif
 inline float bf16_to_float(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;

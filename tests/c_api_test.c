@@ -12,6 +12,8 @@
  * naming the phase, the check and wkv_last_error(). A CUDA engine that this
  * build or machine cannot open is reported as skipped, never as passed.
  */
+#define _POSIX_C_SOURCE 200809L /* getpid, fileno: the save/load phase's files */
+
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -19,7 +21,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include "wavekv/wavekv.h"
+
+/* What a program built against wavekv 0.1's header binds wkv_config_init to
+ * (its struct ended after `seed`): the old symbol version. */
+__asm__(".symver wkv_config_init_v0_1,wkv_config_init@WAVEKV_0.1");
+#ifdef __cplusplus
+extern "C"
+#endif
+void wkv_config_init_v0_1(wkv_config *cfg);
 
 /* The model shape of every engine in this test. */
 #define NL 2          /* layers */
@@ -455,6 +468,9 @@ static void test_defaults(void) {
   CHECK(c.host_chunk_bytes == 64ull << 20, "default host_chunk_bytes 64 MiB");
   CHECK(c.device_cache_bytes == 0, "default device_cache_bytes 0");
   CHECK(c.seed == 0x5eed, "default seed 0x5eed");
+  CHECK(c.stats_path == NULL, "default stats_path NULL (no statistics file)");
+  CHECK(c.stats_interval_ms == 1000, "default stats_interval_ms 1000");
+  CHECK(c.reserved1 == 0, "reserved1 initialised to 0");
 
   memset(zero, 0, sizeof zero);
   memset(&st, 0xff, sizeof st);
@@ -1378,6 +1394,121 @@ static void test_release_after_failed_lookup(void) {
   wkv_plan_destroy(p);
 }
 
+/* A program built against wavekv 0.1 knows a shorter wkv_config: its
+ * wkv_config_init writes no further, and the engine opens with that prefix. */
+static void test_old_config(void) {
+  const size_t old_size = offsetof(wkv_config, stats_path);
+  union {
+    wkv_config c;
+    unsigned char raw[sizeof(wkv_config) + 64];
+  } u;
+  wkv_engine *e = NULL;
+  size_t i;
+  int untouched = 1;
+  phase("old_config");
+  memset(&u, 0xab, sizeof u);
+  wkv_config_init_v0_1(&u.c);
+  CHECK(u.c.size == old_size, "0.1's wkv_config_init sets 0.1's size");
+  for (i = old_size; i < sizeof u.raw; ++i) untouched &= u.raw[i] == 0xab;
+  CHECK(untouched, "0.1's wkv_config_init writes nothing past 0.1's struct");
+  CHECK(u.c.seed == 0x5eed && u.c.segment_tokens == 8192, "0.1's fields get their defaults");
+  u.c.n_layers = NL;
+  u.c.n_q_heads = NQ;
+  u.c.n_kv_heads = NKV;
+  u.c.head_dim = D;
+  EXPECT_OK(wkv_engine_open(&u.c, &e));
+  memset(&u, 0xab, sizeof u);
+  u.c.size = (uint32_t)old_size;
+  EXPECT_OK(wkv_engine_config(e, &u.c));
+  untouched = 1;
+  for (i = old_size; i < sizeof u.raw; ++i) untouched &= u.raw[i] == 0xab;
+  CHECK(untouched && u.c.n_layers == NL, "wkv_engine_config fills a 0.1 struct's prefix only");
+  wkv_engine_close(e);
+}
+
+/* Flips one bit of a file. */
+static void flip_bit(const char *path, long offset) {
+  FILE *f = fopen(path, "r+b");
+  int c;
+  CHECK(f != NULL, "open a file to corrupt it");
+  fseek(f, offset, SEEK_SET);
+  c = fgetc(f);
+  fseek(f, offset, SEEK_SET);
+  fputc(c ^ 0x10, f);
+  fclose(f);
+}
+
+static void test_save_load(void) {
+  const char *tmp = getenv("TMPDIR");
+  char path[512], other_path[600];
+  wkv_seq *back = NULL, *seqs[1];
+  const ref_seq *refs[1];
+  wkv_plan *p = NULL;
+  wkv_engine *other = NULL;
+  wkv_config c;
+  wkv_seq_info a, b;
+  FILE *f;
+  uint32_t l;
+  phase("save_load");
+  snprintf(path, sizeof path, "%s/wavekv-c-api-test-%ld.wkv", tmp && *tmp ? tmp : "/tmp", (long)getpid());
+  EXPECT_ERR(wkv_seq_save(NULL, path, 0), WKV_ERR_INVALID_HANDLE);
+  EXPECT_ERR(wkv_seq_save(g_xa, NULL, 0), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_ERR(wkv_seq_save(g_xa, path, 0x100), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_OK(wkv_seq_save(g_xa, path, 0));
+
+  /* Loaded into the exact engine: every layer as before, decoding as exact
+   * attention over the reference. */
+  EXPECT_ERR(wkv_seq_load(NULL, path, &back), WKV_ERR_INVALID_HANDLE);
+  EXPECT_ERR(wkv_seq_load(g_x, path, NULL), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_OK(wkv_seq_load(g_x, path, &back));
+  CHECK(back != NULL && back != g_xa, "wkv_seq_load makes a new sequence");
+  for (l = 0; l < NL; ++l) {
+    wkv_seq_info_init(&a);
+    wkv_seq_info_init(&b);
+    EXPECT_OK(wkv_seq_info_get(g_xa, l, &a));
+    EXPECT_OK(wkv_seq_info_get(back, l, &b));
+    CHECK(memcmp(&a, &b, sizeof a) == 0, "a loaded layer holds what the saved one held");
+  }
+  EXPECT_OK(wkv_plan_create(g_x, &p));
+  seqs[0] = back;
+  refs[0] = g_ra;
+  decode_and_check(p, seqs, refs, 1, 0, "decode a loaded sequence, layer 0");
+  decode_and_check(p, seqs, refs, 1, 1, "decode a loaded sequence, layer 1");
+  wkv_plan_destroy(p);
+  wkv_seq_destroy(back);
+  back = NULL;
+
+  /* The descriptor forms: written from offset 0, read from offset 0. */
+  snprintf(other_path, sizeof other_path, "%s.fd", path);
+  f = fopen(other_path, "w+b");
+  CHECK(f != NULL, "open a file for wkv_seq_save_fd");
+  EXPECT_OK(wkv_seq_save_fd(g_xa, fileno(f), WKV_SAVE_NO_FSYNC));
+  EXPECT_OK(wkv_seq_load_fd(g_x, fileno(f), &back));
+  CHECK(back != NULL, "wkv_seq_load_fd makes a sequence");
+  wkv_seq_destroy(back);
+  back = NULL;
+  EXPECT_ERR(wkv_seq_load_fd(g_x, -1, &back), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_ERR(wkv_seq_save_fd(g_xa, -1, 0), WKV_ERR_INVALID_ARGUMENT);
+  fclose(f);
+  remove(other_path);
+
+  /* Another head_dim: refused, saying so. */
+  base_config(&c);
+  c.head_dim = 128;
+  EXPECT_OK(wkv_engine_open(&c, &other));
+  EXPECT_ERR(wkv_seq_load(other, path, &back), WKV_ERR_INVALID_ARGUMENT);
+  CHECK(back == NULL, "no sequence from a refused file");
+  CHECK(strstr(wkv_last_error(), "file has head_dim 64, engine 128") != NULL, "the difference is named");
+  wkv_engine_close(other);
+
+  /* A flipped bit; a missing file. */
+  flip_bit(path, 1000);
+  EXPECT_ERR(wkv_seq_load(g_x, path, &back), WKV_ERR_CORRUPT);
+  CHECK(back == NULL && strstr(wkv_last_error(), "section") != NULL, "the corrupt section is named");
+  remove(path);
+  EXPECT_ERR(wkv_seq_load(g_x, path, &back), WKV_ERR_IO);
+}
+
 int main(void) {
   test_versions();
   test_defaults();
@@ -1397,6 +1528,8 @@ int main(void) {
   test_stats();
   test_lifetime();
   test_release_after_failed_lookup();
+  test_old_config();
+  test_save_load();
 
   phase("teardown");
   wkv_seq_destroy(g_ea);

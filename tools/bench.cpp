@@ -7,16 +7,19 @@
 #include <iostream>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
 #include "tools/commands.hpp"
 #include "tools/exact.hpp"
 #include "tools/synth.hpp"
 
 namespace wkv_tool {
 
-void declare_bench(Flags &flags, Options *o) {
+void declare_bench(CLI::App &cmd, Options *o) {
   o->tokens = 131072;
   o->steps = 20;
-  add_shape_flags(flags, o, false);
+  add_shape_flags(cmd, o, false);
 }
 
 int run_bench(const Options &o) {
@@ -149,41 +152,7 @@ int run_bench(const Options &o) {
   const double kv_gb = 2.0 * ctx.tokens() * H * d * dtype_size(dt) / 1e9;
 
   if (o.json) {
-    Json j;
-    j.str("command", "bench")
-        .count("tokens", o.tokens)
-        .count("kv_heads", H)
-        .count("q_heads", Q)
-        .count("head_dim", d)
-        .str("dtype", o.dtype)
-        .count("threads", threads)
-        .count("steps", o.steps)
-        .count("seed", o.seed)
-        .count("clusters_per_head", built.clusters / H)
-        .real("index_build_s", build_s)
-        .real("append_s", append_s)
-        .real("prompt_finish_s", finish_s)
-        .real("kmeans_s", kmeans_s)
-        .obj("wavekv", Json()
-                           .real("step_ms_median", w_med)
-                           .real("step_ms_p90", quantile(wkv_ms, 0.9))
-                           .real("lookup_ms_median", median(lookup_ms))
-                           .real("assemble_ms_median", median(assemble_ms))
-                           .real("attend_ms_median", median(attend_ms))
-                           .real("update_ms_median", median(update_ms))
-                           .real("append_ms_median", median(append_ms))
-                           .real("attended_tokens_per_head", att_per_head)
-                           .real("rel_l2_median", median(err))
-                           .real("rel_l2_p90", quantile(err, 0.9)))
-        .obj("exact", Json()
-                          .str("kernel", exact.fast() ? "tool avx2" : "kernels::attend_exact")
-                          .str("baseline_kernel", base_kernel)
-                          .real("step_ms_median", e_med)
-                          .real("step_ms_p90", quantile(exact_ms, 0.9))
-                          .real("library_kernel_step_ms_median", median(exact_lib_ms))
-                          .real("kv_gbytes_per_step", kv_gb))
-        .real("exact_over_wavekv", ratio)
-        .real("total_s", total_s);
+    const nlohmann::ordered_json j = {{"command", "bench"}, {"tokens", o.tokens}, {"kv_heads", H}, {"q_heads", Q}, {"head_dim", d}, {"dtype", o.dtype}, {"threads", threads}, {"steps", o.steps}, {"seed", o.seed}, {"clusters_per_head", built.clusters / H}, {"index_build_s", build_s}, {"append_s", append_s}, {"prompt_finish_s", finish_s}, {"kmeans_s", kmeans_s}, {"wavekv", {{"step_ms_median", w_med}, {"step_ms_p90", quantile(wkv_ms, 0.9)}, {"lookup_ms_median", median(lookup_ms)}, {"assemble_ms_median", median(assemble_ms)}, {"attend_ms_median", median(attend_ms)}, {"update_ms_median", median(update_ms)}, {"append_ms_median", median(append_ms)}, {"attended_tokens_per_head", att_per_head}, {"rel_l2_median", median(err)}, {"rel_l2_p90", quantile(err, 0.9)}}}, {"exact", {{"kernel", exact.fast() ? "tool avx2" : "kernels::attend_exact"}, {"baseline_kernel", base_kernel}, {"step_ms_median", e_med}, {"step_ms_p90", quantile(exact_ms, 0.9)}, {"library_kernel_step_ms_median", median(exact_lib_ms)}, {"kv_gbytes_per_step", kv_gb}}}, {"exact_over_wavekv", ratio}, {"total_s", total_s}};
     std::cout << j.dump() << std::endl;
     return 0;
   }

@@ -6,9 +6,12 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <thread>
+
+#include <CLI/CLI.hpp>
 
 #include "tools/synth.hpp"
 
@@ -34,17 +37,17 @@ unsigned Options::resolved_threads() const {
   return n == 0 ? 1 : n;
 }
 
-void add_shape_flags(Flags &flags, Options *o, bool with_layers) {
-  flags.add_uint("tokens", &o->tokens, 1, uint64_t{1} << 30, "prompt tokens");
-  flags.add_uint("heads", &o->heads, 1, 256, "KV heads");
-  flags.add_uint("q-heads", &o->q_heads, 1, 1024, "query heads (a multiple of --heads)");
-  flags.add_uint("head-dim", &o->head_dim, 1, 256, "head dimension: 64, 80, 96, 128 or 256");
-  if (with_layers) flags.add_uint("layers", &o->layers, 1, 64, "layers");
-  flags.add_uint("steps", &o->steps, 1, 100000, "decoding steps");
-  flags.add_choice("dtype", &o->dtype, {"f16", "bf16", "f32"}, "storage dtype");
-  flags.add_uint("threads", &o->threads, 0, 1024, "threads of the engine and the baseline; 0 = all cores");
-  flags.add_uint("seed", &o->seed, 0, UINT64_MAX, "seed of the synthetic context");
-  flags.add_switch("json", &o->json, "print one JSON object instead of the table");
+void add_shape_flags(CLI::App &cmd, Options *o, bool with_layers) {
+  cmd.add_option("--tokens", o->tokens, "prompt tokens")->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30))->capture_default_str();
+  cmd.add_option("--heads", o->heads, "KV heads")->check(CLI::Range(1, 256))->capture_default_str();
+  cmd.add_option("--q-heads", o->q_heads, "query heads (a multiple of --heads)")->check(CLI::Range(1, 1024))->capture_default_str();
+  cmd.add_option("--head-dim", o->head_dim, "head dimension")->check(CLI::IsMember({64, 80, 96, 128, 256}))->capture_default_str();
+  if (with_layers) cmd.add_option("--layers", o->layers, "layers")->check(CLI::Range(1, 4096))->capture_default_str();
+  cmd.add_option("--steps", o->steps, "decoding steps")->check(CLI::Range(1, 100000))->capture_default_str();
+  cmd.add_option("--dtype", o->dtype, "storage dtype")->check(CLI::IsMember({"f16", "bf16", "f32"}))->capture_default_str();
+  cmd.add_option("--threads", o->threads, "threads of the engine and the baseline; 0 = all cores")->check(CLI::Range(0, 1024))->capture_default_str();
+  cmd.add_option("--seed", o->seed, "seed of the synthetic context")->capture_default_str();
+  cmd.add_flag("--json", o->json, "print one JSON object instead of the table");
 }
 
 void validate(const Options &o, const std::string &command) {
@@ -99,6 +102,14 @@ wkv_stats Session::stats() {
   return s;
 }
 
+void save_sequence(Session &s, const std::string &path) {
+  Progress p("saving " + path, 1, true);
+  p.update(0);
+  check(wkv_seq_save(s.seq, path.c_str(), 0), "wkv_seq_save");
+  p.finish();
+  if (isatty(STDERR_FILENO) != 1) std::fprintf(stderr, "saved the sequence to %s\n", path.c_str());
+}
+
 double ingest(Session &s, const SynthContext &ctx, uint32_t layer, uint64_t first, uint64_t n,
               const char *label) {
   // Chunks as a runtime's chunked prefill would send them; each segment is
@@ -122,11 +133,12 @@ double ingest(Session &s, const SynthContext &ctx, uint32_t layer, uint64_t firs
   return secs;
 }
 
-Progress::Progress(std::string label, uint64_t total)
-    : label_(std::move(label)), total_(total), tty_(isatty(STDERR_FILENO) == 1),
+Progress::Progress(std::string label, uint64_t total, bool tty_only)
+    : label_(std::move(label)), total_(total), tty_(isatty(STDERR_FILENO) == 1), quiet_(tty_only && !tty_),
       start_(Clock::now()) {}
 
 void Progress::update(uint64_t done) {
+  if (quiet_) return;
   const double pct = total_ ? 100.0 * done / total_ : 100.0;
   if (tty_) {
     std::fprintf(stderr, "\r%s: %" PRIu64 "/%" PRIu64 " (%3.0f%%) %.1f s", label_.c_str(), done, total_,
@@ -143,6 +155,7 @@ void Progress::update(uint64_t done) {
 }
 
 void Progress::finish() {
+  if (quiet_) return;
   std::fprintf(stderr, "%s%s: %" PRIu64 "/%" PRIu64 " done in %.2f s\n", tty_ ? "\r" : "", label_.c_str(),
                total_, total_, seconds_since(start_));
 }
@@ -174,6 +187,12 @@ std::string fixed(double x, int digits) {
   return buf;
 }
 
+double decimal(float x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.7g", static_cast<double>(x));
+  return std::strtod(buf, nullptr);
+}
+
 std::string Table::str() const {
   // A row shorter than the header lets its last cell run on: it does not
   // widen its column.
@@ -196,93 +215,6 @@ std::string Table::str() const {
     o << line << '\n';
   }
   return o.str();
-}
-
-void Json::key(const std::string &k) {
-  if (!body_.empty()) body_ += ',';
-  body_ += json_quote(k) + ':';
-}
-
-Json &Json::real(const std::string &k, double v) {
-  key(k);
-  if (!std::isfinite(v)) {
-    body_ += "null";
-  } else {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.6g", v);
-    body_ += buf;
-  }
-  return *this;
-}
-
-Json &Json::count(const std::string &k, uint64_t v) {
-  key(k);
-  body_ += std::to_string(v);
-  return *this;
-}
-
-Json &Json::str(const std::string &k, const std::string &v) {
-  key(k);
-  body_ += json_quote(v);
-  return *this;
-}
-
-Json &Json::obj(const std::string &k, const Json &v) {
-  key(k);
-  body_ += v.dump();
-  return *this;
-}
-
-std::string json_quote(const std::string &s) {
-  std::string o = "\"";
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      o += '\\';
-      o += static_cast<char>(c);
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      o += buf;
-    } else {
-      o += static_cast<char>(c);
-    }
-  }
-  return o + "\"";
-}
-
-std::string json_pretty(const std::string &in) {
-  std::string o;
-  int depth = 0;
-  bool in_str = false, esc = false;
-  auto newline = [&] { o += '\n' + std::string(2 * depth, ' '); };
-  for (size_t i = 0; i < in.size(); ++i) {
-    const char c = in[i];
-    if (in_str) {
-      o += c;
-      if (esc) esc = false;
-      else if (c == '\\') esc = true;
-      else if (c == '"') in_str = false;
-      continue;
-    }
-    switch (c) {
-      case '"': in_str = true; o += c; break;
-      case '{': case '[':
-        o += c;
-        if (i + 1 < in.size() && (in[i + 1] == '}' || in[i + 1] == ']')) {
-          o += in[++i];
-          break;
-        }
-        ++depth;
-        newline();
-        break;
-      case '}': case ']': --depth; newline(); o += c; break;
-      case ',': o += c; newline(); break;
-      case ':': o += ": "; break;
-      case ' ': case '\n': case '\t': case '\r': break;
-      default: o += c;
-    }
-  }
-  return o;
 }
 
 }  // namespace wkv_tool

@@ -1,6 +1,6 @@
 // What the subcommands of the wavekv command share: the flags every one of
 // them takes, errors, an engine session over the C API, progress lines,
-// summary statistics, and the table and JSON printers.
+// summary statistics, and the table printer.
 #pragma once
 
 #include <chrono>
@@ -11,12 +11,21 @@
 #include <utility>
 #include <vector>
 
-#include "tools/args.hpp"
 #include "wavekv/wavekv.h"
+
+namespace CLI {
+class App;
+}
 
 namespace wkv_tool {
 
 class SynthContext;
+
+// A mistake on the command line; main prints it and exits with status 2.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 // A failed wkv_* call; main prints it and exits with status 1.
 class WkvError : public std::runtime_error {
@@ -28,7 +37,8 @@ class WkvError : public std::runtime_error {
 // rc is WKV_OK.
 void check(int rc, const char *call);
 
-// The shape and run flags of demo, bench and stats.
+// The flags of the subcommands: the shape and run of demo, bench and
+// stats, the file of inspect, verify and top.
 struct Options {
   uint64_t tokens = 0;
   uint64_t heads = 8;
@@ -40,14 +50,21 @@ struct Options {
   uint64_t layers = 1;
   std::string dtype = "f16";
   bool json = false;
+  std::string file;            // inspect, verify, top: the file; bench files: the directory
+  uint64_t interval_ms = 1000;  // top
+  uint64_t count = 0;           // top: updates to show (0: until interrupted)
+  bool once = false;            // top
+  bool keep = false;            // bench files: keep the files
+  std::string save;             // demo, stats: save the sequence to this file
 
   uint32_t dtype_id() const;
   // threads, or the number of cores when 0.
   unsigned resolved_threads() const;
 };
 
-// Declares the flags above on `flags` (layers only if with_layers).
-void add_shape_flags(Flags &flags, Options *o, bool with_layers);
+// Declares the shape flags above on a subcommand (layers only if
+// with_layers), with their current values as defaults.
+void add_shape_flags(CLI::App &cmd, Options *o, bool with_layers);
 // Checks what the flags cannot check alone; throws UsageError.
 void validate(const Options &o, const std::string &command);
 
@@ -67,16 +84,20 @@ class Session {
   wkv_stats stats();
 };
 
+// Saves the session's sequence to `path` (wkv_seq_save), with a line on
+// stderr: rewritten on a terminal, once at the end otherwise.
+void save_sequence(Session &s, const std::string &path);
+
 // Appends tokens [first, first + n) of every head of ctx to `layer` in
 // chunks, with a progress line; returns the wall seconds of the appends.
 double ingest(Session &s, const SynthContext &ctx, uint32_t layer, uint64_t first, uint64_t n,
               const char *label);
 
 // Progress on stderr: one line rewritten in place on a terminal, a line per
-// quarter otherwise.
+// quarter otherwise (or nothing, if tty_only).
 class Progress {
  public:
-  Progress(std::string label, uint64_t total);
+  Progress(std::string label, uint64_t total, bool tty_only = false);
   void update(uint64_t done);
   void finish();
 
@@ -84,7 +105,7 @@ class Progress {
   std::string label_;
   uint64_t total_;
   int shown_quarter_ = -1;
-  bool tty_;
+  bool tty_, quiet_;
   std::chrono::steady_clock::time_point start_;
 };
 
@@ -102,6 +123,8 @@ double rel_l2(const float *a, const double *ref, size_t n);
 
 // A number with `digits` decimals, or "-" for NaN.
 std::string fixed(double x, int digits);
+// A float as the decimal it was written as (0.018, not 0.017999999225).
+double decimal(float x);
 
 // Rows of a left-aligned text table: the first row is the header.
 class Table {
@@ -112,25 +135,5 @@ class Table {
  private:
   std::vector<std::vector<std::string>> rows_;
 };
-
-// A JSON object built in order. Values: numbers (NaN becomes null),
-// strings, booleans, nested objects.
-class Json {
- public:
-  Json &real(const std::string &key, double v);
-  Json &count(const std::string &key, uint64_t v);
-  Json &str(const std::string &key, const std::string &v);
-  Json &obj(const std::string &key, const Json &v);
-  std::string dump() const { return "{" + body_ + "}"; }
-
- private:
-  void key(const std::string &k);
-  std::string body_;
-};
-
-// Quotes and escapes a string for JSON.
-std::string json_quote(const std::string &s);
-// Re-indents compact JSON text (two spaces per level).
-std::string json_pretty(const std::string &compact);
 
 }  // namespace wkv_tool

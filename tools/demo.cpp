@@ -9,16 +9,20 @@
 #include <iostream>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
 #include "tools/commands.hpp"
 #include "tools/exact.hpp"
 #include "tools/synth.hpp"
 
 namespace wkv_tool {
 
-void declare_demo(Flags &flags, Options *o) {
+void declare_demo(CLI::App &cmd, Options *o) {
   o->tokens = 32768;
   o->steps = 32;
-  add_shape_flags(flags, o, false);
+  add_shape_flags(cmd, o, false);
+  cmd.add_option("--save", o->save, "save the sequence to this file at the end (wkv_seq_save)");
 }
 
 namespace {
@@ -183,6 +187,7 @@ int run_demo(const Options &o) {
   }
   prog.finish();
   const wkv_stats fin = s.stats();
+  if (!o.save.empty()) save_sequence(s, o.save);
   const double lookups = static_cast<double>(fin.lookups - built.lookups);
   const double att_per_head = (fin.attended_tokens - built.attended_tokens) / lookups / H;
   const double ret_per_head = (fin.retrieved_clusters - built.retrieved_clusters) / lookups / H;
@@ -197,59 +202,7 @@ int run_demo(const Options &o) {
 
   // 4. Report.
   if (o.json) {
-    Json j;
-    j.str("command", "demo")
-        .count("tokens", o.tokens)
-        .count("generated", final_tokens - o.tokens)
-        .count("kv_heads", H)
-        .count("q_heads", Q)
-        .count("head_dim", d)
-        .str("dtype", o.dtype)
-        .count("threads", threads)
-        .count("steps", o.steps)
-        .count("seed", o.seed)
-        .count("documents", ctx.documents())
-        .count("topics", spec.topics)
-        .count("segments_per_head", built.segments / H)
-        .count("clusters_per_head", clusters_per_head)
-        .real("index_build_s", build_s)
-        .real("append_s", append_s)
-        .real("prompt_finish_s", finish_s)
-        .real("kmeans_s", kmeans_s)
-        .obj("wavekv", Json()
-                           .real("step_ms_median", w_med)
-                           .real("step_ms_p90", quantile(wkv_ms, 0.9))
-                           .real("rel_l2_median", median(err_wkv))
-                           .real("rel_l2_p90", quantile(err_wkv, 0.9))
-                           .real("rel_l2_needle_median", median(err_wkv_needle))
-                           .count("needle_hits", wkv_hits)
-                           .count("needle_queries", needle_queries)
-                           .real("attended_tokens_per_head", att_per_head)
-                           .real("retrieved_clusters_per_head", ret_per_head)
-                           .real("estimated_clusters_per_head", est_per_head))
-        .obj("sink_window", Json()
-                                .real("rel_l2_median", median(err_sw))
-                                .real("rel_l2_p90", quantile(err_sw, 0.9))
-                                .real("rel_l2_needle_median", median(err_sw_needle))
-                                .count("needle_hits", sw_hits)
-                                .count("needle_queries", needle_queries)
-                                .count("attended_tokens_per_head", std::min<uint64_t>(final_tokens, sink + window)))
-        .obj("exact", Json()
-                          .real("step_ms_median", e_med)
-                          .real("step_ms_p90", quantile(exact_ms, 0.9))
-                          .real("rel_l2_median", median(err_exact))
-                          .real("rel_l2_p90", quantile(err_exact, 0.9))
-                          .real("needle_share_median", median(needle_share))
-                          .real("sink_share_median", median(sink_share))
-                          .count("attended_tokens_per_head", final_tokens))
-        .obj("oracle_top_k", Json()
-                                 .real("rel_l2_median", median(err_oracle))
-                                 .real("rel_l2_p90", quantile(err_oracle, 0.9))
-                                 .real("rel_l2_needle_median", median(err_oracle_needle))
-                                 .count("needle_hits", oracle_hits)
-                                 .count("needle_queries", needle_queries))
-        .real("speedup", speedup)
-        .real("total_s", total_s);
+    const nlohmann::ordered_json j = {{"command", "demo"}, {"tokens", o.tokens}, {"generated", final_tokens - o.tokens}, {"kv_heads", H}, {"q_heads", Q}, {"head_dim", d}, {"dtype", o.dtype}, {"threads", threads}, {"steps", o.steps}, {"seed", o.seed}, {"documents", ctx.documents()}, {"topics", spec.topics}, {"segments_per_head", built.segments / H}, {"clusters_per_head", clusters_per_head}, {"index_build_s", build_s}, {"append_s", append_s}, {"prompt_finish_s", finish_s}, {"kmeans_s", kmeans_s}, {"wavekv", {{"step_ms_median", w_med}, {"step_ms_p90", quantile(wkv_ms, 0.9)}, {"rel_l2_median", median(err_wkv)}, {"rel_l2_p90", quantile(err_wkv, 0.9)}, {"rel_l2_needle_median", median(err_wkv_needle)}, {"needle_hits", wkv_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", att_per_head}, {"retrieved_clusters_per_head", ret_per_head}, {"estimated_clusters_per_head", est_per_head}}}, {"sink_window", {{"rel_l2_median", median(err_sw)}, {"rel_l2_p90", quantile(err_sw, 0.9)}, {"rel_l2_needle_median", median(err_sw_needle)}, {"needle_hits", sw_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", std::min<uint64_t>(final_tokens, sink + window)}}}, {"exact", {{"step_ms_median", e_med}, {"step_ms_p90", quantile(exact_ms, 0.9)}, {"rel_l2_median", median(err_exact)}, {"rel_l2_p90", quantile(err_exact, 0.9)}, {"needle_share_median", median(needle_share)}, {"sink_share_median", median(sink_share)}, {"attended_tokens_per_head", final_tokens}}}, {"oracle_top_k", {{"rel_l2_median", median(err_oracle)}, {"rel_l2_p90", quantile(err_oracle, 0.9)}, {"rel_l2_needle_median", median(err_oracle_needle)}, {"needle_hits", oracle_hits}, {"needle_queries", needle_queries}}}, {"speedup", speedup}, {"total_s", total_s}};
     std::cout << j.dump() << std::endl;
     return 0;
   }

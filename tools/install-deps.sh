@@ -31,6 +31,10 @@ readonly NEEDS=(
   "libmimalloc-dev:inc:mimalloc.h"
   "libtbb-dev:inc:tbb/tbb.h"
   "libxxhash-dev:inc:xxhash.h"
+  "libcli11-dev:inc:CLI/CLI.hpp"
+  "nlohmann-json3-dev:inc:nlohmann/json.hpp"
+  "clang:cmd:clang"
+  "libclang-rt-14-dev:glob:lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-*.a"
   "cargo:cmd:cargo"
   "rustc:cmd:rustc"
   "golang-go:cmd:go"
@@ -72,6 +76,11 @@ present() {
     inc)
       for p in "${prefixes[@]}"; do
         [[ -e "$p/include/$what" ]] && return 0
+      done
+      ;;
+    glob)
+      for p in "${prefixes[@]}"; do
+        compgen -G "$p/$what" > /dev/null && return 0
       done
       ;;
   esac

@@ -6,16 +6,20 @@
 #include <memory>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
 #include "tools/commands.hpp"
 #include "tools/exact.hpp"
 #include "tools/synth.hpp"
 
 namespace wkv_tool {
 
-void declare_stats(Flags &flags, Options *o) {
+void declare_stats(CLI::App &cmd, Options *o) {
   o->tokens = 4096;
   o->steps = 4;
-  add_shape_flags(flags, o, true);
+  add_shape_flags(cmd, o, true);
+  cmd.add_option("--save", o->save, "save the sequence to this file at the end (wkv_seq_save)");
 }
 
 namespace {
@@ -98,6 +102,7 @@ int run_stats(const Options &o) {
       check(wkv_decode(s.plan, &s.seq, 1, l, q_store.data(), 0, 0, out.data(), 0, 0, nullptr), "wkv_decode");
     }
   }
+  if (!o.save.empty()) save_sequence(s, o.save);
   char *json = nullptr;
   check(wkv_engine_stats_json(s.engine, &json), "wkv_engine_stats_json");
   std::string text(json);
@@ -106,7 +111,7 @@ int run_stats(const Options &o) {
     std::cout << text << std::endl;
     return 0;
   }
-  std::cout << stats_table(s.stats()) << '\n' << json_pretty(text) << std::endl;
+  std::cout << stats_table(s.stats()) << '\n' << nlohmann::json::parse(text).dump(2) << std::endl;
   return 0;
 }
 

@@ -1,49 +1,36 @@
-// The wavekv command: engine statistics, the demo and the decode benchmark,
-// over the public C API only (plus the CPU attention kernel for the exact
-// baseline). Exit status: 0 success, 1 a wavekv call failed, 2 usage.
+// The wavekv command: the demo and the benchmarks, engine statistics, and
+// sequence files (inspect, verify) and a running engine's statistics file
+// (top). Arguments through CLI11. Exit status: 0 success, 1 a wavekv call
+// failed (inspect and verify: the file is corrupt), 2 usage (inspect and
+// verify: the file cannot be read).
+#include <CLI/CLI.hpp>
+
 #include <cstdio>
-#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "tools/commands.hpp"
 
 namespace wkv_tool {
 namespace {
 
+// Parents before their subcommands.
 const Command kCommands[] = {
-    {"demo", "decode a synthetic long context; accuracy against exact attention and speed", declare_demo,
+    {"demo", nullptr, "decode a synthetic long context; accuracy against exact attention and speed", declare_demo,
      run_demo},
-    {"bench", "decode benchmark: wavekv step time against exact CPU attention", declare_bench, run_bench},
-    {"stats", "engine statistics after a small synthetic session (text and JSON)", declare_stats, run_stats},
+    {"bench", nullptr, "decode benchmark: wavekv step time against exact CPU attention", declare_bench, run_bench},
+    {"files", "bench", "save and load bandwidth of a long sequence against dd on the same disk",
+     declare_bench_files, run_bench_files},
+    {"stats", nullptr, "engine statistics after a small synthetic session (text and JSON)", declare_stats,
+     run_stats},
+    {"inspect", nullptr, "describe a sequence file: shape, settings, clusters, pages, checksums", declare_inspect,
+     run_inspect},
+    {"verify", nullptr, "check every checksum of a sequence file (exit 0 intact, 1 corrupt, 2 unreadable)",
+     declare_verify, run_verify},
+    {"top", nullptr, "follow a running engine's statistics file (wkv_config.stats_path)", declare_top, run_top},
 };
-
-void usage() {
-  std::string s =
-      "usage: wavekv <command> [flags]\n"
-      "\n"
-      "commands:\n"
-      "  version                  library and header versions\n"
-      "  help                     this text\n";
-  for (const Command &c : kCommands) {
-    std::string left = std::string("  ") + c.name;
-    left.resize(27, ' ');
-    s += left + c.summary + "\n";
-  }
-  for (const Command &c : kCommands) {
-    Options o;
-    Flags f(c.name);
-    c.declare(f, &o);
-    s += "\nwavekv " + std::string(c.name) + " flags:\n" + f.usage();
-  }
-  s +=
-      "\n"
-      "Inspecting and verifying cache files (saved sequences, spill files) comes with\n"
-      "the file format, in a later issue.\n"
-      "Exit status: 0 success, 1 a wavekv call failed, 2 bad usage.\n";
-  std::fputs(s.c_str(), stderr);
-}
 
 int version() {
   std::printf("wavekv library %s (%d), header %d.%d.%d (%d)\n", wkv_version_string(), wkv_version(),
@@ -56,30 +43,40 @@ int version() {
 }
 
 int dispatch(int argc, char **argv) {
-  if (argc < 2) {
-    usage();
-    return 2;
+  CLI::App app{"wavekv: a KV-cache storage engine for long-context LLM inference", "wavekv"};
+  app.require_subcommand(1);
+  app.footer(
+      "Exit status: 0 success, 1 a wavekv call failed, 2 bad usage; inspect and verify: 0 intact,\n"
+      "1 corrupt, 2 unreadable.\n");
+  app.add_subcommand("version", "library and header versions");
+  constexpr size_t kN = sizeof kCommands / sizeof kCommands[0];
+  std::vector<Options> opts(kN);
+  std::vector<CLI::App *> subs(kN, nullptr);
+  for (size_t i = 0; i < kN; ++i) {
+    CLI::App *parent = &app;
+    for (size_t j = 0; j < i && kCommands[i].parent; ++j)
+      if (std::string(kCommands[j].name) == kCommands[i].parent) parent = subs[j];
+    subs[i] = parent->add_subcommand(kCommands[i].name, kCommands[i].summary);
+    kCommands[i].declare(*subs[i], &opts[i]);
   }
-  const std::string cmd = argv[1];
-  if (cmd == "help" || cmd == "--help" || cmd == "-h") {
-    usage();
-    return 2;
+  if (argc == 2 && std::string(argv[1]) == "help") {  // as --help
+    std::fputs(app.help().c_str(), stdout);
+    return 0;
   }
-  if (cmd == "version" || cmd == "--version") {
-    if (argc > 2) throw UsageError("version: takes no arguments");
-    return version();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp &e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp &e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError &e) {
+    throw UsageError(e.what());
   }
-  for (const Command &c : kCommands) {
-    if (cmd != c.name) continue;
-    Options o;
-    Flags f(c.name);
-    c.declare(f, &o);
-    f.parse(argc, argv, 2);
-    return c.run(o);
-  }
-  std::fprintf(stderr, "wavekv: unknown command '%s'\n\n", cmd.c_str());
-  usage();
-  return 2;
+  if (app.got_subcommand("version")) return version();
+  // The deepest command given: a subcommand's parent is parsed too.
+  for (size_t i = kN; i-- > 0;)
+    if (subs[i]->parsed()) return kCommands[i].run(opts[i]);
+  throw UsageError("no command given");
 }
 
 }  // namespace
@@ -89,7 +86,7 @@ int main(int argc, char **argv) {
   try {
     return wkv_tool::dispatch(argc, argv);
   } catch (const wkv_tool::UsageError &e) {
-    std::fprintf(stderr, "wavekv %s\n(see 'wavekv help')\n", e.what());
+    std::fprintf(stderr, "wavekv: %s\n(see 'wavekv --help')\n", e.what());
     return 2;
   } catch (const wkv_tool::WkvError &e) {
     std::fprintf(stderr, "wavekv: %s\n", e.what());

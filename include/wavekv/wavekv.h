@@ -17,7 +17,10 @@
  *   slot was reused by a new object.
  * - Structs that may grow begin with a `size` field. Fill them with the
  *   matching *_init function (which sets `size`); the library reads or writes
- *   only the prefix the caller's `size` covers.
+ *   only the prefix the caller's `size` covers. A program built against an
+ *   older header keeps working: when a struct grows, its *_init function
+ *   keeps the old size under the old symbol version (wkv_config grew in 0.2:
+ *   wkv_config_init@WAVEKV_0.1 writes 0.1's struct).
  * - Tensors are raw pointers in the engine's storage dtype (wkv_config.dtype),
  *   with explicit strides counted in elements, not bytes. On a CUDA engine
  *   they are device pointers and streams are cudaStream_t passed as void*
@@ -83,7 +86,7 @@ extern "C" {
 /* Versions ---------------------------------------------------------------- */
 
 #define WKV_VERSION_MAJOR 0
-#define WKV_VERSION_MINOR 1
+#define WKV_VERSION_MINOR 2
 #define WKV_VERSION_PATCH 0
 /* The version as one number: major * 10000 + minor * 100 + patch. */
 #define WKV_VERSION_NUMBER \
@@ -169,6 +172,15 @@ enum {
  * 2^32 - 1 page slots; host_budget_bytes 0 or at least one page slot;
  * device_cache_bytes at most 1 PiB. WKV_HOST_CHUNK_BYTES below 1 MiB is
  * refused rather than raised.
+ *
+ * Statistics file: when stats_path is set, the engine writes the JSON of
+ * wkv_engine_stats_json() to that file at open and then every
+ * stats_interval_ms from a thread of its own, until it closes; each time
+ * the file is replaced whole (a temporary file beside it, mode 0600,
+ * renamed over it), so a reader (`wavekv top FILE`) never sees half of one.
+ * The path is copied at open and used as given (opened, never expanded);
+ * a path that cannot be written fails wkv_engine_open with WKV_ERR_IO.
+ * stats_interval_ms must lie in [10, 3600000] when stats_path is set.
  */
 typedef struct wkv_config {
   uint32_t size;            /* sizeof(wkv_config), set by wkv_config_init */
@@ -196,6 +208,10 @@ typedef struct wkv_config {
                                   1 MiB raised to 1 MiB (64 MiB) */
   uint64_t device_cache_bytes; /* GPU block cache; 0 = 5% of the KV held (0) */
   uint64_t seed;               /* seed of k-means initialisation (0x5eed) */
+  const char *stats_path;      /* statistics file, or NULL for none (NULL);
+                                  wkv_engine_config returns the engine's copy */
+  uint32_t stats_interval_ms;  /* how often it is replaced (1000) */
+  uint32_t reserved1;          /* must be 0 */
 } wkv_config;
 
 /* Fills *cfg with the defaults and sets cfg->size. NULL is a no-op. */
@@ -360,6 +376,82 @@ WKV_API void wkv_seq_info_init(wkv_seq_info *info);
 /* Describes one layer of a sequence into *info (up to info->size bytes). */
 WKV_API int wkv_seq_info_get(const wkv_seq *seq, uint32_t layer,
                              wkv_seq_info *info);
+
+/* Sequence files ---------------------------------------------------------- */
+/*
+ * A sequence file holds one sequence (every layer's steady zone, index,
+ * mapping and pages) and the settings that shaped it, each part with its
+ * checksum; docs/FORMAT.md describes it. A file saved by a CPU engine loads
+ * into a CUDA engine and the other way round. A loaded sequence decodes as
+ * the saved one did: bit for bit on the same backend, within the dtype's
+ * rounding across backends.
+ */
+
+/* Bits of the flags of wkv_seq_save and wkv_seq_save_fd. */
+enum {
+  WKV_SAVE_NO_FSYNC = 1u << 0 /* skip the fsyncs (tests, benchmarks): the
+                                 file is still replaced whole or not at all
+                                 for other processes, but a power loss may
+                                 leave the old file, or a new one that
+                                 wkv_seq_load refuses as corrupt */
+};
+
+/*
+ * Saves a sequence to the file at `path`, crash-safe: the file is written
+ * under a temporary name in the same directory (created with mode 0600),
+ * fsynced, renamed over `path`, and the directory fsynced, so that `path`
+ * holds either its previous contents or the whole new file, never a mix.
+ * The path is only opened, never interpreted (no ~, no variables). The
+ * sequence is copied one layer at a time (one layer's data in host memory
+ * at a time); on a CUDA engine the call first waits for the work the
+ * sequence's appends enqueued, and copies on a stream of the engine's own.
+ * Other sequences keep decoding meanwhile; `seq` itself must not be used by
+ * another thread until the call returns (as for every wkv_seq).
+ *
+ * Returns WKV_ERR_INVALID_ARGUMENT (null path, a path ending in '/', unknown
+ * flags), WKV_ERR_INVALID_HANDLE, WKV_ERR_IO (the system's words for a
+ * failed create, write, fsync or rename: nothing is left at the temporary
+ * name and `path` is untouched), WKV_ERR_OUT_OF_MEMORY, WKV_ERR_DEVICE.
+ */
+WKV_API int wkv_seq_save(const wkv_seq *seq, const char *path, uint32_t flags);
+
+/*
+ * Saves a sequence into `fd`, the caller's file open for writing: written
+ * from offset 0 with pwrite (the file position is not used or moved),
+ * truncated to the file's length and fsynced unless WKV_SAVE_NO_FSYNC; not
+ * closed. No rename protects it: a failure leaves a file that wkv_seq_load
+ * refuses. fd must be a regular file (not a pipe or socket). Errors as
+ * wkv_seq_save's (WKV_ERR_INVALID_ARGUMENT for a negative fd).
+ */
+WKV_API int wkv_seq_save_fd(const wkv_seq *seq, int fd, uint32_t flags);
+
+/*
+ * Loads a sequence from the file at `path` into the engine, as a new
+ * sequence that *out owns until wkv_seq_destroy(). All or nothing: the
+ * sequence exists only once every layer has been read, checked and
+ * imported; after any failure *out is NULL and the engine holds nothing of
+ * the file. Every byte is checked against its checksum before it is used.
+ *
+ * Returns WKV_ERR_INVALID_ARGUMENT (null path or out; a file whose shape or
+ * layout settings differ from the engine's, naming each difference, e.g.
+ * "file has head_dim 64, engine 128"; retrieval and estimation fractions,
+ * cluster_tokens, kmeans_iters and seed may differ: the engine's apply from
+ * then on), WKV_ERR_IO (the file cannot be opened or read: the system's
+ * words), WKV_ERR_CORRUPT (not a sequence file, a failed checksum, a torn
+ * or truncated file, values that contradict each other: the message names
+ * the section), WKV_ERR_UNSUPPORTED (a format version newer than this
+ * library reads, naming both), WKV_ERR_BUDGET, WKV_ERR_OUT_OF_MEMORY,
+ * WKV_ERR_DEVICE.
+ */
+WKV_API int wkv_seq_load(wkv_engine *engine, const char *path, wkv_seq **out);
+
+/*
+ * Loads a sequence from `fd`, the caller's file open for reading, from
+ * offset 0 with pread (the file position is not used or moved); not
+ * closed. Errors as wkv_seq_load's (WKV_ERR_INVALID_ARGUMENT for a
+ * negative fd, WKV_ERR_IO for one that is not a regular file).
+ */
+WKV_API int wkv_seq_load_fd(wkv_engine *engine, int fd, wkv_seq **out);
 
 /* Plans: lookup, assemble, attend, merge, update -------------------------- */
 

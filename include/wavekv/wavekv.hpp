@@ -84,6 +84,16 @@ class Engine : public Handle<wkv_engine, wkv_engine_close> {
 class Sequence : public Handle<wkv_seq, wkv_seq_destroy> {
  public:
   explicit Sequence(const Engine &e) : Handle(create(e)) {}
+  // Takes ownership of a sequence handle.
+  static Sequence adopt(wkv_seq *s) { return Sequence(s); }
+  // A sequence file loaded into the engine (wkv_seq_load).
+  static Sequence load(const Engine &e, const std::string &path) {
+    wkv_seq *s = nullptr;
+    check(wkv_seq_load(e.get(), path.c_str(), &s));
+    return Sequence(s);
+  }
+  // Saves the sequence to a file (wkv_seq_save; flags: WKV_SAVE_*).
+  void save(const std::string &path, uint32_t flags = 0) const { check(wkv_seq_save(get(), path.c_str(), flags)); }
   void append(uint32_t layer, const void *k, const void *v, uint32_t n_tokens, int64_t token_stride = 0,
               int64_t head_stride = 0, void *stream = nullptr) {
     check(wkv_seq_append(get(), layer, k, v, n_tokens, token_stride, head_stride, stream));
@@ -97,6 +107,7 @@ class Sequence : public Handle<wkv_seq, wkv_seq_destroy> {
   }
 
  private:
+  explicit Sequence(wkv_seq *s) : Handle(s) {}
   static wkv_seq *create(const Engine &e) {
     wkv_seq *s = nullptr;
     check(wkv_seq_create(e.get(), &s));

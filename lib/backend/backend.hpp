@@ -93,6 +93,10 @@ class Backend {
   // Waits for everything enqueued on `stream` (reads of engine memory into
   // host memory are complete after it).
   virtual Status mem_sync(void *stream) = 0;
+  // The backend's own stream for copies the caller gave no stream for
+  // (saving and loading sequences): CUDA, a non-blocking stream made at
+  // open, never the legacy default stream; nullptr on the CPU.
+  virtual void *io_stream() { return nullptr; }
 
   // Index growth ------------------------------------------------------------
   // Complete prompt segments a layer gathers per KV head before they are

@@ -114,6 +114,15 @@ uint64_t BufferManager::begin(StepTracker &t) {
   return e;
 }
 
+void BufferManager::wait_idle(const StepTracker &t) {
+  for (int spins = 0;; ++spins) {
+    const uint64_t issued = t.issued();
+    if (issued != StepTracker::kTaking && t.done() >= issued) return;
+    if (spins < 64) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(spins < 1000 ? 10 : 100));
+  }
+}
+
 uint64_t BufferManager::oldest_in_flight(std::unique_lock<std::mutex> &) {
   uint64_t oldest = epoch_.load(std::memory_order_seq_cst) + 1;
   size_t kept = 0;

@@ -166,6 +166,13 @@ class BufferManager {
   uint64_t begin(StepTracker &t);
   // The step of `t` at `epoch` ended on the host (the CPU backend's verbs).
   void end_on_host(StepTracker &t, uint64_t epoch) { __atomic_store_n(t.done_, epoch, __ATOMIC_RELEASE); }
+  // Waits until every step of `t` begun so far has ended: its done word has
+  // caught up with its last epoch. For reading an owner's memory from the
+  // host without knowing the streams its work went to (a sequence saved to
+  // a file after appends on the caller's streams). Polls, backing off to
+  // 100 us sleeps; no device synchronization. Pre: no step of `t` begins
+  // meanwhile.
+  static void wait_idle(const StepTracker &t);
 
   // Runs `release` once every step begun so far has ended, on the manager's
   // thread (or at once when none is in flight). For frames given up: a

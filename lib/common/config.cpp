@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <array>
 #include <limits>
 #include <string>
 #include <variant>
@@ -41,6 +42,8 @@ wkv_config default_config() {
   c.host_chunk_bytes = 64ull << 20;
   c.device_cache_bytes = 0;
   c.seed = 0x5eed;
+  c.stats_path = nullptr;
+  c.stats_interval_ms = 1000;
   return c;
 }
 
@@ -107,26 +110,18 @@ Status parse_env(const char *var, const char *s, float *field) {
   return Status::ok();
 }
 
-// One environment override (mimalloc's MIMALLOC_<NAME> table): WKV_<FIELD>.
+// One environment override: WKV_<FIELD>.
 struct EnvOverride {
   const char *var;
   std::variant<uint32_t *, uint64_t *, float *> field;
   bool applied = false;
 };
 
-}  // namespace
-
-Status resolve_config(const wkv_config *user, Config *out) {
-  if (!user) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "config is NULL");
-  if (user->size < offsetof(wkv_config, dtype) + sizeof(user->dtype))
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
-                     "config size %u is too small (call wkv_config_init first)", user->size);
-  wkv_config c = default_config();
-  size_t n = user->size < sizeof c ? user->size : sizeof c;
-  std::memcpy(&c, user, n);
-  c.size = sizeof c;
-
-  EnvOverride overrides[] = {
+// One environment override per field (mimalloc's MIMALLOC_<NAME> table),
+// in the order of the bits of Config::env_overrides: never reordered.
+constexpr size_t kEnvOverrides = 12;
+std::array<EnvOverride, kEnvOverrides> env_overrides(wkv_config &c) {
+  return {{
       {"WKV_THREADS", &c.threads},
       {"WKV_SEGMENT_TOKENS", &c.segment_tokens},
       {"WKV_UPDATE_SEGMENT_TOKENS", &c.update_segment_tokens},
@@ -139,7 +134,27 @@ Status resolve_config(const wkv_config *user, Config *out) {
       {"WKV_HOST_BUDGET_BYTES", &c.host_budget_bytes},
       {"WKV_HOST_CHUNK_BYTES", &c.host_chunk_bytes},
       {"WKV_DEVICE_CACHE_BYTES", &c.device_cache_bytes},
-  };
+  }};
+}
+
+}  // namespace
+
+const char *env_override_name(unsigned bit) {
+  wkv_config c{};
+  return bit < kEnvOverrides ? env_overrides(c)[bit].var : nullptr;
+}
+
+Status resolve_config(const wkv_config *user, Config *out) {
+  if (!user) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "config is NULL");
+  if (user->size < offsetof(wkv_config, dtype) + sizeof(user->dtype))
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
+                     "config size %u is too small (call wkv_config_init first)", user->size);
+  wkv_config c = default_config();
+  size_t n = user->size < sizeof c ? user->size : sizeof c;
+  std::memcpy(&c, user, n);
+  c.size = sizeof c;
+
+  std::array<EnvOverride, kEnvOverrides> overrides = env_overrides(c);
   for (EnvOverride &o : overrides) {
     const char *s = std::getenv(o.var);
     if (!s) continue;
@@ -213,8 +228,12 @@ Status resolve_config(const wkv_config *user, Config *out) {
   if (c.threads > kMaxThreads)
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "threads %u is too many (%s; at most %u)", c.threads,
                      from(&c.threads).c_str(), kMaxThreads);
-  if (c.reserved0 != 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "reserved0 must be 0");
+  if (c.reserved0 != 0 || c.reserved1 != 0)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "reserved0 and reserved1 must be 0");
+  if (c.stats_path && c.stats_path[0] == '\0')
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "stats_path is empty (NULL means no statistics file)");
+  if (c.stats_path && (c.stats_interval_ms < 10 || c.stats_interval_ms > 3600000))
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "stats_interval_ms %u outside [10, 3600000]", c.stats_interval_ms);
   if (c.flags & ~(uint32_t)(WKV_CONFIG_NO_NUMA | WKV_CONFIG_NO_PINNED))
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "unknown flags 0x%x", c.flags);
   if (c.device_cache_bytes > kMaxDeviceCacheBytes)
@@ -237,6 +256,8 @@ Status resolve_config(const wkv_config *user, Config *out) {
 
   Config r;
   r.c = c;
+  for (size_t i = 0; i < overrides.size(); ++i)
+    if (overrides[i].applied) r.env_overrides |= 1u << i;
   if (r.page_tokens() > 32768)
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "page_bytes %u holds %u tokens, more than 32768",
                      c.page_bytes, r.page_tokens());

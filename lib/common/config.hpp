@@ -17,6 +17,7 @@ bool head_dim_supported(uint32_t d);
 
 struct Config {
   wkv_config c{};  // resolved: size = sizeof(wkv_config), defaults applied
+  uint32_t env_overrides = 0;  // bit i: env_override_name(i) set a field
 
   DType dtype() const { return static_cast<DType>(c.dtype); }
   uint32_t group() const { return c.n_q_heads / c.n_kv_heads; }
@@ -36,6 +37,9 @@ struct Config {
 
 // The defaults of every field (shape left zero).
 wkv_config default_config();
+
+// The environment variable of bit `bit` of Config::env_overrides, or null.
+const char *env_override_name(unsigned bit);
 
 // Copies the prefix of *user that user->size covers over the defaults,
 // applies environment overrides and validates.

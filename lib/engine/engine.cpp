@@ -1,8 +1,11 @@
 #include "lib/engine/engine.hpp"
 
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
-#include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "lib/engine/plan.hpp"
 #include "lib/engine/sequence.hpp"
@@ -66,6 +69,22 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory opening an engine");
   }
   WKV_RETURN_IF_ERROR(e->buffers_->start());
+  // The statistics file: its path copied (the caller's string may go), its
+  // first publication made here so that a path that cannot be written fails
+  // the open.
+  if (cfg.c.stats_path) {
+    try {
+      e->stats_path_ = cfg.c.stats_path;
+      e->cfg_.c.stats_path = e->stats_path_.c_str();
+      Engine *raw = e.get();
+      e->stats_publisher_ = std::make_unique<StatsPublisher>(e->io(), e->stats_path_, cfg.c.stats_interval_ms,
+                                                             [raw] { return raw->stats_json(); });
+    } catch (const std::bad_alloc &) {
+      return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory opening an engine");
+    }
+    Status st = e->stats_publisher_->start();
+    if (!st.is_ok()) return WKV_ERROR(st.code(), "stats_path: %s", st.message().c_str());
+  }
   *out = std::move(e);
   return Status::ok();
 }
@@ -105,38 +124,69 @@ void Engine::fill_stats(wkv_stats *out) {
   backend_->fill_stats(out);
 }
 
+// A float as the decimal it was written as (0.018, not 0.017999999225).
+static double decimal(float x) { return std::strtod(format("%.7g", static_cast<double>(x)).c_str(), nullptr); }
+
 std::string Engine::stats_json() {
   wkv_stats s;
   std::memset(&s, 0, sizeof s);
   s.size = sizeof s;
   fill_stats(&s);
   const wkv_config &c = cfg_.c;
-  std::ostringstream o;
-  o << "{\"version\":\"" << WKV_VERSION_MAJOR << '.' << WKV_VERSION_MINOR << '.' << WKV_VERSION_PATCH
-    << "\",\"config\":{\"device\":\"" << (c.device == WKV_DEVICE_CUDA ? "cuda" : "cpu")
-    << "\",\"n_layers\":" << c.n_layers << ",\"n_q_heads\":" << c.n_q_heads
-    << ",\"n_kv_heads\":" << c.n_kv_heads << ",\"head_dim\":" << c.head_dim << ",\"dtype\":\""
-    << dtype_name(cfg_.dtype()) << "\",\"segment_tokens\":" << c.segment_tokens
-    << ",\"update_segment_tokens\":" << c.update_segment_tokens
-    << ",\"cluster_tokens\":" << c.cluster_tokens << ",\"kmeans_iters\":" << c.kmeans_iters
-    << ",\"sink_tokens\":" << c.sink_tokens << ",\"window_tokens\":" << c.window_tokens
-    << ",\"retrieval_frac\":" << c.retrieval_frac << ",\"estimation_frac\":" << c.estimation_frac
-    << ",\"page_bytes\":" << c.page_bytes << ",\"page_tokens\":" << cfg_.page_tokens()
-    << ",\"threads\":" << pool_->threads() << ",\"host_budget_bytes\":" << c.host_budget_bytes
-    << ",\"host_chunk_bytes\":" << c.host_chunk_bytes << ",\"metadata_allocator\":\"" << meta_allocator_name()
-    << "\"},\"stats\":{"
-    << "\"sequences\":" << s.sequences << ",\"tokens\":" << s.tokens << ",\"segments\":" << s.segments
-    << ",\"clusters\":" << s.clusters << ",\"host_bytes_reserved\":" << s.host_bytes_reserved
-    << ",\"host_bytes_used\":" << s.host_bytes_used << ",\"pages_used\":" << s.pages_used
-    << ",\"pages_free\":" << s.pages_free << ",\"steady_bytes\":" << s.steady_bytes
-    << ",\"meta_bytes\":" << s.meta_bytes << ",\"lookups\":" << s.lookups
-    << ",\"retrieved_clusters\":" << s.retrieved_clusters
-    << ",\"estimated_clusters\":" << s.estimated_clusters
-    << ",\"attended_tokens\":" << s.attended_tokens << ",\"cache_hits\":" << s.cache_hits
-    << ",\"cache_misses\":" << s.cache_misses << ",\"kmeans_ns\":" << s.kmeans_ns
-    << ",\"device_cache_bytes\":" << s.device_cache_bytes << ",\"cache_admissions\":" << s.cache_admissions
-    << ",\"cache_evictions\":" << s.cache_evictions << ",\"manager_backlog\":" << s.manager_backlog << ",\"pin_fallbacks\":" << s.pin_fallbacks << "}}";
-  return o.str();
+  nlohmann::ordered_json config = {
+      {"device", c.device == WKV_DEVICE_CUDA ? "cuda" : "cpu"},
+      {"n_layers", c.n_layers},
+      {"n_q_heads", c.n_q_heads},
+      {"n_kv_heads", c.n_kv_heads},
+      {"head_dim", c.head_dim},
+      {"dtype", dtype_name(cfg_.dtype())},
+      {"segment_tokens", c.segment_tokens},
+      {"update_segment_tokens", c.update_segment_tokens},
+      {"cluster_tokens", c.cluster_tokens},
+      {"kmeans_iters", c.kmeans_iters},
+      {"sink_tokens", c.sink_tokens},
+      {"window_tokens", c.window_tokens},
+      {"retrieval_frac", decimal(c.retrieval_frac)},
+      {"estimation_frac", decimal(c.estimation_frac)},
+      {"page_bytes", c.page_bytes},
+      {"page_tokens", cfg_.page_tokens()},
+      {"threads", pool_->threads()},
+      {"host_budget_bytes", c.host_budget_bytes},
+      {"host_chunk_bytes", c.host_chunk_bytes},
+      {"metadata_allocator", meta_allocator_name()},
+  };
+  nlohmann::ordered_json stats = {
+      {"sequences", s.sequences},
+      {"tokens", s.tokens},
+      {"segments", s.segments},
+      {"clusters", s.clusters},
+      {"host_bytes_reserved", s.host_bytes_reserved},
+      {"host_bytes_used", s.host_bytes_used},
+      {"pages_used", s.pages_used},
+      {"pages_free", s.pages_free},
+      {"steady_bytes", s.steady_bytes},
+      {"meta_bytes", s.meta_bytes},
+      {"lookups", s.lookups},
+      {"retrieved_clusters", s.retrieved_clusters},
+      {"estimated_clusters", s.estimated_clusters},
+      {"attended_tokens", s.attended_tokens},
+      {"cache_hits", s.cache_hits},
+      {"cache_misses", s.cache_misses},
+      {"kmeans_ns", s.kmeans_ns},
+      {"device_cache_bytes", s.device_cache_bytes},
+      {"cache_admissions", s.cache_admissions},
+      {"cache_evictions", s.cache_evictions},
+      {"manager_backlog", s.manager_backlog},
+      {"pin_fallbacks", s.pin_fallbacks},
+  };
+  const auto now = std::chrono::system_clock::now().time_since_epoch();
+  nlohmann::ordered_json j = {
+      {"version", format("%d.%d.%d", WKV_VERSION_MAJOR, WKV_VERSION_MINOR, WKV_VERSION_PATCH)},
+      {"unix_ms", std::chrono::duration_cast<std::chrono::milliseconds>(now).count()},
+      {"config", std::move(config)},
+      {"stats", std::move(stats)},
+  };
+  return j.dump();
 }
 
 Status Plan::check_versions() const {

@@ -19,8 +19,11 @@
 #include "lib/common/faults.hpp"
 #include "lib/common/status.hpp"
 #include "lib/common/thread_pool.hpp"
+#include "lib/engine/stats_publisher.hpp"
 #include "lib/index/growth.hpp"
 #include "lib/store/host_arena.hpp"
+#include "lib/store/io.hpp"
+#include "lib/store/seq_file.hpp"
 
 namespace wkv {
 
@@ -47,7 +50,26 @@ class Engine : public std::enable_shared_from_this<Engine> {
   }
 
   void fill_stats(wkv_stats *out);
+  // wkv_engine_stats_json's object: config, stats, and the time taken.
   std::string stats_json();
+  // The I/O layer of the engine's files (POSIX).
+  FileIO &io() { return posix_io(); }
+
+  // Sequence files (lib/store/seq_file.hpp), through `io`: the engine's
+  // unless a test injects faults. Save waits for the sequence's own device
+  // work to end, then exports and writes one layer at a time, copying on
+  // the backend's I/O stream; it holds no engine-wide lock, so other
+  // sequences keep decoding. Pre: no other thread uses `seq` meanwhile.
+  // The fd form writes from offset 0 and truncates; the path form replaces
+  // the file whole or not at all (replace_file).
+  Status save(Sequence &seq, FileIO &io, int fd, uint32_t flags, const ProgressFn &progress = nullptr);
+  Status save(Sequence &seq, FileIO &io, const std::string &path, uint32_t flags,
+              const ProgressFn &progress = nullptr);
+  // Load builds a new sequence from a file, all or nothing: it exists only
+  // once every layer has been read, checked and imported.
+  Status load(FileIO &io, int fd, std::shared_ptr<Sequence> *out, const ProgressFn &progress = nullptr);
+  Status load(FileIO &io, const std::string &path, std::shared_ptr<Sequence> *out,
+              const ProgressFn &progress = nullptr);
 
   // Appends and ends prompts (lib/index/growth.hpp), with the stream and
   // pointers checked first and the sequence's tracker around the work.
@@ -81,6 +103,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   EngineCounters counters_;
   FaultInjector faults_;
   std::mutex growth_mu_;
+  std::string stats_path_;  // the config's stats_path points here
+  // Last: stopped first, since it reads everything above.
+  std::unique_ptr<StatsPublisher> stats_publisher_;
 };
 
 // The CPU backend.

@@ -243,6 +243,8 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
   ix.counters.clusters.fetch_add(clusters);
   ix.counters.segments.fetch_add(segments);
   std::swap(*out, L);
+  // The empty layer it replaces still has its heads registered (init_layer).
+  release_layer(ix, L, false);
   return Status::ok();
 }
 

@@ -40,6 +40,9 @@ int main(void) {
   FIELD(wkv_config, host_chunk_bytes);
   FIELD(wkv_config, device_cache_bytes);
   FIELD(wkv_config, seed);
+  FIELD(wkv_config, stats_path);
+  FIELD(wkv_config, stats_interval_ms);
+  FIELD(wkv_config, reserved1);
 
   STRUCT(wkv_stats);
   FIELD(wkv_stats, size);
@@ -113,5 +116,6 @@ int main(void) {
   VALUE(WKV_DEVICE_AUTO);
   VALUE(WKV_CONFIG_NO_NUMA);
   VALUE(WKV_CONFIG_NO_PINNED);
+  VALUE(WKV_SAVE_NO_FSYNC);
   return 0;
 }

@@ -106,10 +106,22 @@ def test_two_sequences_chunked_prompt_and_decoding(np: Any, exact: Any, budget: 
     assert worst < (1e-5 if budget == "full" else 0.05), worst
 
 
-def test_save_and_reload_a_sequence() -> None:
-    if not hasattr(_lib.lib(), "wkv_seq_save"):
-        pytest.skip("sequence files do not exist in the C ABI yet (no wkv_seq_save)")
-    assert hasattr(wavekv.Sequence, "save"), "libwavekv has wkv_seq_save: bind it"
+def test_save_and_reload_a_sequence(np: Any, tmp_path: Any) -> None:
+    ctx = Context(np, 5)
+    engine = wavekv.Engine(n_layers=LAYERS, n_q_heads=HQ, n_kv_heads=HKV, head_dim=D, dtype="f32",
+                           threads=2)
+    seq = engine.sequence()
+    k, v = ctx.kv(300)
+    for layer in range(LAYERS):
+        seq.append(layer, k, v)
+    path = tmp_path / "seq.wkv"
+    seq.save(path)
+    back = engine.load(str(path))
+    assert [back.info(layer) for layer in range(LAYERS)] == [seq.info(layer) for layer in range(LAYERS)]
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(wavekv.CorruptError) as torn:
+        engine.load(path)
+    assert "section" in torn.value.message or "trailer" in torn.value.message
 
 
 def test_three_errors(np: Any) -> None:

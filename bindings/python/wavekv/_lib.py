@@ -21,6 +21,7 @@ __all__ = ["lib", "library_path", "check", "WkvConfig", "WkvStats", "WkvSeqInfo"
 
 # The library major version this binding speaks (WKV_VERSION_MAJOR).
 ABI_MAJOR = 0
+WKV_SAVE_NO_FSYNC = 1
 
 c_void_p = ctypes.c_void_p
 c_uint32 = ctypes.c_uint32
@@ -58,6 +59,9 @@ class WkvConfig(ctypes.Structure):
         ("host_chunk_bytes", c_uint64),
         ("device_cache_bytes", c_uint64),
         ("seed", c_uint64),
+        ("stats_path", ctypes.c_char_p),
+        ("stats_interval_ms", c_uint32),
+        ("reserved1", c_uint32),
     ]
 
 
@@ -148,6 +152,8 @@ _SIGNATURES = {
     "wkv_seq_end_prompt": (ctypes.c_int, [_P, c_uint32, _P]),
     "wkv_seq_info_init": (None, [ctypes.POINTER(WkvSeqInfo)]),
     "wkv_seq_info_get": (ctypes.c_int, [_P, c_uint32, ctypes.POINTER(WkvSeqInfo)]),
+    "wkv_seq_save": (ctypes.c_int, [_P, ctypes.c_char_p, c_uint32]),
+    "wkv_seq_load": (ctypes.c_int, [_P, ctypes.c_char_p, _PP]),
     "wkv_plan_create": (ctypes.c_int, [_P, _PP]),
     "wkv_plan_destroy": (None, [_P]),
     "wkv_lookup": (ctypes.c_int, [_P, _PP, c_uint32, c_uint32, _P, c_int64, c_int64, _P]),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import os
 import operator
 import struct
 import sys
@@ -103,6 +104,8 @@ class Config:
     host_chunk_bytes: int = _DEFAULT
     device_cache_bytes: int = _DEFAULT
     seed: int = _DEFAULT
+    stats_path: Optional[str] = None
+    stats_interval_ms: int = _DEFAULT
 
     def __post_init__(self) -> None:
         defaults = Config._from_c(_init_config())
@@ -128,6 +131,12 @@ class Config:
             value = getattr(self, f.name)
             if f.name == "dtype":
                 value = _DTYPES[_canonical_dtype(value)]
+            elif f.name == "stats_path":
+                if value is not None and not isinstance(value, (str, os.PathLike)):
+                    raise InvalidArgumentError(1, "config.stats_path must be a path or None, not %r"
+                                               % (value,))
+                # The struct keeps the bytes alive as long as it lives.
+                value = None if value is None else os.fsencode(value)
             elif f.name == "device":
                 value = _DEVICES[value]
             elif f.name in ("retrieval_frac", "estimation_frac"):
@@ -152,6 +161,8 @@ class Config:
             value = getattr(cfg, f.name)
             if f.name == "dtype":
                 value = {v: k for k, v in _DTYPES.items()}.get(value, value)
+            elif f.name == "stats_path":
+                value = None if value is None else os.fsdecode(value)
             elif f.name == "device":
                 value = _DEVICE_NAMES.get(value, value)
             elif isinstance(value, float):
@@ -388,6 +399,18 @@ class Engine(_Owner):
         """Creates a plan, the reusable state of decoding steps (wkv_plan_create)."""
         return Plan(self)
 
+    def load(self, path: Union[str, "os.PathLike[str]"]) -> "Sequence":
+        """A new sequence from a file that Sequence.save wrote (wkv_seq_load):
+        all or nothing; CorruptError names a damaged section,
+        InvalidArgumentError a shape that differs from the engine's."""
+        handle = self._enter("Engine.load")
+        try:
+            out = ctypes.c_void_p()
+            _lib.check(_lib.lib().wkv_seq_load(handle, os.fsencode(path), ctypes.byref(out)))
+        finally:
+            self._leave()
+        return Sequence._adopt(self, out.value or 0)
+
     def _create(self, fn: str, create: str) -> int:
         handle = self._enter(fn)
         try:
@@ -543,6 +566,26 @@ class Sequence(_Owner):
         try:
             s = _stream_handle(stream, (), self._target)
             _lib.check(_lib.lib().wkv_seq_end_prompt(handle, layer, _c_stream(s)))
+        finally:
+            self._leave()
+
+    @classmethod
+    def _adopt(cls, engine: Engine, handle: int) -> "Sequence":
+        seq = cls.__new__(cls)
+        _Owner.__init__(seq, handle, exclusive=True)
+        seq._engine = engine
+        seq._config = engine._config
+        seq._target = engine._target
+        return seq
+
+    def save(self, path: Union[str, "os.PathLike[str]"], fsync: bool = True) -> None:
+        """Saves the sequence to a file, whole or not at all (wkv_seq_save):
+        written beside `path`, fsynced, renamed over it. fsync=False skips the
+        fsyncs (tests, benchmarks). Engine.load reads it back."""
+        handle = self._enter("Sequence.save")
+        try:
+            _lib.check(_lib.lib().wkv_seq_save(handle, os.fsencode(path),
+                                               0 if fsync else _lib.WKV_SAVE_NO_FSYNC))
         finally:
             self._leave()
 

@@ -142,6 +142,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
                        void *stream) override;
   Status mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream) override;
   Status mem_sync(void *stream) override;
+  void *io_stream() override { return io_; }
 
   uint32_t prompt_batch_segments() const override { return kPromptBatchSegments; }
   Status cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, void *stream) override;
@@ -182,6 +183,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Engine &e_;
   int dev_ = 0;
   cudaStream_t side_ = nullptr;           // the buffer manager's stores and stats reads
+  cudaStream_t io_ = nullptr;             // copies of sequences saved and loaded
   std::mutex side_mu_;                    // one user of side_ at a time
   uint8_t *cache_ = nullptr;              // frames_ frames of frame_bytes_
   size_t frame_bytes_ = 0;
@@ -256,6 +258,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
     };
   }
   WKV_CU(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+  WKV_CU(cudaStreamCreateWithFlags(&io_, cudaStreamNonBlocking));
   WKV_CU(cudaMalloc(&d_stats_, 2 * sizeof(unsigned long long)));
   WKV_CU(cudaMemsetAsync(d_stats_, 0, 2 * sizeof(unsigned long long), side_));
   WKV_CU(cudaStreamSynchronize(side_));
@@ -283,9 +286,10 @@ CudaBackend::~CudaBackend() {
   DeviceGuard guard(dev_);
   for (Region *r : {&km_ws_, &km_n_, &km_begin_, &km_order_, &km_size_, &km_cent_, &km_vsum_})
     if (r->p) cudaFree(r->p);
-  if (side_) {
-    cudaStreamSynchronize(side_);
-    cudaStreamDestroy(side_);
+  for (cudaStream_t s : {side_, io_}) {
+    if (!s) continue;
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
   }
   for (cudaEvent_t ev : {km_begin_ev_, km_end_ev_, km_done_})
     if (ev) cudaEventDestroy(ev);

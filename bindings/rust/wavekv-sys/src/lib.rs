@@ -14,7 +14,7 @@ use std::os::raw::{c_char, c_void};
 // Versions
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
-pub const WKV_VERSION_MINOR: u32 = 1;
+pub const WKV_VERSION_MINOR: u32 = 2;
 pub const WKV_VERSION_PATCH: u32 = 0;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
@@ -49,9 +49,11 @@ pub const WKV_DEVICE_AUTO: u32 = 2;
 pub const WKV_CONFIG_NO_NUMA: u32 = 1 << 0;
 pub const WKV_CONFIG_NO_PINNED: u32 = 1 << 1;
 
+pub const WKV_SAVE_NO_FSYNC: u32 = 1 << 0;
+
 /// Everything an engine is opened with; fill it with `wkv_config_init`.
 #[repr(C)]
-#[derive(Debug, Copy, Clone, Default, PartialEq)]
+#[derive(Debug, Copy, Clone, PartialEq)]
 pub struct wkv_config {
     pub size: u32,
     pub device: u32,
@@ -77,6 +79,18 @@ pub struct wkv_config {
     pub host_chunk_bytes: u64,
     pub device_cache_bytes: u64,
     pub seed: u64,
+    pub stats_path: *const c_char,
+    pub stats_interval_ms: u32,
+    pub reserved1: u32,
+}
+
+impl Default for wkv_config {
+    /// All zero (a null `stats_path`), as C's `{0}`; `wkv_config_init` sets
+    /// the library's defaults.
+    fn default() -> wkv_config {
+        // SAFETY: plain data, for which all-zero bytes are a valid value.
+        unsafe { std::mem::zeroed() }
+    }
 }
 
 /// Statistics of one engine; fill `size` with `wkv_stats_init`.
@@ -193,6 +207,11 @@ extern "C" {
     pub fn wkv_seq_end_prompt(seq: *mut wkv_seq, layer: u32, stream: *mut c_void) -> i32;
     pub fn wkv_seq_info_init(info: *mut wkv_seq_info);
     pub fn wkv_seq_info_get(seq: *const wkv_seq, layer: u32, info: *mut wkv_seq_info) -> i32;
+
+    pub fn wkv_seq_save(seq: *const wkv_seq, path: *const c_char, flags: u32) -> i32;
+    pub fn wkv_seq_save_fd(seq: *const wkv_seq, fd: i32, flags: u32) -> i32;
+    pub fn wkv_seq_load(engine: *mut wkv_engine, path: *const c_char, out: *mut *mut wkv_seq) -> i32;
+    pub fn wkv_seq_load_fd(engine: *mut wkv_engine, fd: i32, out: *mut *mut wkv_seq) -> i32;
 
     pub fn wkv_plan_create(engine: *mut wkv_engine, out: *mut *mut wkv_plan) -> i32;
     pub fn wkv_plan_destroy(plan: *mut wkv_plan);

@@ -278,6 +278,9 @@ fn declarations_match_the_header() {
                 host_chunk_bytes,
                 device_cache_bytes,
                 seed,
+                stats_path,
+                stats_interval_ms,
+                reserved1,
             }
         ),
         layout!(
@@ -373,6 +376,7 @@ fn declarations_match_the_header() {
         WKV_DEVICE_AUTO,
         WKV_CONFIG_NO_NUMA,
         WKV_CONFIG_NO_PINNED,
+        WKV_SAVE_NO_FSYNC,
     );
     assert_eq!(
         sorted(const_names.iter().map(|s| s.to_string()).collect()),

@@ -1,0 +1,27 @@
+// Programs built against an older wavekv.h, whose structs were shorter,
+// keep working with this library: a function that writes a whole struct
+// keeps its old behaviour under its old symbol version, and programs built
+// now bind to the current version (glibc's way; ld's manual, "VERSION").
+// Only the shared library is built with this file (CMakeLists.txt);
+// programs that link the C ABI's objects get capi/current.cpp instead.
+// capi/wavekv.map lists each such name in every node that has a version.
+#include <cstddef>
+#include <cstring>
+
+#include "lib/common/config.hpp"
+#include "wavekv/wavekv.h"
+
+// wavekv 0.1's wkv_config ended after `seed`: its wkv_config_init writes no
+// further than that.
+extern "C" WKV_API void wkv_config_init_0_1(wkv_config *cfg) {
+  if (!cfg) return;
+  wkv_config full = wkv::default_config();
+  full.size = offsetof(wkv_config, stats_path);
+  std::memcpy(cfg, &full, full.size);
+}
+__asm__(".symver wkv_config_init_0_1,wkv_config_init@WAVEKV_0.1");
+
+extern "C" WKV_API void wkv_config_init_0_2(wkv_config *cfg) {
+  if (cfg) *cfg = wkv::default_config();
+}
+__asm__(".symver wkv_config_init_0_2,wkv_config_init@@WAVEKV_0.2");

@@ -1,0 +1,172 @@
+// Sequence files across backends, on a GPU: a file saved by a CPU engine
+// loads into a CUDA engine and decodes the same within f16 rounding; saved
+// again by the CUDA engine it loads into a CPU engine and decodes bit for
+// bit as the first; a CUDA engine saves right after appends enqueued on a
+// stream of the caller's, without the caller waiting (the save waits for
+// the sequence's own work). Skips where no CUDA device exists.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "files_support.hpp"
+
+using namespace wkvtest;
+
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
+
+const Shape kShape{2, 8, 2, 128, WKV_DTYPE_F16};
+
+wkv_config config(uint32_t device) {
+  wkv_config c = file_config(kShape);
+  c.device = device;
+  c.segment_tokens = 1024;
+  c.update_segment_tokens = 256;
+  c.device_cache_bytes = 8u << 20;
+  return c;
+}
+
+// Bytes on the engine's device (or host memory for a CPU engine).
+struct Buf {
+  bool device;
+  void *p = nullptr;
+  size_t n;
+  Buf(bool dev, const std::vector<uint8_t> &h) : device(dev), n(h.size()) {
+    if (device) {
+      EXPECT_EQ(cudaMalloc(&p, n), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(p, h.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
+    } else {
+      p = std::malloc(n);
+      std::memcpy(p, h.data(), n);
+    }
+  }
+  ~Buf() {
+    if (device) {
+      cudaFree(p);
+    } else {
+      std::free(p);
+    }
+  }
+  std::vector<uint8_t> host() const {
+    std::vector<uint8_t> h(n);
+    if (device) {
+      EXPECT_EQ(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    } else {
+      std::memcpy(h.data(), p, n);
+    }
+    return h;
+  }
+};
+
+struct Side {
+  bool gpu;
+  wavekv::Engine engine;
+  explicit Side(uint32_t device) : gpu(device == WKV_DEVICE_CUDA), engine(config(device)) {}
+  void append(wavekv::Sequence &s, const std::vector<uint8_t> &k, const std::vector<uint8_t> &v, uint32_t n,
+              void *stream = nullptr) {
+    Buf dk(gpu, k), dv(gpu, v);
+    for (uint32_t l = 0; l < kShape.layers; ++l) s.append(l, dk.p, dv.p, n, 0, 0, stream);
+    if (gpu) {
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // before the buffers go
+    }
+  }
+  std::vector<float> decode(wavekv::Sequence &s, const std::vector<uint8_t> &q) {
+    wavekv::Plan p(engine);
+    Buf dq(gpu, q), dout(gpu, std::vector<uint8_t>(q.size()));
+    std::vector<float> all;
+    for (uint32_t l = 0; l < kShape.layers; ++l) {
+      wkv_seq *seq = s.get();
+      p.decode(&seq, 1, l, dq.p, dout.p);
+      if (gpu) {
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      }
+      const std::vector<float> out = unpack(kShape.dtype, dout.host(), q.size() / 2);
+      all.insert(all.end(), out.begin(), out.end());
+    }
+    return all;
+  }
+};
+
+double rel_diff(const std::vector<float> &a, const std::vector<float> &b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += double(a[i] - b[i]) * (a[i] - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+}  // namespace
+
+TEST(GpuFiles, AFileMovesBetweenCpuAndCudaEngines) {
+  REQUIRE_GPU();
+  ScratchDir dir;
+  Side cpu(WKV_DEVICE_CPU), gpu(WKV_DEVICE_CUDA), back(WKV_DEVICE_CPU);
+  Context ctx(kShape, 5);
+  wavekv::Sequence sc(cpu.engine);
+  std::vector<uint8_t> k, v;
+  ctx.tokens(3000, &k, &v);
+  cpu.append(sc, k, v, 3000);
+  for (uint32_t l = 0; l < kShape.layers; ++l) sc.end_prompt(l);
+  ctx.tokens(300, &k, &v);  // an update segment
+  cpu.append(sc, k, v, 300);
+  sc.save(dir.file("cpu.wkv"));
+
+  wavekv::Sequence sg = wavekv::Sequence::load(gpu.engine, dir.file("cpu.wkv"));
+  sg.save(dir.file("gpu.wkv"));
+  wavekv::Sequence sb = wavekv::Sequence::load(back.engine, dir.file("gpu.wkv"));
+  for (int step = 0; step < 3; ++step) {
+    const std::vector<uint8_t> q = ctx.query();
+    const std::vector<float> oc = cpu.decode(sc, q), og = gpu.decode(sg, q), ob = back.decode(sb, q);
+    EXPECT_EQ(ob, oc) << "CPU -> file -> CUDA -> file -> CPU is bit for bit";
+    EXPECT_LT(rel_diff(og, oc), 1e-2) << "step " << step;
+    ctx.tokens(200, &k, &v);  // growing on, the same on all three
+    cpu.append(sc, k, v, 200);
+    gpu.append(sg, k, v, 200);
+    back.append(sb, k, v, 200);
+  }
+  EXPECT_EQ(sg.info(1).segments, sc.info(1).segments);
+}
+
+TEST(GpuFiles, ASaveRightAfterAppendsOnTheCallersStreamWaitsForThem) {
+  REQUIRE_GPU();
+  ScratchDir dir;
+  Side gpu(WKV_DEVICE_CUDA), cpu(WKV_DEVICE_CPU);
+  Context ctx(kShape, 9);
+  std::vector<uint8_t> k, v;
+  // Less than a segment beyond the window: all of it in the steady zone, on
+  // both engines alike.
+  ctx.tokens(900, &k, &v);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  wavekv::Sequence sg(gpu.engine), sc(cpu.engine);
+  {
+    Buf dk(true, k), dv(true, v);
+    for (uint32_t l = 0; l < kShape.layers; ++l) sg.append(l, dk.p, dv.p, 900, 0, 0, stream);
+    sg.save(dir.file("gpu.wkv"));  // no wait for `stream` before it
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  }
+  cpu.append(sc, k, v, 900);
+  sc.save(dir.file("cpu.wkv"));
+  // Every section the same as the CPU engine's, byte for byte but for the
+  // superblock (the time, the device).
+  const std::vector<wkv::SectionInfo> sa = sections_of(dir.file("gpu.wkv")), sb = sections_of(dir.file("cpu.wkv"));
+  ASSERT_EQ(sa.size(), sb.size());
+  for (size_t i = 0; i < sa.size(); ++i) {
+    ASSERT_EQ(sa[i].bytes, sb[i].bytes) << wkv::section_name(i, sa[i]);
+    EXPECT_EQ(sa[i].checksum, sb[i].checksum) << wkv::section_name(i, sa[i]);
+  }
+  cudaStreamDestroy(stream);
+}

@@ -1,0 +1,245 @@
+// The wavekv command on sequence files and statistics files, run as a
+// program: `verify` exits 0 (intact), 1 (corrupt) or 2 (unreadable) and
+// names what it found; `inspect` describes a file and, on every corrupted,
+// truncated, hostile or random file, reports and exits non-zero without
+// crashing (the ASan build runs the same); `top` reads a running engine's
+// statistics file.
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "files_support.hpp"
+
+extern char **environ;
+
+using namespace wkvtest;
+
+namespace {
+
+struct Outcome {
+  bool exited = false;  // false: killed by a signal (a crash)
+  int status = -1;
+  std::string out;      // stdout and stderr
+};
+
+// Runs the wavekv command (built beside the tests: WKV_CLI) with `args`.
+Outcome run_cli(std::vector<std::string> args) {
+  args.insert(args.begin(), WKV_CLI);
+  std::vector<char *> argv;
+  for (std::string &a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  int fds[2];
+  Outcome r;
+  if (pipe(fds) != 0) return r;
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], 2);
+  posix_spawn_file_actions_addclose(&fa, fds[0]);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(fds[1]);
+  if (rc == 0) {
+    char buf[4096];
+    for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) r.out.append(buf, static_cast<size_t>(n));
+    int status = 0;
+    waitpid(pid, &status, 0);
+    r.exited = WIFEXITED(status);
+    r.status = r.exited ? WEXITSTATUS(status) : -WTERMSIG(status);
+  }
+  close(fds[0]);
+  return r;
+}
+
+// A saved sequence of the default shape.
+std::string save_one(const ScratchDir &dir) {
+  const Shape s;
+  wavekv::Engine e(file_config(s));
+  wavekv::Sequence seq(e);
+  Context ctx(s);
+  fill(seq, s, ctx);
+  const std::string path = dir.file("seq.wkv");
+  seq.save(path);
+  return path;
+}
+
+// Both commands on a file that is not intact: a report and status 1 or 2,
+// never a crash.
+void expect_reported(const std::string &path, const std::string &what) {
+  for (const char *cmd : {"inspect", "verify"}) {
+    for (bool json : {false, true}) {
+      std::vector<std::string> args = {cmd, path};
+      if (json) args.push_back("--json");
+      const Outcome r = run_cli(args);
+      ASSERT_TRUE(r.exited) << cmd << " crashed on " << what << ":\n" << r.out;
+      EXPECT_TRUE(r.status == 1 || r.status == 2) << cmd << " on " << what << ": status " << r.status << "\n"
+                                                  << r.out;
+      if (json) {
+        const nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
+        EXPECT_FALSE(j.is_discarded()) << cmd << " --json on " << what << ":\n" << r.out;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(Cli, VerifyExitsZeroOneOrTwo) {
+  ScratchDir dir;
+  const std::string path = save_one(dir);
+  Outcome r = run_cli({"verify", path});
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("intact (18 sections"), std::string::npos) << r.out;
+  r = run_cli({"verify", path, "--json"});
+  EXPECT_EQ(r.status, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["state"], "intact");
+  EXPECT_EQ(j["intact"], 18);
+
+  const std::vector<wkv::SectionInfo> sections = sections_of(path);
+  std::vector<uint8_t> b = read_bytes(path);
+  b[sections[7].offset + wkv::seqfile::kSectionHeaderBytes + 3] ^= 4;
+  write_bytes(dir.file("bad.wkv"), b);
+  r = run_cli({"verify", dir.file("bad.wkv")});
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find(wkv::section_name(7, sections[7]) + ": checksum mismatch"), std::string::npos) << r.out;
+
+  r = run_cli({"verify", dir.file("missing.wkv")});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("No such file"), std::string::npos) << r.out;
+  b = read_bytes(path);
+  b[8] = 2;  // format 2, its preamble checked
+  repair_checksums(b);
+  write_bytes(dir.file("v2.wkv"), b);
+  r = run_cli({"verify", dir.file("v2.wkv")});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("format version 2"), std::string::npos) << r.out;
+  r = run_cli({"verify"});
+  EXPECT_EQ(r.status, 2) << "usage";
+}
+
+TEST(Cli, InspectDescribesAFile) {
+  ScratchDir dir;
+  const std::string path = save_one(dir);
+  Outcome r = run_cli({"inspect", path});
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char *want : {"2 layers, 4 q heads, 2 kv heads, head_dim 64, f16", "18 of 18 sections intact",
+                           "sequences", "790 tokens", "size min/med/max", "fill"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+  r = run_cli({"inspect", path, "--json"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["state"], "intact");
+  EXPECT_EQ(j["format_version"], 1);
+  EXPECT_EQ(j["shape"]["n_kv_heads"], 2);
+  EXPECT_EQ(j["settings"]["segment_tokens"], 256);
+  const nlohmann::json &layers = j["sequences"][0]["layers"];
+  ASSERT_EQ(layers.size(), 2u);
+  EXPECT_EQ(layers[0]["tokens"], 790);
+  const nlohmann::json &head = layers[0]["heads"][1];
+  uint64_t in_bins = 0;
+  for (const auto &[bin, n] : head["cluster_size_histogram"].items()) in_bins += n.get<uint64_t>();
+  EXPECT_EQ(in_bins, head["clusters"].get<uint64_t>());
+  EXPECT_GT(head["page_fill"].get<double>(), 0.5);
+  EXPECT_LE(head["page_fill"].get<double>(), 1.0);
+  ASSERT_EQ(j["sections"].size(), 18u);
+  for (const nlohmann::json &s : j["sections"]) EXPECT_EQ(s["state"], "ok");
+}
+
+TEST(Cli, EveryCorruptionIsReportedWithoutACrash) {
+  ScratchDir dir;
+  const std::string path = save_one(dir);
+  const std::vector<uint8_t> good = read_bytes(path);
+  const std::vector<wkv::SectionInfo> sections = sections_of(path);
+  const std::string bad = dir.file("bad.wkv");
+  for (size_t n = 0; n < sections.size(); ++n) {
+    const wkv::SectionInfo &s = sections[n];
+    const uint64_t payload = s.offset + wkv::seqfile::kSectionHeaderBytes;
+    std::vector<uint8_t> b = good;
+    b[s.offset + 17] ^= 0x20;  // its length
+    write_bytes(bad, b);
+    expect_reported(bad, "a flipped header bit of " + wkv::section_name(n, s));
+    b = good;
+    b[payload + s.bytes / 2] ^= 0x01;
+    write_bytes(bad, b);
+    expect_reported(bad, "a flipped payload bit of " + wkv::section_name(n, s));
+    write_bytes(bad, std::vector<uint8_t>(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(payload + s.bytes / 2)));
+    expect_reported(bad, "a cut inside " + wkv::section_name(n, s));
+  }
+  // Values changed and every checksum made to match: what only the checks
+  // behind the checksums can refuse.
+  for (size_t n = 0; n < sections.size(); ++n) {
+    const wkv::SectionInfo &s = sections[n];
+    if (s.kind != wkv::seqfile::Kind::kLayer && s.kind != wkv::seqfile::Kind::kMapping) continue;
+    for (uint64_t at : {0, 4, 8, 12, 20, 28}) {
+      if (at >= s.bytes) continue;
+      std::vector<uint8_t> b = good;
+      b[s.offset + wkv::seqfile::kSectionHeaderBytes + at] ^= 0x40;
+      repair_checksums(b);
+      write_bytes(bad, b);
+      expect_reported(bad, "a hostile " + wkv::section_name(n, s));
+    }
+  }
+}
+
+TEST(Cli, RandomBytesAreReportedWithoutACrash) {
+  ScratchDir dir;
+  const std::string path = save_one(dir);
+  const std::vector<uint8_t> good = read_bytes(path);
+  std::mt19937_64 rng(11);
+  for (size_t size : {0, 7, 16, 255, 288, 1000, 70000}) {
+    std::vector<uint8_t> b(size);
+    for (uint8_t &c : b) c = static_cast<uint8_t>(rng());
+    write_bytes(dir.file("random"), b);
+    expect_reported(dir.file("random"), std::to_string(size) + " random bytes");
+    // The same behind a valid superblock: random sections.
+    if (size < 288) continue;
+    std::copy(good.begin(), good.begin() + 256, b.begin());
+    repair_checksums(b);
+    write_bytes(dir.file("random"), b);
+    expect_reported(dir.file("random"), std::to_string(size) + " random bytes after a superblock");
+  }
+}
+
+TEST(Cli, TopShowsAnEnginesStatisticsFile) {
+  ScratchDir dir;
+  const std::string stats = dir.file("stats.json");
+  Outcome r = run_cli({"top", "--once", stats});
+  EXPECT_EQ(r.status, 2) << "no file yet:\n" << r.out;
+  wkv_config c = file_config(Shape{});
+  c.stats_path = stats.c_str();
+  c.stats_interval_ms = 20;
+  wavekv::Engine e(c);
+  wavekv::Sequence seq(e);
+  Context ctx(Shape{});
+  std::vector<uint8_t> k, v;
+  ctx.tokens(50, &k, &v);
+  seq.append(0, k.data(), v.data(), 50);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  r = run_cli({"top", "--once", stats});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("50 (all layers)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cache hits / misses"), std::string::npos) << r.out;
+  r = run_cli({"top", "--once", "--json", stats});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["stats"]["tokens"], 50);
+  // Not a terminal: one line per change.
+  r = run_cli({"top", "--count", "3", "--interval", "10", stats});
+  ASSERT_EQ(r.status, 0) << r.out;
+  size_t lines = 0;
+  for (char ch : r.out) lines += ch == '\n';
+  EXPECT_EQ(lines, 3u) << r.out;
+  EXPECT_NE(r.out.find("tokens=50"), std::string::npos) << r.out;
+  write_bytes(dir.file("junk.json"), {'{', 'x'});
+  EXPECT_EQ(run_cli({"top", "--once", dir.file("junk.json")}).status, 2);
+}
