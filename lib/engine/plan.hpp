@@ -26,6 +26,7 @@ class Sequence;
 struct RunPlan {
   uint32_t seq = 0, head = 0;
   uint32_t clusters = 0, n_ret = 0, n_est = 0;
+  uint32_t n_one = 0;  // of n_ret: clusters of one member
   size_t ret_off = 0, est_off = 0, logits_off = 0;
   uint64_t steady_tokens = 0, ret_tokens = 0;
 };
