@@ -34,7 +34,7 @@ struct RunPlan {
 // A plan's device buffers (CUDA backend), in engine memory. Plain data: the
 // CUDA backend owns what they mean (lib/backend/cuda/cuda_backend.cpp).
 struct PlanDevice {
-  Region runs, q, ret_ids, ret_pos, est_ids, run_tokens, est_out, est_lse, offsets, logits;
+  Region runs, q, ret_ids, ret_pos, est_ids, run_tokens, est_out, est_lse, offsets, logits, zones;
   Region xk, xv, scratch;
   Region counters;  // the kernels' per-plan counters (kernels::StepCounters)
   std::vector<kernels::DevRun> host_runs;
