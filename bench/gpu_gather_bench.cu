@@ -373,10 +373,10 @@ int profile_kmeans() {
   }
   // Outliers as the engine's default method splits them (lib/index/growth.hpp).
   for (KMeansSegmentDesc &sg : segs) {
-    sg.outliers = T / 100;
+    sg.outliers = T / 200;
     sg.outlier_ratio = 1.5f;
   }
-  const size_t K = k + T / 100;  // cluster slots per segment
+  const size_t K = k + T / 200;  // cluster slots per segment
   KMeansBatchOut out;
   CK(cudaMalloc(&out.n_clusters, S * 4));
   CK(cudaMalloc(&out.n_outliers, S * 4));
@@ -429,11 +429,11 @@ int bench_kmeans(double pool_gib) {
   }
   // Outliers as the engine's default method splits them (lib/index/growth.hpp).
   for (KMeansSegmentDesc &sg : segs) {
-    sg.outliers = T / 100;
+    sg.outliers = T / 200;
     sg.outlier_ratio = 1.5f;
   }
   const KMeansBatchShape sh = kmeans_batch_shape(segs.data(), S);
-  const size_t K = k + T / 100;  // cluster slots per segment
+  const size_t K = k + T / 200;  // cluster slots per segment
   KMeansBatchOut out;
   CK(cudaMalloc(&out.n_clusters, S * 4));
   CK(cudaMalloc(&out.n_outliers, S * 4));

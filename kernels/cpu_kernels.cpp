@@ -452,6 +452,9 @@ inline RankKey radix_finish(const uint32_t *keys, uint32_t n, uint32_t prefix,
   return RankKey{prefix, k};
 }
 
+// Below this many keys one histogram is counted rather than four.
+constexpr uint32_t kRadixManyKeys = 4096;
+
 // Keys gathered for the later radix rounds on the stack; bins holding more
 // keys than this are finished from the whole key array.
 constexpr uint32_t kRadixCand = 2048;
@@ -479,20 +482,27 @@ WKV_HOT void select_impl(const float *score, uint32_t C, uint32_t n_ret,
   const uint32_t shift = bits > kRadixBits ? bits - kRadixBits : 0;
 #pragma omp simd
   for (uint32_t i = 0; i < C; ++i) keys[i] -= kmin;
-  uint32_t part[4][kRadixBins] = {};
-  uint32_t i4 = 0;
-  for (; i4 + 4 <= C; i4 += 4) {
-    const uint32_t *k4 = keys + i4;
-    ++part[0][k4[0] >> shift];
-    ++part[1][k4[1] >> shift];
-    ++part[2][k4[2] >> shift];
-    ++part[3][k4[3] >> shift];
-  }
-  for (; i4 < C; ++i4) ++part[0][keys[i4] >> shift];
   uint32_t hist[kRadixBins];
+  if (C < kRadixManyKeys) {
+    // Few keys: clearing and adding four histograms would cost more than
+    // the chains they break.
+    std::fill(hist, hist + kRadixBins, 0u);
+    for (uint32_t i = 0; i < C; ++i) ++hist[keys[i] >> shift];
+  } else {
+    uint32_t part[4][kRadixBins] = {};
+    uint32_t i4 = 0;
+    for (; i4 + 4 <= C; i4 += 4) {
+      const uint32_t *k4 = keys + i4;
+      ++part[0][k4[0] >> shift];
+      ++part[1][k4[1] >> shift];
+      ++part[2][k4[2] >> shift];
+      ++part[3][k4[3] >> shift];
+    }
+    for (; i4 < C; ++i4) ++part[0][keys[i4] >> shift];
 #pragma omp simd
-  for (uint32_t b = 0; b < kRadixBins; ++b)
-    hist[b] = (part[0][b] + part[1][b]) + (part[2][b] + part[3][b]);
+    for (uint32_t b = 0; b < kRadixBins; ++b)
+      hist[b] = (part[0][b] + part[1][b]) + (part[2][b] + part[3][b]);
+  }
   // 2. The bins of both ranks sought, and the rank within each.
   uint32_t k_sel = n_sel, k_ret = std::max(n_ret, 1u);
   const uint32_t b_sel = radix_walk(hist, kRadixBins, &k_sel);
@@ -1464,38 +1474,98 @@ void select_zones(const float *score, uint32_t C, uint32_t n_ret,
   select_impl(score, C, n_ret, n_est, ret, est, scratch);
 }
 
+// Sets this small are selected from directly rather than by radix.
+constexpr uint32_t kDirectSelect = 1024;
+
+// select_zones_split in two passes where it can: S, the n_sel best of all
+// (one select_zones), holds both zones whenever it holds n_reg larger
+// clusters; the retrieval zone is then the n_reg best larger clusters of S
+// and the n_one best clusters of one (of S, or of all where S has fewer),
+// and the estimation zone the rest of S less its worst, one for each
+// cluster of one retrieved from outside S. Otherwise in three selections.
 void select_zones_split(const float *score, const uint32_t *size, uint32_t C,
                         uint32_t n_reg, uint32_t n_one, uint32_t n_est,
                         uint32_t *ret, uint32_t *est, uint32_t *scratch) {
-  // Each selection is select_zones over the scores of one class, gathered
-  // in id order (so that ties still break to the lower id), and its
-  // positions mapped back to ids.
-  uint32_t *ids = scratch, *keys = scratch + C, *pos = scratch + 2 * size_t(C);
-  float *sub = reinterpret_cast<float *>(scratch + 3 * size_t(C));
-  uint32_t unused = 0;
-  auto top = [&](uint32_t n, uint32_t k, uint32_t *out) {
-    for (uint32_t i = 0; i < n; ++i) sub[i] = score[ids[i]];
-    select_impl(sub, n, k, 0, pos, &unused, keys);
-    for (uint32_t i = 0; i < k; ++i) out[i] = ids[pos[i]];
+  // Ranks in select_zones's order: score key descending, then id.
+  auto before = [&](uint32_t a, uint32_t b) {
+    const uint32_t ka = score_key(score[a]), kb = score_key(score[b]);
+    return ka > kb || (ka == kb && a < b);
   };
-  // 1. The larger clusters' retrieval ids, then those of the clusters of
-  //    one after them in ret; merged into id order below.
+  uint32_t *sel = scratch, *ids = scratch + C, *keys = scratch + 2 * size_t(C);
+  float *sub = reinterpret_cast<float *>(scratch + 3 * size_t(C));
+  uint32_t unused = 0;  // select_impl's estimation output where none is asked
+  const uint32_t n_sel = n_reg + n_one + n_est;
+  // 1. S, ascending.
+  select_impl(score, C, n_sel, 0, sel, &unused, keys);
+  uint32_t s_reg = 0;
+  for (uint32_t i = 0; i < n_sel; ++i) s_reg += size[sel[i]] != 1;
+  if (s_reg >= n_reg) {
+    // 2. The n_reg best larger clusters of S (a direct partial selection
+    //    where S is small).
+    uint32_t n = 0;
+    if (n_sel <= kDirectSelect) {
+      for (uint32_t i = 0; i < n_sel; ++i) ids[n] = sel[i], n += size[sel[i]] != 1;
+      if (n_reg < n) std::nth_element(ids, ids + n_reg, ids + n, before);
+      std::sort(ids, ids + n_reg);
+    } else {
+      for (uint32_t i = 0; i < n_sel; ++i) ids[n] = sel[i], sub[n] = score[sel[i]], n += size[sel[i]] != 1;
+      select_impl(sub, n, n_reg, 0, ret, &unused, keys);  // ret: positions, for now
+      for (uint32_t i = 0; i < n_reg; ++i) ids[i] = ids[ret[i]];
+    }
+    // 3. The n_one best clusters of one: of S when it has enough.
+    uint32_t *one = ids + n_reg, n1 = 0;
+    for (uint32_t i = 0; i < n_sel; ++i) one[n1] = sel[i], n1 += size[sel[i]] == 1;
+    uint32_t outside = 0;
+    if (n1 < n_one) {
+      n1 = 0;
+      for (uint32_t c = 0; c < C; ++c) one[n1] = c, n1 += size[c] == 1;
+    }
+    if (n_one < n1) std::nth_element(one, one + n_one, one + n1, before);
+    std::sort(one, one + n_one);
+    std::merge(ids, ids + n_reg, one, one + n_one, ret);
+    // 4. The rest of S, less its `outside` worst.
+    for (uint32_t i = 0, j = 0; i < n_one; ++i) {
+      while (j < n_sel && sel[j] < one[i]) ++j;
+      outside += !(j < n_sel && sel[j] == one[i]);
+    }
+    uint32_t n_rest = 0;
+    for (uint32_t i = 0, j = 0; i < n_sel; ++i) {
+      while (j < n_reg + n_one && ret[j] < sel[i]) ++j;
+      if (j < n_reg + n_one && ret[j] == sel[i]) continue;
+      sel[n_rest++] = sel[i];
+    }
+    for (uint32_t k = 0; k < outside; ++k) {  // few: one scan each
+      uint32_t worst = 0;
+      for (uint32_t i = 1; i < n_rest; ++i)
+        if (before(sel[worst], sel[i])) worst = i;
+      std::copy(sel + worst + 1, sel + n_rest, sel + worst);
+      --n_rest;
+    }
+    std::copy(sel, sel + n_est, est);
+    return;
+  }
+  // 5. Otherwise: the larger clusters' n_reg best, the n_one best of one,
+  //    then the n_est best of the rest, each by select_zones over the
+  //    clusters in question in id order (ties still break to the lower id).
+  auto top = [&](uint32_t n, uint32_t k, uint32_t *out) {
+    select_impl(sub, n, k, 0, out, &unused, keys);
+    for (uint32_t i = 0; i < k; ++i) out[i] = ids[out[i]];
+  };
   uint32_t n = 0;
-  for (uint32_t c = 0; c < C; ++c) ids[n] = c, n += size[c] != 1;
-  top(n, n_reg, ret);
+  for (uint32_t c = 0; c < C; ++c) ids[n] = c, sub[n] = score[c], n += size[c] != 1;
+  top(n, n_reg, sel);
   n = 0;
-  for (uint32_t c = 0; c < C; ++c) ids[n] = c, n += size[c] == 1;
-  top(n, n_one, ret + n_reg);
-  std::inplace_merge(ret, ret + n_reg, ret + n_reg + n_one);
-  // 2. Estimation: the top n_est of the others.
-  const uint32_t n_ret = n_reg + n_one;
+  for (uint32_t c = 0; c < C; ++c) ids[n] = c, sub[n] = score[c], n += size[c] == 1;
+  top(n, n_one, sel + n_reg);
+  std::merge(sel, sel + n_reg, sel + n_reg, sel + n_reg + n_one, ret);
   n = 0;
   for (uint32_t c = 0, i = 0; c < C; ++c) {
-    if (i < n_ret && ret[i] == c) {
+    if (i < n_reg + n_one && ret[i] == c) {
       ++i;
       continue;
     }
-    ids[n++] = c;
+    ids[n] = c;
+    sub[n++] = score[c];
   }
   top(n, n_est, est);
 }

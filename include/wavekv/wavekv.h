@@ -151,8 +151,9 @@ enum {
  */
 enum {
   /* At clustering, a key far from its cluster's centroid (its squared
-     distance above 1.5 times the segment's mean, at most 1% of a segment)
-     leaves the cluster as a cluster of one. Changes the index built. */
+     distance above 1.5 times the segment's mean, at most 0.5% of a
+     segment's keys) leaves the cluster as a cluster of one. Changes the
+     index built. */
   WKV_METHOD_OUTLIERS = 1u << 0,
   /* Clusters of one member are ranked apart: the retrieval zone is
      retrieval_frac of the larger clusters plus retrieval_frac (at least one)

@@ -35,7 +35,7 @@ struct IndexContext {
 // centroid exceeds kOutlierRatio times the segment's mean become clusters of
 // one, at most kOutlierShare of its tokens (kernels::split_outliers).
 constexpr float kOutlierRatio = 1.5f;
-constexpr float kOutlierShare = 0.01f;
+constexpr float kOutlierShare = 0.005f;
 
 // Outliers a segment of `tokens` may have under `method`.
 uint32_t outlier_cap(uint32_t method, uint32_t tokens);
