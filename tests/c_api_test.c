@@ -455,6 +455,8 @@ static void test_defaults(void) {
   CHECK(c.host_chunk_bytes == 64ull << 20, "default host_chunk_bytes 64 MiB");
   CHECK(c.device_cache_bytes == 0, "default device_cache_bytes 0");
   CHECK(c.seed == 0x5eed, "default seed 0x5eed");
+  CHECK(c.method == WKV_METHOD_DEFAULT, "default method: every refinement");
+  CHECK(c.reserved1 == 0, "reserved1 initialised to 0");
 
   memset(zero, 0, sizeof zero);
   memset(&st, 0xff, sizeof st);
@@ -575,6 +577,7 @@ static void check_config_roundtrip(wkv_engine *e, const wkv_config *want) {
   CHECK(got.host_budget_bytes == want->host_budget_bytes && got.host_chunk_bytes == want->host_chunk_bytes &&
             got.seed == want->seed,
         "budget, chunk and seed round-trip");
+  CHECK(got.method == want->method && got.reserved1 == 0, "method round-trips");
 
   /* A caller built against an older, shorter wkv_config. */
   memset(raw, 0xcd, sizeof raw);

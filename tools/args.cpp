@@ -32,6 +32,16 @@ void Flags::add_choice(const std::string &name, std::string *dst, std::vector<st
   specs_.push_back(std::move(s));
 }
 
+void Flags::add_string(const std::string &name, std::string *dst, const std::string &help) {
+  Spec s;
+  s.name = name;
+  s.kind = Kind::kString;
+  s.dst = dst;
+  s.help = help;
+  s.default_text = *dst;
+  specs_.push_back(std::move(s));
+}
+
 void Flags::add_switch(const std::string &name, bool *dst, const std::string &help) {
   Spec s;
   s.name = name;
@@ -73,6 +83,10 @@ void Flags::set(const Spec &s, const std::string &value) {
       for (const std::string &c : s.choices) all += (all.empty() ? "" : ", ") + c;
       throw UsageError(command_ + ": " + flag + " must be one of " + all + ", got '" + value + "'");
     }
+    case Kind::kString:
+      if (value.empty()) throw UsageError(command_ + ": " + flag + " wants a value");
+      *static_cast<std::string *>(s.dst) = value;
+      return;
     case Kind::kSwitch:
       *static_cast<bool *>(s.dst) = true;
       return;
@@ -111,6 +125,7 @@ std::string Flags::usage() const {
   for (const Spec &s : specs_) {
     std::string left = "  --" + s.name;
     if (s.kind == Kind::kUint) left += " N";
+    if (s.kind == Kind::kString) left += " TEXT";
     if (s.kind == Kind::kChoice) {
       std::string all;
       for (const std::string &c : s.choices) all += (all.empty() ? "" : "|") + c;

@@ -27,6 +27,8 @@ class Flags {
   // Declares a flag taking one of `choices`.
   void add_choice(const std::string &name, std::string *dst, std::vector<std::string> choices,
                   const std::string &help);
+  // Declares a flag taking any non-empty string.
+  void add_string(const std::string &name, std::string *dst, const std::string &help);
   // Declares a flag without a value that sets *dst to true.
   void add_switch(const std::string &name, bool *dst, const std::string &help);
 
@@ -38,7 +40,7 @@ class Flags {
   std::string usage() const;
 
  private:
-  enum class Kind { kUint, kChoice, kSwitch };
+  enum class Kind { kUint, kChoice, kString, kSwitch };
   struct Spec {
     std::string name;
     Kind kind = Kind::kSwitch;

@@ -21,6 +21,9 @@ int run_demo(const Options &o);
 void declare_bench(Flags &flags, Options *o);
 int run_bench(const Options &o);
 
+void declare_accuracy(Flags &flags, Options *o);
+int run_accuracy(const Options &o);
+
 void declare_stats(Flags &flags, Options *o);
 int run_stats(const Options &o);
 

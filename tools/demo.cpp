@@ -19,6 +19,12 @@ void declare_demo(Flags &flags, Options *o) {
   o->tokens = 32768;
   o->steps = 32;
   add_shape_flags(flags, o, false);
+  flags.add_choice("workload", &o->workload, {"needles", "diffuse"},
+                   "needles: span queries and needle queries in turn; diffuse: span queries aimed so loosely "
+                   "that the top 1.8% of keys hold under half of the attention");
+  flags.add_string("method", &o->method,
+                   "the engine's method: default, paper, or outliers, ones, spread, tail joined by '+' "
+                   "(docs/accuracy.md)");
 }
 
 namespace {
@@ -54,6 +60,8 @@ int run_demo(const Options &o) {
   spec.capacity = o.tokens + o.steps;
   spec.seed = o.seed;
   spec.keep_f32 = true;
+  const bool diffuse = o.workload == "diffuse";
+  if (diffuse) set_diffuse(&spec);
   SynthContext ctx(spec);
   {
     Progress p("generating", o.tokens);
@@ -68,7 +76,7 @@ int run_demo(const Options &o) {
 
   // 2. Ingest; the first lookup ends the prompt (clusters its remainder),
   //    so it belongs to the index build.
-  Session s(o, threads);
+  Session s(o, threads, parse_method(o.method, "demo: --method"));
   const double append_s = ingest(s, ctx, 0, 0, o.tokens, "ingesting");
   std::vector<uint8_t> q_store;
   std::vector<float> q32;
@@ -87,14 +95,14 @@ int run_demo(const Options &o) {
   std::vector<double> ref(static_cast<size_t>(Q) * d), sw(static_cast<size_t>(Q) * d);
   std::vector<float> sw_f(static_cast<size_t>(Q) * d);
   std::vector<double> wkv_ms, exact_ms, err_wkv, err_sw, err_exact, err_wkv_needle, err_sw_needle;
-  std::vector<double> needle_share, sink_share;
+  std::vector<double> needle_share, sink_share, top_share;
   uint64_t needle_queries = 0, wkv_hits = 0, sw_hits = 0, oracle_hits = 0;
   uint64_t prev_attended = built.attended_tokens;
   std::vector<double> err_oracle, err_oracle_needle;
   std::vector<float> oracle_f(static_cast<size_t>(Q) * d);
   Progress prog("decoding", o.steps);
   for (uint32_t step = 0; step < o.steps; ++step) {
-    const bool needle_step = step % 2 == 1;
+    const bool needle_step = !diffuse && step % 2 == 1;
     if (step > 0) {
       const uint64_t pos = ctx.tokens();
       ctx.generate(1, nullptr);
@@ -177,6 +185,7 @@ int run_demo(const Options &o) {
         err_sw_needle.push_back(es);
       } else {
         sink_share.push_back(probe.sink_share[j]);
+        top_share.push_back(probe.top_share[j]);
       }
     }
     prog.update(step + 1);
@@ -208,6 +217,8 @@ int run_demo(const Options &o) {
         .count("threads", threads)
         .count("steps", o.steps)
         .count("seed", o.seed)
+        .str("workload", o.workload)
+        .str("method", method_name(s.config.method))
         .count("documents", ctx.documents())
         .count("topics", spec.topics)
         .count("segments_per_head", built.segments / H)
@@ -241,6 +252,7 @@ int run_demo(const Options &o) {
                           .real("rel_l2_p90", quantile(err_exact, 0.9))
                           .real("needle_share_median", median(needle_share))
                           .real("sink_share_median", median(sink_share))
+                          .real("top_share_median", median(top_share))
                           .count("attended_tokens_per_head", final_tokens))
         .obj("oracle_top_k", Json()
                                  .real("rel_l2_median", median(err_oracle))
@@ -258,6 +270,7 @@ int run_demo(const Options &o) {
   t.row({"tokens", std::to_string(o.tokens) + " + " + std::to_string(final_tokens - o.tokens) + " generated"});
   t.row({"shape", std::to_string(H) + " kv heads, " + std::to_string(Q) + " q heads, d=" + std::to_string(d) +
                       ", " + o.dtype + ", " + std::to_string(threads) + " threads"});
+  t.row({"workload / method", o.workload + " / " + method_name(s.config.method)});
   t.row({"documents / topics", std::to_string(ctx.documents()) + " / " + std::to_string(spec.topics)});
   t.row({"clusters (per kv head)", std::to_string(clusters_per_head)});
   t.row({"index build (s)", fixed(build_s, 2) + " (k-means " + fixed(kmeans_s, 2) + ")"});
@@ -277,6 +290,7 @@ int run_demo(const Options &o) {
          hits(needle_queries, needle_queries), hits(oracle_hits, needle_queries)});
   t.row({"needle share of attention", "", "", fixed(median(needle_share), 3)});
   t.row({"sink share of attention", "", "", fixed(median(sink_share), 3)});
+  t.row({"top 1.8% share of attention", "", "", fixed(median(top_share), 3)});
   std::cout << t.str();
   std::printf("errors: relative L2 against exact attention in f64, per (step, q head): %zu of them; exact = the\n"
               "f32 CPU baseline; oracle top-k = exact attention over the tokens with the highest logits for each\n"

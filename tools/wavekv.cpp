@@ -16,6 +16,8 @@ const Command kCommands[] = {
     {"demo", "decode a synthetic long context; accuracy against exact attention and speed", declare_demo,
      run_demo},
     {"bench", "decode benchmark: wavekv step time against exact CPU attention", declare_bench, run_bench},
+    {"accuracy", "methods side by side on the needles, diffuse and real-attention workloads", declare_accuracy,
+     run_accuracy},
     {"stats", "engine statistics after a small synthetic session (text and JSON)", declare_stats, run_stats},
 };
 

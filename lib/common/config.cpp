@@ -41,6 +41,8 @@ wkv_config default_config() {
   c.host_chunk_bytes = 64ull << 20;
   c.device_cache_bytes = 0;
   c.seed = 0x5eed;
+  c.method = WKV_METHOD_DEFAULT;
+  c.reserved1 = 0;
   return c;
 }
 
@@ -139,6 +141,7 @@ Status resolve_config(const wkv_config *user, Config *out) {
       {"WKV_HOST_BUDGET_BYTES", &c.host_budget_bytes},
       {"WKV_HOST_CHUNK_BYTES", &c.host_chunk_bytes},
       {"WKV_DEVICE_CACHE_BYTES", &c.device_cache_bytes},
+      {"WKV_METHOD", &c.method},
   };
   for (EnvOverride &o : overrides) {
     const char *s = std::getenv(o.var);
@@ -213,8 +216,11 @@ Status resolve_config(const wkv_config *user, Config *out) {
   if (c.threads > kMaxThreads)
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "threads %u is too many (%s; at most %u)", c.threads,
                      from(&c.threads).c_str(), kMaxThreads);
-  if (c.reserved0 != 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "reserved0 must be 0");
+  if (c.reserved0 != 0 || c.reserved1 != 0)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "reserved0 and reserved1 must be 0");
+  if (c.method & ~static_cast<uint32_t>(WKV_METHOD_DEFAULT))
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "method 0x%x (%s) has bits that are no WKV_METHOD_* (0x%x)", c.method,
+                     from(&c.method).c_str(), static_cast<uint32_t>(WKV_METHOD_DEFAULT));
   if (c.flags & ~(uint32_t)(WKV_CONFIG_NO_NUMA | WKV_CONFIG_NO_PINNED))
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "unknown flags 0x%x", c.flags);
   if (c.device_cache_bytes > kMaxDeviceCacheBytes)

@@ -58,6 +58,8 @@ class WkvConfig(ctypes.Structure):
         ("host_chunk_bytes", c_uint64),
         ("device_cache_bytes", c_uint64),
         ("seed", c_uint64),
+        ("method", c_uint32),
+        ("reserved1", c_uint32),
     ]
 
 

@@ -103,6 +103,7 @@ class Config:
     host_chunk_bytes: int = _DEFAULT
     device_cache_bytes: int = _DEFAULT
     seed: int = _DEFAULT
+    method: int = _DEFAULT
 
     def __post_init__(self) -> None:
         defaults = Config._from_c(_init_config())

@@ -49,6 +49,14 @@ pub const WKV_DEVICE_AUTO: u32 = 2;
 pub const WKV_CONFIG_NO_NUMA: u32 = 1 << 0;
 pub const WKV_CONFIG_NO_PINNED: u32 = 1 << 1;
 
+pub const WKV_METHOD_OUTLIERS: u32 = 1 << 0;
+pub const WKV_METHOD_ONES: u32 = 1 << 1;
+pub const WKV_METHOD_SPREAD: u32 = 1 << 2;
+pub const WKV_METHOD_TAIL: u32 = 1 << 3;
+pub const WKV_METHOD_PAPER: u32 = 0;
+pub const WKV_METHOD_DEFAULT: u32 =
+    WKV_METHOD_OUTLIERS | WKV_METHOD_ONES | WKV_METHOD_SPREAD | WKV_METHOD_TAIL;
+
 /// Everything an engine is opened with; fill it with `wkv_config_init`.
 #[repr(C)]
 #[derive(Debug, Copy, Clone, Default, PartialEq)]
@@ -77,6 +85,8 @@ pub struct wkv_config {
     pub host_chunk_bytes: u64,
     pub device_cache_bytes: u64,
     pub seed: u64,
+    pub method: u32,
+    pub reserved1: u32,
 }
 
 /// Statistics of one engine; fill `size` with `wkv_stats_init`.

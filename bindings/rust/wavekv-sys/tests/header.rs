@@ -278,6 +278,8 @@ fn declarations_match_the_header() {
                 host_chunk_bytes,
                 device_cache_bytes,
                 seed,
+                method,
+                reserved1,
             }
         ),
         layout!(
@@ -373,6 +375,12 @@ fn declarations_match_the_header() {
         WKV_DEVICE_AUTO,
         WKV_CONFIG_NO_NUMA,
         WKV_CONFIG_NO_PINNED,
+        WKV_METHOD_OUTLIERS,
+        WKV_METHOD_ONES,
+        WKV_METHOD_SPREAD,
+        WKV_METHOD_TAIL,
+        WKV_METHOD_PAPER,
+        WKV_METHOD_DEFAULT,
     );
     assert_eq!(
         sorted(const_names.iter().map(|s| s.to_string()).collect()),
