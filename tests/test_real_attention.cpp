@@ -23,8 +23,8 @@ namespace {
 
 constexpr uint32_t kLayers = 6, kQ = 4, kKV = 2, kD = 128, kT = 8192, kQueries = 64;
 // Under the sanitizers, which look for memory and thread errors rather than
-// at the figure, the first layer (the index builds are most of
-// the test's time, and ten times slower there), with the bound as it is.
+// at the figures, the first layer alone (the index builds are most of the
+// test's time, and ten times slower there), with the per-layer checks.
 #if defined(WKV_SANITIZED)
 constexpr uint32_t kLayersRun = 1;
 #else
@@ -140,8 +140,14 @@ TEST(RealAttention, DefaultBudgetIsAccurateOnEveryLayer) {
   std::printf("all layers: median rel. L2 error %.4f p90 %.4f (paper's method %.4f p90 %.4f; bounds 0.035 and "
               "0.75x the paper's p90)\n",
               m, p90, median(paper), paper_p90);
-  EXPECT_LE(m, 0.035);
-  EXPECT_LE(p90, 0.75 * paper_p90);
+  if (kLayersRun == kLayers) {
+    EXPECT_LE(m, 0.035);
+    EXPECT_LE(p90, 0.75 * paper_p90);
+  } else {
+    // Layers 0 and 1 are the set's hardest (about 0.23 with the paper's
+    // method): the bounds hold for the whole set, checked without sanitizers.
+    std::printf("sanitizer build: the bounds over all layers are not checked\n");
+  }
   // At the paper's exact-token budget (within 10%).
   const double att_def = double(runs[1].e->stats().attended_tokens), att_paper = double(runs[0].e->stats().attended_tokens);
   std::printf("exact tokens: %.0f (paper's method %.0f)\n", att_def, att_paper);
