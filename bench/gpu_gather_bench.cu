@@ -371,13 +371,22 @@ int profile_kmeans() {
     segs[s].clusters = k;
     segs[s].seed = 1000 + s;
   }
+  // Outliers as the engine's default method splits them (lib/index/growth.hpp).
+  for (KMeansSegmentDesc &sg : segs) {
+    sg.outliers = T / 200;
+    sg.outlier_ratio = 1.5f;
+  }
+  const size_t K = k + T / 200;  // cluster slots per segment
   KMeansBatchOut out;
   CK(cudaMalloc(&out.n_clusters, S * 4));
-  CK(cudaMalloc(&out.begin, (size_t(S) * k + S) * 4));
+  CK(cudaMalloc(&out.n_outliers, S * 4));
+  CK(cudaMalloc(&out.begin, (size_t(S) * K + S) * 4));
   CK(cudaMalloc(&out.order, size_t(S) * T * 4));
-  CK(cudaMalloc(&out.size, size_t(S) * k * 4));
-  CK(cudaMalloc(&out.centroid, size_t(S) * k * d * 4));
-  CK(cudaMalloc(&out.value_sum, size_t(S) * k * d * 4));
+  CK(cudaMalloc(&out.size, size_t(S) * K * 4));
+  CK(cudaMalloc(&out.centroid, size_t(S) * K * d * 4));
+  CK(cudaMalloc(&out.value_sum, size_t(S) * K * d * 4));
+  CK(cudaMalloc(&out.spread, size_t(S) * K * 4));
+  CK(cudaMalloc(&out.value_total, size_t(S) * d * 8));
   KMeansBatchParams p;
   p.dtype = wkv::DType::kF16;
   p.head_dim = d;
@@ -418,14 +427,23 @@ int bench_kmeans(double pool_gib) {
     segs[s].clusters = k;
     segs[s].seed = 1000 + s;
   }
+  // Outliers as the engine's default method splits them (lib/index/growth.hpp).
+  for (KMeansSegmentDesc &sg : segs) {
+    sg.outliers = T / 200;
+    sg.outlier_ratio = 1.5f;
+  }
   const KMeansBatchShape sh = kmeans_batch_shape(segs.data(), S);
+  const size_t K = k + T / 200;  // cluster slots per segment
   KMeansBatchOut out;
   CK(cudaMalloc(&out.n_clusters, S * 4));
-  CK(cudaMalloc(&out.begin, (size_t(S) * k + S) * 4));
+  CK(cudaMalloc(&out.n_outliers, S * 4));
+  CK(cudaMalloc(&out.begin, (size_t(S) * K + S) * 4));
   CK(cudaMalloc(&out.order, size_t(S) * T * 4));
-  CK(cudaMalloc(&out.size, size_t(S) * k * 4));
-  CK(cudaMalloc(&out.centroid, size_t(S) * k * d * 4));
-  CK(cudaMalloc(&out.value_sum, size_t(S) * k * d * 4));
+  CK(cudaMalloc(&out.size, size_t(S) * K * 4));
+  CK(cudaMalloc(&out.centroid, size_t(S) * K * d * 4));
+  CK(cudaMalloc(&out.value_sum, size_t(S) * K * d * 4));
+  CK(cudaMalloc(&out.spread, size_t(S) * K * 4));
+  CK(cudaMalloc(&out.value_total, size_t(S) * d * 8));
   void *cublas = nullptr;
   OK(kmeans_cublas_create(&cublas));
   std::printf("\n| path | iters | workspace MiB | median ms (5) | clusters kept |\n|---|---|---|---|---|\n");

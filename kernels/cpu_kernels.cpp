@@ -300,6 +300,13 @@ WKV_HOT void score_softmax(const float *logits, uint32_t G, uint32_t C,
   }
 }
 
+// logits[c] += f * spread[c].
+WKV_HOT void add_spread(float *logits, const float *spread, uint32_t C,
+                        float f) {
+#pragma omp simd
+  for (uint32_t c = 0; c < C; ++c) logits[c] += f * spread[c];
+}
+
 // Unscaled logits of G heads over nt f32 rows into s[g * ld + c], cloned:
 // every decoding step scores every cluster of every sequence, layer and kv
 // head.
@@ -445,6 +452,9 @@ inline RankKey radix_finish(const uint32_t *keys, uint32_t n, uint32_t prefix,
   return RankKey{prefix, k};
 }
 
+// Below this many keys one histogram is counted rather than four.
+constexpr uint32_t kRadixManyKeys = 4096;
+
 // Keys gathered for the later radix rounds on the stack; bins holding more
 // keys than this are finished from the whole key array.
 constexpr uint32_t kRadixCand = 2048;
@@ -472,20 +482,27 @@ WKV_HOT void select_impl(const float *score, uint32_t C, uint32_t n_ret,
   const uint32_t shift = bits > kRadixBits ? bits - kRadixBits : 0;
 #pragma omp simd
   for (uint32_t i = 0; i < C; ++i) keys[i] -= kmin;
-  uint32_t part[4][kRadixBins] = {};
-  uint32_t i4 = 0;
-  for (; i4 + 4 <= C; i4 += 4) {
-    const uint32_t *k4 = keys + i4;
-    ++part[0][k4[0] >> shift];
-    ++part[1][k4[1] >> shift];
-    ++part[2][k4[2] >> shift];
-    ++part[3][k4[3] >> shift];
-  }
-  for (; i4 < C; ++i4) ++part[0][keys[i4] >> shift];
   uint32_t hist[kRadixBins];
+  if (C < kRadixManyKeys) {
+    // Few keys: clearing and adding four histograms would cost more than
+    // the chains they break.
+    std::fill(hist, hist + kRadixBins, 0u);
+    for (uint32_t i = 0; i < C; ++i) ++hist[keys[i] >> shift];
+  } else {
+    uint32_t part[4][kRadixBins] = {};
+    uint32_t i4 = 0;
+    for (; i4 + 4 <= C; i4 += 4) {
+      const uint32_t *k4 = keys + i4;
+      ++part[0][k4[0] >> shift];
+      ++part[1][k4[1] >> shift];
+      ++part[2][k4[2] >> shift];
+      ++part[3][k4[3] >> shift];
+    }
+    for (; i4 < C; ++i4) ++part[0][keys[i4] >> shift];
 #pragma omp simd
-  for (uint32_t b = 0; b < kRadixBins; ++b)
-    hist[b] = (part[0][b] + part[1][b]) + (part[2][b] + part[3][b]);
+    for (uint32_t b = 0; b < kRadixBins; ++b)
+      hist[b] = (part[0][b] + part[1][b]) + (part[2][b] + part[3][b]);
+  }
   // 2. The bins of both ranks sought, and the rank within each.
   uint32_t k_sel = n_sel, k_ret = std::max(n_ret, 1u);
   const uint32_t b_sel = radix_walk(hist, kRadixBins, &k_sel);
@@ -531,6 +548,30 @@ WKV_HOT void select_impl(const float *score, uint32_t C, uint32_t n_ret,
     nr += in_r;
     ne += in_s & !in_r;
   }
+}
+
+// Tail ---------------------------------------------------------------------
+
+// w[c] = size[c], but 0 for the ids of ret and est.
+void tail_weights(uint32_t C, const uint32_t *ret, uint32_t n_ret,
+                  const uint32_t *est, uint32_t n_est, const uint32_t *size,
+                  float *w) {
+  for (uint32_t c = 0; c < C; ++c) w[c] = static_cast<float>(size[c]);
+  for (uint32_t i = 0; i < n_ret; ++i) w[ret[i]] = 0.f;
+  for (uint32_t i = 0; i < n_est; ++i) w[est[i]] = 0.f;
+}
+
+// sum over c of w[c] exp(lg[c] - m), m >= every lg[c]; eight chains.
+WKV_HOT float tail_sum(const float *lg, const float *w, uint32_t C, float m) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  uint32_t c = 0;
+  for (; c + 8 <= C; c += 8) {
+    const float *l8 = lg + c, *w8 = w + c;
+#pragma omp simd
+    for (uint32_t k = 0; k < 8; ++k) acc[k] += w8[k] * exp_nonpos(l8[k] - m);
+  }
+  for (; c < C; ++c) acc[0] += w[c] * exp_nonpos(lg[c] - m);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
 // Estimation -------------------------------------------------------------
@@ -1086,6 +1127,63 @@ WKV_V3 void attend_v3(const float *q, uint32_t G, const T *k, const T *v,
 
 }  // namespace
 
+// Fills *out but for spread and n_outliers from an assignment of T tokens
+// to clusters [0, k): drops empty clusters (the others keep their relative
+// order), lists members in ascending token order, and sums keys and values
+// in double in that order.
+static void compact_clusters(const uint32_t *assign, uint32_t k, const float *keys,
+                      const float *values, uint32_t T, uint32_t d,
+                      SegmentClusters *out) {
+  std::vector<uint32_t> count(k, 0u);
+  for (uint32_t i = 0; i < T; ++i) ++count[assign[i]];
+  std::vector<uint32_t> renum(k, UINT32_MAX);
+  uint32_t kk = 0;
+  for (uint32_t c = 0; c < k; ++c)
+    if (count[c] > 0) renum[c] = kk++;
+  out->n_clusters = kk;
+  out->size.assign(kk, 0u);
+  out->begin.assign(kk + 1, 0);
+  for (uint32_t c = 0; c < k; ++c)
+    if (count[c] > 0) out->size[renum[c]] = count[c];
+  for (uint32_t c = 0; c < kk; ++c) out->begin[c + 1] = out->begin[c] + out->size[c];
+  out->order.resize(T);
+  std::vector<uint32_t> fill(out->begin.begin(), out->begin.end() - 1);
+  for (uint32_t i = 0; i < T; ++i) out->order[fill[renum[assign[i]]]++] = i;
+
+  out->centroid.resize(size_t(kk) * d);
+  out->value_sum.resize(size_t(kk) * d);
+  std::vector<double> ksum(d), vsum(d);
+  for (uint32_t c = 0; c < kk; ++c) {
+    std::fill(ksum.begin(), ksum.end(), 0.0);
+    std::fill(vsum.begin(), vsum.end(), 0.0);
+    for (uint32_t e = out->begin[c]; e < out->begin[c + 1]; ++e) {
+      const float *key = keys + size_t(out->order[e]) * d;
+      const float *val = values + size_t(out->order[e]) * d;
+#pragma omp simd
+      for (uint32_t j = 0; j < d; ++j) {
+        ksum[j] += key[j];
+        vsum[j] += val[j];
+      }
+    }
+    const double inv = 1.0 / out->size[c];
+    for (uint32_t j = 0; j < d; ++j) {
+      out->centroid[size_t(c) * d + j] = static_cast<float>(ksum[j] * inv);
+      out->value_sum[size_t(c) * d + j] = static_cast<float>(vsum[j]);
+    }
+  }
+}
+
+// The squared distance of two f32 rows: exact differences and squares in
+// double, summed in order (the device sums in another order).
+static double sq_dist(const float *a, const float *b, uint32_t d) {
+  double s = 0.0;
+  for (uint32_t j = 0; j < d; ++j) {
+    const double x = double(a[j]) - double(b[j]);
+    s += x * x;
+  }
+  return s;
+}
+
 // Zero vectors: a key equal to the segment mean has no direction. It is left
 // zero, so its dot with every direction is 0 and the tie rule puts it in the
 // lowest-numbered cluster; a cluster whose members sum to zero keeps its
@@ -1099,6 +1197,8 @@ void kmeans_segment(const KMeansParams &p, const float *keys,
   out->centroid.clear();
   out->value_sum.clear();
   out->size.clear();
+  out->spread.clear();
+  out->n_outliers = 0;
   if (T == 0) return;
   const uint32_t k = std::clamp<uint32_t>(p.n_clusters, 1, T);
   const uint32_t T4 = round_up(T, kTileP);
@@ -1185,60 +1285,161 @@ void kmeans_segment(const KMeansParams &p, const float *keys,
   }
 
   // Compact: drop empty clusters, keep the survivors in index order.
-  std::fill(count.begin(), count.end(), 0u);
-  for (uint32_t i = 0; i < T; ++i) ++count[assign[i]];
-  std::vector<uint32_t> renum(k, UINT32_MAX);
-  uint32_t kk = 0;
-  for (uint32_t c = 0; c < k; ++c)
-    if (count[c] > 0) renum[c] = kk++;
-  out->n_clusters = kk;
-  out->size.resize(kk);
-  out->begin.assign(kk + 1, 0);
-  for (uint32_t c = 0; c < k; ++c)
-    if (count[c] > 0) out->size[renum[c]] = count[c];
-  for (uint32_t c = 0; c < kk; ++c) out->begin[c + 1] = out->begin[c] + out->size[c];
-  out->order.resize(T);
-  std::vector<uint32_t> fill(out->begin.begin(), out->begin.end() - 1);
-  for (uint32_t i = 0; i < T; ++i) out->order[fill[renum[assign[i]]]++] = i;
+  compact_clusters(assign.data(), k, keys, values, T, d, out);
+  split_outliers(p.outliers, p.outlier_ratio, keys, values, d, out);
+}
 
-  out->centroid.resize(size_t(kk) * d);
-  out->value_sum.resize(size_t(kk) * d);
+static void split_impl(uint32_t cap, float ratio, const float *keys,
+                       const float *values, uint32_t d, SegmentClusters *sc);
+
+void split_outliers(uint32_t cap, float ratio, const float *keys,
+                    const float *values, uint32_t d, SegmentClusters *sc) {
+  split_impl(cap, ratio, keys, values, d, sc);
+  sc->value_total.assign(d, 0.0);
+  for (uint32_t c = 0; c < sc->n_clusters; ++c)
+    for (uint32_t j = 0; j < d; ++j) sc->value_total[j] += sc->value_sum[size_t(c) * d + j];
+}
+
+// split_outliers but for the value totals.
+static void split_impl(uint32_t cap, float ratio, const float *keys,
+                       const float *values, uint32_t d, SegmentClusters *sc) {
+  const uint32_t T = static_cast<uint32_t>(sc->order.size());
+  const uint32_t C = sc->n_clusters;
+  sc->n_outliers = 0;
+  sc->spread.assign(C, 0.f);
+  if (T == 0) return;
+  // 1. Squared distances r[p] of the member at position p to its centroid
+  //    (exact differences and squares in double, summed in order j), the
+  //    spread of every cluster and the segment's mean distance.
+  std::vector<double> r(T);
+  double total = 0.0;
+  for (uint32_t c = 0; c < C; ++c) {
+    const float *cen = sc->centroid.data() + size_t(c) * d;
+    double sum = 0.0;
+    for (uint32_t p = sc->begin[c]; p < sc->begin[c + 1]; ++p) {
+      r[p] = sq_dist(keys + size_t(sc->order[p]) * d, cen, d);
+      sum += r[p];
+    }
+    sc->spread[c] = static_cast<float>(sum / sc->size[c]);
+    total += sum;
+  }
+  if (cap == 0 || !(ratio > 0.f)) return;
+  const double bar = double(ratio) * (total / T);
+  // 2. Candidates: beyond the bar, in a cluster of two or more, and not the
+  //    member of its cluster nearest the centroid (the first such on ties),
+  //    which keeps every cluster non-empty.
+  std::vector<uint32_t> cand;
+  for (uint32_t c = 0; c < C; ++c) {
+    const uint32_t b = sc->begin[c], e = sc->begin[c + 1];
+    if (e - b < 2) continue;
+    uint32_t keep = b;
+    for (uint32_t p = b + 1; p < e; ++p)
+      if (r[p] < r[keep]) keep = p;
+    for (uint32_t p = b; p < e; ++p)
+      if (p != keep && r[p] > bar) cand.push_back(p);
+  }
+  // 3. At most cap of them: the farthest, the lower position on ties; then
+  //    in position order again.
+  if (cand.size() > cap) {
+    std::nth_element(cand.begin(), cand.begin() + cap, cand.end(),
+                     [&](uint32_t a, uint32_t b) { return r[a] > r[b] || (r[a] == r[b] && a < b); });
+    cand.resize(cap);
+    std::sort(cand.begin(), cand.end());
+  }
+  const uint32_t n_out = static_cast<uint32_t>(cand.size());
+  if (n_out == 0) return;
+  // 4. The new layout: every cluster keeps its other members in order, and
+  //    the outliers follow as singletons in position order.
+  std::vector<char> out_at(T, 0);
+  for (uint32_t p : cand) out_at[p] = 1;
+  std::vector<uint32_t> order(T), begin(C + n_out + 1, 0), size(C + n_out);
+  std::vector<char> changed(C, 0);
+  uint32_t at = 0;
+  for (uint32_t c = 0; c < C; ++c) {
+    begin[c] = at;
+    for (uint32_t p = sc->begin[c]; p < sc->begin[c + 1]; ++p) {
+      if (out_at[p]) {
+        changed[c] = 1;
+        continue;
+      }
+      order[at++] = sc->order[p];
+    }
+    size[c] = at - begin[c];
+  }
+  for (uint32_t i = 0; i < n_out; ++i) {
+    begin[C + i] = at;
+    order[at++] = sc->order[cand[i]];
+    size[C + i] = 1;
+  }
+  begin[C + n_out] = at;
+  sc->order.swap(order);
+  sc->begin.swap(begin);
+  sc->size.swap(size);
+  // 5. Sums of the clusters that lost members (as compact_clusters sums
+  //    them) and their spread; a singleton is its own key and value.
+  sc->centroid.resize(size_t(C + n_out) * d);
+  sc->value_sum.resize(size_t(C + n_out) * d);
+  sc->spread.resize(C + n_out);
   std::vector<double> ksum(d), vsum(d);
-  for (uint32_t c = 0; c < kk; ++c) {
+  for (uint32_t c = 0; c < C; ++c) {
+    if (!changed[c]) continue;
     std::fill(ksum.begin(), ksum.end(), 0.0);
     std::fill(vsum.begin(), vsum.end(), 0.0);
-    for (uint32_t e = out->begin[c]; e < out->begin[c + 1]; ++e) {
-      const float *key = keys + size_t(out->order[e]) * d;
-      const float *val = values + size_t(out->order[e]) * d;
-#pragma omp simd
+    for (uint32_t p = sc->begin[c]; p < sc->begin[c + 1]; ++p) {
+      const float *key = keys + size_t(sc->order[p]) * d;
+      const float *val = values + size_t(sc->order[p]) * d;
       for (uint32_t j = 0; j < d; ++j) {
         ksum[j] += key[j];
         vsum[j] += val[j];
       }
     }
-    const double inv = 1.0 / out->size[c];
+    float *cen = sc->centroid.data() + size_t(c) * d;
+    const double inv = 1.0 / sc->size[c];
     for (uint32_t j = 0; j < d; ++j) {
-      out->centroid[size_t(c) * d + j] = static_cast<float>(ksum[j] * inv);
-      out->value_sum[size_t(c) * d + j] = static_cast<float>(vsum[j]);
+      cen[j] = static_cast<float>(ksum[j] * inv);
+      sc->value_sum[size_t(c) * d + j] = static_cast<float>(vsum[j]);
     }
+    double sum = 0.0;
+    for (uint32_t p = sc->begin[c]; p < sc->begin[c + 1]; ++p)
+      sum += sq_dist(keys + size_t(sc->order[p]) * d, cen, d);
+    sc->spread[c] = static_cast<float>(sum / sc->size[c]);
+  }
+  for (uint32_t i = 0; i < n_out; ++i) {
+    const uint32_t t = sc->order[sc->begin[C + i]];
+    std::copy(keys + size_t(t) * d, keys + size_t(t + 1) * d, sc->centroid.data() + size_t(C + i) * d);
+    std::copy(values + size_t(t) * d, values + size_t(t + 1) * d, sc->value_sum.data() + size_t(C + i) * d);
+    sc->spread[C + i] = 0.f;
+  }
+  sc->n_clusters = C + n_out;
+  sc->n_outliers = n_out;
+}
+
+void spread_logits(const float *q, uint32_t G, const float *spread,
+                   uint32_t C, uint32_t d, float scale, float *logits) {
+  for (uint32_t g = 0; g < G; ++g) {
+    const float *qg = q + size_t(g) * d;
+    float q2 = 0.f;
+    for (uint32_t j = 0; j < d; ++j) q2 += qg[j] * qg[j];
+    add_spread(logits + size_t(g) * C, spread, C, 0.5f * scale * scale * q2 / float(d));
   }
 }
 
 void score_clusters(const float *q, uint32_t G, const float *centroid,
                     uint32_t C, uint32_t d, float scale, float *logits,
-                    float *score) {
+                    float *score, const float *spread) {
   logits_rows(q, G, centroid, C, d, logits, C);
   scale_in_place(logits, size_t(G) * C, scale);
+  if (spread) spread_logits(q, G, spread, C, d, scale, logits);
   score_softmax(logits, G, C, score);
 }
 
 bool score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
                     uint32_t C, uint32_t d, float scale, float *logits,
-                    float *score) {
+                    float *score, const float *spread) {
   switch (t) {
     case DType::kF32:
       score_clusters(q, G, static_cast<const float *>(centroid), C, d, scale,
-                     logits, score);
+                     logits, score, spread);
       return true;
     case DType::kF16:
 #if defined(WKV_HAVE_V3)
@@ -1258,6 +1459,7 @@ bool score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
     default:
       return false;
   }
+  if (spread) spread_logits(q, G, spread, C, d, scale, logits);
   score_softmax(logits, G, C, score);
   return true;
 }
@@ -1270,6 +1472,119 @@ void select_zones(const float *score, uint32_t C, uint32_t n_ret,
                   uint32_t n_est, uint32_t *ret, uint32_t *est,
                   uint32_t *scratch) {
   select_impl(score, C, n_ret, n_est, ret, est, scratch);
+}
+
+// Sets this small are selected from directly rather than by radix.
+constexpr uint32_t kDirectSelect = 1024;
+
+// select_zones_split in two passes where it can: S, the n_sel best of all
+// (one select_zones), holds both zones whenever it holds n_reg larger
+// clusters; the retrieval zone is then the n_reg best larger clusters of S
+// and the n_one best clusters of one (of S, or of all where S has fewer),
+// and the estimation zone the rest of S less its worst, one for each
+// cluster of one retrieved from outside S. Otherwise in three selections.
+void select_zones_split(const float *score, const uint32_t *size, uint32_t C,
+                        uint32_t n_reg, uint32_t n_one, uint32_t n_est,
+                        uint32_t *ret, uint32_t *est, uint32_t *scratch) {
+  // Ranks in select_zones's order: score key descending, then id.
+  auto before = [&](uint32_t a, uint32_t b) {
+    const uint32_t ka = score_key(score[a]), kb = score_key(score[b]);
+    return ka > kb || (ka == kb && a < b);
+  };
+  uint32_t *sel = scratch, *ids = scratch + C, *keys = scratch + 2 * size_t(C);
+  float *sub = reinterpret_cast<float *>(scratch + 3 * size_t(C));
+  uint32_t unused = 0;  // select_impl's estimation output where none is asked
+  const uint32_t n_sel = n_reg + n_one + n_est;
+  // 1. S, ascending.
+  select_impl(score, C, n_sel, 0, sel, &unused, keys);
+  uint32_t s_reg = 0;
+  for (uint32_t i = 0; i < n_sel; ++i) s_reg += size[sel[i]] != 1;
+  if (s_reg >= n_reg) {
+    // 2. The n_reg best larger clusters of S (a direct partial selection
+    //    where S is small).
+    uint32_t n = 0;
+    if (n_sel <= kDirectSelect) {
+      for (uint32_t i = 0; i < n_sel; ++i) ids[n] = sel[i], n += size[sel[i]] != 1;
+      if (n_reg < n) std::nth_element(ids, ids + n_reg, ids + n, before);
+      std::sort(ids, ids + n_reg);
+    } else {
+      for (uint32_t i = 0; i < n_sel; ++i) ids[n] = sel[i], sub[n] = score[sel[i]], n += size[sel[i]] != 1;
+      select_impl(sub, n, n_reg, 0, ret, &unused, keys);  // ret: positions, for now
+      for (uint32_t i = 0; i < n_reg; ++i) ids[i] = ids[ret[i]];
+    }
+    // 3. The n_one best clusters of one: of S when it has enough.
+    uint32_t *one = ids + n_reg, n1 = 0;
+    for (uint32_t i = 0; i < n_sel; ++i) one[n1] = sel[i], n1 += size[sel[i]] == 1;
+    uint32_t outside = 0;
+    if (n1 < n_one) {
+      n1 = 0;
+      for (uint32_t c = 0; c < C; ++c) one[n1] = c, n1 += size[c] == 1;
+    }
+    if (n_one < n1) std::nth_element(one, one + n_one, one + n1, before);
+    std::sort(one, one + n_one);
+    std::merge(ids, ids + n_reg, one, one + n_one, ret);
+    // 4. The rest of S, less its `outside` worst.
+    for (uint32_t i = 0, j = 0; i < n_one; ++i) {
+      while (j < n_sel && sel[j] < one[i]) ++j;
+      outside += !(j < n_sel && sel[j] == one[i]);
+    }
+    uint32_t n_rest = 0;
+    for (uint32_t i = 0, j = 0; i < n_sel; ++i) {
+      while (j < n_reg + n_one && ret[j] < sel[i]) ++j;
+      if (j < n_reg + n_one && ret[j] == sel[i]) continue;
+      sel[n_rest++] = sel[i];
+    }
+    for (uint32_t k = 0; k < outside; ++k) {  // few: one scan each
+      uint32_t worst = 0;
+      for (uint32_t i = 1; i < n_rest; ++i)
+        if (before(sel[worst], sel[i])) worst = i;
+      std::copy(sel + worst + 1, sel + n_rest, sel + worst);
+      --n_rest;
+    }
+    std::copy(sel, sel + n_est, est);
+    return;
+  }
+  // 5. Otherwise: the larger clusters' n_reg best, the n_one best of one,
+  //    then the n_est best of the rest, each by select_zones over the
+  //    clusters in question in id order (ties still break to the lower id).
+  auto top = [&](uint32_t n, uint32_t k, uint32_t *out) {
+    select_impl(sub, n, k, 0, out, &unused, keys);
+    for (uint32_t i = 0; i < k; ++i) out[i] = ids[out[i]];
+  };
+  uint32_t n = 0;
+  for (uint32_t c = 0; c < C; ++c) ids[n] = c, sub[n] = score[c], n += size[c] != 1;
+  top(n, n_reg, sel);
+  n = 0;
+  for (uint32_t c = 0; c < C; ++c) ids[n] = c, sub[n] = score[c], n += size[c] == 1;
+  top(n, n_one, sel + n_reg);
+  std::merge(sel, sel + n_reg, sel + n_reg, sel + n_reg + n_one, ret);
+  n = 0;
+  for (uint32_t c = 0, i = 0; c < C; ++c) {
+    if (i < n_reg + n_one && ret[i] == c) {
+      ++i;
+      continue;
+    }
+    ids[n] = c;
+    sub[n++] = score[c];
+  }
+  top(n, n_est, est);
+}
+
+void estimate_tail(const float *logits, uint32_t G, size_t ld, uint32_t C,
+                   const uint32_t *ret, uint32_t n_ret, const uint32_t *est,
+                   uint32_t n_est, const uint32_t *size,
+                   const float *value_mean, uint32_t d, float *out,
+                   float *lse, float *scratch) {
+  tail_weights(C, ret, n_ret, est, n_est, size, scratch);
+  for (uint32_t g = 0; g < G; ++g) {
+    const float *lg = logits + size_t(g) * ld;
+    const float m = max_of(lg, C);
+    if (m == kNegInf) continue;  // no cluster has any weight
+    const float den = tail_sum(lg, scratch, C, m);
+    if (!(den > 0.f)) continue;  // no tail, or its weight underflows
+    const float tail_lse = m + std::log(den);
+    lse[g] = merge_partials(out + size_t(g) * d, lse[g], value_mean, tail_lse, d, out + size_t(g) * d);
+  }
 }
 
 float estimate_zone(const float *logits, const uint32_t *ids, uint32_t n,

@@ -22,6 +22,9 @@ struct KMeansParams {
   uint32_t n_clusters = 0;  // k requested (>= 1); empty clusters are dropped
   uint32_t iters = 10;      // assignment/update rounds
   uint64_t seed = 0;        // initialisation seed; same seed, same result
+  uint32_t outliers = 0;    // most members split off as singletons (0: none)
+  float outlier_ratio = 0;  // split members whose squared distance to their
+                            // centroid exceeds this times the segment's mean
 };
 
 // The clusters of one segment of T tokens, compacted (no empty cluster),
@@ -40,6 +43,12 @@ struct SegmentClusters {
   std::vector<float> centroid;      // [n_clusters][d]
   std::vector<float> value_sum;     // [n_clusters][d]
   std::vector<uint32_t> size;       // [n_clusters]
+  uint32_t n_outliers = 0;          // the last n_outliers clusters are
+                                    // outliers split off (split_outliers)
+  std::vector<float> spread;        // [n_clusters] mean squared distance of
+                                    // member keys to the centroid
+  std::vector<double> value_total;  // [d] sum over c of value_sum[c], in
+                                    // order of c
 };
 
 // Clusters T keys [T][d] (values [T][d] only feed value_sum): subtracts the
@@ -53,16 +62,34 @@ void kmeans_segment(const KMeansParams &p, const float *keys,
                     const float *values, uint32_t T, uint32_t d,
                     SegmentClusters *out);
 
+// The last pass of kmeans_segment, on its compacted clusters (keys and
+// values as given to it): fills spread, and with cap > 0 and ratio > 0
+// splits outliers off as singleton clusters. With r[p] the squared
+// distance of the member at position p of `order` to its cluster's
+// centroid (differences and squares exact in double) and mean_r the mean
+// of r over the segment, the outliers are the members with
+// r[p] > ratio * mean_r in clusters of two or more, but for each cluster's
+// member nearest its centroid (the first on ties): at most cap of them, the
+// largest r first (the lower position on ties). Each cluster keeps its
+// other members in order; the outliers follow as clusters of one, in
+// position order, with their key as centroid and their value as value sum.
+// A cluster that lost members gets its sums and spread computed afresh.
+// The device k-means's split (kernels/kmeans_cuda.hpp) is the same.
+void split_outliers(uint32_t cap, float ratio, const float *keys,
+                    const float *values, uint32_t d, SegmentClusters *sc);
+
 // Scoring and selection ---------------------------------------------------
 
 // Scores C clusters for a query group of G heads.
 //   q        [G][d]
 //   centroid [C][d]
-//   logits   [G][C]  out: q_g . centroid_c * scale
+//   spread   [C] or null: the clusters' spread (SegmentClusters)
+//   logits   [G][C]  out: q_g . centroid_c * scale, plus with a spread
+//                    0.5 * scale^2 * |q_g|^2 * spread_c / d (spread_logits)
 //   score    [C]     out: sum over g of softmax_c(logits[g][.])[c]
 void score_clusters(const float *q, uint32_t G, const float *centroid,
                     uint32_t C, uint32_t d, float scale, float *logits,
-                    float *score);
+                    float *score, const float *spread = nullptr);
 
 // The same from centroids stored as `t`: f32, or the meta index's compact
 // 16-bit mirror (f16 or bf16), converted as they are read; the dot products
@@ -70,7 +97,15 @@ void score_clusters(const float *q, uint32_t G, const float *centroid,
 // the rounded centroids. False (nothing written) for an unknown dtype.
 bool score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
                     uint32_t C, uint32_t d, float scale, float *logits,
-                    float *score);
+                    float *score, const float *spread = nullptr);
+
+// Adds to each logit [G][C] half the logit's variance over the cluster's
+// members, were their offsets from the centroid isotropic with the
+// cluster's spread: 0.5 * scale^2 * |q_g|^2 * spread_c / d. exp of the sum
+// is then the mean of exp(logit) over the cluster for Gaussian offsets
+// (Jensen's lower bound, exp of the centroid's logit, when spread is 0).
+void spread_logits(const float *q, uint32_t G, const float *spread,
+                   uint32_t C, uint32_t d, float scale, float *logits);
 
 // Picks the n_ret highest scores (retrieval) and the next n_est (estimation)
 // among C. Ties break to the lower id. ret and est are sorted ascending by id.
@@ -78,6 +113,18 @@ bool score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
 void select_zones(const float *score, uint32_t C, uint32_t n_ret,
                   uint32_t n_est, uint32_t *ret, uint32_t *est,
                   uint32_t *scratch);
+
+// select_zones with clusters of one ranked apart: the retrieval zone is the
+// n_reg highest scores among clusters of size != 1 and the n_one highest
+// among clusters of size 1 (ret, ascending, n_reg + n_one ids); the
+// estimation zone the n_est highest of the others (est, ascending). Ties
+// break to the lower id. Pre: n_reg <= clusters of size != 1, n_one <=
+// clusters of size 1, n_reg + n_one + n_est <= C. `scratch` holds at
+// least 4 C entries. With n_one == 0 and no cluster of size 1 this is
+// select_zones.
+void select_zones_split(const float *score, const uint32_t *size, uint32_t C,
+                        uint32_t n_reg, uint32_t n_one, uint32_t n_est,
+                        uint32_t *ret, uint32_t *est, uint32_t *scratch);
 
 // Estimation and merge ----------------------------------------------------
 
@@ -110,6 +157,20 @@ void estimate_zone_group_means(const float *logits, uint32_t G, size_t ld,
                                const uint32_t *ids, uint32_t n,
                                const f16 *value_mean, const uint32_t *size,
                                uint32_t d, float *out, float *lse);
+
+// Folds the tail (the clusters of neither zone: ids < C in neither list
+// ret nor est) into each head's estimate, its value taken as value_mean [d]:
+// with m_g the largest of logits[g][0, C) and
+// T_g = sum over the tail of size_c exp(logits[g][c] - m_g), out[g] and
+// lse[g] become the merge (merge_partials) of (out[g], lse[g]) and
+// (value_mean, m_g + log T_g). A head whose T_g is 0 (no tail, or its
+// weight underflows against m_g) is left as it was. `scratch` holds C
+// floats.
+void estimate_tail(const float *logits, uint32_t G, size_t ld, uint32_t C,
+                   const uint32_t *ret, uint32_t n_ret, const uint32_t *est,
+                   uint32_t n_est, const uint32_t *size,
+                   const float *value_mean, uint32_t d, float *out,
+                   float *lse, float *scratch);
 
 // Merges two partial attentions (o_a, lse_a) and (o_b, lse_b) over disjoint
 // token sets into out[d] and returns the merged lse. Either side may be

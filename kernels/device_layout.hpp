@@ -14,6 +14,11 @@ namespace wkv::kernels {
 //
 // Meta index (device, f32):
 //   centroid[c * d + i], value_sum[c * d + i], size[c]   for c < clusters
+//   spread[c]          mean squared distance of the cluster's keys to its
+//                      centroid; null: logits are the centroid's alone
+//                      (WKV_METHOD_SPREAD off)
+//   value_mean[i]      the head's mean value; null: the clusters of neither
+//                      zone are dropped (WKV_METHOD_TAIL off)
 // Mapping-table mirror:
 //   first_slot[c]      token slot of the cluster's first member in the head's
 //                      page list: page first_slot / page_tokens, row
@@ -37,6 +42,8 @@ namespace wkv::kernels {
 struct DevRun {
   const float *centroid;
   const float *value_sum;
+  const float *spread;
+  const float *value_mean;
   const uint32_t *size;
   const uint32_t *first_slot;
   const uint32_t *unit_begin;
@@ -46,13 +53,13 @@ struct DevRun {
   const uint8_t *tail_k, *tail_v;
   uint32_t clusters;
   uint32_t n_ret;        // retrieval-zone clusters to select
+  uint32_t n_one;        // of them, clusters of one member (0: not ranked apart)
   uint32_t n_est;        // estimation-zone clusters to select
   uint32_t sink_tokens;
   uint32_t tail_tokens;
   uint32_t ret_off;      // this run's first entry in ret_ids / ret_pos
   uint32_t est_off;      // this run's first entry in est_ids
   uint32_t scratch_off;  // this run's first float in the [G][clusters] logits scratch
-  uint32_t reserved;
 };
 
 // Entries of a unit map chunk, and the entry of a unit no frame holds (the
@@ -91,6 +98,8 @@ struct StepMark {
 //   est_lse[r * G + g]                  its log-denominator (-inf if empty)
 //   offsets[r], r <= R                  exclusive prefix of run_tokens: the
 //                                       execution buffer's ragged offsets
+//   zones[scratch_off / G + c]          scratch: the zone of cluster c (0
+//                                       neither, 1 retrieval, 2 estimation)
 struct DevLookup {
   uint32_t *ret_ids;
   uint32_t *ret_pos;
@@ -100,6 +109,7 @@ struct DevLookup {
   float *est_lse;
   int32_t *offsets;
   float *logits;  // scratch: [G][clusters] per run at scratch_off
+  uint8_t *zones;  // scratch: [clusters] per run at scratch_off / G
 };
 
 }  // namespace wkv::kernels

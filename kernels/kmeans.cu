@@ -21,7 +21,11 @@
 //      a segment whose assignment stopped changing skips the products and
 //      the update (kmeans_segment stops there too: it is a fixed point);
 //   5. compaction: renumbering without empty clusters, begin, order, size,
-//      and the centroids and value sums from the original rows (double).
+//      and the centroids and value sums from the original rows (double);
+//   6. split_outliers (kernels/cpu_kernels.hpp): each member's distance to
+//      its centroid, the clusters' spread, the outliers split off as
+//      clusters of one, and the segment's value total (split_kernel, one CTA
+//      per segment).
 // Sums run one warp per cluster; a cluster of more than kBigCluster members
 // (repeated tokens) is listed and summed by a whole CTA instead.
 //
@@ -60,6 +64,11 @@
 //   counts    [S][Km] uint32, then the big-cluster list's length
 //   starts, renum, big [S][Km] uint32 (big: clusters summed by a CTA)
 //   cub       radix sort / scan temporary storage
+//   resid     [N] double: squared distance of each member to its centroid,
+//             by position in `order` (split_kernel)
+//   order2    [N] uint32: the order being rebuilt (split_kernel)
+//   flags2    [N] uint8: members split off (split_kernel)
+//   changed   [S][K] uint8: clusters that lost members (split_kernel)
 //   scores    kCublas only: [chunk][Tm][Km] float
 #include "kernels/kmeans_cuda.hpp"
 
@@ -90,6 +99,8 @@ struct DevSeg {
   uint32_t tok_off;  // first entry in order / sort buffers
   uint32_t clu_off;  // first cluster slot in the outputs
   uint64_t seed;
+  uint32_t cap;      // outliers it may have (split_outliers)
+  float ratio;       // split_outliers's ratio
 };
 
 struct SegUpload {
@@ -115,7 +126,7 @@ uint32_t bit_width(uint64_t x) {
 // The workspace regions for one shape.
 struct Layout {
   size_t segs, mean_part, mean, x, dirs, assign, flags, keys0, keys1, vals0, vals1;
-  size_t counts, starts, renum, big, cub, scores, total;
+  size_t counts, starts, renum, big, cub, scores, resid, order2, flags2, changed, total;
   size_t cub_bytes;
   uint32_t nchunk, rounds, score_chunk;
 };
@@ -166,6 +177,10 @@ cudaError_t make_layout(const KMeansBatchParams &p, const KMeansBatchShape &sh, 
   L->renum = take(S * Km * 4);
   L->big = take(S * Km * 4);
   L->cub = take(L->cub_bytes);
+  L->resid = take(N * sizeof(double));
+  L->order2 = take(N * 4);
+  L->flags2 = take(N);
+  L->changed = take(S * std::max(sh.max_out, sh.max_clusters));
   L->score_chunk = 0;
   L->scores = off;
   if (p.assign == KMeansAssign::kCublas) {
@@ -962,6 +977,256 @@ __global__ void __launch_bounds__(kBigWarpsSums * 32)
   }
 }
 
+// 6. Outliers, spread, value totals ---------------------------------------------
+
+constexpr int kSplitThreads = 256;
+constexpr int kSplitWarps = kSplitThreads / 32;
+
+__device__ __forceinline__ double warp_sum_d(double x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// The squared distance of a key row to a centroid row (exact differences
+// and squares in double; lanes over 4-column groups, then a warp sum).
+template <typename T, int D>
+__device__ __forceinline__ double sq_dist_row(const void *keys, uint32_t row, const float *cen, int lane) {
+  double s = 0.0;
+  for (int g = lane; g < D / 4; g += 32) {
+    const float4 k = load4<T>(keys, size_t(row) * D + 4 * g);
+    const float4 c = *reinterpret_cast<const float4 *>(cen + 4 * g);
+    const double x = double(k.x) - double(c.x), y = double(k.y) - double(c.y);
+    const double z = double(k.z) - double(c.z), w = double(k.w) - double(c.w);
+    s += x * x + y * y + z * z + w * w;
+  }
+  return warp_sum_d(s);
+}
+
+// Block-wide sum of an integer; every thread gets it. tmp holds kSplitWarps words.
+__device__ __forceinline__ uint32_t block_count(uint32_t v, uint32_t *tmp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (lane == 0) tmp[warp] = v;
+  __syncthreads();
+  uint32_t t = 0;
+  for (int w = 0; w < kSplitWarps; ++w) t += tmp[w];
+  return t;
+}
+
+// split_outliers for segment blockIdx.x, on the compacted clusters of the
+// k-means; see kernels/cpu_kernels.hpp for the rule. Phases, each ended by a
+// barrier: 1. distances r (by position), spreads and the segment's mean
+// distance; 2. the outliers (candidates, then the cap largest by a bitwise
+// search over the doubles' bits); 3. the new order, begin and size; 4. the
+// sums and spread of the clusters that lost members, the clusters of one;
+// 5. empty slots, counts, and the value total.
+template <typename T, int D>
+__global__ void __launch_bounds__(kSplitThreads) split_kernel(const DevSeg *segs, KMeansBatchOut out, double *resid,
+                                                              uint32_t *order2, uint8_t *flags, uint8_t *changed,
+                                                              uint32_t K_stride) {
+  using Scan = cub::BlockScan<uint32_t, kSplitThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ double part[kSplitWarps];
+  __shared__ uint32_t tmp[kSplitWarps];
+  __shared__ uint32_t carry;
+  const uint32_t s = blockIdx.x, tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const DevSeg sg = segs[s];
+  const uint32_t nt = sg.T, K = sg.k + sg.cap, C = out.n_clusters[s];
+  uint32_t *begin = out.begin + sg.clu_off + s;
+  uint32_t *size = out.size + sg.clu_off;
+  uint32_t *order = out.order + sg.tok_off;
+  float *centroid = out.centroid + size_t(sg.clu_off) * D;
+  float *value_sum = out.value_sum + size_t(sg.clu_off) * D;
+  float *spread = out.spread + sg.clu_off;
+  double *r = resid + sg.tok_off;
+  uint8_t *flag = flags + sg.tok_off;
+  uint8_t *chg = changed + size_t(s) * K_stride;
+
+  // 1. Distances, spreads, the segment's total.
+  double total = 0.0;
+  for (uint32_t c = warp; c < C; c += kSplitWarps) {
+    const uint32_t b = begin[c], e = begin[c + 1];
+    const float *cen = centroid + size_t(c) * D;
+    double sum = 0.0;
+    for (uint32_t p = b; p < e; ++p) {
+      const double x = sq_dist_row<T, D>(sg.keys, order[p], cen, lane);
+      if (lane == 0) r[p] = x;
+      sum += x;
+    }
+    if (lane == 0) spread[c] = static_cast<float>(sum / (e - b));
+    total += sum;
+  }
+  if (lane == 0) part[warp] = total;
+  for (uint32_t c = tid; c < C; c += kSplitThreads) chg[c] = 0;
+  __syncthreads();
+  total = 0.0;
+  for (int w = 0; w < kSplitWarps; ++w) total += part[w];
+
+  uint32_t n_out = 0;
+  if (sg.cap > 0 && sg.ratio > 0.f) {
+    // 2. Candidates: beyond the bar, not their cluster's nearest member.
+    const double bar = double(sg.ratio) * (total / nt);
+    for (uint32_t c = warp; c < C; c += kSplitWarps) {
+      const uint32_t b = begin[c], e = begin[c + 1];
+      uint32_t keep = b;  // the nearest, the first on ties
+      double best = INFINITY;
+      for (uint32_t p0 = b; p0 < e; p0 += 32) {
+        const uint32_t p = p0 + lane;
+        double v = p < e ? r[p] : INFINITY;
+        uint32_t at = p;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          const double v2 = __shfl_xor_sync(0xffffffffu, v, o);
+          const uint32_t a2 = __shfl_xor_sync(0xffffffffu, at, o);
+          if (v2 < v || (v2 == v && a2 < at)) v = v2, at = a2;
+        }
+        if (v < best) best = v, keep = at;  // earlier chunks win ties
+      }
+      for (uint32_t p = b + lane; p < e; p += 32) flag[p] = (e - b >= 2 && p != keep && r[p] > bar) ? 1 : 0;
+    }
+    __syncthreads();
+    uint32_t cnt = 0;
+    for (uint32_t p = tid; p < nt; p += kSplitThreads) cnt += flag[p];
+    const uint32_t n_cand = block_count(cnt, tmp);
+    n_out = n_cand;
+    if (n_cand > sg.cap) {
+      // The cap-th largest r among candidates: r >= 0, so its bits order
+      // as the values do.
+      unsigned long long prefix = 0;
+      for (int bit = 63; bit >= 0; --bit) {
+        const unsigned long long trial = prefix | (1ull << bit);
+        uint32_t c2 = 0;
+        for (uint32_t p = tid; p < nt; p += kSplitThreads)
+          c2 += flag[p] && static_cast<unsigned long long>(__double_as_longlong(r[p])) >= trial;
+        if (block_count(c2, tmp) >= sg.cap) prefix = trial;
+      }
+      uint32_t gt = 0;
+      for (uint32_t p = tid; p < nt; p += kSplitThreads)
+        gt += flag[p] && static_cast<unsigned long long>(__double_as_longlong(r[p])) > prefix;
+      const uint32_t need = sg.cap - block_count(gt, tmp);
+      // Keep those above, and the first `need` equal ones in position order.
+      if (tid == 0) carry = 0;
+      __syncthreads();
+      for (uint32_t p0 = 0; p0 < nt; p0 += kSplitThreads) {
+        const uint32_t p = p0 + tid;
+        const bool cand = p < nt && flag[p];
+        const unsigned long long bits = cand ? static_cast<unsigned long long>(__double_as_longlong(r[p])) : 0ull;
+        const uint32_t eq = cand && bits == prefix ? 1u : 0u;
+        uint32_t ex, agg;
+        Scan(scan_tmp).ExclusiveSum(eq, ex, agg);
+        if (cand) flag[p] = bits > prefix || (eq && carry + ex < need) ? 1 : 0;
+        __syncthreads();
+        if (tid == 0) carry += agg;
+        __syncthreads();
+      }
+      n_out = sg.cap;
+    }
+    __syncthreads();
+  }
+
+  if (n_out > 0) {
+    // 3. New layout into order2, then begin, size and order. Each thread
+    //    reads its cluster's old bounds before any is rewritten.
+    if (tid == 0) carry = 0;
+    __syncthreads();
+    for (uint32_t c0 = 0; c0 < C; c0 += kSplitThreads) {
+      const uint32_t c = c0 + tid;
+      uint32_t b = 0, e = 0, kept = 0;
+      if (c < C) {
+        b = begin[c];
+        e = begin[c + 1];
+        for (uint32_t p = b; p < e; ++p) kept += flag[p] ? 0u : 1u;
+      }
+      uint32_t ex, agg;
+      Scan(scan_tmp).ExclusiveSum(kept, ex, agg);
+      const uint32_t nb = carry + ex;
+      if (c < C) {
+        uint32_t at = nb;
+        for (uint32_t p = b; p < e; ++p)
+          if (!flag[p]) order2[at++] = order[p];
+        chg[c] = kept != e - b ? 1 : 0;
+      }
+      __syncthreads();  // every thread of the chunk has read its bounds
+      if (c < C) {
+        begin[c] = nb;
+        size[c] = kept;
+      }
+      if (tid == 0) carry += agg;
+      __syncthreads();
+    }
+    // The outliers, in position order, after the kept members.
+    const uint32_t kept_total = nt - n_out;
+    if (tid == 0) carry = 0;
+    __syncthreads();
+    for (uint32_t p0 = 0; p0 < nt; p0 += kSplitThreads) {
+      const uint32_t p = p0 + tid;
+      const uint32_t f = p < nt ? flag[p] : 0u;
+      uint32_t ex, agg;
+      Scan(scan_tmp).ExclusiveSum(f, ex, agg);
+      if (f) {
+        const uint32_t i = carry + ex;
+        order2[kept_total + i] = order[p];
+        begin[C + i] = kept_total + i;
+        size[C + i] = 1;
+      }
+      __syncthreads();
+      if (tid == 0) carry += agg;
+      __syncthreads();
+    }
+    for (uint32_t p = tid; p < nt; p += kSplitThreads) order[p] = order2[p];
+    __syncthreads();
+
+    // 4. Sums and spread of the clusters that lost members (members in
+    //    order, in double, as the CPU's); clusters of one are their rows.
+    for (uint32_t c = warp; c < C + n_out; c += kSplitWarps) {
+      float *cen = centroid + size_t(c) * D;
+      float *vs = value_sum + size_t(c) * D;
+      if (c >= C) {
+        const uint32_t t = order[begin[c]];
+        for (int g = lane; g < D / 4; g += 32) {
+          reinterpret_cast<float4 *>(cen)[g] = load4<T>(sg.keys, size_t(t) * D + 4 * g);
+          reinterpret_cast<float4 *>(vs)[g] = load4<T>(sg.values, size_t(t) * D + 4 * g);
+        }
+        if (lane == 0) spread[c] = 0.f;
+        continue;
+      }
+      if (!chg[c]) continue;
+      const uint32_t b = begin[c], n = size[c];
+      double ks[Vec4<D>::Q][4] = {}, vsum[Vec4<D>::Q][4] = {};
+      sum_kv_rows<T, D>(sg, order, b, b + n, 0xffffffffu, lane, ks, vsum);
+      write_sums<D>(ks, vsum, n, lane, cen, vs);
+      __syncwarp();
+      double sum = 0.0;
+      for (uint32_t p = b; p < b + n; ++p) sum += sq_dist_row<T, D>(sg.keys, order[p], cen, lane);
+      if (lane == 0) spread[c] = static_cast<float>(sum / n);
+    }
+  }
+  __syncthreads();
+
+  // 5. Empty slots, the counts, the value total.
+  const uint32_t C2 = C + n_out;
+  for (uint32_t o = C2 + tid; o < K; o += kSplitThreads) {
+    size[o] = 0;
+    spread[o] = 0.f;
+    for (int j = 0; j < D; ++j) centroid[size_t(o) * D + j] = value_sum[size_t(o) * D + j] = 0.f;
+  }
+  for (uint32_t o = C2 + 1 + tid; o <= K; o += kSplitThreads) begin[o] = nt;
+  if (tid == 0) {
+    begin[C2] = nt;
+    out.n_clusters[s] = C2;
+    out.n_outliers[s] = n_out;
+  }
+  for (int j = tid; j < D; j += kSplitThreads) {
+    double v = 0.0;
+    for (uint32_t c = 0; c < C2; ++c) v += value_sum[size_t(c) * D + j];
+    out.value_total[size_t(s) * D + j] = v;
+  }
+}
+
 // Host side ---------------------------------------------------------------------
 
 #define WKV_CUBLAS_CHECK(stmt)                                                                  \
@@ -1112,6 +1377,11 @@ cudaError_t run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hse
   centroid_big_kernel<T, D><<<kBigBlocks, kBigWarpsSums * 32, 0, stream>>>(segs, ao.counts, starts, renum,
                                                                           sorted_vals, Tm, Km, big_n, big_ids, out);
   WKV_CUDA_CHECK_LAUNCH("centroid_big_kernel");
+  // 6. Outliers, spread, value totals.
+  split_kernel<T, D><<<S, kSplitThreads, 0, stream>>>(segs, out, reinterpret_cast<double *>(ws + L.resid),
+                                                      reinterpret_cast<uint32_t *>(ws + L.order2), ws + L.flags2,
+                                                      ws + L.changed, std::max(sh.max_out, sh.max_clusters));
+  WKV_CUDA_CHECK_LAUNCH("split_kernel");
   return cudaSuccess;
 }
 
@@ -1183,8 +1453,8 @@ cudaError_t kmeans_batch_cuda(const KMeansBatchParams &p, const KMeansSegmentDes
                          const KMeansBatchOut &out, void *workspace, size_t workspace_bytes, void *cublas,
                          cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  if (!segs || !workspace || !out.n_clusters || !out.begin || !out.order || !out.centroid || !out.value_sum ||
-      !out.size)
+  if (!segs || !workspace || !out.n_clusters || !out.n_outliers || !out.begin || !out.order || !out.centroid ||
+      !out.value_sum || !out.size || !out.spread || !out.value_total)
     return cudaErrorInvalidValue;
   if (p.assign == KMeansAssign::kCublas && !cublas)
     return cudaErrorInvalidValue;
@@ -1199,10 +1469,10 @@ cudaError_t kmeans_batch_cuda(const KMeansBatchParams &p, const KMeansSegmentDes
     if (d.tokens == 0 || d.tokens > kKMeansMaxTokens)
       return cudaErrorInvalidValue;
     if (!d.keys || !d.values) return cudaErrorInvalidValue;
-    hsegs[s] = DevSeg{d.keys, d.values, d.tokens, clamp_k(d.clusters, d.tokens), static_cast<uint32_t>(tok),
-                      static_cast<uint32_t>(clu), d.seed};
+    hsegs[s] = DevSeg{d.keys,   d.values, d.tokens, clamp_k(d.clusters, d.tokens), static_cast<uint32_t>(tok),
+                      static_cast<uint32_t>(clu), d.seed, std::min(d.outliers, d.tokens), d.outlier_ratio};
     tok += d.tokens;
-    clu += hsegs[s].k;
+    clu += kmeans_out_clusters(d);
   }
   const KMeansBatchShape sh = kmeans_batch_shape(segs, n);
   const int end_bit = static_cast<int>(std::max<uint32_t>(1, bit_width(uint64_t(sh.segments) * sh.max_clusters - 1)));

@@ -6,10 +6,14 @@
 //                       run into out.logits; reads every centroid once.
 //   2. select_kernel    one CTA per run: per-head softmax statistics, scores,
 //                       a radix select of the two thresholds, compaction in
-//                       id order, ret_pos and run_tokens.
+//                       id order, ret_pos and run_tokens; with n_one > 0 two
+//                       rounds (the retrieval zone of both classes, then
+//                       the estimation zone of the rest); every cluster's
+//                       zone.
 //   3. estimate_kernel  (run, head) pairs, each split over a cluster of 8
 //                       CTAs on sm_90 that merge through distributed shared
-//                       memory: est_out and est_lse.
+//                       memory: est_out and est_lse, with the tail folded in
+//                       where the run has a value mean.
 //   4. offsets_kernel   one CTA: exclusive prefix of run_tokens.
 // Each kernel is launched with programmatic dependent launch and waits for
 // the grid before it (griddepcontrol.wait) before touching memory, so that
@@ -49,13 +53,14 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
-// Zone sizes of a run, clamped so that n_ret + n_est <= clusters.
+// Zone sizes of a run, clamped so that n_ret + n_est <= clusters and
+// n_one <= n_ret.
 struct Zones {
-  uint32_t n_ret, n_est;
+  uint32_t n_ret, n_one, n_est;
 };
 __device__ __forceinline__ Zones clamp_zones(const DevRun &run) {
   const uint32_t nr = min(run.n_ret, run.clusters);
-  return {nr, min(run.n_est, run.clusters - nr)};
+  return {nr, min(run.n_one, nr), min(run.n_est, run.clusters - nr)};
 }
 
 // Order-preserving map of a score to an unsigned key: a larger score has a
@@ -150,7 +155,7 @@ __device__ __forceinline__ void merge_ms(float &m, float &s, float m2, float s2)
 // each read of the centroid). Shared memory: tile [kTileC][D + 4], q [G][D].
 template <uint32_t D>
 constexpr size_t logits_smem(uint32_t G) {
-  return (static_cast<size_t>(kTileC) * kTileLd<D> + static_cast<size_t>(G) * D) * sizeof(float);
+  return (static_cast<size_t>(kTileC) * kTileLd<D> + static_cast<size_t>(G) * D + G) * sizeof(float);
 }
 
 template <uint32_t D>
@@ -174,6 +179,16 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const DevRun *__r
   for (uint32_t i = tid; i < G * V4; i += kLogitThreads) cp_async16(qs + i * 4, qg + i * 4);
   cp_async_wait_all();
   __syncthreads();
+  // With spreads, head g's logits gain f_g spread[c], f_g = 0.5 scale^2 |q_g|^2 / D
+  // (spread_logits: |q_g|^2 summed in order, as the CPU sums it).
+  const float *spread = runs[r].spread;
+  float *fs = qs + G * D;
+  if (spread && tid < G) {
+    float q2 = 0.f;
+    for (uint32_t j = 0; j < D; ++j) q2 += qs[tid * D + j] * qs[tid * D + j];
+    fs[tid] = 0.5f * scale * scale * q2 / static_cast<float>(D);
+  }
+  if (spread) __syncthreads();
 
   float *lg = logits + runs[r].scratch_off;
   const uint32_t items = kTileC * ((G + 3) / 4);
@@ -197,10 +212,11 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const DevRun *__r
         acc[h] = fmaf(qv.w, cv.w, acc[h]);
       }
     }
+    const float sp = spread ? spread[c0 + c] : 0.f;
 #pragma unroll
     for (uint32_t h = 0; h < 4; ++h) {
       const uint32_t g = hq * 4 + h;
-      if (g < G) lg[static_cast<size_t>(g) * C + c0 + c] = acc[h] * scale;
+      if (g < G) lg[static_cast<size_t>(g) * C + c0 + c] = spread ? acc[h] * scale + fs[g] * sp : acc[h] * scale;
     }
   }
 }
@@ -249,6 +265,118 @@ __device__ void radix_pick(SelectShared &sh, uint32_t t, uint32_t shift) {
       above += cnt[i];
     }
   }
+}
+
+// Two radix selections at once, 8 bits a pass from the top: for target t
+// with k_t > 0, the k_t-th largest of key_t(c) over c < C. Keys of 0 are
+// never sought (every score's key is above 0: score_key), so a key function
+// leaves a cluster out by giving it 0. On return sh.prefix[t] is that key.
+template <typename K0, typename K1>
+__device__ void radix_select2(SelectShared &sh, uint32_t C, K0 key0, uint32_t k0, K1 key1, uint32_t k1) {
+  const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const bool want0 = k0 > 0, want1 = k1 > 0;
+  if (tid == 0) {
+    sh.prefix[0] = sh.prefix[1] = 0;
+    sh.krem[0] = k0;
+    sh.krem[1] = k1;
+  }
+  for (uint32_t pass = 0; pass < 4; ++pass) {
+    const uint32_t shift = 24 - 8 * pass;
+    const uint32_t hmask = pass == 0 ? 0u : ~0u << (shift + 8);
+    for (uint32_t i = tid; i < 512; i += kSelectThreads) (&sh.hist[0][0])[i] = 0;
+    __syncthreads();
+    const uint32_t p0 = sh.prefix[0], p1 = sh.prefix[1];
+    // Scores crowd into few bins (all lanes hit one bin in the first
+    // passes): lanes of a warp with equal bins add once, together.
+    for (uint32_t base = 0; base < C; base += kSelectThreads) {
+      const uint32_t c = base + tid;
+      const bool ok = c < C;
+      if (want0) {
+        const uint32_t k = ok ? key0(c) : 0u;
+        const uint32_t bin = (k >> shift) & 255u;
+        const bool m = ok && (k & hmask) == p0;
+        const uint32_t peers = __match_any_sync(kFull, m ? bin : 256u);
+        if (m && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[0][bin], __popc(peers));
+      }
+      if (want1) {
+        const uint32_t k = ok ? key1(c) : 0u;
+        const uint32_t bin = (k >> shift) & 255u;
+        const bool m = ok && (k & hmask) == p1;
+        const uint32_t peers = __match_any_sync(kFull, m ? bin : 256u);
+        if (m && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[1][bin], __popc(peers));
+      }
+    }
+    __syncthreads();
+    if (warp == 0 && want0) radix_pick(sh, 0, shift);
+    if (warp == 1 && want1) radix_pick(sh, 1, shift);
+    __syncthreads();
+  }
+}
+
+// Compaction of two selections in id order. Selection t holds the c with
+// key_t(c) > t_t, and the lowest ids of those with key_t(c) == t_t up to
+// k_t in all (t_t = 0xffffffff and k_t = 0: none). Warp w owns ids
+// [w seg, (w + 1) seg); the count of ids below c that selection t holds is
+// gt_t(<c) + min(eq_t(<c), need_t). emit(c, in_0, in_1, before_0,
+// before_1) runs for every c < C.
+template <typename K0, typename K1, typename Emit>
+__device__ void compact2(SelectShared &sh, uint32_t C, K0 key0, uint32_t t0, uint32_t k0, K1 key1, uint32_t t1,
+                         uint32_t k1, Emit emit) {
+  const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const uint32_t seg = (C + kSelectThreads - 1) / kSelectThreads * 32;
+  const uint32_t lo = min(C, warp * seg), hi = min(C, lo + seg);
+  uint32_t cnt[4] = {0, 0, 0, 0};
+  for (uint32_t base = lo; base < hi; base += 32) {
+    const uint32_t c = base + lane;
+    const bool ok = c < hi;
+    const uint32_t a = ok ? key0(c) : 0u, b = ok ? key1(c) : 0u;
+    cnt[0] += __popc(__ballot_sync(kFull, ok && a > t0));
+    cnt[1] += __popc(__ballot_sync(kFull, ok && a == t0));
+    cnt[2] += __popc(__ballot_sync(kFull, ok && b > t1));
+    cnt[3] += __popc(__ballot_sync(kFull, ok && b == t1));
+  }
+  if (lane == 0)
+    for (uint32_t i = 0; i < 4; ++i) sh.wcnt[warp][i] = cnt[i];
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (uint32_t i = 0; i < 4; ++i) {
+      const uint32_t v = sh.wcnt[lane][i];
+      uint32_t x = v;
+#pragma unroll
+      for (uint32_t o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(kFull, x, o);
+        if (lane >= o) x += y;
+      }
+      sh.wcnt[lane][i] = x - v;
+      if (lane == 31) sh.tot[i] = x;
+    }
+  }
+  __syncthreads();
+  const uint32_t need0 = k0 > 0 ? k0 - sh.tot[0] : 0u, need1 = k1 > 0 ? k1 - sh.tot[2] : 0u;
+  uint32_t gt0 = sh.wcnt[warp][0], eq0 = sh.wcnt[warp][1];
+  uint32_t gt1 = sh.wcnt[warp][2], eq1 = sh.wcnt[warp][3];
+  const uint32_t lt = (1u << lane) - 1u;
+  for (uint32_t base = lo; base < hi; base += 32) {
+    const uint32_t c = base + lane;
+    const bool ok = c < hi;
+    const uint32_t a = ok ? key0(c) : 0u, b = ok ? key1(c) : 0u;
+    const uint32_t b_gt0 = __ballot_sync(kFull, ok && a > t0);
+    const uint32_t b_eq0 = __ballot_sync(kFull, ok && a == t0);
+    const uint32_t b_gt1 = __ballot_sync(kFull, ok && b > t1);
+    const uint32_t b_eq1 = __ballot_sync(kFull, ok && b == t1);
+    const uint32_t eq0_b = eq0 + __popc(b_eq0 & lt), eq1_b = eq1 + __popc(b_eq1 & lt);
+    const uint32_t before0 = gt0 + __popc(b_gt0 & lt) + min(eq0_b, need0);
+    const uint32_t before1 = gt1 + __popc(b_gt1 & lt) + min(eq1_b, need1);
+    const bool in0 = ok && (a > t0 || (a == t0 && eq0_b < need0));
+    const bool in1 = ok && (b > t1 || (b == t1 && eq1_b < need1));
+    if (ok) emit(c, in0, in1, before0, before1);
+    gt0 += __popc(b_gt0);
+    eq0 += __popc(b_eq0);
+    gt1 += __popc(b_gt1);
+    eq1 += __popc(b_eq1);
+  }
+  __syncthreads();
 }
 
 // scores (optional) is the global score scratch; keys_s (dynamic shared
@@ -354,122 +482,65 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
   __syncthreads();
   auto key = [&](uint32_t c) { return use_smem ? keys_s[c] : score_key(sc[c]); };
 
+  uint32_t *ret_ids = out.ret_ids + run.ret_off;
+  uint32_t *est_ids = out.est_ids + run.est_off;
+  uint8_t *zone = out.zones + run.scratch_off / G;
+  if (z.n_one == 0) {
+    // 2c. The paper's zones: the n_sel-th and n_ret-th largest keys, then
+    // ret = the top n_ret, est = the rest of the top n_sel.
+    if (n_sel == 0) {
+      for (uint32_t c = tid; c < C; c += kSelectThreads) zone[c] = 0;
+    } else {
+      radix_select2(sh, C, key, n_sel, key, n_ret);
+      const uint32_t t_sel = sh.prefix[0], t_ret = n_ret > 0 ? sh.prefix[1] : 0xffffffffu;
+      compact2(sh, C, key, t_sel, n_sel, key, t_ret, n_ret,
+               [&](uint32_t c, bool in_sel, bool in_ret, uint32_t sel_b, uint32_t ret_b) {
+                 if (in_ret) {
+                   ret_ids[ret_b] = c;
+                 } else if (in_sel) {
+                   est_ids[sel_b - ret_b] = c;
+                 }
+                 zone[c] = in_ret ? 1 : in_sel ? 2 : 0;
+               });
+    }
+  } else {
+    // 2c'. Clusters of one ranked apart: the top n_ret - n_one of the
+    // others and the top n_one of them, then the top n_est of the rest.
+    const uint32_t n_reg = n_ret - z.n_one;
+    auto reg = [&](uint32_t c) { return run.size[c] != 1 ? key(c) : 0u; };
+    auto one = [&](uint32_t c) { return run.size[c] == 1 ? key(c) : 0u; };
+    radix_select2(sh, C, reg, n_reg, one, z.n_one);
+    const uint32_t t_reg = n_reg > 0 ? sh.prefix[0] : 0xffffffffu, t_one = sh.prefix[1];
+    compact2(sh, C, reg, t_reg, n_reg, one, t_one, z.n_one,
+             [&](uint32_t c, bool in_reg, bool in_one, uint32_t reg_b, uint32_t one_b) {
+               if (in_reg || in_one) ret_ids[reg_b + one_b] = c;
+               zone[c] = in_reg || in_one ? 1 : 0;
+             });
+    __syncthreads();  // the zones written above are read below
+    if (z.n_est > 0) {
+      auto rest = [&](uint32_t c) { return zone[c] ? 0u : key(c); };
+      radix_select2(sh, C, rest, z.n_est, rest, 0);
+      compact2(sh, C, rest, sh.prefix[0], z.n_est, rest, 0xffffffffu, 0,
+               [&](uint32_t c, bool in_est, bool, uint32_t est_b, uint32_t) {
+                 if (in_est) {
+                   est_ids[est_b] = c;
+                   zone[c] = 2;
+                 }
+               });
+    }
+  }
+  __syncthreads();  // ret_ids written above are read below
+
+  // 2e. ret_pos: exclusive prefix of the retrieval clusters' sizes.
   uint32_t ret_total = 0;
-  if (n_sel > 0) {
-    // 2c. Radix select, 8 bits a pass from the top, of the n_sel-th and the
-    // n_ret-th largest key: T_sel and T_ret.
-    const bool want_ret = n_ret > 0;
-    if (tid == 0) {
-      sh.prefix[0] = sh.prefix[1] = 0;
-      sh.krem[0] = n_sel;
-      sh.krem[1] = n_ret;
-    }
-    for (uint32_t pass = 0; pass < 4; ++pass) {
-      const uint32_t shift = 24 - 8 * pass;
-      const uint32_t hmask = pass == 0 ? 0u : ~0u << (shift + 8);
-      for (uint32_t i = tid; i < 512; i += kSelectThreads) (&sh.hist[0][0])[i] = 0;
-      __syncthreads();
-      const uint32_t p0 = sh.prefix[0], p1 = sh.prefix[1];
-      // Scores crowd into few bins (all lanes hit one bin in the first
-      // passes): lanes of a warp with equal bins add once, together.
-      for (uint32_t base = 0; base < C; base += kSelectThreads) {
-        const uint32_t c = base + tid;
-        const bool ok = c < C;
-        const uint32_t k = ok ? key(c) : 0u;
-        const uint32_t bin = (k >> shift) & 255u;
-        const bool m0 = ok && (k & hmask) == p0;
-        const uint32_t peers0 = __match_any_sync(kFull, m0 ? bin : 256u);
-        if (m0 && lane == __ffs(peers0) - 1) atomicAdd(&sh.hist[0][bin], __popc(peers0));
-        if (want_ret) {
-          const bool m1 = ok && (k & hmask) == p1;
-          const uint32_t peers1 = __match_any_sync(kFull, m1 ? bin : 256u);
-          if (m1 && lane == __ffs(peers1) - 1) atomicAdd(&sh.hist[1][bin], __popc(peers1));
-        }
-      }
-      __syncthreads();
-      if (warp == 0) radix_pick(sh, 0, shift);
-      if (warp == 1 && want_ret) radix_pick(sh, 1, shift);
-      __syncthreads();
-    }
-    const uint32_t t_sel = sh.prefix[0];
-    const uint32_t t_ret = want_ret ? sh.prefix[1] : 0xffffffffu;
-
-    // 2d. Compaction in id order. Warp w owns ids [w seg, (w + 1) seg). The
-    // selection is: every key above the threshold, then the lowest ids of
-    // the keys equal to it; so the count of selected ids below c is
-    // gt(<c) + min(eq(<c), need).
-    const uint32_t seg = (C + kSelectThreads - 1) / kSelectThreads * 32;
-    const uint32_t lo = min(C, warp * seg), hi = min(C, lo + seg);
-    uint32_t cnt[4] = {0, 0, 0, 0};
-    for (uint32_t base = lo; base < hi; base += 32) {
-      const uint32_t c = base + lane;
-      const bool ok = c < hi;
-      const uint32_t k = ok ? key(c) : 0u;
-      cnt[0] += __popc(__ballot_sync(kFull, ok && k > t_ret));
-      cnt[1] += __popc(__ballot_sync(kFull, ok && k == t_ret));
-      cnt[2] += __popc(__ballot_sync(kFull, ok && k > t_sel));
-      cnt[3] += __popc(__ballot_sync(kFull, ok && k == t_sel));
-    }
-    if (lane == 0)
-      for (uint32_t i = 0; i < 4; ++i) sh.wcnt[warp][i] = cnt[i];
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-      for (uint32_t i = 0; i < 4; ++i) {
-        const uint32_t v = sh.wcnt[lane][i];
-        uint32_t x = v;
-#pragma unroll
-        for (uint32_t o = 1; o < 32; o <<= 1) {
-          const uint32_t y = __shfl_up_sync(kFull, x, o);
-          if (lane >= o) x += y;
-        }
-        sh.wcnt[lane][i] = x - v;
-        if (lane == 31) sh.tot[i] = x;
-      }
-    }
-    __syncthreads();
-    const uint32_t need_r = want_ret ? n_ret - sh.tot[0] : 0u;
-    const uint32_t need_s = n_sel - sh.tot[2];
-    uint32_t gtr = sh.wcnt[warp][0], eqr = sh.wcnt[warp][1];
-    uint32_t gts = sh.wcnt[warp][2], eqs = sh.wcnt[warp][3];
-    uint32_t *ret_ids = out.ret_ids + run.ret_off;
-    uint32_t *est_ids = out.est_ids + run.est_off;
-    const uint32_t lt = (1u << lane) - 1u;
-    for (uint32_t base = lo; base < hi; base += 32) {
-      const uint32_t c = base + lane;
-      const bool ok = c < hi;
-      const uint32_t k = ok ? key(c) : 0u;
-      const uint32_t b_gtr = __ballot_sync(kFull, ok && k > t_ret);
-      const uint32_t b_eqr = __ballot_sync(kFull, ok && k == t_ret);
-      const uint32_t b_gts = __ballot_sync(kFull, ok && k > t_sel);
-      const uint32_t b_eqs = __ballot_sync(kFull, ok && k == t_sel);
-      const uint32_t eqr_b = eqr + __popc(b_eqr & lt), eqs_b = eqs + __popc(b_eqs & lt);
-      const uint32_t ret_b = gtr + __popc(b_gtr & lt) + min(eqr_b, need_r);
-      const uint32_t sel_b = gts + __popc(b_gts & lt) + min(eqs_b, need_s);
-      const bool in_ret = ok && (k > t_ret || (k == t_ret && eqr_b < need_r));
-      const bool in_sel = ok && (k > t_sel || (k == t_sel && eqs_b < need_s));
-      if (in_ret) {
-        ret_ids[ret_b] = c;
-      } else if (in_sel) {
-        est_ids[sel_b - ret_b] = c;
-      }
-      gtr += __popc(b_gtr);
-      eqr += __popc(b_eqr);
-      gts += __popc(b_gts);
-      eqs += __popc(b_eqs);
-    }
-    __syncthreads();  // ret_ids written above are read below
-
-    // 2e. ret_pos: exclusive prefix of the retrieval clusters' sizes.
-    uint32_t *ret_pos = out.ret_pos + run.ret_off;
-    for (uint32_t base = 0; base < n_ret; base += kSelectThreads) {
-      const uint32_t i = base + tid;
-      const uint32_t sz = i < n_ret ? run.size[ret_ids[i]] : 0u;
-      uint32_t total;
-      const uint32_t before = block_excl_scan<kSelectThreads>(sz, sh.tmp, &total);
-      if (i < n_ret) ret_pos[i] = ret_total + before;
-      ret_total += total;
-    }
+  uint32_t *ret_pos = out.ret_pos + run.ret_off;
+  for (uint32_t base = 0; base < n_ret; base += kSelectThreads) {
+    const uint32_t i = base + tid;
+    const uint32_t sz = i < n_ret ? run.size[ret_ids[i]] : 0u;
+    uint32_t total;
+    const uint32_t before = block_excl_scan<kSelectThreads>(sz, sh.tmp, &total);
+    if (i < n_ret) ret_pos[i] = ret_total + before;
+    ret_total += total;
   }
   if (tid == 0) out.run_tokens[r] = steady + ret_total;
 }
@@ -571,6 +642,34 @@ __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__r
     sh.den = den;
   }
   __syncthreads();
+
+  // The tail (value_mean given): this CTA's share of the clusters of neither
+  // zone, their value the head's mean, folded into (m, den, num).
+  if (run.value_mean) {
+    const uint8_t *zone = out.zones + run.scratch_off / G;
+    const uint32_t cchunk = (C + kSplits - 1) / kSplits;
+    const uint32_t c0 = min(C, split * cchunk), c1 = min(C, c0 + cchunk);
+    float tm = kNegInf;
+    for (uint32_t c = c0 + tid; c < c1; c += kEstThreads)
+      if (zone[c] == 0) tm = fmaxf(tm, lg[c]);
+    tm = block_max<kEstThreads>(tm, sh.tmp);
+    float ts = 0.f;
+    if (tm > kNegInf)
+      for (uint32_t c = c0 + tid; c < c1; c += kEstThreads)
+        if (zone[c] == 0 && lg[c] > kNegInf) ts += static_cast<float>(run.size[c]) * expf(lg[c] - tm);
+    ts = block_sum<kEstThreads>(ts, sh.tmp);
+    if (tm > kNegInf && ts > 0.f) {  // uniform over the CTA
+      const float m0 = sh.m, mm = fmaxf(m0, tm);
+      const float a = m0 == kNegInf ? 0.f : expf(m0 - mm), b = expf(tm - mm) * ts;
+      __syncthreads();  // every thread has read sh.m
+      for (uint32_t i = tid; i < D; i += kEstThreads) sh.num[i] = sh.num[i] * a + b * run.value_mean[i];
+      if (tid == 0) {
+        sh.m = mm;
+        sh.den = sh.den * a + b;
+      }
+      __syncthreads();
+    }
+  }
 
   float *est_out = out.est_out + static_cast<size_t>(rh) * D;
   if constexpr (kSplits == 1) {
@@ -702,7 +801,7 @@ cudaError_t lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d,
     return cudaErrorInvalidValue;
   if (R > 0 && (runs == nullptr || q == nullptr || out.ret_ids == nullptr || out.ret_pos == nullptr ||
                 out.est_ids == nullptr || out.run_tokens == nullptr || out.est_out == nullptr ||
-                out.est_lse == nullptr || (max_clusters > 0 && out.logits == nullptr)))
+                out.est_lse == nullptr || (max_clusters > 0 && (out.logits == nullptr || out.zones == nullptr))))
     return cudaErrorInvalidValue;
   if (out.offsets == nullptr) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(q) % 16 != 0)

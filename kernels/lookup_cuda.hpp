@@ -24,9 +24,10 @@ constexpr uint32_t kMaxGroup = 32;
 // Scores, selects and estimates R runs (one per (sequence, KV head),
 // r = s * H + h) in four kernels on `stream`; no host synchronization.
 //
-//   runs       [R] DevRun, device memory. Read: centroid, value_sum, size,
-//              clusters, n_ret, n_est, sink_tokens, tail_tokens, ret_off,
-//              est_off, scratch_off. centroid and value_sum 16-byte aligned.
+//   runs       [R] DevRun, device memory. Read: centroid, value_sum, spread,
+//              value_mean, size, clusters, n_ret, n_one, n_est, sink_tokens,
+//              tail_tokens, ret_off, est_off, scratch_off. centroid and
+//              value_sum 16-byte aligned.
 //   q          [R][G][d] f32, device, 16-byte aligned: the query heads of each
 //              run's group.
 //   out        DevLookup: every field is written for every run (see
@@ -45,10 +46,15 @@ constexpr uint32_t kMaxGroup = 32;
 // Pre: n_ret + n_est <= clusters for each run (clamped on the device if not);
 // 1 <= G <= kMaxGroup; d in {64, 80, 96, 128, 256}.
 // `mark`: where the last kernel reports the step's end (StepMark).
-// Selection is exact: ret_ids and est_ids are the ids select_zones returns
-// for the scores this kernel computed (score descending, ties to the lower
-// id, NaN as -inf, both sorted ascending). est_out/est_lse follow
-// estimate_zone (zeros and -inf when a run has no estimation cluster).
+// Logits are score_clusters's, spread-corrected (spread_logits) where a
+// run has spreads. Selection is exact: ret_ids and est_ids are the ids
+// select_zones (n_one == 0) or select_zones_split (n_one > 0, n_ret - n_one
+// larger clusters) returns for the scores this kernel computed (score
+// descending, ties to the lower id, NaN as -inf, both sorted ascending);
+// out.zones says each cluster's zone. est_out/est_lse follow estimate_zone
+// (zeros and -inf when a run has no estimation cluster), then, where a run
+// has a value mean, estimate_tail. Pre with n_one > 0: the run has at least
+// n_one clusters of one member and n_ret - n_one others.
 cudaError_t lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale,
                     const float *q, const DevLookup &out, float *scores, uint32_t max_clusters,
                     void *stream, const StepMark &mark = StepMark{});

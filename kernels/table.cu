@@ -4,7 +4,7 @@
 namespace wkv::kernels {
 namespace {
 
-constexpr uint32_t kRunsPerLaunch = 30;
+constexpr uint32_t kRunsPerLaunch = 27;  // DevRun is 144 bytes
 constexpr uint32_t kWordsPerLaunch = 480;
 
 struct RunChunk {

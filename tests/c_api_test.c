@@ -470,6 +470,7 @@ static void test_defaults(void) {
   CHECK(c.seed == 0x5eed, "default seed 0x5eed");
   CHECK(c.stats_path == NULL, "default stats_path NULL (no statistics file)");
   CHECK(c.stats_interval_ms == 1000, "default stats_interval_ms 1000");
+  CHECK(c.method == WKV_METHOD_DEFAULT, "default method: every refinement");
   CHECK(c.reserved1 == 0, "reserved1 initialised to 0");
 
   memset(zero, 0, sizeof zero);
@@ -591,6 +592,7 @@ static void check_config_roundtrip(wkv_engine *e, const wkv_config *want) {
   CHECK(got.host_budget_bytes == want->host_budget_bytes && got.host_chunk_bytes == want->host_chunk_bytes &&
             got.seed == want->seed,
         "budget, chunk and seed round-trip");
+  CHECK(got.method == want->method && got.reserved1 == 0, "method round-trips");
 
   /* A caller built against an older, shorter wkv_config. */
   memset(raw, 0xcd, sizeof raw);

@@ -101,6 +101,8 @@ struct SegInput {
   std::vector<float> keys, values;  // [T][d], already rounded to the dtype
   uint32_t T = 0, k = 0;
   uint64_t seed = 0;
+  uint32_t outliers = 0;  // split_outliers's cap and ratio
+  float ratio = 0.f;
 };
 
 std::vector<float> rounded(DType t, const std::vector<float> &x) {
@@ -142,20 +144,25 @@ class KMeansRunner {
       desc[s].tokens = in[s].T;
       desc[s].clusters = in[s].k;
       desc[s].seed = in[s].seed;
+      desc[s].outliers = in[s].outliers;
+      desc[s].outlier_ratio = in[s].ratio;
     }
     const KMeansBatchShape sh = kmeans_batch_shape(desc.data(), S);
     size_t ws_bytes = 0;
     ASSERT_OK(kmeans_batch_workspace_size(p_, sh, &ws_bytes));
     std::vector<uint64_t> tok_off(S), clu_off(S);
     kmeans_batch_offsets(desc.data(), S, tok_off.data(), clu_off.data());
-    const uint64_t N = sh.total_tokens, K = clu_off[S - 1] + std::clamp<uint32_t>(in[S - 1].k, 1, in[S - 1].T);
-    DevBuf ws(ws_bytes), n_clusters(S * 4), begin((K + S) * 4), order(N * 4), size(K * 4),
-        centroid(K * d * 4), value_sum(K * d * 4);
+    const uint64_t N = sh.total_tokens, K = clu_off[S - 1] + kmeans_out_clusters(desc[S - 1]);
+    DevBuf ws(ws_bytes), n_clusters(2 * S * 4), begin((K + S) * 4), order(N * 4), size(K * 4),
+        centroid(K * d * 4), value_sum(K * d * 4), spread(K * 4), value_total(size_t(S) * d * 8);
     // Poison the outputs: every entry the contract names must be written.
-    for (DevBuf *b : {&n_clusters, &begin, &order, &size, &centroid, &value_sum})
+    for (DevBuf *b : {&n_clusters, &begin, &order, &size, &centroid, &value_sum, &spread, &value_total})
       ASSERT_CUDA(cudaMemset(b->p, 0xcd, b->n));
     KMeansBatchOut o;
     o.n_clusters = n_clusters.as<uint32_t>();
+    o.n_outliers = n_clusters.as<uint32_t>() + S;
+    o.spread = spread.as<float>();
+    o.value_total = value_total.as<double>();
     o.begin = begin.as<uint32_t>();
     o.order = order.as<uint32_t>();
     o.size = size.as<uint32_t>();
@@ -164,8 +171,11 @@ class KMeansRunner {
     ASSERT_OK(kmeans_batch_cuda(p_, desc.data(), S, o, ws.p, ws_bytes, cublas_, nullptr));
     ASSERT_CUDA(cudaDeviceSynchronize());
     std::vector<uint32_t> hn, hb, ho, hs;
-    std::vector<float> hc, hv;
-    download(&hn, n_clusters.p, S);
+    std::vector<float> hc, hv, hsp;
+    std::vector<double> hvt;
+    download(&hn, n_clusters.p, 2 * S);
+    download(&hsp, spread.p, K);
+    download(&hvt, value_total.p, size_t(S) * d);
     download(&hb, begin.p, K + S);
     download(&ho, order.p, N);
     download(&hs, size.p, K);
@@ -174,9 +184,13 @@ class KMeansRunner {
     out->assign(S, {});
     for (uint32_t s = 0; s < S; ++s) {
       SegmentClusters &sc = (*out)[s];
-      const uint32_t k = std::clamp<uint32_t>(in[s].k, 1, in[s].T), C = hn[s];
+      const uint32_t k = kmeans_out_clusters(desc[s]), C = hn[s];
       ASSERT_LE(C, k);
       sc.n_clusters = C;
+      sc.n_outliers = hn[S + s];
+      ASSERT_LE(sc.n_outliers, in[s].outliers);
+      sc.spread.assign(hsp.begin() + clu_off[s], hsp.begin() + clu_off[s] + C);
+      sc.value_total.assign(hvt.begin() + size_t(s) * d, hvt.begin() + size_t(s + 1) * d);
       sc.order.assign(ho.begin() + tok_off[s], ho.begin() + tok_off[s] + in[s].T);
       sc.begin.assign(hb.begin() + clu_off[s] + s, hb.begin() + clu_off[s] + s + C + 1);
       sc.size.assign(hs.begin() + clu_off[s], hs.begin() + clu_off[s] + C);
@@ -186,6 +200,7 @@ class KMeansRunner {
       for (uint32_t c = C + 1; c <= k; ++c) ASSERT_EQ(hb[clu_off[s] + s + c], in[s].T);
       for (uint32_t c = C; c < k; ++c) {
         ASSERT_EQ(hs[clu_off[s] + c], 0u);
+        ASSERT_EQ(hsp[clu_off[s] + c], 0.f);
         for (uint32_t j = 0; j < d; ++j) {
           ASSERT_EQ(hc[(clu_off[s] + c) * d + j], 0.f);
           ASSERT_EQ(hv[(clu_off[s] + c) * d + j], 0.f);
@@ -203,7 +218,7 @@ class KMeansRunner {
 void check_clusters(const SegmentClusters &sc, const SegInput &in, uint32_t d, double tol) {
   const uint32_t T = in.T, C = sc.n_clusters;
   ASSERT_GE(C, 1u);
-  ASSERT_LE(C, std::clamp<uint32_t>(in.k, 1, T));
+  ASSERT_LE(C, std::clamp<uint32_t>(in.k, 1, T) + in.outliers);
   ASSERT_EQ(sc.order.size(), T);
   ASSERT_EQ(sc.begin.size(), C + 1);
   EXPECT_EQ(sc.begin[0], 0u);
@@ -224,6 +239,16 @@ void check_clusters(const SegmentClusters &sc, const SegInput &in, uint32_t d, d
   for (uint32_t c = 0; c < C; ++c) {
     for (uint32_t e = sc.begin[c] + 1; e < sc.begin[c + 1]; ++e)
       ASSERT_LT(sc.order[e - 1], sc.order[e]) << "cluster " << c << " not ascending";
+    if (!sc.spread.empty()) {
+      // The spread: the mean squared distance of the members to the centroid.
+      double r = 0.0;
+      for (uint32_t e = sc.begin[c]; e < sc.begin[c + 1]; ++e)
+        for (uint32_t j = 0; j < d; ++j) {
+          const double x = double(in.keys[size_t(sc.order[e]) * d + j]) - sc.centroid[size_t(c) * d + j];
+          r += x * x;
+        }
+      ASSERT_NEAR(sc.spread[c], r / sc.size[c], 1e-4 * std::max(1.0, r / sc.size[c])) << "spread " << c;
+    }
     for (uint32_t j = 0; j < d; ++j) {
       double ks = 0.0, kabs = 0.0, vs = 0.0, vabs = 0.0;
       for (uint32_t e = sc.begin[c]; e < sc.begin[c + 1]; ++e) {
@@ -243,8 +268,9 @@ void check_clusters(const SegmentClusters &sc, const SegInput &in, uint32_t d, d
 }
 
 bool same(const SegmentClusters &a, const SegmentClusters &b) {
-  return a.n_clusters == b.n_clusters && a.order == b.order && a.begin == b.begin && a.size == b.size &&
-         a.centroid.size() == b.centroid.size() &&
+  return a.n_clusters == b.n_clusters && a.n_outliers == b.n_outliers && a.order == b.order && a.begin == b.begin &&
+         a.size == b.size && a.centroid.size() == b.centroid.size() && a.spread == b.spread &&
+         a.value_total == b.value_total &&
          std::memcmp(a.centroid.data(), b.centroid.data(), a.centroid.size() * 4) == 0 &&
          std::memcmp(a.value_sum.data(), b.value_sum.data(), a.value_sum.size() * 4) == 0;
 }
@@ -567,8 +593,9 @@ TEST(KMeansCuda, RejectsBadArguments) {
   seg.keys = rows.p;
   seg.values = rows.p;
   KMeansBatchOut o;
-  o.n_clusters = o.begin = o.order = o.size = outb.as<uint32_t>();
-  o.centroid = o.value_sum = outb.as<float>();
+  o.n_clusters = o.n_outliers = o.begin = o.order = o.size = outb.as<uint32_t>();
+  o.centroid = o.value_sum = o.spread = outb.as<float>();
+  o.value_total = outb.as<double>();
   EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes - 256, nullptr, nullptr), cudaErrorInvalidValue);
   p.assign = KMeansAssign::kCublas;
   EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes, nullptr, nullptr), cudaErrorInvalidValue);
@@ -578,6 +605,74 @@ TEST(KMeansCuda, RejectsBadArguments) {
   seg.tokens = kKMeansMaxTokens + 1;
   EXPECT_EQ(kmeans_batch_cuda(p, &seg, 1, o, ws.p, bytes, nullptr, nullptr), cudaErrorInvalidValue);
   ASSERT_CUDA(cudaDeviceSynchronize());
+}
+
+// The device's split of outliers is split_outliers on the device's own
+// clusters: a batch without outliers, split on the CPU, against the same
+// batch split on the device. Planted outliers (keys pushed far along a
+// direction of their own) are found.
+TEST(KMeansCuda, SplitsOutliersAsTheCpuDoes) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(404);
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16})
+    for (uint32_t d : {64u, 128u}) {
+      SCOPED_TRACE(testing::Message() << dtype_name(t) << " d=" << d);
+      std::vector<SegInput> plain;
+      std::vector<std::vector<uint32_t>> planted;
+      for (uint32_t T : {2000u, 777u, 64u, 9000u}) {
+        SegInput in = structured_segment(rng, t, T, d, (T + 15) / 16, T + d);
+        // A few needles: far from every topic.
+        std::vector<uint32_t> at;
+        std::uniform_int_distribution<uint32_t> pick(0, T - 1);
+        for (uint32_t i = 0; i < std::max(1u, T / 500); ++i) {
+          const uint32_t p = pick(rng);
+          const auto dir = random_vec(rng, d, 1.f);
+          for (uint32_t j = 0; j < d; ++j) in.keys[size_t(p) * d + j] += 6.f * dir[j];
+          at.push_back(p);
+        }
+        in.keys = rounded(t, in.keys);
+        planted.push_back(at);
+        plain.push_back(std::move(in));
+      }
+      std::vector<SegInput> split = plain;
+      for (SegInput &in : split) {
+        in.outliers = in.T / 100 + 1;
+        in.ratio = 1.5f;
+      }
+      KMeansRunner runner(t, d, KMeansAssign::kFused);
+      std::vector<SegmentClusters> base, dev;
+      runner.run(plain, &base);
+      if (HasFatalFailure()) return;
+      runner.run(split, &dev);
+      if (HasFatalFailure()) return;
+      for (size_t s = 0; s < plain.size(); ++s) {
+        SCOPED_TRACE("segment " + std::to_string(s));
+        check_clusters(dev[s], split[s], d, tolerance(t));
+        if (HasFatalFailure()) return;
+        ASSERT_EQ(base[s].n_outliers, 0u);
+        SegmentClusters cpu = base[s];
+        split_outliers(split[s].outliers, split[s].ratio, split[s].keys.data(), split[s].values.data(), d, &cpu);
+        EXPECT_GT(dev[s].n_outliers, 0u);
+        ASSERT_EQ(dev[s].n_clusters, cpu.n_clusters);
+        ASSERT_EQ(dev[s].n_outliers, cpu.n_outliers);
+        ASSERT_EQ(dev[s].order, cpu.order);
+        ASSERT_EQ(dev[s].begin, cpu.begin);
+        ASSERT_EQ(dev[s].size, cpu.size);
+        // Sums of the same members in the same order: the same bits.
+        ASSERT_EQ(0, std::memcmp(dev[s].centroid.data(), cpu.centroid.data(), cpu.centroid.size() * 4));
+        ASSERT_EQ(0, std::memcmp(dev[s].value_sum.data(), cpu.value_sum.data(), cpu.value_sum.size() * 4));
+        for (uint32_t c = 0; c < cpu.n_clusters; ++c)
+          ASSERT_NEAR(dev[s].spread[c], cpu.spread[c], 1e-5 * std::max(1.f, cpu.spread[c])) << "spread " << c;
+        for (uint32_t j = 0; j < d; ++j)
+          ASSERT_NEAR(dev[s].value_total[j], cpu.value_total[j], 1e-9 * std::max(1.0, std::fabs(cpu.value_total[j])));
+        // The planted keys are clusters of one (split off, or alone already).
+        std::vector<uint32_t> ones;
+        for (uint32_t c = 0; c < cpu.n_clusters; ++c)
+          if (cpu.size[c] == 1) ones.push_back(cpu.order[cpu.begin[c]]);
+        for (uint32_t p : planted[s])
+          EXPECT_NE(std::find(ones.begin(), ones.end(), p), ones.end()) << "planted outlier " << p;
+      }
+    }
 }
 
 // Page writes ---------------------------------------------------------------------

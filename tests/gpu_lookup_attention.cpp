@@ -138,11 +138,27 @@ struct LookupSpec {
   std::vector<uint32_t> clusters;  // per run
   Zones zones = Zones::kEngineRule;
   bool ties = false;     // centroids drawn from 3 distinct rows: many equal scores
+  bool spread = false;   // runs have spreads (WKV_METHOD_SPREAD)
+  bool ones = false;     // a fifth of the clusters have one member, ranked apart (WKV_METHOD_ONES)
+  bool tail = false;     // runs have a value mean (WKV_METHOD_TAIL)
   uint64_t seed = 1;
 };
 
+// The engine's rule with clusters of one ranked apart.
+void zone_rule_ones(uint32_t clusters, uint32_t ones, uint32_t *n_ret, uint32_t *n_one, uint32_t *n_est) {
+  *n_ret = *n_one = *n_est = 0;
+  if (clusters == 0) return;
+  auto share = [](uint32_t n) {
+    return static_cast<uint32_t>(std::min<double>(std::ceil(static_cast<double>(0.018f) * n - 1e-9), n));
+  };
+  *n_one = ones > 0 ? std::max<uint32_t>(1, share(ones)) : 0;
+  *n_ret = share(clusters - ones) + *n_one;
+  *n_est = static_cast<uint32_t>(
+      std::min<double>(std::floor(static_cast<double>(0.232f) * clusters + 0.5), clusters - *n_ret));
+}
+
 struct HostRun {
-  uint32_t C = 0, n_ret = 0, n_est = 0, sink = 0, tail = 0;
+  uint32_t C = 0, n_ret = 0, n_one = 0, n_est = 0, sink = 0, tail = 0;
   size_t meta_off = 0;  // first float of centroid / value_sum in the packed arrays
   size_t size_off = 0;
   uint32_t ret_off = 0, est_off = 0, scratch_off = 0;
@@ -152,6 +168,7 @@ struct LookupOutputs {
   std::vector<uint32_t> ret_ids, ret_pos, est_ids, run_tokens;
   std::vector<float> est_out, est_lse, logits, scores;
   std::vector<int32_t> offsets;
+  std::vector<uint8_t> zones;
 };
 
 // Builds the runs of spec on the device, runs lookup_zones (with or without
@@ -163,27 +180,39 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   std::normal_distribution<float> normal(0.f, 1.f);
   std::uniform_int_distribution<uint32_t> size_dist(1, 40), small(0, 8);
 
-  // 1. Runs and their meta index.
+  // 1. Runs and their meta index: sizes first (the zone rule counts the
+  //    clusters of one), then centroids, value sums, spreads.
   std::vector<HostRun> hr(R);
-  std::vector<float> centroid, value_sum;
+  std::vector<float> centroid, value_sum, spread, value_mean;
   std::vector<uint32_t> sizes;
   uint32_t ret_total = 0, est_total = 0, scratch_total = 0, max_clusters = 0;
+  std::uniform_real_distribution<float> spread_dist(0.f, 400.f);
   for (uint32_t r = 0; r < R; ++r) {
     HostRun &h = hr[r];
     h.C = spec.clusters[r];
+    h.meta_off = centroid.size();
+    h.size_off = sizes.size();
+    uint32_t ones = 0;
+    for (uint32_t c = 0; c < h.C; ++c) {
+      const bool one = spec.ones && (c % 5 == 3 || h.C == 1);
+      sizes.push_back(one ? 1 : spec.ones ? size_dist(rng) + 1 : size_dist(rng));
+      ones += one;
+    }
     if (spec.zones == Zones::kEngineRule) {
-      zone_rule(h.C, &h.n_ret, &h.n_est);
+      if (spec.ones)
+        zone_rule_ones(h.C, ones, &h.n_ret, &h.n_one, &h.n_est);
+      else
+        zone_rule(h.C, &h.n_ret, &h.n_est);
     } else {
-      std::uniform_int_distribution<uint32_t> pick(0, h.C);
-      h.n_ret = pick(rng);
+      const uint32_t others = h.C - ones;
+      h.n_one = spec.ones && ones > 0 ? std::uniform_int_distribution<uint32_t>(1, ones)(rng) : 0;
+      h.n_ret = std::uniform_int_distribution<uint32_t>(0, spec.ones ? others : h.C)(rng) + h.n_one;
       h.n_est = std::uniform_int_distribution<uint32_t>(0, h.C - h.n_ret)(rng);
-      if (r % 5 == 1) h.n_ret = 0;
+      if (r % 5 == 1 && !spec.ones) h.n_ret = 0;
       if (r % 5 == 2) h.n_est = h.C - h.n_ret;
     }
     h.sink = small(rng);
     h.tail = small(rng) * 8;
-    h.meta_off = centroid.size();
-    h.size_off = sizes.size();
     h.ret_off = ret_total;
     h.est_off = est_total;
     h.scratch_off = scratch_total;
@@ -200,17 +229,20 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
       for (uint32_t i = 0; i < d; ++i)
         centroid.push_back(spec.ties ? distinct[pick * d + i] : mean[i] + normal(rng));
       for (uint32_t i = 0; i < d; ++i) value_sum.push_back(8.f * normal(rng));
-      sizes.push_back(size_dist(rng));
+      spread.push_back(sizes[h.size_off + c] == 1 ? 0.f : spread_dist(rng));
     }
+    for (uint32_t i = 0; i < d; ++i) value_mean.push_back(normal(rng));
   }
   std::vector<float> q(static_cast<size_t>(R) * G * d);
   for (float &x : q) x = normal(rng);
 
   // 2. Device copies.
-  DevArray<float> d_centroid, d_value_sum, d_q;
+  DevArray<float> d_centroid, d_value_sum, d_spread, d_value_mean, d_q;
   DevArray<uint32_t> d_sizes;
   CUDA_OK(d_centroid.upload(centroid));
   CUDA_OK(d_value_sum.upload(value_sum));
+  CUDA_OK(d_spread.upload(spread));
+  CUDA_OK(d_value_mean.upload(value_mean));
   CUDA_OK(d_sizes.upload(sizes));
   CUDA_OK(d_q.upload(q));
   std::vector<DevRun> runs(R);
@@ -220,8 +252,11 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
     x.centroid = d_centroid.get() + hr[r].meta_off;
     x.value_sum = d_value_sum.get() + hr[r].meta_off;
     x.size = d_sizes.get() + hr[r].size_off;
+    x.spread = spec.spread ? d_spread.get() + hr[r].size_off : nullptr;
+    x.value_mean = spec.tail ? d_value_mean.get() + size_t(r) * d : nullptr;
     x.clusters = hr[r].C;
     x.n_ret = hr[r].n_ret;
+    x.n_one = hr[r].n_one;
     x.n_est = hr[r].n_est;
     x.sink_tokens = hr[r].sink;
     x.tail_tokens = hr[r].tail;
@@ -238,6 +273,9 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   DevArray<uint32_t> d_ret_ids, d_ret_pos, d_est_ids, d_run_tokens;
   DevArray<float> d_est_out, d_est_lse, d_logits, d_scores;
   DevArray<int32_t> d_offsets;
+  DevArray<uint8_t> d_zones;
+  CUDA_OK(d_zones.alloc(scratch_total / std::max(G, 1u)));
+  CUDA_OK(d_zones.poison());
   CUDA_OK(d_ret_ids.alloc(ret_total));
   CUDA_OK(d_ret_pos.alloc(ret_total));
   CUDA_OK(d_est_ids.alloc(est_total));
@@ -260,6 +298,7 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   out.est_lse = d_est_lse.get();
   out.offsets = d_offsets.get();
   out.logits = d_logits.get();
+  out.zones = d_zones.get();
   STATUS_OK(lookup_zones(d_runs.get(), R, G, d, scale, d_q.get(), out, with_scores ? d_scores.get() : nullptr,
                          max_clusters, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
@@ -275,38 +314,49 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   CUDA_OK(d_logits.download(&got.logits));
   CUDA_OK(d_scores.download(&got.scores));
   CUDA_OK(d_offsets.download(&got.offsets));
+  CUDA_OK(d_zones.download(&got.zones));
 
   // 3. Against the CPU, run by run.
   int64_t total_tokens = 0;
   for (uint32_t r = 0; r < R; ++r) {
     SCOPED_TRACE("run " + std::to_string(r) + " of " + std::to_string(R) + ", clusters " +
-                 std::to_string(hr[r].C) + ", n_ret " + std::to_string(hr[r].n_ret) + ", n_est " +
-                 std::to_string(hr[r].n_est));
+                 std::to_string(hr[r].C) + ", n_ret " + std::to_string(hr[r].n_ret) + ", n_one " +
+                 std::to_string(hr[r].n_one) + ", n_est " + std::to_string(hr[r].n_est));
     const HostRun &h = hr[r];
     const uint32_t C = h.C;
     const float *qr = q.data() + static_cast<size_t>(r) * G * d;
     const float *cent = centroid.data() + h.meta_off;
+    const float *sp = spread.data() + h.size_off;
     std::vector<float> logits(static_cast<size_t>(G) * C), score(C);
-    if (C > 0) score_clusters(qr, G, cent, C, d, scale, logits.data(), score.data());
+    if (C > 0) score_clusters(qr, G, cent, C, d, scale, logits.data(), score.data(), spec.spread ? sp : nullptr);
 
     // Logits to 1e-4 of the magnitude of their terms.
     const float *gl = got.logits.data() + h.scratch_off;
     for (uint32_t g = 0; g < G; ++g)
       for (uint32_t c = 0; c < C; ++c) {
-        double mag = 0.0;
+        double mag = 0.0, q2 = 0.0;
         for (uint32_t i = 0; i < d; ++i) mag += std::fabs(double(qr[g * d + i]) * cent[size_t(c) * d + i]);
+        for (uint32_t i = 0; i < d; ++i) q2 += double(qr[g * d + i]) * qr[g * d + i];
+        mag *= scale;
+        if (spec.spread) mag += 0.5 * scale * scale * q2 / d * sp[c];
         const float want = logits[size_t(g) * C + c], have = gl[size_t(g) * C + c];
-        ASSERT_LE(std::fabs(double(have) - want), 1e-4 * std::max(mag * scale, 1e-3))
+        ASSERT_LE(std::fabs(double(have) - want), 1e-4 * std::max(mag, 1e-3))
             << "logit g=" << g << " c=" << c << " gpu " << have << " cpu " << want;
       }
 
-    // Zones: exactly select_zones over the GPU's own scores.
-    std::vector<uint32_t> want_ret(h.n_ret), want_est(h.n_est), scratch(std::max(C, 1u));
+    // Zones: exactly select_zones (select_zones_split with clusters of one
+    // ranked apart) over the GPU's own scores.
+    const uint32_t *sz = sizes.data() + h.size_off;
+    std::vector<uint32_t> want_ret(h.n_ret), want_est(h.n_est), scratch(4 * std::max(C, 1u));
     if (with_scores) {
       const float *gs = got.scores.data() + h.scratch_off / G;
       for (uint32_t c = 0; c < C; ++c)
         ASSERT_NEAR(gs[c], score[c], 1e-4 * std::max(1.f, score[c])) << "score c=" << c;
-      if (C > 0) select_zones(gs, C, h.n_ret, h.n_est, want_ret.data(), want_est.data(), scratch.data());
+      if (C > 0 && h.n_one > 0)
+        select_zones_split(gs, sz, C, h.n_ret - h.n_one, h.n_one, h.n_est, want_ret.data(), want_est.data(),
+                           scratch.data());
+      else if (C > 0)
+        select_zones(gs, C, h.n_ret, h.n_est, want_ret.data(), want_est.data(), scratch.data());
       for (uint32_t i = 0; i < h.n_ret; ++i)
         ASSERT_EQ(got.ret_ids[h.ret_off + i], want_ret[i]) << "ret_ids[" << i << "]";
       for (uint32_t i = 0; i < h.n_est; ++i)
@@ -322,9 +372,17 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
       for (uint32_t id : want_est) ASSERT_LT(id, C);
     }
 
+    // Every cluster's zone.
+    {
+      std::vector<uint8_t> want_zone(C, 0);
+      for (uint32_t id : want_ret) want_zone[id] = 1;
+      for (uint32_t id : want_est) want_zone[id] = 2;
+      const uint8_t *gz = got.zones.data() + h.scratch_off / G;
+      for (uint32_t c = 0; c < C; ++c) ASSERT_EQ(gz[c], want_zone[c]) << "zone of cluster " << c;
+    }
+
     // ret_pos and run_tokens.
     uint32_t pos = 0;
-    const uint32_t *sz = sizes.data() + h.size_off;
     for (uint32_t i = 0; i < h.n_ret; ++i) {
       ASSERT_EQ(got.ret_pos[h.ret_off + i], pos) << "ret_pos[" << i << "]";
       pos += sz[want_ret[i]];
@@ -336,8 +394,11 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
     // The estimate per head, from the CPU logits.
     const float *vs = value_sum.data() + h.meta_off;
     for (uint32_t g = 0; g < G; ++g) {
-      std::vector<float> est(d);
-      const float lse = estimate_zone(logits.data() + size_t(g) * C, want_est.data(), h.n_est, vs, sz, d, est.data());
+      std::vector<float> est(d), tail_scratch(std::max(C, 1u));
+      float lse = estimate_zone(logits.data() + size_t(g) * C, want_est.data(), h.n_est, vs, sz, d, est.data());
+      if (spec.tail)
+        estimate_tail(logits.data() + size_t(g) * C, 1, C, C, want_ret.data(), h.n_ret, want_est.data(), h.n_est, sz,
+                      value_mean.data() + size_t(r) * d, d, est.data(), &lse, tail_scratch.data());
       const float *ge = got.est_out.data() + (size_t(r) * G + g) * d;
       const float gl_lse = got.est_lse[size_t(r) * G + g];
       if (lse == -kInf) {
@@ -377,6 +438,41 @@ TEST(LookupZones, MatchesCpuForEveryHeadDimAndGroup) {
       check_lookup(spec, true);
       if (HasFatalFailure()) return;
     }
+}
+
+TEST(LookupZones, TheRefinementsMatchCpu) {
+  REQUIRE_GPU();
+  uint64_t seed = 500;
+  for (uint32_t d : {64u, 128u, 256u})
+    for (int m = 1; m < 8; ++m) {
+      LookupSpec spec;
+      spec.d = d;
+      spec.G = m % 2 ? 4 : 1;
+      spec.spread = m & 1;
+      spec.ones = m & 2;
+      spec.tail = m & 4;
+      spec.seed = ++seed;
+      spec.clusters = mixed_clusters(seed, 4);
+      SCOPED_TRACE("d=" + std::to_string(d) + " spread " + std::to_string(spec.spread) + " ones " +
+                   std::to_string(spec.ones) + " tail " + std::to_string(spec.tail));
+      for (Zones z : {Zones::kEngineRule, Zones::kRandom}) {
+        spec.zones = z;
+        check_lookup(spec, true);
+        if (HasFatalFailure()) return;
+      }
+    }
+}
+
+TEST(LookupZones, TheRefinementsSelectThroughTheGlobalScratch) {
+  REQUIRE_GPU();
+  LookupSpec spec;
+  spec.d = 128;
+  spec.G = 4;
+  spec.seed = 9;
+  spec.spread = spec.ones = spec.tail = true;
+  spec.zones = Zones::kRandom;
+  spec.clusters = {kLookupSmemClusters + 1, 40000, 100};
+  check_lookup(spec, true);
 }
 
 TEST(LookupZones, SmallRunsMatchCpu) {

@@ -127,6 +127,14 @@ inline double rel_l2(const std::vector<double> &got, const std::vector<double> &
   return rel_l2(g.data(), ref);
 }
 
+// The q-quantile (0..1) by linear interpolation.
+inline double quantile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  const double at = q * (v.size() - 1);
+  const size_t i = static_cast<size_t>(at);
+  return i + 1 < v.size() ? v[i] + (at - i) * (v[i + 1] - v[i]) : v[i];
+}
+
 inline double median(std::vector<double> v) {
   if (v.empty()) return NAN;
   std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());

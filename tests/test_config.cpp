@@ -18,6 +18,7 @@ const char *const kVariables[] = {
     "WKV_CLUSTER_TOKENS",  "WKV_KMEANS_ITERS",      "WKV_SINK_TOKENS",
     "WKV_WINDOW_TOKENS",   "WKV_RETRIEVAL_FRAC",    "WKV_ESTIMATION_FRAC",
     "WKV_HOST_BUDGET_BYTES", "WKV_HOST_CHUNK_BYTES", "WKV_DEVICE_CACHE_BYTES",
+    "WKV_METHOD",
 };
 const char *const kFractions[] = {"WKV_RETRIEVAL_FRAC", "WKV_ESTIMATION_FRAC"};
 
@@ -227,6 +228,37 @@ TEST_F(ResolveConfig, AppliesValidOverrides) {
   EXPECT_EQ(got.host_budget_bytes, 1ull << 30);
   EXPECT_EQ(got.host_chunk_bytes, 2ull << 20);
   EXPECT_EQ(got.device_cache_bytes, 1ull << 20);
+}
+
+TEST_F(ResolveConfig, MethodDefaultsToEveryRefinementAndTheVariableSetsIt) {
+  wkv_config got;
+  ASSERT_EQ(open(minimal_config(), &got), WKV_OK) << error();
+  EXPECT_EQ(got.method, static_cast<uint32_t>(WKV_METHOD_DEFAULT));
+  {
+    EnvGuard m("WKV_METHOD", "0");
+    ASSERT_EQ(open(minimal_config(), &got), WKV_OK) << error();
+    EXPECT_EQ(got.method, static_cast<uint32_t>(WKV_METHOD_PAPER));
+  }
+  {
+    EnvGuard m("WKV_METHOD", "0x6");
+    ASSERT_EQ(open(minimal_config(), &got), WKV_OK) << error();
+    EXPECT_EQ(got.method, static_cast<uint32_t>(WKV_METHOD_ONES | WKV_METHOD_SPREAD));
+  }
+}
+
+TEST_F(ResolveConfig, RejectsUnknownMethodBitsNamingWhereTheyCameFrom) {
+  wkv_config c = minimal_config();
+  c.method = WKV_METHOD_DEFAULT | 0x10u;
+  EXPECT_EQ(open(c), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(error(), "method 0x1f (from the config)")) << error();
+  EnvGuard m("WKV_METHOD", "32");
+  EXPECT_EQ(open(minimal_config()), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(error(), "from the environment variable WKV_METHOD")) << error();
+  c = minimal_config();
+  c.reserved1 = 1;
+  EnvGuard n("WKV_METHOD", nullptr);
+  EXPECT_EQ(open(c), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(error(), "reserved1")) << error();
 }
 
 TEST_F(ResolveConfig, RejectsEveryMalformedValueOfEveryVariable) {

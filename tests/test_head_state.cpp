@@ -147,6 +147,45 @@ TEST(HeadSnapshot, ImportedLayersDecodeBitForBitAndGrowTheSameWay) {
   }
 }
 
+TEST(HeadSnapshot, ASnapshotWithoutSpreadsGetsThemFromItsPages) {
+  // A file written before clusters had a spread: import computes it from the
+  // pages' keys, as the k-means did, and the layer decodes the same.
+  Internal a(config(WKV_DTYPE_F16)), b(config(WKV_DTYPE_F16));
+  Draw draw(WKV_DTYPE_F16);
+  auto sa = a.sequence();
+  std::vector<uint8_t> k, v;
+  draw.tokens(1500, &k, &v);
+  a.append(*sa, k, v, 1500);
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(a.e->end_prompt(*sa, l, nullptr).is_ok());
+  std::vector<wkv::LayerSnapshot> snap;
+  ASSERT_TRUE(export_all(a, *sa, &snap).is_ok());
+  std::vector<std::vector<float>> spreads;
+  for (wkv::LayerSnapshot &s : snap)
+    for (wkv::HeadSnapshot &h : s.heads) {
+      ASSERT_EQ(h.spread.size(), h.size.size());
+      spreads.push_back(h.spread);
+      h.spread.clear();
+    }
+  auto sb = b.sequence();
+  wkv::Status st = import_all(b, *sb, snap);
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  std::vector<wkv::LayerSnapshot> again;
+  ASSERT_TRUE(export_all(b, *sb, &again).is_ok());
+  size_t i = 0;
+  for (const wkv::LayerSnapshot &s : again)
+    for (const wkv::HeadSnapshot &h : s.heads) {
+      const std::vector<float> &want = spreads[i++];
+      ASSERT_EQ(h.spread.size(), want.size());
+      for (size_t c = 0; c < want.size(); ++c)
+        ASSERT_NEAR(h.spread[c], want[c], 1e-6f * std::max(1.f, want[c])) << "cluster " << c;
+    }
+  const std::vector<uint8_t> q = draw.query();
+  for (uint32_t l = 0; l < 2; ++l) EXPECT_EQ(b.decode(sb, l, q), a.decode(sa, l, q));
+  // A spread array of the wrong length is refused.
+  snap[0].heads[1].spread.assign(3, 0.f);
+  EXPECT_FALSE(wkv::check_snapshot(b.e->config(), snap[0]).is_ok());
+}
+
 TEST(HeadSnapshot, AnotherShapeIsRefusedSayingWhatDiffers) {
   Internal a(config(WKV_DTYPE_F16)), c(config(WKV_DTYPE_F16, 128));
   Draw draw(WKV_DTYPE_F16);

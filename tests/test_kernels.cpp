@@ -399,6 +399,334 @@ TEST(KMeans, RecoversPlantedDirectionsUnderALargeSharedOffset) {
   }
 }
 
+
+// Outliers and spread (split_outliers) -----------------------------------------
+
+// Keys of a few topics over a shared offset, with `far` keys pushed along a
+// direction of their own (needles); their indices in *planted.
+std::vector<float> keys_with_needles(std::mt19937_64 &rng, uint32_t T, uint32_t d, uint32_t far,
+                                     std::vector<uint32_t> *planted) {
+  const auto mean = random_vec(rng, d, 3.f);
+  const auto topic = random_vec(rng, size_t(8) * d, 1.5f);
+  std::normal_distribution<float> g(0.f, 0.5f);
+  std::vector<float> keys(size_t(T) * d);
+  for (uint32_t i = 0; i < T; ++i)
+    for (uint32_t j = 0; j < d; ++j) keys[size_t(i) * d + j] = mean[j] + topic[size_t(i / 40 % 8) * d + j] + g(rng);
+  std::uniform_int_distribution<uint32_t> pick(0, T - 1);
+  while (planted->size() < far) {
+    const uint32_t p = pick(rng);
+    if (std::find(planted->begin(), planted->end(), p) != planted->end()) continue;
+    const auto dir = random_vec(rng, d, 1.f);
+    for (uint32_t j = 0; j < d; ++j) keys[size_t(p) * d + j] += 4.f * dir[j];
+    planted->push_back(p);
+  }
+  return keys;
+}
+
+// The spread and value total of clusters against double sums.
+void check_spread(const SegmentClusters &sc, const std::vector<float> &keys, const std::vector<float> &values,
+                  uint32_t d) {
+  ASSERT_EQ(sc.spread.size(), sc.n_clusters);
+  ASSERT_EQ(sc.value_total.size(), d);
+  for (uint32_t c = 0; c < sc.n_clusters; ++c) {
+    double r = 0.0;
+    for (uint32_t e = sc.begin[c]; e < sc.begin[c + 1]; ++e)
+      for (uint32_t j = 0; j < d; ++j) {
+        const double x = double(keys[size_t(sc.order[e]) * d + j]) - sc.centroid[size_t(c) * d + j];
+        r += x * x;
+      }
+    ASSERT_NEAR(sc.spread[c], r / sc.size[c], 1e-5 * std::max(1.0, r / sc.size[c])) << "cluster " << c;
+    if (sc.size[c] == 1) {
+      ASSERT_EQ(sc.spread[c], 0.f);
+    }
+  }
+  for (uint32_t j = 0; j < d; ++j) {
+    double v = 0.0, a = 0.0;
+    for (size_t i = j; i < values.size(); i += d) v += values[i], a += std::fabs(values[i]);
+    ASSERT_NEAR(sc.value_total[j], v, 1e-5 * std::max(1.0, a));
+  }
+}
+
+TEST(Outliers, KMeansGivesEveryClusterItsSpreadAndTheSegmentItsValueTotal) {
+  std::mt19937_64 rng(71);
+  const uint32_t T = 900, d = 64;
+  std::vector<uint32_t> planted;
+  const auto keys = keys_with_needles(rng, T, d, 0, &planted);
+  const auto values = random_vec(rng, size_t(T) * d, 1.f, 0.3f);
+  KMeansParams p;
+  p.n_clusters = 56;
+  p.seed = 4;
+  SegmentClusters sc;
+  kmeans_segment(p, keys.data(), values.data(), T, d, &sc);
+  EXPECT_EQ(sc.n_outliers, 0u);
+  check_clusters(sc, keys, values, T, d, 56);
+  check_spread(sc, keys, values, d);
+}
+
+TEST(Outliers, FarMembersBecomeClustersOfOneAfterTheOthers) {
+  std::mt19937_64 rng(72);
+  const uint32_t T = 2000, d = 64, far = 6;
+  std::vector<uint32_t> planted;
+  const auto keys = keys_with_needles(rng, T, d, far, &planted);
+  const auto values = random_vec(rng, size_t(T) * d);
+  KMeansParams p;
+  p.n_clusters = T / 16;
+  p.seed = 9;
+  SegmentClusters plain;
+  kmeans_segment(p, keys.data(), values.data(), T, d, &plain);
+  p.outliers = 20;
+  p.outlier_ratio = 1.5f;
+  SegmentClusters sc;
+  kmeans_segment(p, keys.data(), values.data(), T, d, &sc);
+  check_clusters(sc, keys, values, T, d, T / 16 + 20);
+  check_spread(sc, keys, values, d);
+  ASSERT_GT(sc.n_outliers, 0u);
+  ASSERT_LE(sc.n_outliers, 20u);
+  // The clusters of one split off follow the others, and the planted keys
+  // are clusters of one (split off, or alone already).
+  const uint32_t C0 = sc.n_clusters - sc.n_outliers;
+  EXPECT_EQ(C0, plain.n_clusters);
+  for (uint32_t c = C0; c < sc.n_clusters; ++c) EXPECT_EQ(sc.size[c], 1u);
+  std::vector<uint32_t> ones;
+  for (uint32_t c = 0; c < sc.n_clusters; ++c)
+    if (sc.size[c] == 1) ones.push_back(sc.order[sc.begin[c]]);
+  for (uint32_t t : planted) EXPECT_NE(std::find(ones.begin(), ones.end(), t), ones.end()) << "needle " << t;
+  // Each split-off member was beyond the bar, and every cluster kept a member.
+  double mean_r = 0.0;
+  std::vector<uint32_t> cluster_of(T);
+  for (uint32_t c = 0; c < plain.n_clusters; ++c)
+    for (uint32_t e = plain.begin[c]; e < plain.begin[c + 1]; ++e) cluster_of[plain.order[e]] = c;
+  std::vector<double> r(T);
+  for (uint32_t i = 0; i < T; ++i) {
+    for (uint32_t j = 0; j < d; ++j) {
+      const double x = double(keys[size_t(i) * d + j]) - plain.centroid[size_t(cluster_of[i]) * d + j];
+      r[i] += x * x;
+    }
+    mean_r += r[i] / T;
+  }
+  for (uint32_t c = C0; c < sc.n_clusters; ++c) {
+    const uint32_t t = sc.order[sc.begin[c]];
+    EXPECT_GT(r[t], 1.5 * mean_r * (1 - 1e-9));
+    EXPECT_GT(plain.size[cluster_of[t]], 1u);
+  }
+  for (uint32_t c = 0; c < C0; ++c) EXPECT_GT(sc.size[c], 0u);
+}
+
+TEST(Outliers, TheCapKeepsTheFarthestAndEveryClusterKeepsOneMember) {
+  // Two pairs of members equally far from their centroid, and one tight
+  // cluster: with the bar at half the mean distance every member of the
+  // pairs is beyond it, but each pair keeps its first member.
+  const uint32_t d = 16;
+  std::vector<float> keys(8 * d, 0.f), values(8 * d, 1.f);
+  for (uint32_t j = 0; j < d; ++j) {
+    keys[0 * d + j] = 10.f;           // pair A: distances 10 from its centroid
+    keys[1 * d + j] = -10.f;
+    keys[2 * d + j] = j % 2 ? 5.f : -5.f;  // pair B: distances 5
+    keys[3 * d + j] = j % 2 ? -5.f : 5.f;
+    for (uint32_t i = 4; i < 8; ++i) keys[i * d + j] = 0.01f * i;  // tight
+  }
+  SegmentClusters sc;
+  sc.n_clusters = 3;
+  sc.order = {0, 1, 2, 3, 4, 5, 6, 7};
+  sc.begin = {0, 2, 4, 8};
+  sc.size = {2, 2, 4};
+  sc.centroid.assign(3 * d, 0.f);
+  for (uint32_t j = 0; j < d; ++j) sc.centroid[2 * d + j] = 0.055f;
+  sc.value_sum.assign(3 * d, 0.f);
+  for (uint32_t j = 0; j < d; ++j) sc.value_sum[0 * d + j] = 2.f, sc.value_sum[1 * d + j] = 2.f, sc.value_sum[2 * d + j] = 4.f;
+  SegmentClusters one = sc;
+  split_outliers(1, 0.5f, keys.data(), values.data(), d, &one);
+  // Pair A's second member (the first is kept: equal distances, first wins).
+  ASSERT_EQ(one.n_outliers, 1u);
+  ASSERT_EQ(one.n_clusters, 4u);
+  EXPECT_EQ(one.order, (std::vector<uint32_t>{0, 2, 3, 4, 5, 6, 7, 1}));
+  EXPECT_EQ(one.size, (std::vector<uint32_t>{1, 2, 4, 1}));
+  EXPECT_EQ(one.begin, (std::vector<uint32_t>{0, 1, 3, 7, 8}));
+  for (uint32_t j = 0; j < d; ++j) {
+    EXPECT_EQ(one.centroid[0 * d + j], 10.f);  // what pair A kept
+    EXPECT_EQ(one.centroid[3 * d + j], -10.f);  // the outlier's own key
+    EXPECT_EQ(one.value_sum[3 * d + j], 1.f);
+  }
+  EXPECT_EQ(one.spread[0], 0.f);
+  EXPECT_EQ(one.spread[3], 0.f);
+  SegmentClusters two = sc;
+  split_outliers(5, 0.5f, keys.data(), values.data(), d, &two);
+  EXPECT_EQ(two.n_outliers, 2u);  // one of each pair; the tight cluster stays
+  EXPECT_EQ(two.order, (std::vector<uint32_t>{0, 2, 4, 5, 6, 7, 1, 3}));
+  SegmentClusters none = sc;
+  split_outliers(0, 0.5f, keys.data(), values.data(), d, &none);
+  EXPECT_EQ(none.n_outliers, 0u);
+  EXPECT_EQ(none.order, sc.order);
+  EXPECT_NEAR(none.spread[0], 100.f * d, 1e-3);
+}
+
+// Scoring with spreads ------------------------------------------------------------
+
+TEST(Scoring, SpreadAddsHalfTheLogitVariance) {
+  std::mt19937_64 rng(73);
+  const uint32_t C = 300, d = 96, G = 3;
+  const float scale = 1.f / std::sqrt(float(d));
+  const auto q = random_vec(rng, size_t(G) * d);
+  const auto cent = random_vec(rng, size_t(C) * d, 1.f, 0.2f);
+  std::vector<float> spread(C);
+  for (uint32_t c = 0; c < C; ++c) spread[c] = float(c % 7) * 40.f;
+  std::vector<float> plain(G * C), with(G * C), score(C);
+  score_clusters(q.data(), G, cent.data(), C, d, scale, plain.data(), score.data());
+  score_clusters(q.data(), G, cent.data(), C, d, scale, with.data(), score.data(), spread.data());
+  std::vector<double> want_score(C, 0.0);
+  for (uint32_t g = 0; g < G; ++g) {
+    double q2 = 0.0;
+    for (uint32_t j = 0; j < d; ++j) q2 += double(q[g * d + j]) * q[g * d + j];
+    double m = -kInfD, sum = 0.0;
+    for (uint32_t c = 0; c < C; ++c) {
+      const double want = plain[g * C + c] + 0.5 * double(scale) * scale * q2 / d * spread[c];
+      ASSERT_NEAR(with[g * C + c], want, 1e-5 * std::max(1.0, std::fabs(want)));
+      m = std::max(m, want);
+    }
+    for (uint32_t c = 0; c < C; ++c) sum += std::exp(with[g * C + c] - m);
+    for (uint32_t c = 0; c < C; ++c) want_score[c] += std::exp(with[g * C + c] - m) / sum;
+  }
+  for (uint32_t c = 0; c < C; ++c) ASSERT_NEAR(score[c], want_score[c], 1e-5);
+  // The f16 path adds the same.
+  std::vector<f16> c16(cent.size());
+  from_float(DType::kF16, cent.data(), c16.data(), cent.size());
+  std::vector<float> p16(G * C), w16(G * C);
+  ASSERT_TRUE(score_clusters(DType::kF16, q.data(), G, c16.data(), C, d, scale, p16.data(), score.data()));
+  ASSERT_TRUE(score_clusters(DType::kF16, q.data(), G, c16.data(), C, d, scale, w16.data(), score.data(),
+                             spread.data()));
+  for (uint32_t i = 0; i < G * C; ++i)
+    ASSERT_NEAR(w16[i] - p16[i], with[i] - plain[i], 1e-4 * std::max(1.f, std::fabs(with[i] - plain[i])));
+}
+
+TEST(Estimation, SpreadCorrectedWeightMatchesGaussianMembers) {
+  // Keys c + delta with isotropic Gaussian delta: the mean of exp(q.k s) over
+  // many members is exp(q.c s + 0.5 s^2 |q|^2 sigma^2), which the corrected
+  // logit gives and Jensen's bound does not.
+  std::mt19937_64 rng(74);
+  const uint32_t d = 64, n = 20000;
+  const float scale = 1.f / std::sqrt(float(d)), sigma = 0.8f;
+  const auto q = random_vec(rng, d, 1.f);
+  const auto c = random_vec(rng, d, 0.3f);
+  std::normal_distribution<float> g(0.f, sigma);
+  double mean_w = 0.0, r = 0.0;
+  std::vector<float> k(d);
+  for (uint32_t i = 0; i < n; ++i) {
+    double dot = 0.0;
+    for (uint32_t j = 0; j < d; ++j) {
+      const float x = g(rng);
+      r += double(x) * x;
+      dot += double(q[j]) * (c[j] + x);
+    }
+    mean_w += std::exp(dot * scale) / n;
+  }
+  const float spread = static_cast<float>(r / n);
+  float logit = 0.f, score = 0.f;
+  score_clusters(q.data(), 1, c.data(), 1, d, scale, &logit, &score, &spread);
+  float jensen = 0.f;
+  score_clusters(q.data(), 1, c.data(), 1, d, scale, &jensen, &score);
+  EXPECT_NEAR(std::exp(double(logit)), mean_w, 0.03 * mean_w);
+  EXPECT_LT(std::exp(double(jensen)), 0.9 * mean_w);
+}
+
+// Selection with clusters of one ranked apart.
+void reference_split(const std::vector<float> &score, const std::vector<uint32_t> &size, uint32_t n_reg,
+                     uint32_t n_one, uint32_t n_est, std::vector<uint32_t> *ret, std::vector<uint32_t> *est) {
+  auto ids = iota(uint32_t(score.size()));
+  std::sort(ids.begin(), ids.end(), [&](uint32_t a, uint32_t b) {
+    return score[a] > score[b] || (score[a] == score[b] && a < b);
+  });
+  ret->clear();
+  est->clear();
+  uint32_t nr = 0, no = 0;
+  std::vector<char> taken(score.size(), 0);
+  for (uint32_t c : ids)
+    if (size[c] == 1 ? no < n_one : nr < n_reg) taken[c] = 1, ret->push_back(c), (size[c] == 1 ? no : nr)++;
+  for (uint32_t c : ids)
+    if (!taken[c] && est->size() < n_est) est->push_back(c);
+  std::sort(ret->begin(), ret->end());
+  std::sort(est->begin(), est->end());
+}
+
+TEST(Selection, ClustersOfOneAreRankedApart) {
+  std::mt19937_64 rng(75);
+  for (uint32_t C : {1u, 2u, 9u, 300u, 5000u})
+    for (int levels : {3, 1000000}) {
+      std::uniform_int_distribution<int> level(0, levels - 1);
+      std::vector<float> score(C);
+      std::vector<uint32_t> size(C);
+      uint32_t ones = 0;
+      for (uint32_t c = 0; c < C; ++c) {
+        score[c] = float(level(rng)) / levels;
+        size[c] = c % 4 == 1 || C == 1 ? 1 : 2 + c % 5;
+        ones += size[c] == 1;
+      }
+      const uint32_t others = C - ones;
+      const uint32_t splits[][3] = {{0, 0, 0},          {0, 1, 0},          {others / 50, ones > 0, C / 4},
+                                    {others, ones, 0}, {0, ones, C - ones}, {others / 3, ones / 3, C / 3}};
+      for (const auto &sp : splits) {
+        const uint32_t n_reg = std::min(sp[0], others), n_one = std::min(sp[1], ones);
+        const uint32_t n_est = std::min(sp[2], C - n_reg - n_one);
+        SCOPED_TRACE(testing::Message() << "C=" << C << " levels=" << levels << " n_reg=" << n_reg
+                                        << " n_one=" << n_one << " n_est=" << n_est);
+        std::vector<uint32_t> ret(n_reg + n_one + 1, 0xdead), est(n_est + 1, 0xbeef), scratch(4 * C);
+        select_zones_split(score.data(), size.data(), C, n_reg, n_one, n_est, ret.data(), est.data(), scratch.data());
+        EXPECT_EQ(ret[n_reg + n_one], 0xdeadu) << "wrote past the retrieval zone";
+        EXPECT_EQ(est[n_est], 0xbeefu) << "wrote past the estimation zone";
+        std::vector<uint32_t> want_ret, want_est;
+        reference_split(score, size, n_reg, n_one, n_est, &want_ret, &want_est);
+        EXPECT_EQ(std::vector<uint32_t>(ret.begin(), ret.begin() + n_reg + n_one), want_ret);
+        EXPECT_EQ(std::vector<uint32_t>(est.begin(), est.begin() + n_est), want_est);
+      }
+    }
+}
+
+TEST(Estimation, TailFoldsTheOtherClustersWithTheMeanValue) {
+  std::mt19937_64 rng(76);
+  const uint32_t C = 500, d = 32, G = 2;
+  auto logits = random_vec(rng, size_t(G) * C, 2.f);
+  logits[7] = -kInf;  // no weight
+  std::vector<uint32_t> size(C);
+  for (uint32_t c = 0; c < C; ++c) size[c] = 1 + c % 17;
+  const auto vs = random_vec(rng, size_t(C) * d, 3.f);
+  const auto mean = random_vec(rng, d, 1.f);
+  std::vector<uint32_t> ret, est;
+  for (uint32_t c = 0; c < C; c += 50) ret.push_back(c);
+  for (uint32_t c = 1; c < C; c += 4) est.push_back(c);
+  std::vector<float> out(size_t(G) * d), lse(G), scratch(C);
+  for (uint32_t g = 0; g < G; ++g)
+    lse[g] = estimate_zone(logits.data() + size_t(g) * C, est.data(), uint32_t(est.size()), vs.data(), size.data(), d,
+                           out.data() + size_t(g) * d);
+  const std::vector<float> est_out = out, est_lse = lse;
+  estimate_tail(logits.data(), G, C, C, ret.data(), uint32_t(ret.size()), est.data(), uint32_t(est.size()),
+                size.data(), mean.data(), d, out.data(), lse.data(), scratch.data());
+  for (uint32_t g = 0; g < G; ++g) {
+    // In double: the estimate's numerator and denominator, plus the tail's.
+    const float *lg = logits.data() + size_t(g) * C;
+    double den = std::exp(double(est_lse[g])), tail = 0.0;
+    std::vector<double> num(d);
+    for (uint32_t j = 0; j < d; ++j) num[j] = est_out[g * d + j] * den;
+    for (uint32_t c = 0; c < C; ++c) {
+      if (std::binary_search(ret.begin(), ret.end(), c) || std::binary_search(est.begin(), est.end(), c)) continue;
+      tail += size[c] * std::exp(double(lg[c]));
+    }
+    for (uint32_t j = 0; j < d; ++j) num[j] += tail * mean[j];
+    den += tail;
+    std::vector<double> want(d);
+    for (uint32_t j = 0; j < d; ++j) want[j] = num[j] / den;
+    EXPECT_LT(rel_l2(out.data() + g * d, want.data(), d), 1e-5);
+    EXPECT_NEAR(lse[g], std::log(den), 1e-5 * std::max(1.0, std::fabs(std::log(den))));
+  }
+  // An empty tail leaves the estimate as it was.
+  std::vector<uint32_t> all_est;
+  for (uint32_t c = 0; c < C; ++c)
+    if (!std::binary_search(ret.begin(), ret.end(), c)) all_est.push_back(c);
+  std::vector<float> o2 = est_out, l2 = est_lse;
+  estimate_tail(logits.data(), G, C, C, ret.data(), uint32_t(ret.size()), all_est.data(), uint32_t(all_est.size()),
+                size.data(), mean.data(), d, o2.data(), l2.data(), scratch.data());
+  EXPECT_EQ(o2, est_out);
+  EXPECT_EQ(l2, est_lse);
+}
+
 // Scoring ---------------------------------------------------------------------
 
 TEST(Scoring, LogitsMatchDoubleReferenceAndScoresSumToGroupSize) {

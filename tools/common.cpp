@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -65,9 +66,57 @@ void validate(const Options &o, const std::string &command) {
     throw UsageError(command + ": --tokens plus --steps must stay below 2^31");
 }
 
-Session::Session(const Options &o, unsigned threads) {
+namespace {
+
+struct MethodBit {
+  const char *name;
+  uint32_t bit;
+};
+const MethodBit kMethodBits[] = {{"outliers", WKV_METHOD_OUTLIERS},
+                                 {"ones", WKV_METHOD_ONES},
+                                 {"spread", WKV_METHOD_SPREAD},
+                                 {"tail", WKV_METHOD_TAIL}};
+
+}  // namespace
+
+uint32_t parse_method(const std::string &text, const std::string &flag) {
+  if (text == "default") return WKV_METHOD_DEFAULT;
+  if (text == "paper") return WKV_METHOD_PAPER;
+  if (!text.empty() && std::isdigit(static_cast<unsigned char>(text[0]))) {
+    char *end = nullptr;
+    const unsigned long v = std::strtoul(text.c_str(), &end, 0);
+    if (*end == '\0' && (v & ~static_cast<unsigned long>(WKV_METHOD_DEFAULT)) == 0) return static_cast<uint32_t>(v);
+    throw UsageError(flag + ": '" + text + "' is not a method (a number of WKV_METHOD_* bits)");
+  }
+  uint32_t m = 0;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t plus = std::min(text.find('+', at), text.size());
+    const std::string part = text.substr(at, plus - at);
+    bool found = false;
+    for (const MethodBit &b : kMethodBits)
+      if (part == b.name) m |= b.bit, found = true;
+    if (!found)
+      throw UsageError(flag + ": '" + part +
+                       "' is not a method part (default, paper, or outliers, ones, spread, tail joined by '+')");
+    at = plus + 1;
+  }
+  return m;
+}
+
+std::string method_name(uint32_t method) {
+  if (method == WKV_METHOD_DEFAULT) return "default";
+  if (method == WKV_METHOD_PAPER) return "paper";
+  std::string s;
+  for (const MethodBit &b : kMethodBits)
+    if (method & b.bit) s += (s.empty() ? "" : "+") + std::string(b.name);
+  return s;
+}
+
+Session::Session(const Options &o, unsigned threads, int64_t method) {
   wkv_config c;
   wkv_config_init(&c);
+  if (method >= 0) c.method = static_cast<uint32_t>(method);
   c.n_layers = static_cast<uint32_t>(o.layers);
   c.n_q_heads = static_cast<uint32_t>(o.q_heads);
   c.n_kv_heads = static_cast<uint32_t>(o.heads);

@@ -49,6 +49,11 @@ struct Options {
   uint64_t seed = 1;
   uint64_t layers = 1;
   std::string dtype = "f16";
+  std::string workload = "needles";  // demo: needles or diffuse
+  std::string method = "default";    // demo: the engine's method (parse_method)
+  std::string methods;               // accuracy: methods compared
+  std::string workloads;             // accuracy: workloads run
+  std::string real_dir;              // accuracy: the real-attention set
   bool json = false;
   std::string file;            // inspect, verify, top: the file; bench files: the directory
   uint64_t interval_ms = 1000;  // top
@@ -68,10 +73,18 @@ void add_shape_flags(CLI::App &cmd, Options *o, bool with_layers);
 // Checks what the flags cannot check alone; throws UsageError.
 void validate(const Options &o, const std::string &command);
 
-// An engine with one sequence and one plan, closed in reverse order.
+// A method of the engine (wkv_config.method) from its name: "default",
+// "paper", bit names joined by '+' (outliers, ones, spread, tail), or a
+// number. Throws UsageError naming `flag`.
+uint32_t parse_method(const std::string &text, const std::string &flag);
+// The name parse_method reads back: "paper", "default" or bits joined by '+'.
+std::string method_name(uint32_t method);
+
+// An engine with one sequence and one plan, closed in reverse order; with
+// method >= 0 the engine's method is set (the environment still overrides).
 class Session {
  public:
-  Session(const Options &o, unsigned threads);
+  Session(const Options &o, unsigned threads, int64_t method = -1);
   ~Session();
   Session(const Session &) = delete;
   Session &operator=(const Session &) = delete;

@@ -23,6 +23,15 @@ void declare_demo(CLI::App &cmd, Options *o) {
   o->steps = 32;
   add_shape_flags(cmd, o, false);
   cmd.add_option("--save", o->save, "save the sequence to this file at the end (wkv_seq_save)");
+  cmd.add_option("--workload", o->workload,
+                 "needles: span queries and needle queries in turn; diffuse: span queries aimed so loosely that "
+                 "the top 1.8% of keys hold under half of the attention")
+      ->check(CLI::IsMember({"needles", "diffuse"}))
+      ->capture_default_str();
+  cmd.add_option("--method", o->method,
+                 "the engine's method: default, paper, or outliers, ones, spread, tail joined by '+' "
+                 "(docs/accuracy.md)")
+      ->capture_default_str();
 }
 
 namespace {
@@ -58,6 +67,8 @@ int run_demo(const Options &o) {
   spec.capacity = o.tokens + o.steps;
   spec.seed = o.seed;
   spec.keep_f32 = true;
+  const bool diffuse = o.workload == "diffuse";
+  if (diffuse) set_diffuse(&spec);
   SynthContext ctx(spec);
   {
     Progress p("generating", o.tokens);
@@ -72,7 +83,7 @@ int run_demo(const Options &o) {
 
   // 2. Ingest; the first lookup ends the prompt (clusters its remainder),
   //    so it belongs to the index build.
-  Session s(o, threads);
+  Session s(o, threads, parse_method(o.method, "demo: --method"));
   const double append_s = ingest(s, ctx, 0, 0, o.tokens, "ingesting");
   std::vector<uint8_t> q_store;
   std::vector<float> q32;
@@ -91,14 +102,14 @@ int run_demo(const Options &o) {
   std::vector<double> ref(static_cast<size_t>(Q) * d), sw(static_cast<size_t>(Q) * d);
   std::vector<float> sw_f(static_cast<size_t>(Q) * d);
   std::vector<double> wkv_ms, exact_ms, err_wkv, err_sw, err_exact, err_wkv_needle, err_sw_needle;
-  std::vector<double> needle_share, sink_share;
+  std::vector<double> needle_share, sink_share, top_share;
   uint64_t needle_queries = 0, wkv_hits = 0, sw_hits = 0, oracle_hits = 0;
   uint64_t prev_attended = built.attended_tokens;
   std::vector<double> err_oracle, err_oracle_needle;
   std::vector<float> oracle_f(static_cast<size_t>(Q) * d);
   Progress prog("decoding", o.steps);
   for (uint32_t step = 0; step < o.steps; ++step) {
-    const bool needle_step = step % 2 == 1;
+    const bool needle_step = !diffuse && step % 2 == 1;
     if (step > 0) {
       const uint64_t pos = ctx.tokens();
       ctx.generate(1, nullptr);
@@ -181,6 +192,7 @@ int run_demo(const Options &o) {
         err_sw_needle.push_back(es);
       } else {
         sink_share.push_back(probe.sink_share[j]);
+        top_share.push_back(probe.top_share[j]);
       }
     }
     prog.update(step + 1);
@@ -202,7 +214,7 @@ int run_demo(const Options &o) {
 
   // 4. Report.
   if (o.json) {
-    const nlohmann::ordered_json j = {{"command", "demo"}, {"tokens", o.tokens}, {"generated", final_tokens - o.tokens}, {"kv_heads", H}, {"q_heads", Q}, {"head_dim", d}, {"dtype", o.dtype}, {"threads", threads}, {"steps", o.steps}, {"seed", o.seed}, {"documents", ctx.documents()}, {"topics", spec.topics}, {"segments_per_head", built.segments / H}, {"clusters_per_head", clusters_per_head}, {"index_build_s", build_s}, {"append_s", append_s}, {"prompt_finish_s", finish_s}, {"kmeans_s", kmeans_s}, {"wavekv", {{"step_ms_median", w_med}, {"step_ms_p90", quantile(wkv_ms, 0.9)}, {"rel_l2_median", median(err_wkv)}, {"rel_l2_p90", quantile(err_wkv, 0.9)}, {"rel_l2_needle_median", median(err_wkv_needle)}, {"needle_hits", wkv_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", att_per_head}, {"retrieved_clusters_per_head", ret_per_head}, {"estimated_clusters_per_head", est_per_head}}}, {"sink_window", {{"rel_l2_median", median(err_sw)}, {"rel_l2_p90", quantile(err_sw, 0.9)}, {"rel_l2_needle_median", median(err_sw_needle)}, {"needle_hits", sw_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", std::min<uint64_t>(final_tokens, sink + window)}}}, {"exact", {{"step_ms_median", e_med}, {"step_ms_p90", quantile(exact_ms, 0.9)}, {"rel_l2_median", median(err_exact)}, {"rel_l2_p90", quantile(err_exact, 0.9)}, {"needle_share_median", median(needle_share)}, {"sink_share_median", median(sink_share)}, {"attended_tokens_per_head", final_tokens}}}, {"oracle_top_k", {{"rel_l2_median", median(err_oracle)}, {"rel_l2_p90", quantile(err_oracle, 0.9)}, {"rel_l2_needle_median", median(err_oracle_needle)}, {"needle_hits", oracle_hits}, {"needle_queries", needle_queries}}}, {"speedup", speedup}, {"total_s", total_s}};
+    const nlohmann::ordered_json j = {{"command", "demo"}, {"tokens", o.tokens}, {"generated", final_tokens - o.tokens}, {"kv_heads", H}, {"q_heads", Q}, {"head_dim", d}, {"dtype", o.dtype}, {"threads", threads}, {"steps", o.steps}, {"seed", o.seed}, {"workload", o.workload}, {"method", method_name(s.config.method)}, {"documents", ctx.documents()}, {"topics", spec.topics}, {"segments_per_head", built.segments / H}, {"clusters_per_head", clusters_per_head}, {"index_build_s", build_s}, {"append_s", append_s}, {"prompt_finish_s", finish_s}, {"kmeans_s", kmeans_s}, {"wavekv", {{"step_ms_median", w_med}, {"step_ms_p90", quantile(wkv_ms, 0.9)}, {"rel_l2_median", median(err_wkv)}, {"rel_l2_p90", quantile(err_wkv, 0.9)}, {"rel_l2_needle_median", median(err_wkv_needle)}, {"needle_hits", wkv_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", att_per_head}, {"retrieved_clusters_per_head", ret_per_head}, {"estimated_clusters_per_head", est_per_head}}}, {"sink_window", {{"rel_l2_median", median(err_sw)}, {"rel_l2_p90", quantile(err_sw, 0.9)}, {"rel_l2_needle_median", median(err_sw_needle)}, {"needle_hits", sw_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", std::min<uint64_t>(final_tokens, sink + window)}}}, {"exact", {{"step_ms_median", e_med}, {"step_ms_p90", quantile(exact_ms, 0.9)}, {"rel_l2_median", median(err_exact)}, {"rel_l2_p90", quantile(err_exact, 0.9)}, {"needle_share_median", median(needle_share)}, {"sink_share_median", median(sink_share)}, {"top_share_median", median(top_share)}, {"attended_tokens_per_head", final_tokens}}}, {"oracle_top_k", {{"rel_l2_median", median(err_oracle)}, {"rel_l2_p90", quantile(err_oracle, 0.9)}, {"rel_l2_needle_median", median(err_oracle_needle)}, {"needle_hits", oracle_hits}, {"needle_queries", needle_queries}}}, {"speedup", speedup}, {"total_s", total_s}};
     std::cout << j.dump() << std::endl;
     return 0;
   }
@@ -211,6 +223,7 @@ int run_demo(const Options &o) {
   t.row({"tokens", std::to_string(o.tokens) + " + " + std::to_string(final_tokens - o.tokens) + " generated"});
   t.row({"shape", std::to_string(H) + " kv heads, " + std::to_string(Q) + " q heads, d=" + std::to_string(d) +
                       ", " + o.dtype + ", " + std::to_string(threads) + " threads"});
+  t.row({"workload / method", o.workload + " / " + method_name(s.config.method)});
   t.row({"documents / topics", std::to_string(ctx.documents()) + " / " + std::to_string(spec.topics)});
   t.row({"clusters (per kv head)", std::to_string(clusters_per_head)});
   t.row({"index build (s)", fixed(build_s, 2) + " (k-means " + fixed(kmeans_s, 2) + ")"});
@@ -230,6 +243,7 @@ int run_demo(const Options &o) {
          hits(needle_queries, needle_queries), hits(oracle_hits, needle_queries)});
   t.row({"needle share of attention", "", "", fixed(median(needle_share), 3)});
   t.row({"sink share of attention", "", "", fixed(median(sink_share), 3)});
+  t.row({"top 1.8% share of attention", "", "", fixed(median(top_share), 3)});
   std::cout << t.str();
   std::printf("errors: relative L2 against exact attention in f64, per (step, q head): %zu of them; exact = the\n"
               "f32 CPU baseline; oracle top-k = exact attention over the tokens with the highest logits for each\n"

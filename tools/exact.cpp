@@ -330,6 +330,7 @@ void attend_f64(WorkerPool &pool, const float *k32, const float *v32, uint64_t h
     probe->probe_share.assign(q_heads, 0.0);
     probe->oracle_out.assign(probe->oracle_budget ? static_cast<size_t>(q_heads) * d : 0, 0.0);
     probe->probe_in_oracle.assign(q_heads, 0);
+    probe->top_share.assign(q_heads, 0.0);
   }
   pool.run(q_heads, [&](size_t j) {
     const uint32_t h = static_cast<uint32_t>(j / G);
@@ -363,6 +364,16 @@ void attend_f64(WorkerPool &pool, const float *k32, const float *v32, uint64_t h
     if (!probe) return;
     probe->sink_share[j] = sink / sum;
     probe->probe_share[j] = hit / sum;
+    {
+      // The share of the ceil(top_frac n) highest weights.
+      const uint64_t k = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(probe->top_frac * double(n))));
+      std::vector<double> top(logit);
+      if (k < n)
+        std::nth_element(top.begin(), top.begin() + (k - 1), top.end(), [](double a, double b) { return a > b; });
+      double mass = 0;
+      for (uint64_t t = 0; t < std::min<uint64_t>(k, n); ++t) mass += std::exp(top[t] - m);
+      probe->top_share[j] = mass / sum;
+    }
     if (probe->oracle_budget == 0) return;
     // Oracle: the budget's highest logits only (ties at the threshold may
     // add a token or two).

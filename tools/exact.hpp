@@ -81,12 +81,14 @@ struct Range {
 // head (the best any selection of that many tokens per head can do).
 struct Probe {
   uint64_t sink_tokens = 0;
+  double top_frac = 0.018;         // top_share: of the top this fraction of tokens
   std::vector<int64_t> probe_pos;  // [q_heads]
   uint64_t oracle_budget = 0;
   std::vector<double> sink_share;  // out [q_heads]
   std::vector<double> probe_share; // out [q_heads]
   std::vector<double> oracle_out;  // out [q_heads][d]
   std::vector<char> probe_in_oracle;  // out [q_heads]: probe_pos is in the oracle's set
+  std::vector<double> top_share;   // out [q_heads]: mass of the ceil(top_frac n) highest logits
 };
 
 // Exact attention in double of q [q_heads][d] over the union of `ranges`

@@ -228,6 +228,7 @@ ordered_json header_json(const wkv::FileHeader &h) {
         {"retrieval_frac", decimal(c.retrieval_frac)},
         {"estimation_frac", decimal(c.estimation_frac)},
         {"seed", c.seed},
+        {"method", method_name(c.method)},
         {"env_overrides", env}}},
   };
 }
@@ -298,7 +299,8 @@ void print_inspect_text(const Report &r) {
     t.row({"index", "segments of " + std::to_string(c.segment_tokens) + " prompt / " +
                         std::to_string(c.update_segment_tokens) + " generated tokens, " +
                         std::to_string(c.cluster_tokens) + " tokens per cluster, " + std::to_string(c.kmeans_iters) +
-                        " k-means iterations, seed " + hex(c.seed)});
+                        " k-means iterations, seed " + hex(c.seed) + ", method " +
+                        method_name(c.method)});
     t.row({"zones", "sink " + std::to_string(c.sink_tokens) + ", window " + std::to_string(c.window_tokens) +
                         ", retrieval " + fixed(c.retrieval_frac, 3) + ", estimation " + fixed(c.estimation_frac, 3)});
     t.row({"environment", env_list(h.env_overrides)});

@@ -18,9 +18,7 @@ constexpr float kKeyNoise = 1.0f;      // per-element std of a key's own variati
 constexpr float kDocSpread = 0.5f;     // documents of a topic: u + 0.5 r
 constexpr float kMeanRatio = 4.0f;     // |mu| / |per-token variation|
 constexpr float kQueryMean = 5.0f;      // |qmean|
-constexpr float kSinkAmp = 26.0f;      // S
 constexpr float kSinkNoise = 0.3f;
-constexpr float kSpanAmp = 15.0f;      // B
 constexpr float kNeedleAmp = 16.0f;    // An
 constexpr float kNeedleQueryAmp = 10.0f;  // Bn
 constexpr float kQueryNoise = 0.3f;
@@ -140,6 +138,12 @@ void from_storage(uint32_t dtype, const void *src, float *dst, size_t n) {
   }
 }
 
+void set_diffuse(SynthSpec *spec) {
+  spec->span_amp = 8.0f;
+  spec->sink_amp = 10.0f;
+  spec->value_mean = 0.5f;
+}
+
 SynthContext::SynthContext(const SynthSpec &spec) : spec_(spec) {
   const uint32_t d = spec_.head_dim, H = spec_.kv_heads;
   inv_freq_.resize(d / 2);
@@ -159,6 +163,13 @@ SynthContext::SynthContext(const SynthSpec &spec) : spec_(spec) {
     hd.qmean.assign(d, 0.f);
     r.add_normal(hd.qmean.data(), d, 1.f);
     normalise(hd.qmean.data(), d, kQueryMean);
+    // Drawn after the rest, so that a zero mean leaves every other draw as it was.
+    hd.vmean.assign(d, 0.f);
+    if (spec_.value_mean > 0.f) {
+      Rng rv(spec_.seed, kTagHead, h, 1);
+      rv.add_normal(hd.vmean.data(), d, 1.f);
+      normalise(hd.vmean.data(), d, spec_.value_mean * std::sqrt(static_cast<float>(d)));
+    }
     hd.topic.assign(static_cast<size_t>(spec_.topics) * d, 0.f);
     for (uint32_t t = 0; t < spec_.topics; ++t) {
       r.add_normal(&hd.topic[static_cast<size_t>(t) * d], d, 1.f);
@@ -251,7 +262,7 @@ void SynthContext::gen_head(uint32_t h, uint64_t first, uint64_t n, const float 
     while (docs_[doc].end <= pos) ++doc;
     Rng r(spec_.seed, kTagToken, h, pos);
     if (pos < spec_.sinks) {
-      for (uint32_t e = 0; e < d; ++e) k[e] = hd.mu[e] + kSinkAmp * qhat[e];
+      for (uint32_t e = 0; e < d; ++e) k[e] = hd.mu[e] + spec_.sink_amp * qhat[e];
       r.add_normal(k.data(), d, kSinkNoise);
     } else {
       const float *w = &hd.doc_dir[doc * d];
@@ -268,7 +279,7 @@ void SynthContext::gen_head(uint32_t h, uint64_t first, uint64_t n, const float 
         k[i + half] = x2 * co + x1 * si + hd.mu[i + half];
       }
     }
-    std::fill(v.begin(), v.end(), 0.f);
+    std::copy(hd.vmean.begin(), hd.vmean.end(), v.begin());
     r.add_normal(v.data(), d, 1.f);
     const size_t at = static_cast<size_t>(h) * spec_.capacity + pos;
     to_storage(spec_.dtype, k.data(), &k_store_[at * d * esz], d);
@@ -346,7 +357,7 @@ void SynthContext::make_queries(bool needle_step, uint32_t round, std::vector<ui
       continue;
     }
     const int spans = r.uniform() < 0.3 ? 2 : 1;
-    const float amp = spans == 2 ? 0.75f * kSpanAmp : kSpanAmp;
+    const float amp = spans == 2 ? 0.75f * spec_.span_amp : spec_.span_amp;
     for (int s = 0; s < spans; ++s) {
       const Doc &doc = docs_[r.below(present)];
       const uint64_t end = std::min(doc.end, tokens_);

@@ -70,7 +70,18 @@ struct SynthSpec {
   uint32_t sinks = 4;
   uint32_t needles = 8;         // per KV head
   uint32_t needle_guard = 128;  // needles stay this far from the end of the prompt
+  float span_amp = 15.0f;       // B: how sharply a span query aims at its span
+  float sink_amp = 26.0f;       // S: how much typical queries favour the sinks
+  float value_mean = 0.0f;      // |mean value| / |per-token value variation|
 };
+
+// The diffuse workload (`wavekv demo --workload diffuse`): span queries
+// aimed loosely (B = 8 rather than 15), sinks that typical queries favour
+// less (S = 10 rather than 26), and values with a common component half the
+// size of their per-token variation, as real values have one. The top 1.8%
+// of keys then hold about a third of a query's attention, where the needles
+// workload's hold nine tenths (the demo prints the median share).
+void set_diffuse(SynthSpec *spec);
 
 // One planted needle: a token of one KV head.
 struct Needle {
@@ -116,6 +127,7 @@ class SynthContext {
   };
   struct Head {
     std::vector<float> mu, qmean;  // [d] post-RoPE
+    std::vector<float> vmean;      // [d] the values' common component
     std::vector<float> topic;      // [topics][d] unit
     std::vector<float> doc_dir;    // [docs][d] unit, grows with docs_
     std::vector<uint32_t> needle_ids;  // indices into needles_ of this head

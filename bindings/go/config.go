@@ -56,6 +56,16 @@ const (
 	ConfigNoPinned uint32 = C.WKV_CONFIG_NO_PINNED // pageable host memory for arenas (CUDA)
 )
 
+// Bits of Config.Method (wavekv.h and docs/accuracy.md say what each does).
+const (
+	MethodOutliers uint32 = C.WKV_METHOD_OUTLIERS // outlier keys split off as clusters of one
+	MethodOnes     uint32 = C.WKV_METHOD_ONES     // clusters of one ranked apart for retrieval
+	MethodSpread   uint32 = C.WKV_METHOD_SPREAD   // spread-corrected cluster logits
+	MethodTail     uint32 = C.WKV_METHOD_TAIL     // clusters beyond the estimation zone estimated
+	MethodPaper    uint32 = C.WKV_METHOD_PAPER    // the paper's method
+	MethodDefault  uint32 = C.WKV_METHOD_DEFAULT  // every refinement
+)
+
 // Config is everything an engine is opened with (wkv_config). Start from
 // DefaultConfig, then set the model shape. wavekv.h documents each field,
 // its default and bounds, and the environment variables that override
@@ -83,6 +93,7 @@ type Config struct {
 	HostChunkBytes      uint64  // host arena chunk size (64 MiB)
 	DeviceCacheBytes    uint64  // GPU block cache; 0 = 5% of the KV held (0)
 	Seed                uint64  // seed of k-means initialisation (0x5eed)
+	Method              uint32  // Method* bits (MethodDefault)
 }
 
 // DefaultConfig returns the library's defaults (wkv_config_init); the shape
@@ -117,6 +128,7 @@ func configFromC(c *C.wkv_config) Config {
 		HostChunkBytes:      uint64(c.host_chunk_bytes),
 		DeviceCacheBytes:    uint64(c.device_cache_bytes),
 		Seed:                uint64(c.seed),
+		Method:              uint32(c.method),
 	}
 }
 
@@ -147,6 +159,7 @@ func (cfg *Config) toC() C.wkv_config {
 	c.host_chunk_bytes = C.uint64_t(cfg.HostChunkBytes)
 	c.device_cache_bytes = C.uint64_t(cfg.DeviceCacheBytes)
 	c.seed = C.uint64_t(cfg.Seed)
+	c.method = C.uint32_t(cfg.Method)
 	return c
 }
 

@@ -151,6 +151,34 @@ enum {
 };
 
 /*
+ * Bits of wkv_config.method: refinements of the paper's method, each a
+ * setting that one engine applies to every sequence (docs/accuracy.md says
+ * what each does and what it was measured to give). 0 is the paper's method
+ * as published; WKV_METHOD_DEFAULT, every refinement, is the default.
+ */
+enum {
+  /* At clustering, a key far from its cluster's centroid (its squared
+     distance above 1.5 times the segment's mean, at most 0.5% of a
+     segment's keys) leaves the cluster as a cluster of one. Changes the
+     index built. */
+  WKV_METHOD_OUTLIERS = 1u << 0,
+  /* Clusters of one member are ranked apart: the retrieval zone is
+     retrieval_frac of the larger clusters plus retrieval_frac (at least one)
+     of the clusters of one. */
+  WKV_METHOD_ONES = 1u << 1,
+  /* A cluster's logit gains half its members' logit variance (from its
+     spread, the mean squared distance of its keys to the centroid), for
+     scoring and estimation: the mean of exp(logit) over a cluster rather than
+     Jensen's lower bound. */
+  WKV_METHOD_SPREAD = 1u << 2,
+  /* The clusters beyond the estimation zone are estimated too, their value
+     taken as the head's mean value, instead of being dropped. */
+  WKV_METHOD_TAIL = 1u << 3,
+  WKV_METHOD_PAPER = 0u,
+  WKV_METHOD_DEFAULT = WKV_METHOD_OUTLIERS | WKV_METHOD_ONES | WKV_METHOD_SPREAD | WKV_METHOD_TAIL
+};
+
+/*
  * Everything an engine is opened with. Call wkv_config_init() first: it sets
  * `size` and every default below, then set the model shape.
  *
@@ -159,7 +187,7 @@ enum {
  * rebuild: WKV_THREADS, WKV_SEGMENT_TOKENS, WKV_UPDATE_SEGMENT_TOKENS,
  * WKV_CLUSTER_TOKENS, WKV_KMEANS_ITERS, WKV_SINK_TOKENS, WKV_WINDOW_TOKENS,
  * WKV_RETRIEVAL_FRAC, WKV_ESTIMATION_FRAC, WKV_HOST_BUDGET_BYTES,
- * WKV_HOST_CHUNK_BYTES, WKV_DEVICE_CACHE_BYTES. Values are plain numbers:
+ * WKV_HOST_CHUNK_BYTES, WKV_DEVICE_CACHE_BYTES, WKV_METHOD. Values are plain numbers:
  * integers in decimal or 0x hexadecimal that fit the field (32 or 64 bits),
  * fractions in decimal (0.05, 5e-2); no sign, spaces, size suffixes ("64M")
  * or anything after the number. A variable that is set but empty or
@@ -170,7 +198,7 @@ enum {
  * cluster_tokens at most segment_tokens; sink_tokens and window_tokens at
  * most 2^20; threads at most 4096; host_chunk_bytes at most 1 TiB and at most
  * 2^32 - 1 page slots; host_budget_bytes 0 or at least one page slot;
- * device_cache_bytes at most 1 PiB. WKV_HOST_CHUNK_BYTES below 1 MiB is
+ * device_cache_bytes at most 1 PiB; method only WKV_METHOD_* bits. WKV_HOST_CHUNK_BYTES below 1 MiB is
  * refused rather than raised.
  *
  * Statistics file: when stats_path is set, the engine writes the JSON of
@@ -211,6 +239,7 @@ typedef struct wkv_config {
   const char *stats_path;      /* statistics file, or NULL for none (NULL);
                                   wkv_engine_config returns the engine's copy */
   uint32_t stats_interval_ms;  /* how often it is replaced (1000) */
+  uint32_t method;             /* WKV_METHOD_* bits (WKV_METHOD_DEFAULT) */
   uint32_t reserved1;          /* must be 0 */
 } wkv_config;
 

@@ -30,11 +30,12 @@ class Plan;
 using ClusterJob = kernels::KMeansSegmentDesc;
 
 // What a k-means batch gives back, packed by segment as KMeansBatchOut
-// describes (kernels/kmeans_types.hpp). Host arrays: n_clusters, begin,
-// size, tok_off, clu_off; engine memory: order, centroid, value_sum. Valid
-// until cluster_done().
+// describes (kernels/kmeans_types.hpp). Host arrays: n_clusters,
+// n_outliers, begin, size, tok_off, clu_off, value_total; engine memory:
+// order, centroid, value_sum, spread. Valid until cluster_done().
 struct ClusterOut {
   const uint32_t *n_clusters = nullptr;  // [S]
+  const uint32_t *n_outliers = nullptr;  // [S] of them, the last ones: outliers split off
   const uint32_t *begin = nullptr;       // [sum k + S]
   const uint32_t *size = nullptr;        // [sum k]
   const uint64_t *tok_off = nullptr;     // [S]
@@ -42,6 +43,8 @@ struct ClusterOut {
   const uint32_t *order = nullptr;       // engine memory [sum T]
   const float *centroid = nullptr;       // engine memory [sum k][d]
   const float *value_sum = nullptr;      // engine memory [sum k][d]
+  const float *spread = nullptr;         // engine memory [sum k]
+  const double *value_total = nullptr;   // [S][d]: sum of the segment's value sums
 };
 
 // Clustered rows of one segment into its pages: token slot j of the segment

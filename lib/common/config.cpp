@@ -44,6 +44,8 @@ wkv_config default_config() {
   c.seed = 0x5eed;
   c.stats_path = nullptr;
   c.stats_interval_ms = 1000;
+  c.method = WKV_METHOD_DEFAULT;
+  c.reserved1 = 0;
   return c;
 }
 
@@ -119,7 +121,7 @@ struct EnvOverride {
 
 // One environment override per field (mimalloc's MIMALLOC_<NAME> table),
 // in the order of the bits of Config::env_overrides: never reordered.
-constexpr size_t kEnvOverrides = 12;
+constexpr size_t kEnvOverrides = 13;
 std::array<EnvOverride, kEnvOverrides> env_overrides(wkv_config &c) {
   return {{
       {"WKV_THREADS", &c.threads},
@@ -134,6 +136,7 @@ std::array<EnvOverride, kEnvOverrides> env_overrides(wkv_config &c) {
       {"WKV_HOST_BUDGET_BYTES", &c.host_budget_bytes},
       {"WKV_HOST_CHUNK_BYTES", &c.host_chunk_bytes},
       {"WKV_DEVICE_CACHE_BYTES", &c.device_cache_bytes},
+      {"WKV_METHOD", &c.method},
   }};
 }
 
@@ -234,6 +237,9 @@ Status resolve_config(const wkv_config *user, Config *out) {
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "stats_path is empty (NULL means no statistics file)");
   if (c.stats_path && (c.stats_interval_ms < 10 || c.stats_interval_ms > 3600000))
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "stats_interval_ms %u outside [10, 3600000]", c.stats_interval_ms);
+  if (c.method & ~static_cast<uint32_t>(WKV_METHOD_DEFAULT))
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "method 0x%x (%s) has bits that are no WKV_METHOD_* (0x%x)", c.method,
+                     from(&c.method).c_str(), static_cast<uint32_t>(WKV_METHOD_DEFAULT));
   if (c.flags & ~(uint32_t)(WKV_CONFIG_NO_NUMA | WKV_CONFIG_NO_PINNED))
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "unknown flags 0x%x", c.flags);
   if (c.device_cache_bytes > kMaxDeviceCacheBytes)

@@ -26,6 +26,7 @@ class Sequence;
 struct RunPlan {
   uint32_t seq = 0, head = 0;
   uint32_t clusters = 0, n_ret = 0, n_est = 0;
+  uint32_t n_one = 0;  // of n_ret: clusters of one member
   size_t ret_off = 0, est_off = 0, logits_off = 0;
   uint64_t steady_tokens = 0, ret_tokens = 0;
 };
@@ -33,7 +34,7 @@ struct RunPlan {
 // A plan's device buffers (CUDA backend), in engine memory. Plain data: the
 // CUDA backend owns what they mean (lib/backend/cuda/cuda_backend.cpp).
 struct PlanDevice {
-  Region runs, q, ret_ids, ret_pos, est_ids, run_tokens, est_out, est_lse, offsets, logits;
+  Region runs, q, ret_ids, ret_pos, est_ids, run_tokens, est_out, est_lse, offsets, logits, zones;
   Region xk, xv, scratch;
   Region counters;  // the kernels' per-plan counters (kernels::StepCounters)
   std::vector<kernels::DevRun> host_runs;

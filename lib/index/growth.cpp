@@ -73,6 +73,8 @@ template <typename V> void reserve_total(V &v, size_t n) {
 // One head's share of a growth, staged before anything changes.
 struct HeadGrowth {
   uint32_t add_c = 0, add_p = 0, add_u = 0;
+  std::vector<double> value_total;  // the head's after the growth
+  std::vector<float> value_mean;
   std::vector<uint32_t> first_slot, size, unit_begin;  // the new entries
   std::vector<PageId> pages;
 };
@@ -114,6 +116,8 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
       j.values = L.heads[h].tail.v_at(first);
       j.clusters = std::max<uint32_t>(1, (j.tokens + cfg.c.cluster_tokens - 1) / cfg.c.cluster_tokens);
       j.seed = segment_seed(cfg.c.seed, layer, h, L.tail_begin + first);
+      j.outliers = outlier_cap(cfg.c.method, j.tokens);
+      j.outlier_ratio = kOutlierRatio;
       first_row[si] = first;
       seg_pages[si] = (j.tokens + pt - 1) / pt;
       seg_first_page[si] = npages;
@@ -171,6 +175,14 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
       }
       g.add_p = static_cast<uint32_t>(g.pages.size());
       g.add_u = u - hs.map.units();
+      g.value_total.assign(hs.values.value_total.begin(), hs.values.value_total.end());
+      g.value_total.resize(d, 0.0);
+      for (uint32_t i = 0; i < count; ++i)
+        for (uint32_t j = 0; j < d; ++j) g.value_total[j] += out.value_total[size_t(h * count + i) * d + j];
+      const double tokens = static_cast<double>(hs.values.tokens + consumed);
+      g.value_mean.resize(d);
+      for (uint32_t j = 0; j < d; ++j) g.value_mean[j] = static_cast<float>(g.value_total[j] / tokens);
+      reserve_total(hs.values.value_total, d);
       const uint32_t C1 = hs.clusters() + g.add_c;
       reserve_total(hs.map.first_slot, C1);
       reserve_total(hs.map.size, C1);
@@ -193,6 +205,9 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
                                     size_t(hs.clusters()) * d * sizeof(float), stream));
     WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.value_sum, C1 * d * sizeof(float),
                                     size_t(hs.clusters()) * d * sizeof(float), stream));
+    WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.spread, C1 * sizeof(float), size_t(hs.clusters()) * sizeof(float),
+                                    stream));
+    WKV_RETURN_IF_ERROR(grow_region(ix, &hs.values.mean, d * sizeof(float), 0, stream));
     WKV_RETURN_IF_ERROR(mirror_reserve(ix, hs, static_cast<uint32_t>(C1),
                                        static_cast<uint32_t>(hs.map.pages.size() + g.add_p),
                                        hs.map.units() + g.add_u, stream));
@@ -214,6 +229,8 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
                                               out.centroid + co * d, size_t(nc) * d * sizeof(float), stream));
       WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.value_sum.as<float>() + size_t(c) * d,
                                               out.value_sum + co * d, size_t(nc) * d * sizeof(float), stream));
+      WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.spread.as<float>() + c, out.spread + co,
+                                              size_t(nc) * sizeof(float), stream));
       PageWriteJob &w = writes[si];
       w.order = out.order + out.tok_off[si];
       w.k = hs.tail.k_at(first_row[si]);
@@ -229,6 +246,11 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
                                             g.pages.data(), g.add_p, stream));
   }
   WKV_RETURN_IF_ERROR(ix.backend.write_pages(writes.data(), S, stream));
+  // The mean value changes in place, last: a step ordered after this growth
+  // reads it with the clusters below, one before it has read it already.
+  for (uint32_t h = 0; h < H; ++h)
+    WKV_RETURN_IF_ERROR(
+        ix.backend.mem_copy(L.heads[h].values.mean.p, grow[h].value_mean.data(), d * sizeof(float), stream));
 
   // 5. Commit (nothing can fail from here): mapping tables, segments, the
   //    compact mirror, and the tails lose their clustered front.
@@ -261,6 +283,9 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
     hs.map.unit_begin.insert(hs.map.unit_begin.end(), g.unit_begin.begin(), g.unit_begin.end());
     hs.map.pages.insert(hs.map.pages.end(), g.pages.begin(), g.pages.end());
     for (uint32_t sz : g.size) hs.max_cluster = std::max(hs.max_cluster, sz);
+    for (uint32_t sz : g.size) hs.ones += sz == 1;
+    hs.values.value_total.assign(g.value_total.begin(), g.value_total.end());  // reserved: no throw
+    hs.values.tokens += consumed;
     hs.tail.begin += consumed;
     hs.tail.n -= consumed;
     new_clusters += g.add_c;
@@ -273,6 +298,11 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
 }
 
 }  // namespace
+
+uint32_t outlier_cap(uint32_t method, uint32_t tokens) {
+  if (!(method & WKV_METHOD_OUTLIERS)) return 0;
+  return static_cast<uint32_t>(static_cast<double>(kOutlierShare) * tokens);
+}
 
 uint64_t segment_seed(uint64_t seed, uint32_t layer, uint32_t head, uint64_t token_begin) {
   // splitmix64's finaliser over the combined words.
@@ -379,7 +409,7 @@ void init_layer(const IndexContext &ix, LayerState *L) {
 void release_layer(const IndexContext &ix, LayerState &L, bool counted) noexcept {
   for (HeadState &h : L.heads) {
     ix.backend.on_head_destroyed(h);
-    for (Region *r : {&h.sink.k, &h.sink.v, &h.tail.k, &h.tail.v, &h.meta.centroid, &h.meta.value_sum,
+    for (Region *r : {&h.sink.k, &h.sink.v, &h.tail.k, &h.tail.v, &h.meta.centroid, &h.meta.value_sum, &h.meta.spread, &h.values.mean,
                       &h.mirror.first_slot, &h.mirror.size, &h.mirror.unit_begin, &h.mirror.pages, &h.mirror.unit_dir})
       ix.backend.mem_free_deferred(r);
     for (Region &c : h.mirror.unit_chunks) ix.backend.mem_free_deferred(&c);

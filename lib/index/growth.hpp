@@ -31,6 +31,15 @@ struct IndexContext {
   std::mutex &growth_mu;  // one growth at a time (the backend's k-means workspace)
 };
 
+// WKV_METHOD_OUTLIERS: a segment's members whose squared distance to their
+// centroid exceeds kOutlierRatio times the segment's mean become clusters of
+// one, at most kOutlierShare of its tokens (kernels::split_outliers).
+constexpr float kOutlierRatio = 1.5f;
+constexpr float kOutlierShare = 0.005f;
+
+// Outliers a segment of `tokens` may have under `method`.
+uint32_t outlier_cap(uint32_t method, uint32_t tokens);
+
 // The seed of the k-means of the segment of (layer, head) that begins at
 // token `token_begin`: independent streams per segment, the same on every
 // backend and however the prompt was split into appends.

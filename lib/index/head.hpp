@@ -3,7 +3,7 @@
 //
 //   steady zone    the sink's rows and the unclustered tail's rows
 //   segments       runs of tokens clustered together, in token order
-//   meta index     per cluster: centroid and value sum (f32)
+//   meta index     per cluster: centroid, value sum and spread (f32)
 //   mapping table  per cluster: its first token slot and size; the page list
 //   mirror         the device's copy of the mapping table (CUDA engines only),
 //                  written by lib/index/growth.cpp alone, after the host's
@@ -68,14 +68,15 @@ struct SegmentDesc {
 };
 
 // Per cluster c < clusters: centroid[c * d .. + d), the plain mean of its
-// member keys, and value_sum[c * d .. + d), the sum of their values, f32 in
-// engine memory. On a CPU engine with 16-bit storage, a compact f16 mirror
+// member keys, value_sum[c * d .. + d), the sum of their values, and
+// spread[c], the mean squared distance of its member keys to the centroid,
+// f32 in engine memory. On a CPU engine with 16-bit storage, a compact f16 mirror
 // of the centroids and of the value means VS / size (scoring streams every
 // centroid at every step, estimation a quarter of the value rows: half the
 // bytes is about half the time); empty for good once a value falls outside
 // f16's range, when the step reads the f32 arrays.
 struct MetaIndex {
-  Region centroid, value_sum;
+  Region centroid, value_sum, spread;
   MetaVector<f16> centroid_f16, value_mean_f16;
   bool compact_ok = true;  // the f16 mirror holds every cluster
 };
@@ -107,13 +108,26 @@ struct HeadMirror {
   uint32_t cache_gen = 0;
 };
 
+// The head's mean value over its clustered tokens, which estimates the
+// clusters beyond the estimation zone (WKV_METHOD_TAIL): value_total, the
+// sum of the segments' value totals (each the sum of its clusters' f32
+// value sums in cluster order, in double), in segment order, and mean
+// (engine memory, f32 [d]) = value_total / tokens.
+struct ValueMean {
+  MetaVector<double> value_total;  // [d] host
+  uint64_t tokens = 0;             // clustered tokens
+  Region mean;
+};
+
 struct HeadState {
   Rows sink, tail;
   MetaVector<SegmentDesc> segments;
   MetaIndex meta;
   MappingTable map;
   HeadMirror mirror;
+  ValueMean values;
   uint32_t max_cluster = 0;  // largest cluster size
+  uint32_t ones = 0;         // clusters of one member
   uint32_t clusters() const { return map.clusters(); }
 };
 

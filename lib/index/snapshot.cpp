@@ -30,6 +30,48 @@ Status copy_rows_in(const IndexContext &ix, const std::vector<uint8_t> &k, const
   return Status::ok();
 }
 
+// The spread of every cluster of a checked snapshot from its pages' keys,
+// as split_outliers computes it (kernels/cpu_kernels.hpp).
+std::vector<float> spread_from_pages(const HeadSnapshot &o, uint32_t d, uint32_t pt, size_t row, size_t slot,
+                                     DType dt) {
+  const size_t C = o.size.size();
+  std::vector<float> spread(C), key(d);
+  for (size_t c = 0; c < C; ++c) {
+    const float *cen = o.centroid.data() + c * d;
+    double sum = 0.0;
+    for (uint32_t m = 0; m < o.size[c]; ++m) {
+      const uint64_t s = uint64_t(o.first_slot[c]) + m;
+      to_float(dt, o.pages.data() + (s / pt) * slot + (s % pt) * row, key.data(), d);
+      double r = 0.0;
+      for (uint32_t j = 0; j < d; ++j) {
+        const double x = double(key[j]) - double(cen[j]);
+        r += x * x;
+      }
+      sum += r;
+    }
+    spread[c] = static_cast<float>(sum / o.size[c]);
+  }
+  return spread;
+}
+
+// The head's value totals as its growths summed them (ValueMean: by
+// segment, in order) into *v; returns the mean value.
+std::vector<float> head_value_mean(const HeadSnapshot &o, uint32_t d, ValueMean *v) {
+  std::vector<double> seg(d);
+  v->value_total.assign(d, 0.0);
+  v->tokens = 0;
+  for (const SegmentDesc &g : o.segments) {
+    std::fill(seg.begin(), seg.end(), 0.0);
+    for (uint32_t c = g.cluster_begin; c < g.cluster_begin + g.clusters; ++c)
+      for (uint32_t j = 0; j < d; ++j) seg[j] += o.value_sum[size_t(c) * d + j];
+    for (uint32_t j = 0; j < d; ++j) v->value_total[j] += seg[j];
+    v->tokens += g.tokens;
+  }
+  std::vector<float> mean(d);
+  for (uint32_t j = 0; j < d; ++j) mean[j] = static_cast<float>(v->value_total[j] / static_cast<double>(v->tokens));
+  return mean;
+}
+
 #define SNAP_CHECK(cond, ...) \
   do {                        \
     if (!(cond)) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, __VA_ARGS__); \
@@ -69,9 +111,11 @@ Status export_layer(const IndexContext &ix, const LayerState &L, LayerSnapshot *
       const size_t C = hs.clusters();
       o.centroid.resize(C * d);
       o.value_sum.resize(C * d);
+      o.spread.resize(C);
       if (C > 0) {
         WKV_RETURN_IF_ERROR(ix.backend.mem_copy(o.centroid.data(), hs.meta.centroid.p, C * d * 4, stream));
         WKV_RETURN_IF_ERROR(ix.backend.mem_copy(o.value_sum.data(), hs.meta.value_sum.p, C * d * 4, stream));
+        WKV_RETURN_IF_ERROR(ix.backend.mem_copy(o.spread.data(), hs.meta.spread.p, C * 4, stream));
       }
       o.first_slot.assign(hs.map.first_slot.begin(), hs.map.first_slot.end());
       o.size.assign(hs.map.size.begin(), hs.map.size.end());
@@ -124,6 +168,8 @@ Status check_snapshot(const Config &cfg, const LayerSnapshot &s) {
     SNAP_CHECK(o.first_slot.size() == C && o.centroid.size() == C * d && o.value_sum.size() == C * d,
                "head %zu: %zu cluster sizes but %zu first slots, %zu centroid and %zu value sum values", h, C,
                o.first_slot.size(), o.centroid.size(), o.value_sum.size());
+    SNAP_CHECK(o.spread.size() == C || o.spread.empty(), "head %zu: %zu cluster sizes but %zu spreads", h, C,
+               o.spread.size());
     SNAP_CHECK(o.pages.size() % slot == 0, "head %zu: page bytes %zu not a multiple of %zu", h, o.pages.size(),
                slot);
     const uint64_t n_pages = o.pages.size() / slot;
@@ -198,10 +244,23 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
     }
     for (size_t p = 0; p < n_pages; ++p) std::memcpy(ix.arena.page_ptr(hs.map.pages[p]), o.pages.data() + p * slot, slot);
     if (C > 0) {
+      std::vector<float> spread;
+      std::vector<float> mean;
+      try {
+        if (o.spread.empty()) spread = spread_from_pages(o, d, pt, row, slot, ix.cfg.dtype());
+        mean = head_value_mean(o, d, &hs.values);
+      } catch (const std::bad_alloc &) {
+        return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory importing a head");
+      }
       WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.centroid, C * d * 4, 0, stream));
       WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.value_sum, C * d * 4, 0, stream));
+      WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.spread, C * 4, 0, stream));
+      WKV_RETURN_IF_ERROR(grow_region(ix, &hs.values.mean, d * 4, 0, stream));
       WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.centroid.p, o.centroid.data(), C * d * 4, stream));
       WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.value_sum.p, o.value_sum.data(), C * d * 4, stream));
+      WKV_RETURN_IF_ERROR(
+          ix.backend.mem_copy(hs.meta.spread.p, o.spread.empty() ? spread.data() : o.spread.data(), C * 4, stream));
+      WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.values.mean.p, mean.data(), d * 4, stream));
     }
     if (ix.backend.host_memory() && ix.cfg.dtype() != DType::kF32) {
       // The CPU engine's compact f16 mirror, rebuilt as its growths build it.
@@ -226,7 +285,10 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
         MetaVector<f16>().swap(hs.meta.value_mean_f16);
       }
     }
-    for (uint32_t sz : o.size) hs.max_cluster = std::max(hs.max_cluster, sz);
+    for (uint32_t sz : o.size) {
+      hs.max_cluster = std::max(hs.max_cluster, sz);
+      hs.ones += sz == 1;
+    }
     WKV_RETURN_IF_ERROR(mirror_reserve(ix, hs, static_cast<uint32_t>(C), static_cast<uint32_t>(n_pages),
                                        hs.map.units(), stream));
     WKV_RETURN_IF_ERROR(mirror_fill(ix, hs, 0, 0, stream));

@@ -15,11 +15,19 @@
 
 namespace wkv {
 
+// What a file holds of a head. Everything else of a HeadState is derived
+// at import: the unit map from the sizes, the head's mean value (ValueMean)
+// from the value sums by segment, the count of clusters of one, the CPU
+// engine's compact f16 mirror.
 struct HeadSnapshot {
   std::vector<uint8_t> sink_k, sink_v;  // [sink rows][row_bytes]
   std::vector<uint8_t> tail_k, tail_v;  // [tail rows][row_bytes]
   std::vector<SegmentDesc> segments;
   std::vector<float> centroid, value_sum;  // [clusters][head_dim]
+  // [clusters]: mean squared distance of each cluster's keys to its
+  // centroid (MetaIndex). Empty in a snapshot written before clusters had
+  // a spread: import then computes it from the pages' keys.
+  std::vector<float> spread;
   std::vector<uint32_t> first_slot, size;  // [clusters]
   std::vector<uint8_t> pages;              // [pages][page_slot_bytes]: K rows, then V rows
 };

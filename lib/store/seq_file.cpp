@@ -83,7 +83,7 @@ constexpr U32Field kShapeFields[] = {
     {104, &wkv_config::sink_tokens},    {108, &wkv_config::window_tokens},
 };
 constexpr size_t kPageTokensAt = 80, kPageSlotAt = 84, kRetrievalAt = 112, kEstimationAt = 116, kSeedAt = 120,
-                 kEnvAt = 128, kDeviceAt = 132, kSavedAt = 136, kReservedAt = 144,
+                 kEnvAt = 128, kDeviceAt = 132, kSavedAt = 136, kMethodAt = 144, kReservedAt = 148,
                  kChecksumAt = kSuperblockBytes - 8;
 
 // The expected (kind, layer, head) of section i of a file with H KV heads.
@@ -258,6 +258,7 @@ Status SeqFileWriter::write(const ExportFn &next_layer, uint32_t flags, const Pr
     put32(sb + kEnvAt, cfg_.env_overrides);
     put32(sb + kDeviceAt, device_);
     put64(sb + kSavedAt, unix_ms());
+    put32(sb + kMethodAt, c.method);
     put64(sb + kChecksumAt, XXH3_64bits(sb, kChecksumAt));
     WKV_RETURN_IF_ERROR(out.put(sb, sizeof sb));
 
@@ -293,7 +294,8 @@ Status SeqFileWriter::write(const ExportFn &next_layer, uint32_t flags, const Pr
         WKV_RETURN_IF_ERROR(out.section(Kind::kMapping, l, h, {{map.data(), map.size()}}));
         WKV_RETURN_IF_ERROR(out.section(Kind::kMeta, l, h,
                                         {{hs.centroid.data(), hs.centroid.size() * 4},
-                                         {hs.value_sum.data(), hs.value_sum.size() * 4}}));
+                                         {hs.value_sum.data(), hs.value_sum.size() * 4},
+                                         {hs.spread.data(), hs.spread.size() * 4}}));
         scrub_pages(hs, cfg_.page_tokens(), cfg_.page_slot_bytes(), row);
         WKV_RETURN_IF_ERROR(out.section(Kind::kPages, l, h, {{hs.pages.data(), hs.pages.size()}}));
       }
@@ -372,6 +374,7 @@ Status SeqFileReader::read_header() {
   h.env_overrides = get32(sb + kEnvAt);
   h.device = get32(sb + kDeviceAt);
   h.saved_unix_ms = get64(sb + kSavedAt);
+  h.cfg.method = get32(sb + kMethodAt);
 
   // 3. Values a writer of this format produces, no others: the reader's
   //    arithmetic relies on them.
@@ -391,6 +394,7 @@ Status SeqFileReader::read_header() {
            c.cluster_tokens == 0 || c.kmeans_iters == 0)
     bad = "index settings out of range";
   else if (h.device > WKV_DEVICE_CUDA) bad = "unknown device";
+  else if (c.method & ~static_cast<uint32_t>(WKV_METHOD_DEFAULT)) bad = "unknown method bits";
   if (bad) return WKV_ERROR(WKV_ERR_CORRUPT, "the superblock: %s", bad);
   return Status::ok();
 }
@@ -560,11 +564,13 @@ Status SeqFileReader::read_layer(uint32_t layer, LayerSnapshot *out) {
       o.size.resize(C);
       for (uint64_t j = 0; j < C; ++j) o.first_slot[j] = get32(p + 4 * j);
       for (uint64_t j = 0; j < C; ++j) o.size[j] = get32(p + 4 * (C + j));
-      // 4. The meta index: clusters x head_dim f32, twice.
-      WKV_RETURN_IF_ERROR(expect(i + 2, 8 * C * d, "the mapping's cluster count"));
+      // 4. The meta index: clusters x head_dim f32, twice, then clusters f32.
+      WKV_RETURN_IF_ERROR(expect(i + 2, (8 * d + 4) * C, "the mapping's cluster count"));
       o.centroid.resize(C * d);
       o.value_sum.resize(C * d);
-      WKV_RETURN_IF_ERROR(read_payload(i + 2, {{o.centroid.data(), 4 * C * d}, {o.value_sum.data(), 4 * C * d}}));
+      o.spread.resize(C);
+      WKV_RETURN_IF_ERROR(read_payload(
+          i + 2, {{o.centroid.data(), 4 * C * d}, {o.value_sum.data(), 4 * C * d}, {o.spread.data(), 4 * C}}));
       // 5. The pages the segments name.
       uint64_t page_bytes = 0;
       if (!mul(pages, slot, &page_bytes)) return corrupt(i + 1, sections_[i + 1], "its segments name %llu pages", static_cast<unsigned long long>(pages));

@@ -42,6 +42,7 @@ int main(void) {
   FIELD(wkv_config, seed);
   FIELD(wkv_config, stats_path);
   FIELD(wkv_config, stats_interval_ms);
+  FIELD(wkv_config, method);
   FIELD(wkv_config, reserved1);
 
   STRUCT(wkv_stats);

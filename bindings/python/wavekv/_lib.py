@@ -61,6 +61,7 @@ class WkvConfig(ctypes.Structure):
         ("seed", c_uint64),
         ("stats_path", ctypes.c_char_p),
         ("stats_interval_ms", c_uint32),
+        ("method", c_uint32),
         ("reserved1", c_uint32),
     ]
 

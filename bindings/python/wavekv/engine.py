@@ -106,6 +106,7 @@ class Config:
     seed: int = _DEFAULT
     stats_path: Optional[str] = None
     stats_interval_ms: int = _DEFAULT
+    method: int = _DEFAULT
 
     def __post_init__(self) -> None:
         defaults = Config._from_c(_init_config())

@@ -129,9 +129,10 @@ class CpuBackend final : public Backend, public BufferManager::Device {
   std::mutex words_mu_;
   std::vector<uint64_t *> words_;
   // The k-means outputs, packed as a device batch's (ClusterOut).
-  std::vector<uint32_t> km_n_, km_begin_, km_size_, km_order_;
+  std::vector<uint32_t> km_n_, km_nout_, km_begin_, km_size_, km_order_;
   std::vector<uint64_t> km_tok_off_, km_clu_off_;
-  std::vector<float> km_centroid_, km_value_sum_;
+  std::vector<float> km_centroid_, km_value_sum_, km_spread_;
+  std::vector<double> km_vtot_;
 };
 
 Status CpuBackend::cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, void *) {
@@ -154,27 +155,35 @@ Status CpuBackend::cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, 
       kp.n_clusters = j.clusters;
       kp.iters = cfg.c.kmeans_iters;
       kp.seed = j.seed;
+      kp.outliers = j.outliers;
+      kp.outlier_ratio = j.outlier_ratio;
       kernels::kmeans_segment(kp, kf.data(), vf.data(), j.tokens, d, &sc[i]);
     });
     // 2. Packed as the device's batch: segment s at tok_off[s], clu_off[s].
     const kernels::KMeansBatchShape shape = kernels::kmeans_batch_shape(jobs, n);
     uint64_t sum_k = 0;
-    for (uint32_t i = 0; i < n; ++i) sum_k += kernels::kmeans_clamp_k(jobs[i].clusters, jobs[i].tokens);
+    for (uint32_t i = 0; i < n; ++i) sum_k += kernels::kmeans_out_clusters(jobs[i]);
     km_n_.assign(n, 0);
+    km_nout_.assign(n, 0);
     km_begin_.assign(sum_k + n, 0);
     km_size_.assign(sum_k, 0);
     km_order_.assign(shape.total_tokens, 0);
     km_centroid_.assign(sum_k * d, 0.f);
     km_value_sum_.assign(sum_k * d, 0.f);
+    km_spread_.assign(sum_k, 0.f);
+    km_vtot_.assign(size_t(n) * d, 0.0);
     for (uint32_t i = 0; i < n; ++i) {
       const kernels::SegmentClusters &s = sc[i];
       const uint64_t co = km_clu_off_[i], to = km_tok_off_[i];
       km_n_[i] = s.n_clusters;
+      km_nout_[i] = s.n_outliers;
       std::copy(s.begin.begin(), s.begin.end(), km_begin_.begin() + co + i);
       std::copy(s.size.begin(), s.size.end(), km_size_.begin() + co);
       std::copy(s.order.begin(), s.order.end(), km_order_.begin() + to);
       std::copy(s.centroid.begin(), s.centroid.end(), km_centroid_.begin() + co * d);
       std::copy(s.value_sum.begin(), s.value_sum.end(), km_value_sum_.begin() + co * d);
+      std::copy(s.spread.begin(), s.spread.end(), km_spread_.begin() + co);
+      std::copy(s.value_total.begin(), s.value_total.end(), km_vtot_.begin() + size_t(i) * d);
     }
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory clustering %u segments", n);
@@ -182,6 +191,7 @@ Status CpuBackend::cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, 
   e_.counters().kmeans_ns.fetch_add(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()));
   out->n_clusters = km_n_.data();
+  out->n_outliers = km_nout_.data();
   out->begin = km_begin_.data();
   out->size = km_size_.data();
   out->tok_off = km_tok_off_.data();
@@ -189,6 +199,8 @@ Status CpuBackend::cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, 
   out->order = km_order_.data();
   out->centroid = km_centroid_.data();
   out->value_sum = km_value_sum_.data();
+  out->spread = km_spread_.data();
+  out->value_total = km_vtot_.data();
   return Status::ok();
 }
 
@@ -215,7 +227,7 @@ Status CpuBackend::lookup(Plan &plan) {
   const float scale = cfg.scale();
   const DType dt = cfg.dtype();
   const size_t esz = dtype_bytes(dt);
-  const uint32_t n = plan.n_seqs;
+  const uint32_t n = plan.n_seqs, method = cfg.c.method;
   size_t ret = 0, est = 0, lg = 0;
   for (const RunPlan &r : plan.runs) {
     ret += r.n_ret;
@@ -228,7 +240,7 @@ Status CpuBackend::lookup(Plan &plan) {
     grow_to(plan.est_ids, est);
     grow_to(plan.logits, lg);
     grow_to(plan.scores, lg / G);
-    grow_to(plan.scratch, lg / G);
+    grow_to(plan.scratch, 4 * (lg / G));
     grow_to(plan.est_out, static_cast<size_t>(n) * nq * d);
     grow_to(plan.est_lse, static_cast<size_t>(n) * nq);
   } catch (const std::bad_alloc &) {
@@ -242,7 +254,8 @@ Status CpuBackend::lookup(Plan &plan) {
                    (static_cast<size_t>(i) * plan.q_seq_stride + static_cast<size_t>(h) * plan.q_head_stride) * esz,
                &plan.q[(static_cast<size_t>(i) * nq + h) * d], d);
   return step(plan, [&]() -> Status {
-    // scores and scratch are laid out like logits, one row per run instead of G.
+    // scores are laid out like logits, one row per run instead of G; scratch
+    // likewise with four rows.
     e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
       RunPlan &r = plan.runs[ri];
       const HeadState &hs = plan.seqs[r.seq]->layer(plan.layer).heads[r.head];
@@ -256,18 +269,24 @@ Status CpuBackend::lookup(Plan &plan) {
       }
       float *logits = &plan.logits[r.logits_off];
       float *score = &plan.scores[r.logits_off / G];
-      uint32_t *scratch = &plan.scratch[r.logits_off / G];
+      uint32_t *scratch = &plan.scratch[4 * (r.logits_off / G)];
       uint32_t *ret_ids = plan.ret_ids.data() + r.ret_off, *est_ids = plan.est_ids.data() + r.est_off;
       const MetaIndex &meta = hs.meta;
       const uint32_t *size = hs.map.size.data();
       // Scoring and estimation read the compact f16 mirror where there is
       // one: half the bytes of the f32 arrays, and both are bound by them.
       const bool compact = meta.compact_ok && meta.centroid_f16.size() == static_cast<size_t>(r.clusters) * d;
+      const float *spread = method & WKV_METHOD_SPREAD ? meta.spread.as<float>() : nullptr;
       if (compact)
-        kernels::score_clusters(DType::kF16, q, G, meta.centroid_f16.data(), r.clusters, d, scale, logits, score);
+        kernels::score_clusters(DType::kF16, q, G, meta.centroid_f16.data(), r.clusters, d, scale, logits, score,
+                                spread);
       else
-        kernels::score_clusters(q, G, meta.centroid.as<float>(), r.clusters, d, scale, logits, score);
-      kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, ret_ids, est_ids, scratch);
+        kernels::score_clusters(q, G, meta.centroid.as<float>(), r.clusters, d, scale, logits, score, spread);
+      if (r.n_one > 0)
+        kernels::select_zones_split(score, size, r.clusters, r.n_ret - r.n_one, r.n_one, r.n_est, ret_ids, est_ids,
+                                    scratch);
+      else
+        kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, ret_ids, est_ids, scratch);
       // One pass over the value rows serves the whole query group.
       if (compact)
         kernels::estimate_zone_group_means(logits, G, r.clusters, est_ids, r.n_est, meta.value_mean_f16.data(), size,
@@ -275,6 +294,9 @@ Status CpuBackend::lookup(Plan &plan) {
       else
         kernels::estimate_zone_group(logits, G, r.clusters, est_ids, r.n_est, meta.value_sum.as<float>(), size, d,
                                      est_out, est_lse);
+      if (method & WKV_METHOD_TAIL)
+        kernels::estimate_tail(logits, G, r.clusters, r.clusters, ret_ids, r.n_ret, est_ids, r.n_est, size,
+                               hs.values.mean.as<float>(), d, est_out, est_lse, score);  // scores are spent
       uint64_t toks = 0;
       for (uint32_t i = 0; i < r.n_ret; ++i) toks += size[ret_ids[i]];
       r.ret_tokens = toks;

@@ -192,7 +192,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   PinnedBlocks pinned_;
 
   // The k-means of growths (one at a time: the engine's growth lock).
-  Region km_ws_, km_n_, km_begin_, km_order_, km_size_, km_cent_, km_vsum_;
+  Region km_ws_, km_n_, km_begin_, km_order_, km_size_, km_cent_, km_vsum_, km_spread_, km_vtot_;
   uint32_t *km_host_ = nullptr;  // pinned readback of counts, begins, sizes
   size_t km_host_words_ = 0;
   std::vector<uint64_t> km_tok_off_, km_clu_off_;
@@ -284,7 +284,7 @@ CudaBackend::~CudaBackend() {
   // The engine's buffer manager is gone: no step is in flight and nothing
   // else uses the device memory below. Close may synchronize.
   DeviceGuard guard(dev_);
-  for (Region *r : {&km_ws_, &km_n_, &km_begin_, &km_order_, &km_size_, &km_cent_, &km_vsum_})
+  for (Region *r : {&km_ws_, &km_n_, &km_begin_, &km_order_, &km_size_, &km_cent_, &km_vsum_, &km_spread_, &km_vtot_})
     if (r->p) cudaFree(r->p);
   for (cudaStream_t s : {side_, io_}) {
     if (!s) continue;
@@ -503,20 +503,25 @@ Status CudaBackend::cluster(const ClusterJob *jobs, uint32_t S, ClusterOut *out,
   }
   kernels::kmeans_batch_offsets(jobs, S, km_tok_off_.data(), km_clu_off_.data());
   uint64_t sum_k = 0;
-  for (uint32_t i = 0; i < S; ++i) sum_k += kernels::kmeans_clamp_k(jobs[i].clusters, jobs[i].tokens);
+  for (uint32_t i = 0; i < S; ++i) sum_k += kernels::kmeans_out_clusters(jobs[i]);
 
   // 2. Workspace and outputs (grow only), then cluster on the device.
   size_t ws_bytes = 0;
   WKV_KERNEL(kernels::kmeans_batch_workspace_size(kp, shape, &ws_bytes));
   WKV_RETURN_IF_ERROR(km_region(&km_ws_, ws_bytes, s));
-  WKV_RETURN_IF_ERROR(km_region(&km_n_, S * sizeof(uint32_t), s));
+  WKV_RETURN_IF_ERROR(km_region(&km_n_, 2 * S * sizeof(uint32_t), s));  // n_clusters, then n_outliers
   WKV_RETURN_IF_ERROR(km_region(&km_begin_, (sum_k + S) * sizeof(uint32_t), s));
   WKV_RETURN_IF_ERROR(km_region(&km_order_, shape.total_tokens * sizeof(uint32_t), s));
   WKV_RETURN_IF_ERROR(km_region(&km_size_, sum_k * sizeof(uint32_t), s));
   WKV_RETURN_IF_ERROR(km_region(&km_cent_, sum_k * d * sizeof(float), s));
   WKV_RETURN_IF_ERROR(km_region(&km_vsum_, sum_k * d * sizeof(float), s));
+  WKV_RETURN_IF_ERROR(km_region(&km_spread_, sum_k * sizeof(float), s));
+  WKV_RETURN_IF_ERROR(km_region(&km_vtot_, size_t(S) * d * sizeof(double), s));
   kernels::KMeansBatchOut ko;
   ko.n_clusters = km_n_.as<uint32_t>();
+  ko.n_outliers = km_n_.as<uint32_t>() + S;
+  ko.spread = km_spread_.as<float>();
+  ko.value_total = km_vtot_.as<double>();
   ko.begin = km_begin_.as<uint32_t>();
   ko.order = km_order_.as<uint32_t>();
   ko.centroid = km_cent_.as<float>();
@@ -527,10 +532,12 @@ Status CudaBackend::cluster(const ClusterJob *jobs, uint32_t S, ClusterOut *out,
   WKV_CU(cudaEventRecord(km_end_ev_, s));
 
   // 3. The one wait of a growth: the host needs the cluster counts, their
-  //    first members and sizes for its mapping table. Centroids, value sums
-  //    and the order stay on the device. Staged in pinned memory, kept for
-  //    the engine's life (freeing pinned memory would synchronize the device).
-  const size_t words = S + (sum_k + S) + sum_k;
+  //    first members and sizes for its mapping table, and the segments'
+  //    value totals for the heads' mean values. Centroids, value sums,
+  //    spreads and the order stay on the device. Staged in pinned memory,
+  //    kept for the engine's life (freeing pinned memory would synchronize
+  //    the device).
+  const size_t words = 2 * S + (sum_k + S) + sum_k + 2 * size_t(S) * d + 2;  // + 8-byte alignment of the totals
   if (words > km_host_words_) {
     const size_t n = std::max(words, km_host_words_ * 2);
     void *h = nullptr, *dv = nullptr;
@@ -539,9 +546,13 @@ Status CudaBackend::cluster(const ClusterJob *jobs, uint32_t S, ClusterOut *out,
     km_host_words_ = n;
   }
   uint32_t *const n_clusters = km_host_;
-  uint32_t *const begin = n_clusters + S;
+  uint32_t *const n_outliers = n_clusters + S;
+  uint32_t *const begin = n_outliers + S;
   uint32_t *const sizes = begin + sum_k + S;
-  WKV_CU(cudaMemcpyAsync(n_clusters, ko.n_clusters, S * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
+  double *const totals = reinterpret_cast<double *>(
+      (reinterpret_cast<uintptr_t>(sizes + sum_k) + 7) & ~uintptr_t{7});
+  WKV_CU(cudaMemcpyAsync(n_clusters, ko.n_clusters, 2 * S * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
+  WKV_CU(cudaMemcpyAsync(totals, ko.value_total, size_t(S) * d * sizeof(double), cudaMemcpyDeviceToHost, s));
   WKV_CU(cudaMemcpyAsync(begin, ko.begin, (sum_k + S) * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
   WKV_CU(cudaMemcpyAsync(sizes, ko.size, sum_k * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
   WKV_CU(cudaStreamSynchronize(s));
@@ -550,6 +561,9 @@ Status CudaBackend::cluster(const ClusterJob *jobs, uint32_t S, ClusterOut *out,
   e_.counters().kmeans_ns.fetch_add(static_cast<uint64_t>(static_cast<double>(km_ms) * 1e6));
 
   out->n_clusters = n_clusters;
+  out->n_outliers = n_outliers;
+  out->value_total = totals;
+  out->spread = ko.spread;
   out->begin = begin;
   out->size = sizes;
   out->tok_off = km_tok_off_.data();
@@ -600,6 +614,7 @@ kernels::DevLookup lookup_view(const PlanDevice &pd) {
   lk.est_lse = pd.est_lse.as<float>();
   lk.offsets = pd.offsets.as<int32_t>();
   lk.logits = pd.logits.as<float>();
+  lk.zones = pd.zones.as<uint8_t>();
   return lk;
 }
 
@@ -615,7 +630,7 @@ Status CudaBackend::plan_region(Region *r, size_t bytes, cudaStream_t s) {
 void CudaBackend::release_plan(Plan &plan) {
   PlanDevice &pd = plan.dev;
   for (Region *r : {&pd.runs, &pd.q, &pd.ret_ids, &pd.ret_pos, &pd.est_ids, &pd.run_tokens, &pd.est_out, &pd.est_lse,
-                    &pd.offsets, &pd.logits, &pd.xk, &pd.xv, &pd.scratch, &pd.counters})
+                    &pd.offsets, &pd.logits, &pd.zones, &pd.xk, &pd.xv, &pd.scratch, &pd.counters})
     mem_free_deferred(r);
 }
 
@@ -656,6 +671,8 @@ Status CudaBackend::lookup(Plan &plan) {
     dr = kernels::DevRun{};
     dr.centroid = hs.meta.centroid.as<const float>();
     dr.value_sum = hs.meta.value_sum.as<const float>();
+    dr.spread = cfg.c.method & WKV_METHOD_SPREAD ? hs.meta.spread.as<const float>() : nullptr;
+    dr.value_mean = cfg.c.method & WKV_METHOD_TAIL ? hs.values.mean.as<const float>() : nullptr;
     dr.size = hs.mirror.size.as<const uint32_t>();
     dr.first_slot = hs.mirror.first_slot.as<const uint32_t>();
     dr.unit_begin = hs.mirror.unit_begin.as<const uint32_t>();
@@ -667,6 +684,7 @@ Status CudaBackend::lookup(Plan &plan) {
     dr.tail_v = hs.tail.v_at(0);
     dr.clusters = rp.clusters;
     dr.n_ret = rp.n_ret;
+    dr.n_one = rp.n_one;
     dr.n_est = rp.n_est;
     dr.sink_tokens = static_cast<uint32_t>(hs.sink.n);
     dr.tail_tokens = static_cast<uint32_t>(hs.tail.n);
@@ -704,6 +722,7 @@ Status CudaBackend::lookup(Plan &plan) {
   WKV_RETURN_IF_ERROR(plan_region(&pd.est_lse, static_cast<size_t>(R) * G * sizeof(float), s));
   WKV_RETURN_IF_ERROR(plan_region(&pd.offsets, (R + 1) * sizeof(int32_t), s));
   WKV_RETURN_IF_ERROR(plan_region(&pd.logits, std::max<size_t>(lg, 1) * 2 * sizeof(float), s));
+  WKV_RETURN_IF_ERROR(plan_region(&pd.zones, std::max<size_t>(lg / G, 1), s));
   WKV_RETURN_IF_ERROR(plan_region(&pd.xk, std::max<uint64_t>(xbuf, 1) * row, s));
   WKV_RETURN_IF_ERROR(plan_region(&pd.xv, std::max<uint64_t>(xbuf, 1) * row, s));
   if (!pd.counters.p) {

@@ -50,6 +50,13 @@ pub const WKV_CONFIG_NO_NUMA: u32 = 1 << 0;
 pub const WKV_CONFIG_NO_PINNED: u32 = 1 << 1;
 
 pub const WKV_SAVE_NO_FSYNC: u32 = 1 << 0;
+pub const WKV_METHOD_OUTLIERS: u32 = 1 << 0;
+pub const WKV_METHOD_ONES: u32 = 1 << 1;
+pub const WKV_METHOD_SPREAD: u32 = 1 << 2;
+pub const WKV_METHOD_TAIL: u32 = 1 << 3;
+pub const WKV_METHOD_PAPER: u32 = 0;
+pub const WKV_METHOD_DEFAULT: u32 =
+    WKV_METHOD_OUTLIERS | WKV_METHOD_ONES | WKV_METHOD_SPREAD | WKV_METHOD_TAIL;
 
 /// Everything an engine is opened with; fill it with `wkv_config_init`.
 #[repr(C)]
@@ -81,6 +88,7 @@ pub struct wkv_config {
     pub seed: u64,
     pub stats_path: *const c_char,
     pub stats_interval_ms: u32,
+    pub method: u32,
     pub reserved1: u32,
 }
 

@@ -280,6 +280,7 @@ fn declarations_match_the_header() {
                 seed,
                 stats_path,
                 stats_interval_ms,
+                method,
                 reserved1,
             }
         ),
@@ -377,6 +378,12 @@ fn declarations_match_the_header() {
         WKV_CONFIG_NO_NUMA,
         WKV_CONFIG_NO_PINNED,
         WKV_SAVE_NO_FSYNC,
+        WKV_METHOD_OUTLIERS,
+        WKV_METHOD_ONES,
+        WKV_METHOD_SPREAD,
+        WKV_METHOD_TAIL,
+        WKV_METHOD_PAPER,
+        WKV_METHOD_DEFAULT,
     );
     assert_eq!(
         sorted(const_names.iter().map(|s| s.to_string()).collect()),

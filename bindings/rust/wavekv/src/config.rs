@@ -135,6 +135,8 @@ impl Config {
         device_cache_bytes: u64;
         /// Seed of k-means initialisation (0x5eed).
         seed: u64;
+        /// `WKV_METHOD_*` bits (`WKV_METHOD_DEFAULT`).
+        method: u32;
     }
 }
 
