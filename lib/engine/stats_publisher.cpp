@@ -1,6 +1,7 @@
 #include "lib/engine/stats_publisher.hpp"
 
 #include <chrono>
+#include <system_error>
 
 namespace wkv {
 
