@@ -2,6 +2,7 @@ package wavekv
 
 /*
 #include <stdint.h>
+#include <stdlib.h>
 #include <wavekv/wavekv.h>
 
 // Device pointers and streams cross as integers: they are not Go pointers.
@@ -17,6 +18,7 @@ import "C"
 import (
 	"math"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -156,9 +158,52 @@ func (e *Engine) NewSequence() (*Sequence, error) {
 	if err := call(func() C.int { return C.wkv_seq_create(e.h, &h) }); err != nil {
 		return nil, err
 	}
+	return e.adopt(h), nil
+}
+
+// adopt wraps a sequence handle the library just made for this engine. The
+// finalizer only releases one that is never closed (a safety net).
+func (e *Engine) adopt(h *C.wkv_seq) *Sequence {
 	s := &Sequence{h: h, id: atomic.AddUint64(&lastSeqID, 1), shape: e.shape}
 	runtime.SetFinalizer(s, (*Sequence).Close)
-	return s, nil
+	return s
+}
+
+// cPath copies a path into C memory, to be released with C.free. A NUL
+// inside would cut the path short in C, so that a different file would be
+// opened: refused with ErrInvalidArgument instead.
+func cPath(fn, path string) (*C.char, error) {
+	if i := strings.IndexByte(path, 0); i >= 0 {
+		return nil, errorf(ErrInvalidArgument, "%s: the path %q has a NUL byte at %d", fn, path, i)
+	}
+	return C.CString(path), nil
+}
+
+// Load loads a sequence from a file that Sequence.Save wrote (wkv_seq_load),
+// as a new sequence of this engine; close it when done. All or nothing:
+// after a failure the engine holds nothing of the file. Errors: ErrCorrupt
+// for a damaged or truncated file (the message names the section),
+// ErrInvalidArgument for a file whose shape or layout differs from the
+// engine's (the message names each difference) or a path with a NUL byte,
+// ErrIO for a file that cannot be opened or read, ErrUnsupported for a
+// newer format version.
+func (e *Engine) Load(path string) (*Sequence, error) {
+	const fn = "wkv_seq_load"
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.h == nil {
+		return nil, closedError(fn, "engine")
+	}
+	p, err := cPath(fn, path)
+	if err != nil {
+		return nil, err
+	}
+	defer C.free(unsafe.Pointer(p))
+	var h *C.wkv_seq
+	if err := call(func() C.int { return C.wkv_seq_load(e.h, p, &h) }); err != nil {
+		return nil, err
+	}
+	return e.adopt(h), nil
 }
 
 // NewPlan creates a plan, the reusable state of decoding steps
@@ -293,6 +338,33 @@ func (s *Sequence) EndPrompt(layer uint32) error {
 		return closedError(fn, "sequence")
 	}
 	return call(func() C.int { return C.wkv_seq_end_prompt(s.h, C.uint32_t(layer), nil) })
+}
+
+// Save saves the sequence to the file at path (wkv_seq_save), whole or not
+// at all: it is written under a temporary name in the same directory,
+// fsynced, renamed over path, and the directory fsynced. fsync false skips
+// the fsyncs (WKV_SAVE_NO_FSYNC; tests, benchmarks): other processes still
+// see the old file or the whole new one, but after a power loss the new one
+// may be refused as corrupt. Engine.Load reads it back. Errors: ErrIO with
+// the system's words (path is then untouched), ErrInvalidArgument for a path
+// ending in '/' or holding a NUL byte.
+func (s *Sequence) Save(path string, fsync bool) error {
+	const fn = "wkv_seq_save"
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.h == nil {
+		return closedError(fn, "sequence")
+	}
+	p, err := cPath(fn, path)
+	if err != nil {
+		return err
+	}
+	defer C.free(unsafe.Pointer(p))
+	var flags C.uint32_t
+	if !fsync {
+		flags = C.WKV_SAVE_NO_FSYNC
+	}
+	return call(func() C.int { return C.wkv_seq_save(s.h, p, flags) })
 }
 
 // Info describes one layer of the sequence (wkv_seq_info_get).

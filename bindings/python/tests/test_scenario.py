@@ -1,6 +1,8 @@
 """The scenario every binding runs: a CPU engine, two sequences, a synthetic
 context appended in chunks, decoding steps for both compared with exact
-attention computed here (NumPy, float64), the stats, and three errors."""
+attention computed here (NumPy, float64), the stats, a sequence saved to a
+file and loaded back (decoding it bit for bit as the original, a corrupted
+copy and an engine of another head_dim refused), and three errors."""
 
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ def rel_err(np: Any, got: Any, want: Any) -> float:
 
 
 @pytest.mark.parametrize("budget", ["full", "default"])
-def test_two_sequences_chunked_prompt_and_decoding(np: Any, exact: Any, budget: str) -> None:
+def test_two_sequences_chunked_prompt_and_decoding(np: Any, exact: Any, tmp_path: Any,
+                                                   budget: str) -> None:
     fields = dict(retrieval_frac=1.0, estimation_frac=0.0) if budget == "full" else {}
     contexts = [Context(np, seed) for seed in (1, 2)]
     # history[s][layer] = (list of k chunks, list of v chunks)
@@ -101,9 +104,58 @@ def test_two_sequences_chunked_prompt_and_decoding(np: Any, exact: Any, budget: 
                 assert stats.attended_tokens < stats.lookups * HKV * PROMPT / 4
             js = engine.stats_json()
             assert js["config"]["n_layers"] == LAYERS and js["stats"]["tokens"] == stats.tokens
+            # 4. the first sequence saved and loaded back
+            save_and_load(np, engine, s0, plan, contexts[0], tmp_path)
     # the default budget attends a few clusters exactly and estimates others
     print("worst relative error at the %s budget: %.3g" % (budget, worst))
     assert worst < (1e-5 if budget == "full" else 0.05), worst
+
+
+def save_and_load(np: Any, engine: Any, seq: Any, plan: Any, ctx: Context, tmp_path: Any) -> None:
+    """Saves `seq` (after its decoding steps), loads it into the same engine
+    and decodes one query on both at every layer: the outputs must be the
+    same bits, since a loaded sequence holds the saved one's index and pages
+    unchanged. Then a copy with one byte changed in its middle must be
+    refused as corrupt, and the intact file by an engine of another
+    head_dim."""
+    path = tmp_path / "seq.wkv"
+    seq.save(path, fsync=False)
+    sequences = engine.stats().sequences
+    with engine.load(path) as loaded:
+        assert engine.stats().sequences == sequences + 1
+        for layer in range(LAYERS):
+            assert loaded.info(layer) == seq.info(layer)
+            q = ctx.q()[None]
+            a = plan.decode([seq], layer, q)
+            b = plan.decode([loaded], layer, q)
+            assert a.dtype == b.dtype == np.float32
+            assert a.tobytes() == b.tobytes(), "layer %d: the loaded sequence differs" % layer
+    # one byte changed in the middle of the file: refused, and nothing of it
+    # is left in the engine (counted again here: the plan still refers to the
+    # closed loaded sequence until its next lookup, which keeps it alive)
+    sequences = engine.stats().sequences
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    corrupt = tmp_path / "corrupt.wkv"
+    corrupt.write_bytes(bytes(data))
+    with pytest.raises(wavekv.CorruptError) as damaged:
+        engine.load(corrupt)
+    assert damaged.value.status == 9 and damaged.value.status_name == "WKV_ERR_CORRUPT"
+    assert "section" in damaged.value.message, damaged.value.message
+    assert engine.stats().sequences == sequences
+    # an engine of another shape: the message names the difference
+    with wavekv.Engine(n_layers=LAYERS, n_q_heads=HQ, n_kv_heads=HKV, head_dim=D // 2,
+                       dtype="f32", device="cpu", threads=2) as other:
+        with pytest.raises(wavekv.InvalidArgumentError) as mismatch:
+            other.load(path)
+        assert mismatch.value.status == 1 and "head_dim" in mismatch.value.message
+    # refused by the binding (a NUL would cut the path short in C) and by
+    # the library (no such file)
+    with pytest.raises(wavekv.InvalidArgumentError) as nul:
+        engine.load(str(tmp_path / "seq\0.wkv"))
+    assert "NUL" in nul.value.message
+    with pytest.raises(wavekv.FileIOError):
+        engine.load(tmp_path / "missing.wkv")
 
 
 def test_save_and_reload_a_sequence(np: Any, tmp_path: Any) -> None:

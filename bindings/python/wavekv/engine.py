@@ -293,6 +293,21 @@ class _Owner:
             pass
 
 
+def _c_path(path: Any, fn: str) -> bytes:
+    """A path's bytes as the library takes them. ctypes passes bytes with a
+    NUL inside as they are, so C would see the path cut short and open
+    another file: refused here instead."""
+    try:
+        raw = os.fsencode(path)
+    except TypeError:
+        raise InvalidArgumentError(1, "%s: path must be a str, bytes or os.PathLike, not %r"
+                                   % (fn, path)) from None
+    if b"\0" in raw:
+        raise InvalidArgumentError(1, "%s: the path %r has a NUL byte at %d"
+                                   % (fn, path, raw.index(b"\0")))
+    return raw
+
+
 def _check_layer(layer: Any, fn: str) -> int:
     if isinstance(layer, bool):
         raise InvalidArgumentError(1, "%s: layer must be an int, not %r" % (fn, layer))
@@ -407,7 +422,8 @@ class Engine(_Owner):
         handle = self._enter("Engine.load")
         try:
             out = ctypes.c_void_p()
-            _lib.check(_lib.lib().wkv_seq_load(handle, os.fsencode(path), ctypes.byref(out)))
+            _lib.check(_lib.lib().wkv_seq_load(handle, _c_path(path, "Engine.load"),
+                                               ctypes.byref(out)))
         finally:
             self._leave()
         return Sequence._adopt(self, out.value or 0)
@@ -585,7 +601,7 @@ class Sequence(_Owner):
         fsyncs (tests, benchmarks). Engine.load reads it back."""
         handle = self._enter("Sequence.save")
         try:
-            _lib.check(_lib.lib().wkv_seq_save(handle, os.fsencode(path),
+            _lib.check(_lib.lib().wkv_seq_save(handle, _c_path(path, "Sequence.save"),
                                                0 if fsync else _lib.WKV_SAVE_NO_FSYNC))
         finally:
             self._leave()

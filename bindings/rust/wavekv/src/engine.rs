@@ -1,7 +1,9 @@
-use std::ffi::CStr;
+use std::ffi::{CStr, CString};
 use std::fmt;
 use std::mem;
 use std::os::raw::{c_char, c_void};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
 use std::ptr;
 
 use wavekv_sys as sys;
@@ -41,6 +43,23 @@ fn closed<T>(func: &str, what: &str) -> Result<T> {
         Status::InvalidHandle,
         format!("{}: the {} is closed", func, what),
     )
+}
+
+// A path as the library takes it: its bytes as the OS holds them (no UTF-8
+// required), NUL-terminated. A NUL inside would cut the path short in C, so
+// that a different file would be opened: refused here instead.
+fn c_path(func: &str, path: &Path) -> Result<CString> {
+    CString::new(path.as_os_str().as_bytes()).or_else(|e| {
+        fail(
+            Status::InvalidArgument,
+            format!(
+                "{}: the path {:?} has a NUL byte at {}",
+                func,
+                path,
+                e.nul_position()
+            ),
+        )
+    })
 }
 
 impl Engine {
@@ -185,6 +204,27 @@ impl Engine {
         let raw = self.live("wkv_seq_create")?;
         let mut seq: *mut sys::wkv_seq = ptr::null_mut();
         check(unsafe { sys::wkv_seq_create(raw, &mut seq) })?;
+        Ok(Sequence {
+            raw: seq,
+            shape: self.shape,
+        })
+    }
+
+    /// Loads a sequence from a file that [`Sequence::save`] wrote
+    /// (`wkv_seq_load`), as a new sequence of this engine. All or nothing:
+    /// after a failure the engine holds nothing of the file. Errors:
+    /// [`Status::Corrupt`] for a damaged or truncated file (the message names
+    /// the section), [`Status::InvalidArgument`] for a file whose shape or
+    /// layout differs from the engine's (the message names each difference)
+    /// or a path with a NUL byte, [`Status::Io`] for a file that cannot be
+    /// opened or read, [`Status::Unsupported`] for a newer format version.
+    pub fn load(&self, path: impl AsRef<Path>) -> Result<Sequence> {
+        const F: &str = "wkv_seq_load";
+        let raw = self.live(F)?;
+        let path = c_path(F, path.as_ref())?;
+        let mut seq: *mut sys::wkv_seq = ptr::null_mut();
+        // SAFETY: live handle; path is NUL-terminated and outlives the call.
+        check(unsafe { sys::wkv_seq_load(raw, path.as_ptr(), &mut seq) })?;
         Ok(Sequence {
             raw: seq,
             shape: self.shape,
@@ -366,6 +406,25 @@ impl Sequence {
     pub unsafe fn end_prompt_raw(&mut self, layer: u32, stream: *mut c_void) -> Result<()> {
         let raw = self.live("wkv_seq_end_prompt")?;
         check(sys::wkv_seq_end_prompt(raw, layer, stream))
+    }
+
+    /// Saves the sequence to the file at `path` (`wkv_seq_save`), whole or
+    /// not at all: it is written under a temporary name in the same
+    /// directory, fsynced, renamed over `path`, and the directory fsynced.
+    /// `fsync: false` skips the fsyncs (`WKV_SAVE_NO_FSYNC`; tests,
+    /// benchmarks): other processes still see the old file or the whole new
+    /// one, but after a power loss the new one may be refused as corrupt.
+    /// [`Engine::load`] reads it back. Errors: [`Status::Io`] with the
+    /// system's words (`path` is then untouched), [`Status::InvalidArgument`]
+    /// for a path ending in '/' or holding a NUL byte.
+    pub fn save(&self, path: impl AsRef<Path>, fsync: bool) -> Result<()> {
+        const F: &str = "wkv_seq_save";
+        let raw = self.live(F)?;
+        let path = c_path(F, path.as_ref())?;
+        let flags = if fsync { 0 } else { sys::WKV_SAVE_NO_FSYNC };
+        // SAFETY: live handle, used by this thread only (not Sync); path is
+        // NUL-terminated and outlives the call.
+        check(unsafe { sys::wkv_seq_save(raw, path.as_ptr(), flags) })
     }
 
     /// What one layer holds (`wkv_seq_info_get`).

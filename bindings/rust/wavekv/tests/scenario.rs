@@ -1,9 +1,13 @@
 // The bindings' shared scenario, in Rust: a CPU engine, two sequences, a
 // synthetic context appended in chunks, decoding steps for both sequences in
 // one batch compared with exact attention computed here (f64), the stats,
-// and three errors (a bad shape, an unknown layer, use after close) with
-// their status and message. Saving and reloading a sequence is left out:
-// the C ABI has no sequence files yet.
+// a sequence saved to a file and loaded back (decoding it bit for bit as the
+// original, a corrupted copy and an engine of another head_dim refused), and
+// three errors (a bad shape, an unknown layer, use after close) with their
+// status and message.
+use std::fs;
+use std::path::PathBuf;
+
 use wavekv::{Config, Dtype, Engine, Plan, Sequence, Status, Strides, F16};
 
 const N_LAYERS: u32 = 2;
@@ -274,6 +278,8 @@ fn scenario_default_budget_stats_and_errors() {
     );
     assert_eq!(seqs[0].info(0).unwrap().generating, 1);
 
+    save_and_load(&engine, &seqs[0], &mut plan);
+
     // 1. A bad shape: caught by the binding (a slice that is not whole
     // tokens) and by the library (strides whose rows overlap).
     let k = vec![0.0f32; N_KV * D + 10];
@@ -362,6 +368,84 @@ fn scenario_default_budget_stats_and_errors() {
         .unwrap_err();
     assert_eq!(e.status(), Status::InvalidHandle);
     assert!(e.message().contains("plan is closed"), "{}", e);
+}
+
+// A directory of this test's own under cargo's temporary directory for
+// integration tests, empty at the start.
+fn temp_dir(name: &str) -> PathBuf {
+    let dir =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{}-{}", name, std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+// Saves `seq` (after its decoding steps), loads it into the same engine and
+// decodes one query on both at every layer: the outputs must be the same
+// bits, since a loaded sequence holds the saved one's index and pages
+// unchanged. Then a copy with one byte changed in its middle must be refused
+// as corrupt, and the intact file by an engine of another head_dim.
+fn save_and_load(engine: &Engine, seq: &Sequence, plan: &mut Plan) {
+    let dir = temp_dir("wavekv-scenario");
+    let path = dir.join("seq.wkv");
+    seq.save(&path, false).unwrap();
+    let sequences = engine.stats().unwrap().sequences;
+    let mut loaded = engine.load(&path).unwrap();
+    assert_eq!(engine.stats().unwrap().sequences, sequences + 1);
+    let mut rng = Rng(5);
+    for layer in 0..N_LAYERS {
+        assert_eq!(loaded.info(layer).unwrap(), seq.info(layer).unwrap());
+        let q: Vec<f32> = (0..N_Q * D).map(|_| rng.normal() as f32).collect();
+        let mut a = vec![0.0f32; N_Q * D];
+        let mut b = vec![1.0f32; N_Q * D];
+        plan.decode(&[seq], layer, &q, &mut a).unwrap();
+        plan.decode(&[&loaded], layer, &q, &mut b).unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        assert!(
+            bits(&a) == bits(&b),
+            "layer {}: the loaded sequence decodes differently",
+            layer
+        );
+    }
+    loaded.close();
+
+    // One byte changed in the middle of the file: refused, and nothing of it
+    // is left in the engine. Counted again here: the plan still refers to
+    // the closed loaded sequence until its next lookup, which keeps it alive
+    // (wavekv.h).
+    let sequences = engine.stats().unwrap().sequences;
+    let mut bytes = fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x5a;
+    let corrupt = dir.join("corrupt.wkv");
+    fs::write(&corrupt, &bytes).unwrap();
+    let e = engine.load(&corrupt).unwrap_err();
+    assert_eq!(e.status(), Status::Corrupt, "{}", e);
+    assert!(e.message().contains("section"), "{}", e);
+    assert!(e.to_string().starts_with("WKV_ERR_CORRUPT: "), "{}", e);
+    assert_eq!(engine.stats().unwrap().sequences, sequences);
+
+    // An engine of another shape: the message names the difference.
+    let other = Engine::open(
+        &Config::new(N_LAYERS, N_Q as u32, N_KV as u32, 2 * D as u32)
+            .dtype(Dtype::F32)
+            .threads(1)
+            .segment_tokens(512)
+            .update_segment_tokens(128),
+    )
+    .unwrap();
+    let e = other.load(&path).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument, "{}", e);
+    assert!(e.message().contains("head_dim"), "{}", e);
+
+    // Refused by the binding (a NUL would cut the path short in C) and by
+    // the library (no such file).
+    let e = engine.load("seq\0.wkv").unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert!(e.message().contains("NUL"), "{}", e);
+    let e = engine.load(dir.join("missing.wkv")).unwrap_err();
+    assert_eq!(e.status(), Status::Io, "{}", e);
+    fs::remove_dir_all(&dir).unwrap();
 }
 
 // Attending with your own kernel: lookup, assemble, attention over the
