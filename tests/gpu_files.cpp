@@ -35,6 +35,11 @@ wkv_config config(uint32_t device) {
   c.segment_tokens = 1024;
   c.update_segment_tokens = 256;
   c.device_cache_bytes = 8u << 20;
+  // Full retrieval: every engine's decode is then exact attention whatever
+  // clusters it grows after the load (a CUDA engine's k-means differs from
+  // the CPU's near ties, and it splits no outliers yet).
+  c.retrieval_frac = 1.0f;
+  c.estimation_frac = 0.0f;
   return c;
 }
 

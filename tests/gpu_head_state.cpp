@@ -50,6 +50,9 @@ wkv_config config(uint32_t device, float retrieval = 0.018f, float estimation = 
   c.estimation_frac = estimation;
   c.device_cache_bytes = 8u << 20;
   c.threads = 2;
+  // What a CUDA engine applies (it does not split outliers yet: engine.cpp),
+  // on both backends, so that they build alike.
+  c.method = WKV_METHOD_DEFAULT & ~WKV_METHOD_OUTLIERS;
   return c;
 }
 

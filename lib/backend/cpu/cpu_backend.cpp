@@ -2,6 +2,8 @@
 // the kernels are the CPU references, and work is spread over the engine's
 // pool across (sequence, KV head) runs. Every verb runs to its end before it
 // returns, so its step ends there too.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -17,6 +19,20 @@
 
 namespace wkv {
 namespace {
+
+// The machine's physical memory in bytes (the most any one host allocation
+// could be backed by), or SIZE_MAX where it cannot be read.
+size_t physical_memory_bytes() {
+  static const size_t bytes = [] {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0) return std::numeric_limits<size_t>::max();
+    size_t b;
+    return __builtin_mul_overflow(static_cast<size_t>(pages), static_cast<size_t>(page), &b)
+               ? std::numeric_limits<size_t>::max()
+               : b;
+  }();
+  return bytes;
+}
 
 class CpuBackend final : public Backend, public BufferManager::Device {
  public:
@@ -36,6 +52,12 @@ class CpuBackend final : public Backend, public BufferManager::Device {
   // Engine memory is host memory.
   bool host_memory() const override { return true; }
   Status mem_alloc(size_t bytes, void *, Region *out) override {
+    // More than the machine's memory is refused here rather than asked of
+    // the allocator: where the kernel overcommits (vm.overcommit_memory=1)
+    // the request would be granted and the process killed once it touched it.
+    if (bytes > physical_memory_bytes())
+      return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "%zu bytes of host memory asked for, more than the machine's %zu",
+                       bytes, physical_memory_bytes());
     const size_t n = (std::max<size_t>(bytes, 1) + 255) & ~size_t{255};
     void *p = e_.faults().fail(FaultInjector::kEngineAlloc) ? nullptr : std::aligned_alloc(256, n);
     if (!p) return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %zu bytes", bytes);
