@@ -427,6 +427,8 @@ TEST(GpuEngine, DestroyingASequenceDoesNotWaitForTheDevice) {
   REQUIRE_GPU();
   Twin t(1.0f, 0.0f);
   t.append(3000);
+  t.sgpu.end_prompt(0, t.stream);  // t's own index built before the count below
+  ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
   wkv_stats s0 = t.gpu.stats();
   auto seq = std::make_unique<wavekv::Sequence>(t.gpu);
   std::vector<uint8_t> kb, vb;
