@@ -21,6 +21,8 @@ __all__ = ["lib", "library_path", "check", "WkvConfig", "WkvStats", "WkvSeqInfo"
 
 # The library major version this binding speaks (WKV_VERSION_MAJOR).
 ABI_MAJOR = 0
+# The oldest minor version that has every function declared below.
+ABI_MINOR = 2
 WKV_SAVE_NO_FSYNC = 1
 
 c_void_p = ctypes.c_void_p
@@ -269,7 +271,8 @@ def _load() -> ctypes.CDLL:
                     fn = getattr(lib, name)
                 except AttributeError:
                     raise LibraryNotFoundError(
-                        "%s lacks %s: not a libwavekv of ABI major %d" % (cand, name, ABI_MAJOR)
+                        "%s lacks %s: not a libwavekv of ABI %d.%d or later (an older or foreign library)"
+                        % (cand, name, ABI_MAJOR, ABI_MINOR)
                     ) from None
                 fn.restype = restype
                 fn.argtypes = argtypes
