@@ -1,5 +1,6 @@
 // A seeded stress test: 8 threads create sequences, append to them, decode
-// them (one or two at a time), and destroy them, against one engine with a
+// them (one or two at a time), save and load them back (the loaded sequence
+// takes the saved one's place), and destroy them, against one engine with a
 // small host budget, for a bounded time. Every decode runs at full retrieval
 // and is checked against exact attention; an append refused for the budget
 // must leave its sequence as it was; at the end the engine's memory is back
@@ -8,6 +9,8 @@
 //   WKV_STRESS_SEED     the seed (default 1; printed)
 //   WKV_STRESS_SECONDS  how long the threads run (default 3)
 #include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -81,8 +84,11 @@ TEST(Stress, EightThreadsCreateAppendDecodeAndDestroyAgainstOneEngine) {
   c.host_budget_bytes = 6u << 20;  // a few thousand tokens in all: appends hit it
   wavekv::Engine engine(c);
   const wkv_stats before = engine.stats();
+  char dir_template[] = "/tmp/wavekv-stress-XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
 
-  std::atomic<uint64_t> decodes{0}, refusals{0}, failures{0};
+  std::atomic<uint64_t> decodes{0}, refusals{0}, failures{0}, reloads{0};
   std::vector<std::string> errors(kThreads);
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
   std::vector<std::thread> threads;
@@ -97,7 +103,7 @@ TEST(Stress, EightThreadsCreateAppendDecodeAndDestroyAgainstOneEngine) {
       };
       try {
         while (std::chrono::steady_clock::now() < until && failures.load() == 0) {
-          const uint32_t op = rng() % 10;
+          const uint32_t op = rng() % 11;
           if (mine.empty() || (op == 0 && mine.size() < 3)) {
             mine.push_back(std::make_unique<Tracked>(engine, rng()));
           } else if (op <= 4) {
@@ -150,6 +156,28 @@ TEST(Stress, EightThreadsCreateAppendDecodeAndDestroyAgainstOneEngine) {
                 if (rel_l2(&out[at], ref) > 1e-4) fail("a decode at full retrieval is not exact");
               }
             ++decodes;
+          } else if (op == 9) {
+            // Saved while the other threads decode, loaded back in its place.
+            Tracked &s = *mine[rng() % mine.size()];
+            const std::string path = dir + "/t" + std::to_string(t) + ".wkv";
+            int rc = wkv_seq_save(s.seq->get(), path.c_str(), WKV_SAVE_NO_FSYNC);
+            if (rc != WKV_OK) {
+              fail(std::string("save: ") + wkv_status_name(rc) + ": " + wkv_last_error());
+              continue;
+            }
+            wkv_seq *loaded = nullptr;
+            rc = wkv_seq_load(engine.get(), path.c_str(), &loaded);
+            unlink(path.c_str());
+            if (rc == WKV_ERR_BUDGET) {
+              ++refusals;
+              continue;
+            }
+            if (rc != WKV_OK) {
+              fail(std::string("load: ") + wkv_status_name(rc) + ": " + wkv_last_error());
+              continue;
+            }
+            s.seq = std::make_unique<wavekv::Sequence>(wavekv::Sequence::adopt(loaded));
+            ++reloads;
           } else {
             mine.erase(mine.begin() + static_cast<long>(rng() % mine.size()));
           }
@@ -160,9 +188,12 @@ TEST(Stress, EightThreadsCreateAppendDecodeAndDestroyAgainstOneEngine) {
     });
   for (auto &th : threads) th.join();
   for (uint32_t t = 0; t < kThreads; ++t) EXPECT_EQ(errors[t], "") << "thread " << t;
-  std::printf("stress: %llu exact decodes, %llu refusals for the budget\n",
-              static_cast<unsigned long long>(decodes.load()), static_cast<unsigned long long>(refusals.load()));
+  rmdir(dir.c_str());
+  std::printf("stress: %llu exact decodes, %llu sequences saved and loaded back, %llu refusals for the budget\n",
+              static_cast<unsigned long long>(decodes.load()), static_cast<unsigned long long>(reloads.load()),
+              static_cast<unsigned long long>(refusals.load()));
   EXPECT_GT(decodes.load(), 0u);
+  EXPECT_GT(reloads.load(), 0u);
   // Memory back where it started once the releases have run.
   wkv_stats after = engine.stats();
   for (int i = 0; i < 500 && after.pages_used != before.pages_used; ++i) {
