@@ -9,7 +9,6 @@
 //   WKV_STRESS_SEED     the seed (default 1; printed)
 //   WKV_STRESS_SECONDS  how long the threads run (default 3)
 #include <gtest/gtest.h>
-#include <stdlib.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -21,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "files_support.hpp"
 #include "support.hpp"
 #include "wavekv/wavekv.hpp"
 
@@ -84,9 +84,8 @@ TEST(Stress, EightThreadsCreateAppendDecodeAndDestroyAgainstOneEngine) {
   c.host_budget_bytes = 6u << 20;  // a few thousand tokens in all: appends hit it
   wavekv::Engine engine(c);
   const wkv_stats before = engine.stats();
-  char dir_template[] = "/tmp/wavekv-stress-XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const ScratchDir scratch;  // removed with whatever a failing thread left in it
+  ASSERT_FALSE(scratch.path().empty());
 
   std::atomic<uint64_t> decodes{0}, refusals{0}, failures{0}, reloads{0};
   std::vector<std::string> errors(kThreads);
@@ -159,7 +158,7 @@ TEST(Stress, EightThreadsCreateAppendDecodeAndDestroyAgainstOneEngine) {
           } else if (op == 9) {
             // Saved while the other threads decode, loaded back in its place.
             Tracked &s = *mine[rng() % mine.size()];
-            const std::string path = dir + "/t" + std::to_string(t) + ".wkv";
+            const std::string path = scratch.file("t" + std::to_string(t) + ".wkv");
             int rc = wkv_seq_save(s.seq->get(), path.c_str(), WKV_SAVE_NO_FSYNC);
             if (rc != WKV_OK) {
               fail(std::string("save: ") + wkv_status_name(rc) + ": " + wkv_last_error());
@@ -188,7 +187,6 @@ TEST(Stress, EightThreadsCreateAppendDecodeAndDestroyAgainstOneEngine) {
     });
   for (auto &th : threads) th.join();
   for (uint32_t t = 0; t < kThreads; ++t) EXPECT_EQ(errors[t], "") << "thread " << t;
-  rmdir(dir.c_str());
   std::printf("stress: %llu exact decodes, %llu sequences saved and loaded back, %llu refusals for the budget\n",
               static_cast<unsigned long long>(decodes.load()), static_cast<unsigned long long>(reloads.load()),
               static_cast<unsigned long long>(refusals.load()));
