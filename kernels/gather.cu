@@ -178,6 +178,9 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
     }
   }
   if (a.stats) {
+    // The step's exact tokens, once (the lookup wrote the runs' offsets).
+    if (r == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+      atomicAdd(&a.stats[2], static_cast<unsigned long long>(a.lookup.offsets[a.n_runs]));
     hits = __reduce_add_sync(0xffffffffu, hits);
     misses = __reduce_add_sync(0xffffffffu, misses);
     if (lane == 0) {

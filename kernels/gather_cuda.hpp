@@ -63,8 +63,8 @@ struct GatherArgs {
   // resets them): [0] given frames taken, [1] hits, [2] CTAs done. Required
   // with `given` or `mark`.
   uint32_t *work = nullptr;
-  // Device counters, in units: stats[0] += hits, stats[1] += misses. May be
-  // null.
+  // Device counters: stats[0] += hits, stats[1] += misses (in units),
+  // stats[2] += the tokens gathered (offsets[n_runs]). May be null.
   unsigned long long *stats = nullptr;
   StepMark mark{};  // mark.ctas is unused: work[2] counts the CTAs
 };

@@ -1043,6 +1043,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(const DevSeg *segs
   float *value_sum = out.value_sum + size_t(sg.clu_off) * D;
   float *spread = out.spread + sg.clu_off;
   double *r = resid + sg.tok_off;
+  uint32_t *rebuilt = order2 + sg.tok_off;
   uint8_t *flag = flags + sg.tok_off;
   uint8_t *chg = changed + size_t(s) * K_stride;
 
@@ -1129,7 +1130,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(const DevSeg *segs
   }
 
   if (n_out > 0) {
-    // 3. New layout into order2, then begin, size and order. Each thread
+    // 3. New layout into `rebuilt` (the segment's share of order2), then begin, size and order. Each thread
     //    reads its cluster's old bounds before any is rewritten.
     if (tid == 0) carry = 0;
     __syncthreads();
@@ -1147,7 +1148,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(const DevSeg *segs
       if (c < C) {
         uint32_t at = nb;
         for (uint32_t p = b; p < e; ++p)
-          if (!flag[p]) order2[at++] = order[p];
+          if (!flag[p]) rebuilt[at++] = order[p];
         chg[c] = kept != e - b ? 1 : 0;
       }
       __syncthreads();  // every thread of the chunk has read its bounds
@@ -1169,7 +1170,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(const DevSeg *segs
       Scan(scan_tmp).ExclusiveSum(f, ex, agg);
       if (f) {
         const uint32_t i = carry + ex;
-        order2[kept_total + i] = order[p];
+        rebuilt[kept_total + i] = order[p];
         begin[C + i] = kept_total + i;
         size[C + i] = 1;
       }
@@ -1177,7 +1178,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(const DevSeg *segs
       if (tid == 0) carry += agg;
       __syncthreads();
     }
-    for (uint32_t p = tid; p < nt; p += kSplitThreads) order[p] = order2[p];
+    for (uint32_t p = tid; p < nt; p += kSplitThreads) order[p] = rebuilt[p];
     __syncthreads();
 
     // 4. Sums and spread of the clusters that lost members (members in

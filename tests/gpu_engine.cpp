@@ -10,20 +10,13 @@
 #include <string>
 #include <thread>
 
+#include "gpu_support.hpp"
 #include "support.hpp"
 #include "wavekv/wavekv.hpp"
 
 using namespace wkvtest;
 
 namespace {
-
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
 
 constexpr uint32_t kQ = 8, kKV = 2, kD = 128, kDT = WKV_DTYPE_F16;
 
@@ -43,9 +36,6 @@ wkv_config config(uint32_t device, float retrieval = 0.018f, float estimation = 
   c.estimation_frac = estimation;
   c.device_cache_bytes = cache_bytes;
   c.threads = 2;
-  // What a CUDA engine applies (it does not split outliers yet: engine.cpp),
-  // on both engines, so that the twins build alike.
-  c.method = WKV_METHOD_DEFAULT & ~WKV_METHOD_OUTLIERS;
   return c;
 }
 

@@ -14,18 +14,11 @@
 #include <vector>
 
 #include "files_support.hpp"
+#include "gpu_support.hpp"
 
 using namespace wkvtest;
 
 namespace {
-
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
 
 const Shape kShape{2, 8, 2, 128, WKV_DTYPE_F16};
 
@@ -37,7 +30,7 @@ wkv_config config(uint32_t device) {
   c.device_cache_bytes = 8u << 20;
   // Full retrieval: every engine's decode is then exact attention whatever
   // clusters it grows after the load (a CUDA engine's k-means differs from
-  // the CPU's near ties, and it splits no outliers yet).
+  // the CPU's near ties).
   c.retrieval_frac = 1.0f;
   c.estimation_frac = 0.0f;
   return c;

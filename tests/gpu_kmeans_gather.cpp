@@ -17,20 +17,10 @@
 #include "kernels/gather_cuda.hpp"
 #include "kernels/kmeans_cuda.hpp"
 #include "kernels/dtype.hpp"
+#include "gpu_support.hpp"
 
 namespace wkv::kernels {
 namespace {
-
-bool have_gpu() {
-  static const bool ok = [] {
-    int n = 0;
-    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-  }();
-  return ok;
-}
-
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
 
 #define ASSERT_CUDA(x) ASSERT_EQ((x), cudaSuccess) << cudaGetErrorString(x)
 #define ASSERT_OK(x)                                        \
@@ -673,6 +663,53 @@ TEST(KMeansCuda, SplitsOutliersAsTheCpuDoes) {
           EXPECT_NE(std::find(ones.begin(), ones.end(), p), ones.end()) << "planted outlier " << p;
       }
     }
+}
+
+// A batch of many segments of one size, as an engine's prompt batch is (its
+// heads' segments side by side): every block splits at the same pace, so any
+// scratch shared between segments is written by all of them at once. Each
+// must still be exactly the CPU's split of its own clusters.
+TEST(KMeansCuda, SegmentsOfOneBatchSplitIndependently) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(405);
+  const DType t = DType::kBF16;
+  const uint32_t d = 128, T = 2048, S = 32;
+  std::vector<SegInput> plain;
+  for (uint32_t s = 0; s < S; ++s) {
+    SegInput in = structured_segment(rng, t, T, d, T / 16, T + d + s);
+    std::uniform_int_distribution<uint32_t> pick(0, T - 1);
+    for (uint32_t i = 0; i < 8; ++i) {
+      const uint32_t p = pick(rng);
+      const auto dir = random_vec(rng, d, 1.f);
+      for (uint32_t j = 0; j < d; ++j) in.keys[size_t(p) * d + j] += 6.f * dir[j];
+    }
+    in.keys = rounded(t, in.keys);
+    plain.push_back(std::move(in));
+  }
+  std::vector<SegInput> split = plain;
+  for (SegInput &in : split) {
+    in.outliers = T / 200;  // the engine's cap (kOutlierShare)
+    in.ratio = 1.5f;
+  }
+  KMeansRunner runner(t, d, KMeansAssign::kFused);
+  std::vector<SegmentClusters> base, dev;
+  runner.run(plain, &base);
+  if (HasFatalFailure()) return;
+  for (int rep = 0; rep < 3; ++rep) {
+    runner.run(split, &dev);
+    if (HasFatalFailure()) return;
+    for (uint32_t s = 0; s < S; ++s) {
+      SCOPED_TRACE(testing::Message() << "run " << rep << " segment " << s);
+      SegmentClusters cpu = base[s];
+      split_outliers(split[s].outliers, split[s].ratio, split[s].keys.data(), split[s].values.data(), d, &cpu);
+      EXPECT_GT(dev[s].n_outliers, 0u);
+      ASSERT_EQ(dev[s].n_clusters, cpu.n_clusters);
+      ASSERT_EQ(dev[s].order, cpu.order);
+      ASSERT_EQ(dev[s].begin, cpu.begin);
+      ASSERT_EQ(dev[s].size, cpu.size);
+      ASSERT_EQ(0, std::memcmp(dev[s].centroid.data(), cpu.centroid.data(), cpu.centroid.size() * 4));
+    }
+  }
 }
 
 // Page writes ---------------------------------------------------------------------

@@ -155,9 +155,6 @@ enum {
  * setting that one engine applies to every sequence (docs/accuracy.md says
  * what each does and what it was measured to give). 0 is the paper's method
  * as published; WKV_METHOD_DEFAULT, every refinement, is the default.
- * A CUDA engine does not apply WKV_METHOD_OUTLIERS yet (a known defect,
- * docs/accuracy.md): it clears the bit at open, and wkv_engine_config reports
- * the bits it applies.
  */
 enum {
   /* At clustering, a key far from its cluster's centroid (its squared

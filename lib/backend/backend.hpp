@@ -86,6 +86,10 @@ class Backend {
   // Frees a region once every step begun so far has ended (whatever its
   // stream): for memory that plans in flight may still read.
   virtual void mem_free_deferred(Region *r) = 0;
+  // Frees a region once every step begun so far has ended and the work
+  // enqueued on `stream` so far has run: for memory that a growth's copies
+  // and kernels, still queued on the caller's stream, may read as well.
+  virtual void mem_free_after(Region *r, void *stream) = 0;
   // Copies between engine memory and host memory, either way, in stream
   // order. A copy from host memory has read it when the call returns.
   virtual Status mem_copy(void *dst, const void *src, size_t bytes, void *stream) = 0;

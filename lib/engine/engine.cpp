@@ -72,11 +72,6 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
 #if defined(WKV_WITH_CUDA)
   if (device == WKV_DEVICE_AUTO) device = cuda_device_usable(cfg.c.device_id) ? WKV_DEVICE_CUDA : WKV_DEVICE_CPU;
   e->cfg_.c.device = device;
-  // Known defect: an index the CUDA backend builds with outliers split off
-  // decodes wrongly at full retrieval (docs/accuracy.md), although its split
-  // kernel matches the CPU's in isolation. Until it is found, CUDA engines
-  // build without the split; the engine's config says so.
-  if (device == WKV_DEVICE_CUDA) e->cfg_.c.method &= ~static_cast<uint32_t>(WKV_METHOD_OUTLIERS);
   if (device == WKV_DEVICE_CUDA) WKV_RETURN_IF_ERROR(make_cuda_backend(*e, &e->backend_, &ao));
 #else
   if (device == WKV_DEVICE_AUTO) device = WKV_DEVICE_CPU;

@@ -32,8 +32,8 @@ Status reserve_rows(const IndexContext &ix, Rows *rows, uint64_t add, uint64_t m
   }
   std::swap(rows->k, k);
   std::swap(rows->v, v);
-  ix.backend.mem_free_deferred(&k);
-  ix.backend.mem_free_deferred(&v);
+  ix.backend.mem_free_after(&k, stream);
+  ix.backend.mem_free_after(&v, stream);
   rows->begin = 0;
   rows->cap = cap;
   return Status::ok();
@@ -325,7 +325,7 @@ Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep,
     }
   }
   std::swap(*r, fresh);
-  ix.backend.mem_free_deferred(&fresh);
+  ix.backend.mem_free_after(&fresh, stream);
   return Status::ok();
 }
 

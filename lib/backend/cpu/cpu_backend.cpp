@@ -79,7 +79,8 @@ class CpuBackend final : public Backend, public BufferManager::Device {
       // Out of memory for the release itself: kept rather than freed under
       // a reader.
     }
-  }
+  }  void mem_free_after(Region *r, void *) override { mem_free_deferred(r); }  // no queued work
+
   Status mem_copy(void *dst, const void *src, size_t bytes, void *) override {
     if (bytes) std::memcpy(dst, src, bytes);
     return Status::ok();

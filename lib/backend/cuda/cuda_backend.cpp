@@ -137,6 +137,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Status mem_alloc(size_t bytes, void *stream, Region *out) override;
   void mem_free(Region *r, void *stream) override;
   void mem_free_deferred(Region *r) override;
+  void mem_free_after(Region *r, void *stream) override;
   Status mem_copy(void *dst, const void *src, size_t bytes, void *stream) override;
   Status mem_copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width, size_t rows,
                        void *stream) override;
@@ -188,7 +189,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   uint8_t *cache_ = nullptr;              // frames_ frames of frame_bytes_
   size_t frame_bytes_ = 0;
   uint32_t frames_ = 0;
-  unsigned long long *d_stats_ = nullptr;  // [0] hits, [1] misses, in units
+  unsigned long long *d_stats_ = nullptr;  // [0] hits, [1] misses (units), [2] tokens gathered
   PinnedBlocks pinned_;
 
   // The k-means of growths (one at a time: the engine's growth lock).
@@ -259,8 +260,8 @@ Status CudaBackend::init(HostArena::Options *ao) {
   }
   WKV_CU(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
   WKV_CU(cudaStreamCreateWithFlags(&io_, cudaStreamNonBlocking));
-  WKV_CU(cudaMalloc(&d_stats_, 2 * sizeof(unsigned long long)));
-  WKV_CU(cudaMemsetAsync(d_stats_, 0, 2 * sizeof(unsigned long long), side_));
+  WKV_CU(cudaMalloc(&d_stats_, 3 * sizeof(unsigned long long)));
+  WKV_CU(cudaMemsetAsync(d_stats_, 0, 3 * sizeof(unsigned long long), side_));
   WKV_CU(cudaStreamSynchronize(side_));
   WKV_CU(cudaEventCreate(&km_begin_ev_));
   WKV_CU(cudaEventCreate(&km_end_ev_));
@@ -388,6 +389,38 @@ void CudaBackend::mem_free_deferred(Region *r) {
   } catch (...) {
     // Out of memory for the release itself: kept rather than freed under a
     // reader.
+  }
+}
+
+void CudaBackend::mem_free_after(Region *r, void *stream) {
+  if (!r->p) return;
+  DeviceGuard guard(dev_);
+  void *p = r->p;
+  *r = Region{};
+  // An event marks the stream's work so far; the side stream waits on it
+  // before the free. Without it, a free on the idle side stream completes at
+  // once and the pool hands the memory out again while `stream` still reads
+  // it.
+  cudaEvent_t ev = nullptr;
+  if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess ||
+      cudaEventRecord(ev, static_cast<cudaStream_t>(stream)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (ev) (void)cudaEventDestroy(ev);
+    ev = nullptr;
+    // Without an event: wait here for the stream's work instead (rare).
+    if (cudaStreamSynchronize(static_cast<cudaStream_t>(stream)) != cudaSuccess) (void)cudaGetLastError();
+  }
+  try {
+    e_.buffers().defer([this, p, ev] {
+      DeviceGuard guard(dev_);
+      if (ev && cudaStreamWaitEvent(side_, ev, 0) != cudaSuccess) (void)cudaGetLastError();
+      if (cudaFreeAsync(p, side_) != cudaSuccess) (void)cudaGetLastError();
+      if (ev) (void)cudaEventDestroy(ev);
+    });
+  } catch (...) {
+    // Out of memory for the release itself: kept rather than freed under a
+    // reader.
+    if (ev) (void)cudaEventDestroy(ev);
   }
 }
 
@@ -623,7 +656,7 @@ Status CudaBackend::plan_region(Region *r, size_t bytes, cudaStream_t s) {
   Region fresh;
   WKV_RETURN_IF_ERROR(mem_alloc(std::max(bytes, r->bytes + r->bytes / 2), s, &fresh));
   std::swap(*r, fresh);
-  mem_free_deferred(&fresh);
+  mem_free_after(&fresh, s);
   return Status::ok();
 }
 
@@ -822,7 +855,7 @@ Status CudaBackend::merge(Plan &plan, void *out, int64_t seq_stride, int64_t hea
 }
 
 void CudaBackend::fill_stats(wkv_stats *out) {
-  unsigned long long c[2] = {0, 0};
+  unsigned long long c[3] = {0, 0, 0};
   {
     DeviceGuard guard(dev_);
     std::lock_guard<std::mutex> lock(side_mu_);
@@ -834,6 +867,7 @@ void CudaBackend::fill_stats(wkv_stats *out) {
   }
   out->cache_hits = c[0];
   out->cache_misses = c[1];
+  out->attended_tokens = c[2];  // counted on the device: the host knows only a bound
   out->device_cache_bytes = static_cast<uint64_t>(frames_) * frame_bytes_;
 }
 
