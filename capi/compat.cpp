@@ -21,7 +21,31 @@ extern "C" WKV_API void wkv_config_init_0_1(wkv_config *cfg) {
 }
 __asm__(".symver wkv_config_init_0_1,wkv_config_init@WAVEKV_0.1");
 
+// 0.2's ended after reserved1.
 extern "C" WKV_API void wkv_config_init_0_2(wkv_config *cfg) {
+  if (!cfg) return;
+  wkv_config full = wkv::default_config();
+  full.size = offsetof(wkv_config, spill_dir);
+  std::memcpy(cfg, &full, full.size);
+}
+__asm__(".symver wkv_config_init_0_2,wkv_config_init@WAVEKV_0.2");
+
+extern "C" WKV_API void wkv_config_init_0_3(wkv_config *cfg) {
   if (cfg) *cfg = wkv::default_config();
 }
-__asm__(".symver wkv_config_init_0_2,wkv_config_init@@WAVEKV_0.2");
+__asm__(".symver wkv_config_init_0_3,wkv_config_init@@WAVEKV_0.3");
+
+// wkv_stats of 0.1 and 0.2 ended after pin_fallbacks.
+extern "C" WKV_API void wkv_stats_init_0_1(wkv_stats *stats) {
+  if (!stats) return;
+  std::memset(stats, 0, offsetof(wkv_stats, spill_io));
+  stats->size = offsetof(wkv_stats, spill_io);
+}
+__asm__(".symver wkv_stats_init_0_1,wkv_stats_init@WAVEKV_0.1");
+
+extern "C" WKV_API void wkv_stats_init_0_3(wkv_stats *stats) {
+  if (!stats) return;
+  std::memset(stats, 0, sizeof *stats);
+  stats->size = sizeof *stats;
+}
+__asm__(".symver wkv_stats_init_0_3,wkv_stats_init@@WAVEKV_0.3");

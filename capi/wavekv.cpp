@@ -311,12 +311,6 @@ int wkv_engine_device(const wkv_engine *engine, uint32_t *device) {
   });
 }
 
-void wkv_stats_init(wkv_stats *stats) {
-  if (!stats) return;
-  std::memset(stats, 0, sizeof *stats);
-  stats->size = sizeof *stats;
-}
-
 int wkv_engine_stats(wkv_engine *engine, wkv_stats *stats) {
   return guarded("wkv_engine_stats", [&] {
     std::shared_ptr<wkv::Engine> e;
@@ -398,6 +392,24 @@ int wkv_seq_end_prompt(wkv_seq *seq, uint32_t layer, void *stream) {
     if (int rc = resolve_seq(seq, fn, &s)) return rc;
     if (int rc = check_layer(s->engine(), layer, fn)) return rc;
     return done(s->engine().end_prompt(*s, layer, stream));
+  });
+}
+
+int wkv_seq_evict(wkv_seq *seq) {
+  return guarded("wkv_seq_evict", [&] {
+    std::shared_ptr<wkv::Sequence> s;
+    if (int rc = resolve_seq(seq, "wkv_seq_evict", &s)) return rc;
+    wkv::Status st = s->engine().evict(*s);
+    return st.is_ok() ? done(st) : fail(st.code(), "wkv_seq_evict: " + st.message());
+  });
+}
+
+int wkv_seq_restore(wkv_seq *seq) {
+  return guarded("wkv_seq_restore", [&] {
+    std::shared_ptr<wkv::Sequence> s;
+    if (int rc = resolve_seq(seq, "wkv_seq_restore", &s)) return rc;
+    wkv::Status st = s->engine().restore(*s);
+    return st.is_ok() ? done(st) : fail(st.code(), "wkv_seq_restore: " + st.message());
   });
 }
 

@@ -19,8 +19,9 @@
  *   matching *_init function (which sets `size`); the library reads or writes
  *   only the prefix the caller's `size` covers. A program built against an
  *   older header keeps working: when a struct grows, its *_init function
- *   keeps the old size under the old symbol version (wkv_config grew in 0.2:
- *   wkv_config_init@WAVEKV_0.1 writes 0.1's struct).
+ *   keeps the old size under the old symbol version (wkv_config grew in 0.2
+ *   and 0.3: wkv_config_init@WAVEKV_0.1 writes 0.1's struct; wkv_stats grew
+ *   in 0.3: wkv_stats_init@WAVEKV_0.1 writes 0.2's).
  * - Tensors are raw pointers in the engine's storage dtype (wkv_config.dtype),
  *   with explicit strides counted in elements, not bytes. On a CUDA engine
  *   they are device pointers and streams are cudaStream_t passed as void*
@@ -86,7 +87,7 @@ extern "C" {
 /* Versions ---------------------------------------------------------------- */
 
 #define WKV_VERSION_MAJOR 0
-#define WKV_VERSION_MINOR 2
+#define WKV_VERSION_MINOR 3
 #define WKV_VERSION_PATCH 0
 /* The version as one number: major * 10000 + minor * 100 + patch. */
 #define WKV_VERSION_NUMBER \
@@ -146,8 +147,10 @@ enum {
 /* Bits of wkv_config.flags. */
 enum {
   WKV_CONFIG_NO_NUMA = 1u << 0,   /* do not bind host arenas to a NUMA node */
-  WKV_CONFIG_NO_PINNED = 1u << 1  /* use pageable host memory for arenas (CUDA;
+  WKV_CONFIG_NO_PINNED = 1u << 1, /* use pageable host memory for arenas (CUDA;
                                      needs a device that reads pageable memory) */
+  WKV_CONFIG_SPILL_NO_URING = 1u << 2 /* the spill file uses pread/pwrite even
+                                         where io_uring is available */
 };
 
 /*
@@ -209,6 +212,16 @@ enum {
  * The path is copied at open and used as given (opened, never expanded);
  * a path that cannot be written fails wkv_engine_open with WKV_ERR_IO.
  * stats_interval_ms must lie in [10, 3600000] when stats_path is set.
+ *
+ * Spill file: when spill_dir is set, the engine opens its spill file in that
+ * directory at open: an anonymous file (O_TMPFILE where the file system has
+ * it, else a file of mode 0600 unlinked at once), so that nothing is left
+ * behind when the engine closes or the process dies. It is read and written
+ * with O_DIRECT where the file system allows (not tmpfs), through io_uring
+ * where the kernel allows (not under a seccomp filter that forbids it, nor
+ * with WKV_CONFIG_SPILL_NO_URING), else with pread and pwrite; wkv_stats
+ * says which (spill_io). A directory that cannot hold the file fails
+ * wkv_engine_open with WKV_ERR_IO.
  */
 typedef struct wkv_config {
   uint32_t size;            /* sizeof(wkv_config), set by wkv_config_init */
@@ -241,6 +254,11 @@ typedef struct wkv_config {
   uint32_t stats_interval_ms;  /* how often it is replaced (1000) */
   uint32_t method;             /* WKV_METHOD_* bits (WKV_METHOD_DEFAULT) */
   uint32_t reserved1;          /* must be 0 */
+  /* 0.3: the spill tier (wkv_seq_evict). */
+  const char *spill_dir;       /* directory of the spill file, or NULL for no
+                                  spill tier (NULL); wkv_engine_config returns
+                                  the engine's copy */
+  uint64_t spill_budget_bytes; /* cap on the spill file's bytes; 0 = unlimited (0) */
 } wkv_config;
 
 /* Fills *cfg with the defaults and sets cfg->size. NULL is a no-op. */
@@ -308,7 +326,22 @@ typedef struct wkv_stats {
   uint64_t pin_fallbacks;      /* host arena chunks left pageable because
                                   pinning them failed (CUDA; the device reads
                                   them through HMM, more slowly) */
+  /* 0.3: the spill tier. */
+  uint64_t spill_io;           /* WKV_SPILL_IO_* bits; 0 without a spill file */
+  uint64_t spill_bytes_used;   /* bytes of evicted data in the spill file
+                                  (extents, 4 KiB aligned) */
+  uint64_t spill_file_bytes;   /* the spill file's length */
+  uint64_t spill_budget_bytes; /* the cap, 0 = unlimited */
+  uint64_t spill_bytes_written;/* bytes written to it, since open */
+  uint64_t spill_bytes_read;   /* bytes read back from it, since open */
+  uint64_t evicted_sequences;  /* sequences whose pages are in the spill file */
 } wkv_stats;
+
+/* Bits of wkv_stats.spill_io. */
+enum {
+  WKV_SPILL_IO_URING = 1u << 0,  /* io_uring (else pread and pwrite) */
+  WKV_SPILL_IO_DIRECT = 1u << 1  /* O_DIRECT (else through the page cache) */
+};
 
 /* Sets stats->size and zeroes the rest. NULL is a no-op. */
 WKV_API void wkv_stats_init(wkv_stats *stats);
@@ -481,6 +514,46 @@ WKV_API int wkv_seq_load(wkv_engine *engine, const char *path, wkv_seq **out);
  * negative fd, WKV_ERR_IO for one that is not a regular file).
  */
 WKV_API int wkv_seq_load_fd(wkv_engine *engine, int fd, wkv_seq **out);
+
+/*
+ * Evicts a sequence: writes the pages of its clustered segments (every
+ * layer and KV head) to the engine's spill file and gives their host memory
+ * back. The meta index (centroids, value sums) and the steady zone (sink
+ * and recent window) stay in memory. The call waits for the sequence's own
+ * device work and for the writes; steps of plans already in flight keep
+ * the pages they read until they end. A plan that looked the sequence up
+ * before the eviction must look it up again (WKV_ERR_STATE otherwise).
+ * Every extent written carries a checksum, checked when it is read back.
+ *
+ * An evicted sequence is restored by wkv_seq_restore or by its next use
+ * (wkv_lookup, wkv_decode, wkv_seq_append, wkv_seq_end_prompt,
+ * wkv_seq_save), which then pays for the reads. Evicting an evicted
+ * sequence, or one without clustered segments, changes nothing and returns
+ * WKV_OK. `seq` must not be used by another thread until the call returns.
+ *
+ * Returns WKV_ERR_STATE (the engine has no spill_dir), WKV_ERR_BUDGET (the
+ * spill file would exceed spill_budget_bytes), WKV_ERR_IO (a failed write:
+ * the system's words), WKV_ERR_INVALID_HANDLE, WKV_ERR_OUT_OF_MEMORY,
+ * WKV_ERR_DEVICE. All or nothing: after a failure the sequence is as it
+ * was, in memory, and the spill file holds nothing of it.
+ */
+WKV_API int wkv_seq_evict(wkv_seq *seq);
+
+/*
+ * Restores an evicted sequence: reads its pages back from the spill file
+ * into host memory (and, on a CUDA engine, the device's page table), checks
+ * every extent's checksum, and gives the spill file's space back. A
+ * sequence in memory is left as it is (WKV_OK).
+ *
+ * Returns WKV_ERR_CORRUPT (an extent whose checksum fails: the message
+ * names layer and head; nothing read is used, and the sequence stays
+ * evicted, so every use of it fails the same way, while the engine's other
+ * sequences are untouched), WKV_ERR_IO (a failed read; the sequence stays
+ * evicted and a later call may succeed), WKV_ERR_BUDGET or
+ * WKV_ERR_OUT_OF_MEMORY (no host pages for it; it stays evicted),
+ * WKV_ERR_INVALID_HANDLE, WKV_ERR_DEVICE.
+ */
+WKV_API int wkv_seq_restore(wkv_seq *seq);
 
 /* Plans: lookup, assemble, attend, merge, update -------------------------- */
 

@@ -94,6 +94,9 @@ class Sequence : public Handle<wkv_seq, wkv_seq_destroy> {
   }
   // Saves the sequence to a file (wkv_seq_save; flags: WKV_SAVE_*).
   void save(const std::string &path, uint32_t flags = 0) const { check(wkv_seq_save(get(), path.c_str(), flags)); }
+  // The spill tier (wkv_seq_evict, wkv_seq_restore).
+  void evict() { check(wkv_seq_evict(get())); }
+  void restore() { check(wkv_seq_restore(get())); }
   void append(uint32_t layer, const void *k, const void *v, uint32_t n_tokens, int64_t token_stride = 0,
               int64_t head_stride = 0, void *stream = nullptr) {
     check(wkv_seq_append(get(), layer, k, v, n_tokens, token_stride, head_stride, stream));

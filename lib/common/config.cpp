@@ -43,6 +43,8 @@ wkv_config default_config() {
   c.device_cache_bytes = 0;
   c.seed = 0x5eed;
   c.stats_path = nullptr;
+  c.spill_dir = nullptr;
+  c.spill_budget_bytes = 0;
   c.stats_interval_ms = 1000;
   c.method = WKV_METHOD_DEFAULT;
   c.reserved1 = 0;
@@ -240,7 +242,9 @@ Status resolve_config(const wkv_config *user, Config *out) {
   if (c.method & ~static_cast<uint32_t>(WKV_METHOD_DEFAULT))
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "method 0x%x (%s) has bits that are no WKV_METHOD_* (0x%x)", c.method,
                      from(&c.method).c_str(), static_cast<uint32_t>(WKV_METHOD_DEFAULT));
-  if (c.flags & ~(uint32_t)(WKV_CONFIG_NO_NUMA | WKV_CONFIG_NO_PINNED))
+  if (c.spill_dir && c.spill_dir[0] == '\0')
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "spill_dir is empty (NULL means no spill file)");
+  if (c.flags & ~(uint32_t)(WKV_CONFIG_NO_NUMA | WKV_CONFIG_NO_PINNED | WKV_CONFIG_SPILL_NO_URING))
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "unknown flags 0x%x", c.flags);
   if (c.device_cache_bytes > kMaxDeviceCacheBytes)
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "device_cache_bytes %llu (%s) is above 1 PiB",

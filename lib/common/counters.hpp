@@ -16,6 +16,7 @@ struct EngineCounters {
   std::atomic<uint64_t> retrieved_clusters{0};
   std::atomic<uint64_t> estimated_clusters{0};
   std::atomic<uint64_t> attended_tokens{0};
+  std::atomic<uint64_t> evicted_sequences{0};
   std::atomic<uint64_t> cache_hits{0};
   std::atomic<uint64_t> cache_misses{0};
   std::atomic<uint64_t> kmeans_ns{0};

@@ -106,6 +106,20 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
     Status st = e->stats_publisher_->start();
     if (!st.is_ok()) return WKV_ERROR(st.code(), "stats_path: %s", st.message().c_str());
   }
+  if (cfg.c.spill_dir) {
+    SpillFile::Options so;
+    try {
+      e->spill_dir_ = cfg.c.spill_dir;
+      e->cfg_.c.spill_dir = e->spill_dir_.c_str();
+      so.dir = e->spill_dir_;
+    } catch (const std::bad_alloc &) {
+      return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory opening an engine");
+    }
+    so.budget_bytes = cfg.c.spill_budget_bytes;
+    so.no_uring = (cfg.c.flags & WKV_CONFIG_SPILL_NO_URING) != 0;
+    Status st = SpillFile::open(so, &e->spill_);
+    if (!st.is_ok()) return WKV_ERROR(st.code(), "spill_dir: %s", st.message().c_str());
+  }
   *out = std::move(e);
   return Status::ok();
 }
@@ -134,6 +148,15 @@ void Engine::fill_stats(wkv_stats *out) {
   out->retrieved_clusters = counters_.retrieved_clusters.load();
   out->estimated_clusters = counters_.estimated_clusters.load();
   out->attended_tokens = counters_.attended_tokens.load();
+  out->evicted_sequences = counters_.evicted_sequences.load();
+  if (spill_) {
+    out->spill_io = spill_->io_bits();
+    out->spill_bytes_used = spill_->bytes_used();
+    out->spill_file_bytes = spill_->file_bytes();
+    out->spill_budget_bytes = spill_->budget_bytes();
+    out->spill_bytes_written = spill_->bytes_written();
+    out->spill_bytes_read = spill_->bytes_read();
+  }
   out->cache_hits = counters_.cache_hits.load();
   out->cache_misses = counters_.cache_misses.load();
   out->device_cache_bytes = 0;
@@ -176,6 +199,8 @@ std::string Engine::stats_json() {
       {"host_chunk_bytes", c.host_chunk_bytes},
       {"method", c.method},
       {"metadata_allocator", meta_allocator_name()},
+      {"spill_dir", c.spill_dir ? c.spill_dir : ""},
+      {"spill_budget_bytes", c.spill_budget_bytes},
   };
   nlohmann::ordered_json stats = {
       {"sequences", s.sequences},
@@ -200,6 +225,13 @@ std::string Engine::stats_json() {
       {"cache_evictions", s.cache_evictions},
       {"manager_backlog", s.manager_backlog},
       {"pin_fallbacks", s.pin_fallbacks},
+      {"spill_io", (s.spill_io & WKV_SPILL_IO_URING ? std::string("io_uring") : s.spill_io ? std::string("pread") : "")
+                       + (s.spill_io & WKV_SPILL_IO_DIRECT ? "+direct" : "")},
+      {"spill_bytes_used", s.spill_bytes_used},
+      {"spill_file_bytes", s.spill_file_bytes},
+      {"spill_bytes_written", s.spill_bytes_written},
+      {"spill_bytes_read", s.spill_bytes_read},
+      {"evicted_sequences", s.evicted_sequences},
   };
   const auto now = std::chrono::system_clock::now().time_since_epoch();
   nlohmann::ordered_json j = {
@@ -209,6 +241,135 @@ std::string Engine::stats_json() {
       {"stats", std::move(stats)},
   };
   return j.dump();
+}
+
+// Eviction -------------------------------------------------------------------
+
+Status Engine::evict(Sequence &seq) {
+  if (!spill_)
+    return WKV_ERROR(WKV_ERR_STATE, "the engine has no spill file (wkv_config.spill_dir is NULL)");
+  if (seq.evicted()) return Status::ok();
+  // 1. The sequence's own device work (page writes of its growths) ends
+  //    before its pages are read here.
+  BufferManager::wait_idle(seq.tracker());
+  const uint32_t H = cfg_.c.n_kv_heads;
+  const size_t page = arena_->page_bytes();
+  // 2. Every head's pages into an extent of their own. On a failure the
+  //    extents written go back and nothing else has changed.
+  std::vector<SpillPiece> pieces;
+  auto undo = [&](uint32_t upto) {
+    for (uint32_t i = 0; i < upto; ++i) {
+      spill_->release(seq.spilled(i / H, i % H));
+      seq.spilled(i / H, i % H) = SpillExtent{};
+    }
+  };
+  for (uint32_t i = 0; i < seq.n_layers() * H; ++i) {
+    const HeadState &hs = seq.layer(i / H).heads[i % H];
+    Status st = Status::ok();
+    try {
+      pieces.resize(hs.map.pages.size());
+    } catch (const std::bad_alloc &) {
+      st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory evicting a sequence");
+    }
+    if (st.is_ok()) {
+      for (size_t p = 0; p < pieces.size(); ++p)
+        pieces[p] = SpillPiece{arena_->page_ptr(hs.map.pages[p]), page};
+      st = spill_->write(pieces.data(), pieces.size(), &seq.spilled(i / H, i % H));
+    }
+    if (!st.is_ok()) {
+      undo(i);
+      return WKV_ERROR(st.code(), "evicting layer %u head %u: %s", i / H, i % H, st.message().c_str());
+    }
+  }
+  // 3. Commit: the pages go once no step in flight reads them; plans that
+  //    looked the sequence up must look it up again.
+  for (uint32_t l = 0; l < seq.n_layers(); ++l) {
+    LayerState &L = seq.layer(l);
+    L.version++;
+    for (HeadState &hs : L.heads) {
+      try {
+        buffers_->defer([&arena = *arena_, ids = std::move(hs.map.pages)] {
+          arena.release(ids.data(), static_cast<uint32_t>(ids.size()));
+        });
+      } catch (...) {
+        // Out of memory for the release itself: the pages stay allocated
+        // (counted in use) rather than being reused under a reader.
+      }
+      hs.map.pages.clear();
+    }
+  }
+  seq.set_evicted(true);
+  counters_.evicted_sequences.fetch_add(1);
+  return Status::ok();
+}
+
+Status Engine::restore(Sequence &seq) {
+  if (!seq.evicted()) return Status::ok();
+  const uint32_t H = cfg_.c.n_kv_heads, N = seq.n_layers() * H;
+  const size_t page = arena_->page_bytes();
+  // 1. New pages for every head, filled from the spill file and checked.
+  //    On a failure they go back and the sequence stays evicted.
+  std::vector<MetaVector<PageId>> ids;
+  std::vector<SpillPiece> pieces;
+  try {
+    ids.resize(N);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory restoring a sequence");
+  }
+  auto undo = [&] {
+    for (MetaVector<PageId> &v : ids)
+      if (!v.empty()) arena_->release(v.data(), static_cast<uint32_t>(v.size()));
+  };
+  for (uint32_t i = 0; i < N; ++i) {
+    const SpillExtent &x = seq.spilled(i / H, i % H);
+    const uint32_t n = static_cast<uint32_t>(x.bytes / page);
+    Status st = Status::ok();
+    try {
+      ids[i].resize(n);
+      pieces.resize(n);
+    } catch (const std::bad_alloc &) {
+      st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory restoring a sequence");
+    }
+    if (st.is_ok() && n > 0) {
+      st = arena_->allocate(n, ids[i].data());
+      if (!st.is_ok()) ids[i].clear();
+    }
+    if (st.is_ok()) {
+      for (uint32_t p = 0; p < n; ++p) pieces[p] = SpillPiece{arena_->page_ptr(ids[i][p]), page};
+      st = spill_->read(x, pieces.data(), n);
+    }
+    if (!st.is_ok()) {
+      undo();
+      return WKV_ERROR(st.code(), "restoring layer %u head %u of an evicted sequence: %s", i / H, i % H,
+                       st.message().c_str());
+    }
+  }
+  // 2. The device's page table (CUDA), on the I/O stream, before anything
+  //    can look the sequence up.
+  const IndexContext ix = index();
+  void *stream = backend_->io_stream();
+  Status st = Status::ok();
+  for (uint32_t i = 0; i < N && st.is_ok(); ++i) {
+    HeadState &hs = seq.layer(i / H).heads[i % H];
+    st = mirror_fill_entries(ix, hs, 0, nullptr, nullptr, nullptr, 0, 0, ids[i].data(),
+                             static_cast<uint32_t>(ids[i].size()), stream);
+  }
+  if (st.is_ok()) st = backend_->mem_sync(stream);
+  if (!st.is_ok()) {
+    undo();
+    return st;
+  }
+  // 3. Commit.
+  for (uint32_t i = 0; i < N; ++i) {
+    HeadState &hs = seq.layer(i / H).heads[i % H];
+    hs.map.pages = std::move(ids[i]);
+    spill_->release(seq.spilled(i / H, i % H));
+    seq.spilled(i / H, i % H) = SpillExtent{};
+  }
+  for (uint32_t l = 0; l < seq.n_layers(); ++l) seq.layer(l).version++;
+  seq.set_evicted(false);
+  counters_.evicted_sequences.fetch_sub(1);
+  return Status::ok();
 }
 
 Status Plan::check_versions() const {
@@ -227,6 +388,7 @@ Status Engine::append(Sequence &seq, uint32_t layer, const uint8_t *k, const uin
   WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_seq_append"));
   WKV_RETURN_IF_ERROR(backend_->check_pointer(k, "k", esz));
   WKV_RETURN_IF_ERROR(backend_->check_pointer(v, "v", esz));
+  WKV_RETURN_IF_ERROR(restore(seq));
   const uint64_t epoch = buffers_->begin(seq.tracker());
   Status st = append_tokens(index(), seq.layer(layer), layer, k, v, n, token_stride, head_stride, stream);
   Status marked = backend_->end_work(seq.tracker(), epoch, stream);
@@ -244,6 +406,7 @@ Status Engine::end_prompt_locked(Sequence &seq, uint32_t layer, void *stream) {
 
 Status Engine::end_prompt(Sequence &seq, uint32_t layer, void *stream) {
   WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_seq_end_prompt"));
+  WKV_RETURN_IF_ERROR(restore(seq));
   return end_prompt_locked(seq, layer, stream);
 }
 
@@ -261,7 +424,9 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
     if (seqs[i]->layer(layer).tokens == 0)
       return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "sequence %u has no tokens at layer %u", i, layer);
   }
-  // 2. The prompt of a layer ends at its first lookup.
+  // 2. Evicted sequences come back, then the prompt of a layer ends at its
+  //    first lookup.
+  for (uint32_t i = 0; i < n; ++i) WKV_RETURN_IF_ERROR(restore(*seqs[i]));
   for (uint32_t i = 0; i < n; ++i) WKV_RETURN_IF_ERROR(end_prompt_locked(*seqs[i], layer, stream));
 
   try {

@@ -24,6 +24,7 @@
 #include "lib/store/host_arena.hpp"
 #include "lib/store/io.hpp"
 #include "lib/store/seq_file.hpp"
+#include "lib/store/spill.hpp"
 
 namespace wkv {
 
@@ -71,6 +72,15 @@ class Engine : public std::enable_shared_from_this<Engine> {
   Status load(FileIO &io, const std::string &path, std::shared_ptr<Sequence> *out,
               const ProgressFn &progress = nullptr);
 
+  // The spill file (null without a spill_dir). Evict writes a sequence's
+  // pages there and gives them back (all or nothing); restore reads them
+  // back into new pages, checking every checksum (all or nothing: the
+  // sequence stays evicted after a failure). Pre: no other thread uses
+  // `seq` meanwhile.
+  SpillFile *spill() { return spill_.get(); }
+  Status evict(Sequence &seq);
+  Status restore(Sequence &seq);
+
   // Appends and ends prompts (lib/index/growth.hpp), with the stream and
   // pointers checked first and the sequence's tracker around the work.
   Status append(Sequence &seq, uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
@@ -104,6 +114,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   FaultInjector faults_;
   std::mutex growth_mu_;
   std::string stats_path_;  // the config's stats_path points here
+  std::string spill_dir_;   // the config's spill_dir points here
+  std::unique_ptr<SpillFile> spill_;
   // Last: stopped first, since it reads everything above.
   std::unique_ptr<StatsPublisher> stats_publisher_;
 };

@@ -8,8 +8,10 @@
 namespace wkv {
 
 Status Engine::save(Sequence &seq, FileIO &io, int fd, uint32_t flags, const ProgressFn &progress) {
-  // 1. The sequence's own appends and growths, on whatever streams the
-  //    caller gave them, end before its memory is copied out.
+  // 1. An evicted sequence comes back; its own appends and growths, on
+  //    whatever streams the caller gave them, end before its memory is
+  //    copied out.
+  WKV_RETURN_IF_ERROR(restore(seq));
   BufferManager::wait_idle(seq.tracker());
   // 2. One layer at a time: export on the I/O stream (export_layer waits for
   //    it), write, and the next export reuses the snapshot's memory.

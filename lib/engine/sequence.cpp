@@ -15,6 +15,8 @@ Status Sequence::create(std::shared_ptr<Engine> engine, std::shared_ptr<Sequence
     e.counters().sequences.fetch_add(1);  // the destructor takes it back
     WKV_RETURN_IF_ERROR(e.buffers().new_tracker(&s->tracker_));
     s->layers_.resize(e.config().c.n_layers);
+    s->heads_ = e.config().c.n_kv_heads;
+    s->spilled_.resize(size_t(s->layers_.size()) * s->heads_);
     const IndexContext ix = e.index();
     for (LayerState &L : s->layers_) init_layer(ix, &L);
   } catch (const std::bad_alloc &) {
@@ -25,6 +27,12 @@ Status Sequence::create(std::shared_ptr<Engine> engine, std::shared_ptr<Sequence
 }
 
 Sequence::~Sequence() {
+  if (evicted_) {
+    // Its pages are in the spill file (map.pages are empty): give the
+    // extents back.
+    for (SpillExtent &x : spilled_) engine_->spill()->release(x);
+    engine_->counters().evicted_sequences.fetch_sub(1);
+  }
   const IndexContext ix = engine_->index();
   for (LayerState &L : layers_) release_layer(ix, L);
   engine_->counters().sequences.fetch_sub(1);

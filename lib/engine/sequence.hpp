@@ -11,6 +11,7 @@
 #include "lib/buffer/buffer_manager.hpp"
 #include "lib/common/status.hpp"
 #include "lib/index/head.hpp"
+#include "lib/store/spill.hpp"
 
 namespace wkv {
 
@@ -31,6 +32,12 @@ class Sequence {
   uint32_t n_layers() const { return static_cast<uint32_t>(layers_.size()); }
   StepTracker &tracker() { return *tracker_; }
 
+  // Eviction (Engine::evict): while evicted, the pages of head h of layer l
+  // are in the spill file's extent spilled(l, h), its map.pages empty.
+  bool evicted() const { return evicted_; }
+  SpillExtent &spilled(uint32_t l, uint32_t h) { return spilled_[size_t(l) * heads_ + h]; }
+  void set_evicted(bool e) { evicted_ = e; }
+
  private:
   Sequence(std::shared_ptr<Engine> engine, uint64_t id) : engine_(std::move(engine)), id_(id) {}
 
@@ -38,6 +45,9 @@ class Sequence {
   uint64_t id_;
   std::vector<LayerState> layers_;
   std::shared_ptr<StepTracker> tracker_;
+  bool evicted_ = false;
+  uint32_t heads_ = 0;
+  std::vector<SpillExtent> spilled_;  // [layers][heads]
 };
 
 }  // namespace wkv

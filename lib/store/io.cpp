@@ -37,6 +37,14 @@ int PosixIO::create_excl(int dirfd, const char *name) {
   return sys([&] { return ::openat(dirfd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600); });
 }
 
+int PosixIO::open_tmp(int dirfd, int flags) {
+  return sys([&] { return ::openat(dirfd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC | flags, 0600); });
+}
+
+int PosixIO::create_rw(int dirfd, const char *name, int flags) {
+  return sys([&] { return ::openat(dirfd, name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | flags, 0600); });
+}
+
 int64_t PosixIO::pread(int fd, void *buf, size_t n, uint64_t offset) {
   return sys([&] { return static_cast<int64_t>(::pread(fd, buf, n, static_cast<off_t>(offset))); });
 }
@@ -111,6 +119,16 @@ int FaultyIO::open_read(const char *path) {
 int FaultyIO::create_excl(int dirfd, const char *name) {
   if (const Fault *f = hit(Op::kCreate)) return -f->err;
   return base_.create_excl(dirfd, name);
+}
+
+int FaultyIO::open_tmp(int dirfd, int flags) {
+  if (const Fault *f = hit(Op::kCreate)) return -f->err;
+  return base_.open_tmp(dirfd, flags);
+}
+
+int FaultyIO::create_rw(int dirfd, const char *name, int flags) {
+  if (const Fault *f = hit(Op::kCreate)) return -f->err;
+  return base_.create_rw(dirfd, name, flags);
 }
 
 int64_t FaultyIO::pread(int fd, void *buf, size_t n, uint64_t offset) {

@@ -32,6 +32,13 @@ class FileIO {
   // Creates `name` in directory `dirfd` for writing, mode 0600; fails with
   // -EEXIST if it exists.
   virtual int create_excl(int dirfd, const char *name) = 0;
+  // An anonymous file in directory `dirfd` for reading and writing, mode
+  // 0600 (O_TMPFILE; -EOPNOTSUPP or -EISDIR where the file system has none),
+  // with `flags` (e.g. O_DIRECT: -EINVAL where it is refused) added.
+  virtual int open_tmp(int dirfd, int flags) = 0;
+  // Creates `name` for reading and writing, mode 0600, with `flags` added;
+  // -EEXIST if it exists.
+  virtual int create_rw(int dirfd, const char *name, int flags) = 0;
   virtual int64_t pread(int fd, void *buf, size_t n, uint64_t offset) = 0;  // 0 at the end of the file
   virtual int64_t pwrite(int fd, const void *buf, size_t n, uint64_t offset) = 0;
   virtual int fsync(int fd) = 0;
@@ -50,6 +57,8 @@ class PosixIO final : public FileIO {
   int open_dir(const char *path) override;
   int open_read(const char *path) override;
   int create_excl(int dirfd, const char *name) override;
+  int open_tmp(int dirfd, int flags) override;
+  int create_rw(int dirfd, const char *name, int flags) override;
   int64_t pread(int fd, void *buf, size_t n, uint64_t offset) override;
   int64_t pwrite(int fd, const void *buf, size_t n, uint64_t offset) override;
   int fsync(int fd) override;
@@ -91,6 +100,8 @@ class FaultyIO final : public FileIO {
   int open_dir(const char *path) override;
   int open_read(const char *path) override;
   int create_excl(int dirfd, const char *name) override;
+  int open_tmp(int dirfd, int flags) override;
+  int create_rw(int dirfd, const char *name, int flags) override;
   int64_t pread(int fd, void *buf, size_t n, uint64_t offset) override;
   int64_t pwrite(int fd, const void *buf, size_t n, uint64_t offset) override;
   int fsync(int fd) override;

@@ -44,6 +44,8 @@ int main(void) {
   FIELD(wkv_config, stats_interval_ms);
   FIELD(wkv_config, method);
   FIELD(wkv_config, reserved1);
+  FIELD(wkv_config, spill_dir);
+  FIELD(wkv_config, spill_budget_bytes);
 
   STRUCT(wkv_stats);
   FIELD(wkv_stats, size);
@@ -72,6 +74,13 @@ int main(void) {
   FIELD(wkv_stats, cache_evictions);
   FIELD(wkv_stats, manager_backlog);
   FIELD(wkv_stats, pin_fallbacks);
+  FIELD(wkv_stats, spill_io);
+  FIELD(wkv_stats, spill_bytes_used);
+  FIELD(wkv_stats, spill_file_bytes);
+  FIELD(wkv_stats, spill_budget_bytes);
+  FIELD(wkv_stats, spill_bytes_written);
+  FIELD(wkv_stats, spill_bytes_read);
+  FIELD(wkv_stats, evicted_sequences);
 
   STRUCT(wkv_seq_info);
   FIELD(wkv_seq_info, size);
@@ -117,6 +126,9 @@ int main(void) {
   VALUE(WKV_DEVICE_AUTO);
   VALUE(WKV_CONFIG_NO_NUMA);
   VALUE(WKV_CONFIG_NO_PINNED);
+  VALUE(WKV_CONFIG_SPILL_NO_URING);
+  VALUE(WKV_SPILL_IO_URING);
+  VALUE(WKV_SPILL_IO_DIRECT);
   VALUE(WKV_SAVE_NO_FSYNC);
   return 0;
 }

@@ -30,6 +30,8 @@ class MemoryIO final : public wkv::FileIO {
   int open_dir(const char *) override { return -ENOTSUP; }
   int open_read(const char *) override { return -ENOTSUP; }
   int create_excl(int, const char *) override { return -ENOTSUP; }
+  int open_tmp(int, int) override { return -ENOTSUP; }
+  int create_rw(int, const char *, int) override { return -ENOTSUP; }
   int64_t pread(int fd, void *buf, size_t n, uint64_t offset) override {
     if (fd != kFd) return -EBADF;
     if (offset >= b_.size()) return 0;

@@ -199,3 +199,31 @@ def test_three_errors(np: Any) -> None:
         with pytest.raises(wavekv.InvalidHandleError) as closed:
             call()
         assert closed.value.status == 2 and "closed" in closed.value.message
+
+
+def test_evict_and_restore_a_sequence(np: Any, tmp_path: Any) -> None:
+    ctx = Context(np, 6)
+    engine = wavekv.Engine(n_layers=LAYERS, n_q_heads=HQ, n_kv_heads=HKV, head_dim=D, dtype="f32",
+                           threads=2, segment_tokens=256, spill_dir=str(tmp_path))
+    assert engine.config.spill_dir == str(tmp_path)
+    seq = engine.sequence()
+    k, v = ctx.kv(700)
+    for layer in range(LAYERS):
+        seq.append(layer, k, v)
+    q = ctx.q()[None]
+    with engine.plan() as plan:
+        before = [plan.decode([seq], layer, q) for layer in range(LAYERS)]
+        seq.evict()
+        st = engine.stats()
+        assert st.evicted_sequences == 1 and st.spill_bytes_used > 0 and st.spill_io != 0
+        assert list(tmp_path.iterdir()) == []  # the spill file has no name
+        after = [plan.decode([seq], layer, q) for layer in range(LAYERS)]  # restores
+        assert all(np.array_equal(a, b) for a, b in zip(before, after))
+        assert engine.stats().evicted_sequences == 0
+        seq.evict()
+        seq.restore()
+        assert engine.stats().spill_bytes_used == 0
+    plain = wavekv.Engine(n_layers=LAYERS, n_q_heads=HQ, n_kv_heads=HKV, head_dim=D, dtype="f32", threads=2)
+    with pytest.raises(wavekv.StateError) as no_dir:
+        plain.sequence().evict()
+    assert "spill_dir" in no_dir.value.message

@@ -65,6 +65,8 @@ class WkvConfig(ctypes.Structure):
         ("stats_interval_ms", c_uint32),
         ("method", c_uint32),
         ("reserved1", c_uint32),
+        ("spill_dir", ctypes.c_char_p),
+        ("spill_budget_bytes", c_uint64),
     ]
 
 
@@ -98,6 +100,13 @@ class WkvStats(ctypes.Structure):
         ("cache_evictions", c_uint64),
         ("manager_backlog", c_uint64),
         ("pin_fallbacks", c_uint64),
+        ("spill_io", c_uint64),
+        ("spill_bytes_used", c_uint64),
+        ("spill_file_bytes", c_uint64),
+        ("spill_budget_bytes", c_uint64),
+        ("spill_bytes_written", c_uint64),
+        ("spill_bytes_read", c_uint64),
+        ("evicted_sequences", c_uint64),
     ]
 
 
@@ -156,6 +165,8 @@ _SIGNATURES = {
     "wkv_seq_info_init": (None, [ctypes.POINTER(WkvSeqInfo)]),
     "wkv_seq_info_get": (ctypes.c_int, [_P, c_uint32, ctypes.POINTER(WkvSeqInfo)]),
     "wkv_seq_save": (ctypes.c_int, [_P, ctypes.c_char_p, c_uint32]),
+    "wkv_seq_evict": (ctypes.c_int, [_P]),
+    "wkv_seq_restore": (ctypes.c_int, [_P]),
     "wkv_seq_load": (ctypes.c_int, [_P, ctypes.c_char_p, _PP]),
     "wkv_plan_create": (ctypes.c_int, [_P, _PP]),
     "wkv_plan_destroy": (None, [_P]),

@@ -38,7 +38,7 @@ _DEVICE_NAMES = {v: k for k, v in _DEVICES.items()}
 
 _U32 = (1 << 32) - 1
 _U64 = (1 << 64) - 1
-_U64_FIELDS = ("host_budget_bytes", "host_chunk_bytes", "device_cache_bytes", "seed")
+_U64_FIELDS = ("host_budget_bytes", "host_chunk_bytes", "device_cache_bytes", "seed", "spill_budget_bytes")
 
 StreamLike = Union[int, Any, None]
 Tensor = Any  # an object with __dlpack__, __cuda_array_interface__ or __array_interface__
@@ -107,6 +107,8 @@ class Config:
     stats_path: Optional[str] = None
     stats_interval_ms: int = _DEFAULT
     method: int = _DEFAULT
+    spill_dir: Optional[str] = None
+    spill_budget_bytes: int = _DEFAULT
 
     def __post_init__(self) -> None:
         defaults = Config._from_c(_init_config())
@@ -132,10 +134,10 @@ class Config:
             value = getattr(self, f.name)
             if f.name == "dtype":
                 value = _DTYPES[_canonical_dtype(value)]
-            elif f.name == "stats_path":
+            elif f.name in ("stats_path", "spill_dir"):
                 if value is not None and not isinstance(value, (str, os.PathLike)):
-                    raise InvalidArgumentError(1, "config.stats_path must be a path or None, not %r"
-                                               % (value,))
+                    raise InvalidArgumentError(1, "config.%s must be a path or None, not %r"
+                                               % (f.name, value))
                 # The struct keeps the bytes alive as long as it lives.
                 value = None if value is None else os.fsencode(value)
             elif f.name == "device":
@@ -162,7 +164,7 @@ class Config:
             value = getattr(cfg, f.name)
             if f.name == "dtype":
                 value = {v: k for k, v in _DTYPES.items()}.get(value, value)
-            elif f.name == "stats_path":
+            elif f.name in ("stats_path", "spill_dir"):
                 value = None if value is None else os.fsdecode(value)
             elif f.name == "device":
                 value = _DEVICE_NAMES.get(value, value)
@@ -221,6 +223,13 @@ class Stats:
     cache_evictions: int
     manager_backlog: int
     pin_fallbacks: int
+    spill_io: int             # WKV_SPILL_IO_* bits (1 io_uring, 2 O_DIRECT); 0 without a spill file
+    spill_bytes_used: int
+    spill_file_bytes: int
+    spill_budget_bytes: int
+    spill_bytes_written: int
+    spill_bytes_read: int
+    evicted_sequences: int
 
 
 @dataclass(frozen=True)
@@ -603,6 +612,25 @@ class Sequence(_Owner):
         try:
             _lib.check(_lib.lib().wkv_seq_save(handle, _c_path(path, "Sequence.save"),
                                                0 if fsync else _lib.WKV_SAVE_NO_FSYNC))
+        finally:
+            self._leave()
+
+    def evict(self) -> None:
+        """Writes the sequence's pages to the engine's spill file and gives
+        their host memory back (wkv_seq_evict; needs Config.spill_dir). Its
+        next use, or restore(), reads them back."""
+        handle = self._enter("Sequence.evict")
+        try:
+            _lib.check(_lib.lib().wkv_seq_evict(handle))
+        finally:
+            self._leave()
+
+    def restore(self) -> None:
+        """Reads an evicted sequence's pages back, checking every checksum
+        (wkv_seq_restore); a sequence in memory is left as it is."""
+        handle = self._enter("Sequence.restore")
+        try:
+            _lib.check(_lib.lib().wkv_seq_restore(handle))
         finally:
             self._leave()
 

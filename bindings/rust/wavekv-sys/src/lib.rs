@@ -14,7 +14,7 @@ use std::os::raw::{c_char, c_void};
 // Versions
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
-pub const WKV_VERSION_MINOR: u32 = 2;
+pub const WKV_VERSION_MINOR: u32 = 3;
 pub const WKV_VERSION_PATCH: u32 = 0;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
@@ -48,6 +48,9 @@ pub const WKV_DEVICE_AUTO: u32 = 2;
 
 pub const WKV_CONFIG_NO_NUMA: u32 = 1 << 0;
 pub const WKV_CONFIG_NO_PINNED: u32 = 1 << 1;
+pub const WKV_CONFIG_SPILL_NO_URING: u32 = 1 << 2;
+pub const WKV_SPILL_IO_URING: u32 = 1 << 0;
+pub const WKV_SPILL_IO_DIRECT: u32 = 1 << 1;
 
 pub const WKV_SAVE_NO_FSYNC: u32 = 1 << 0;
 pub const WKV_METHOD_OUTLIERS: u32 = 1 << 0;
@@ -90,6 +93,8 @@ pub struct wkv_config {
     pub stats_interval_ms: u32,
     pub method: u32,
     pub reserved1: u32,
+    pub spill_dir: *const c_char,
+    pub spill_budget_bytes: u64,
 }
 
 impl Default for wkv_config {
@@ -131,6 +136,13 @@ pub struct wkv_stats {
     pub cache_evictions: u64,
     pub manager_backlog: u64,
     pub pin_fallbacks: u64,
+    pub spill_io: u64,
+    pub spill_bytes_used: u64,
+    pub spill_file_bytes: u64,
+    pub spill_budget_bytes: u64,
+    pub spill_bytes_written: u64,
+    pub spill_bytes_read: u64,
+    pub evicted_sequences: u64,
 }
 
 /// What one layer of a sequence holds; fill `size` with `wkv_seq_info_init`.
@@ -217,6 +229,8 @@ extern "C" {
     pub fn wkv_seq_info_get(seq: *const wkv_seq, layer: u32, info: *mut wkv_seq_info) -> i32;
 
     pub fn wkv_seq_save(seq: *const wkv_seq, path: *const c_char, flags: u32) -> i32;
+    pub fn wkv_seq_evict(seq: *mut wkv_seq) -> i32;
+    pub fn wkv_seq_restore(seq: *mut wkv_seq) -> i32;
     pub fn wkv_seq_save_fd(seq: *const wkv_seq, fd: i32, flags: u32) -> i32;
     pub fn wkv_seq_load(engine: *mut wkv_engine, path: *const c_char, out: *mut *mut wkv_seq) -> i32;
     pub fn wkv_seq_load_fd(engine: *mut wkv_engine, fd: i32, out: *mut *mut wkv_seq) -> i32;

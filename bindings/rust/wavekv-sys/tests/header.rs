@@ -282,6 +282,8 @@ fn declarations_match_the_header() {
                 stats_interval_ms,
                 method,
                 reserved1,
+                spill_dir,
+                spill_budget_bytes,
             }
         ),
         layout!(
@@ -313,6 +315,13 @@ fn declarations_match_the_header() {
                 cache_evictions,
                 manager_backlog,
                 pin_fallbacks,
+                spill_io,
+                spill_bytes_used,
+                spill_file_bytes,
+                spill_budget_bytes,
+                spill_bytes_written,
+                spill_bytes_read,
+                evicted_sequences,
             }
         ),
         layout!(
@@ -377,6 +386,9 @@ fn declarations_match_the_header() {
         WKV_DEVICE_AUTO,
         WKV_CONFIG_NO_NUMA,
         WKV_CONFIG_NO_PINNED,
+        WKV_CONFIG_SPILL_NO_URING,
+        WKV_SPILL_IO_URING,
+        WKV_SPILL_IO_DIRECT,
         WKV_SAVE_NO_FSYNC,
         WKV_METHOD_OUTLIERS,
         WKV_METHOD_ONES,

@@ -1,0 +1,111 @@
+// The spill file: where evicted pages go when host memory is short
+// (wkv_seq_evict). One anonymous file per engine in the configured
+// directory, gone when the engine closes or the process dies; extents of
+// whole 4 KiB blocks, each written and read in one piece through aligned
+// staging buffers (so any page slot size is fine, head_dim 80 and 96
+// included), each with an XXH3-64 checksum kept in memory and checked
+// before a byte read back is used.
+//
+// I/O: io_uring (liburing) with up to kQueueDepth requests in flight where
+// the kernel allows it, else pread/pwrite through the FileIO layer (which
+// tests replace with a FaultyIO); O_DIRECT where the file system allows it
+// (not tmpfs), else the page cache. Chosen at open, reported by io_bits().
+//
+// Thread safety: writes and reads of different extents may run from several
+// threads; each call is synchronous (it returns once its I/O has ended) and
+// uses a staging set of its own.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "lib/common/status.hpp"
+#include "lib/store/io.hpp"
+
+namespace wkv {
+
+// A run of blocks of the spill file and what it holds.
+struct SpillExtent {
+  uint64_t offset = 0;    // in the file, a multiple of kSpillBlock
+  uint64_t span = 0;      // bytes reserved, a multiple of kSpillBlock
+  uint64_t bytes = 0;     // payload bytes (<= span)
+  uint64_t checksum = 0;  // XXH3-64 of the payload
+};
+
+constexpr size_t kSpillBlock = 4096;
+
+// A piece of host memory an extent's payload is gathered from or scattered to.
+struct SpillPiece {
+  uint8_t *p = nullptr;
+  size_t n = 0;
+};
+
+class SpillFile {
+ public:
+  struct Options {
+    std::string dir;
+    uint64_t budget_bytes = 0;  // 0 = unlimited
+    bool no_uring = false;      // pread/pwrite even where io_uring works
+    FileIO *io = nullptr;       // the pread/pwrite path's I/O (posix_io() if null)
+  };
+  // Bits of io_bits(): WKV_SPILL_IO_URING, WKV_SPILL_IO_DIRECT.
+  static Status open(const Options &opts, std::unique_ptr<SpillFile> *out);
+  ~SpillFile();
+  SpillFile(const SpillFile &) = delete;
+  SpillFile &operator=(const SpillFile &) = delete;
+
+  // Writes the pieces, concatenated, into a new extent. All or nothing: on
+  // any failure no extent is kept. WKV_ERR_BUDGET when the file would grow
+  // beyond its budget, WKV_ERR_IO for a failed write.
+  Status write(const SpillPiece *pieces, size_t n, SpillExtent *out);
+  // Reads an extent's payload into the pieces (their sizes summing to
+  // e.bytes) and checks its checksum: WKV_ERR_CORRUPT when it fails (the
+  // pieces then hold bytes that must not be used), WKV_ERR_IO for a failed
+  // read. The extent stays allocated either way.
+  Status read(const SpillExtent &e, const SpillPiece *pieces, size_t n);
+  // Gives an extent's blocks back. Never fails.
+  void release(const SpillExtent &e) noexcept;
+
+  uint32_t io_bits() const { return bits_; }
+  uint64_t bytes_used() const;
+  uint64_t file_bytes() const;
+  uint64_t budget_bytes() const { return opts_.budget_bytes; }
+  uint64_t bytes_written() const;
+  uint64_t bytes_read() const;
+  // The file's descriptor (tests corrupt extents through it).
+  int fd() const { return fd_; }
+
+  static constexpr uint32_t kQueueDepth = 8;
+  static constexpr size_t kStageBytes = size_t(1) << 20;  // one request's bytes
+
+ private:
+  struct Ring;
+  SpillFile() = default;
+  Status allocate(uint64_t span, SpillExtent *out);
+  // Moves `bytes` bytes between the file at `offset` and the staging
+  // buffers, chunk by chunk: `fill(i, buf, n)` fills chunk i before it is
+  // written; `drain(i, buf, n)` takes chunk i once read.
+  Status transfer(bool write, uint64_t offset, uint64_t bytes,
+                  const std::function<void(size_t, uint8_t *, size_t)> &fill,
+                  const std::function<void(size_t, const uint8_t *, size_t)> &drain);
+
+  Options opts_;
+  FileIO *io_ = nullptr;
+  int fd_ = -1;
+  uint32_t bits_ = 0;
+  std::unique_ptr<Ring> ring_;  // null: pread/pwrite
+
+  mutable std::mutex mu_;                 // guards what follows
+  std::map<uint64_t, uint64_t> free_;     // offset -> span, coalesced
+  uint64_t end_ = 0;                      // the file's length
+  uint64_t used_ = 0;
+  uint64_t written_ = 0, read_ = 0;
+};
+
+}  // namespace wkv

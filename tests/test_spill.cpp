@@ -1,0 +1,376 @@
+// The spill tier: the spill file on its own (both I/O paths, extents,
+// budget, checksums, injected faults) and sequences evicted to it and
+// restored through the C ABI (explicitly and by their next use), with what
+// must never happen checked: wrong KV after a restore, a stale plan reading
+// given-back pages, a failed eviction losing data.
+#include <dirent.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "files_support.hpp"
+#include "lib/store/spill.hpp"
+#include "wavekv/wavekv.hpp"
+
+using namespace wkvtest;
+
+namespace {
+
+// Pieces of odd sizes (a page slot of head_dim 80 is 3840 bytes), more
+// bytes than the staging buffers hold at once.
+std::vector<std::vector<uint8_t>> random_pieces(std::mt19937_64 &rng, size_t count, size_t piece) {
+  std::vector<std::vector<uint8_t>> out(count, std::vector<uint8_t>(piece));
+  for (auto &p : out)
+    for (auto &b : p) b = static_cast<uint8_t>(rng());
+  return out;
+}
+
+std::vector<wkv::SpillPiece> as_pieces(std::vector<std::vector<uint8_t>> &v) {
+  std::vector<wkv::SpillPiece> out;
+  for (auto &p : v) out.push_back(wkv::SpillPiece{p.data(), p.size()});
+  return out;
+}
+
+// The descriptor of this process's open file in `dir` (the anonymous spill
+// file), opened again for writing: tests flip its bits through it.
+int reopen_spill_file(const std::string &dir) {
+  DIR *d = opendir("/proc/self/fd");
+  if (!d) return -1;
+  int found = -1;
+  while (dirent *e = readdir(d)) {
+    char link[4096];
+    const std::string at = std::string("/proc/self/fd/") + e->d_name;
+    const ssize_t n = readlink(at.c_str(), link, sizeof link - 1);
+    if (n <= 0) continue;
+    link[n] = 0;
+    if (std::string(link).rfind(dir + "/", 0) == 0) {
+      found = ::open(at.c_str(), O_RDWR);
+      break;
+    }
+  }
+  closedir(d);
+  return found;
+}
+
+// Flips a bit of the file behind `fd` through a descriptor of its own
+// (without O_DIRECT, which takes no single bytes).
+void flip_byte(int fd, uint64_t at) {
+  const int own = ::open(("/proc/self/fd/" + std::to_string(fd)).c_str(), O_RDWR);
+  ASSERT_GE(own, 0);
+  uint8_t b = 0;
+  EXPECT_EQ(::pread(own, &b, 1, static_cast<off_t>(at)), 1);
+  b ^= 0x10;
+  EXPECT_EQ(::pwrite(own, &b, 1, static_cast<off_t>(at)), 1);
+  ::close(own);
+}
+
+class SpillFileModes : public testing::TestWithParam<bool> {};
+
+}  // namespace
+
+// Extents round-trip on both I/O paths, checksummed; space is reused.
+TEST_P(SpillFileModes, ExtentsRoundTripAndTheirSpaceIsReused) {
+  ScratchDir dir;
+  wkv::SpillFile::Options o;
+  o.dir = dir.path();
+  o.no_uring = GetParam();
+  std::unique_ptr<wkv::SpillFile> f;
+  ASSERT_TRUE(wkv::SpillFile::open(o, &f).is_ok());
+  std::printf("spill io bits 0x%x\n", f->io_bits());
+  if (GetParam()) {
+    EXPECT_EQ(f->io_bits() & WKV_SPILL_IO_URING, 0u);
+  }
+  EXPECT_TRUE(dir.names().empty()) << "the spill file has no name";
+  std::mt19937_64 rng(3);
+  auto a = random_pieces(rng, 2900, 3840);  // ~10.6 MiB: more than the stages in flight
+  auto b = random_pieces(rng, 7, 1000);
+  wkv::SpillExtent ea, eb;
+  auto pa = as_pieces(a), pb = as_pieces(b);
+  ASSERT_TRUE(f->write(pa.data(), pa.size(), &ea).is_ok());
+  ASSERT_TRUE(f->write(pb.data(), pb.size(), &eb).is_ok());
+  EXPECT_EQ(ea.offset % wkv::kSpillBlock, 0u);
+  EXPECT_EQ(ea.bytes, 2900u * 3840u);
+  EXPECT_EQ(f->bytes_used(), ea.span + eb.span);
+  auto a2 = random_pieces(rng, 2900, 3840), b2 = random_pieces(rng, 7, 1000);
+  auto pa2 = as_pieces(a2), pb2 = as_pieces(b2);
+  ASSERT_TRUE(f->read(eb, pb2.data(), pb2.size()).is_ok());
+  ASSERT_TRUE(f->read(ea, pa2.data(), pa2.size()).is_ok());
+  EXPECT_TRUE(a == a2);
+  EXPECT_TRUE(b == b2);
+  // Released space is found again: the file does not grow.
+  const uint64_t len = f->file_bytes();
+  f->release(ea);
+  wkv::SpillExtent ec;
+  ASSERT_TRUE(f->write(pa.data(), pa.size(), &ec).is_ok());
+  EXPECT_EQ(ec.offset, ea.offset);
+  EXPECT_EQ(f->file_bytes(), len);
+  f->release(ec);
+  f->release(eb);
+  EXPECT_EQ(f->bytes_used(), 0u);
+  EXPECT_EQ(f->bytes_written(), ea.span + eb.span + ec.span);
+}
+
+// A flipped bit is found: the read is an error, never data.
+TEST_P(SpillFileModes, AFlippedBitFailsTheChecksum) {
+  ScratchDir dir;
+  wkv::SpillFile::Options o;
+  o.dir = dir.path();
+  o.no_uring = GetParam();
+  std::unique_ptr<wkv::SpillFile> f;
+  ASSERT_TRUE(wkv::SpillFile::open(o, &f).is_ok());
+  std::mt19937_64 rng(4);
+  auto a = random_pieces(rng, 300, 4096);
+  auto pa = as_pieces(a);
+  wkv::SpillExtent e;
+  ASSERT_TRUE(f->write(pa.data(), pa.size(), &e).is_ok());
+  flip_byte(f->fd(), e.offset + 777777);
+  if (HasFatalFailure()) return;
+  wkv::Status st = f->read(e, pa.data(), pa.size());
+  EXPECT_EQ(st.code(), WKV_ERR_CORRUPT) << st.message();
+  EXPECT_NE(st.message().find("checksum"), std::string::npos) << st.message();
+}
+
+INSTANTIATE_TEST_SUITE_P(Io, SpillFileModes, testing::Values(false, true),
+                         [](const testing::TestParamInfo<bool> &p) { return p.param ? "Pread" : "Default"; });
+
+TEST(SpillFile, TheBudgetIsHeldAndADirectoryThatCannotHoldItIsAnError) {
+  ScratchDir dir;
+  wkv::SpillFile::Options o;
+  o.dir = dir.path();
+  o.budget_bytes = 64 * 1024;
+  std::unique_ptr<wkv::SpillFile> f;
+  ASSERT_TRUE(wkv::SpillFile::open(o, &f).is_ok());
+  std::vector<uint8_t> big(60 * 1024, 1), more(8 * 1024, 2);
+  wkv::SpillPiece p1{big.data(), big.size()}, p2{more.data(), more.size()};
+  wkv::SpillExtent e1, e2;
+  ASSERT_TRUE(f->write(&p1, 1, &e1).is_ok());
+  wkv::Status st = f->write(&p2, 1, &e2);
+  EXPECT_EQ(st.code(), WKV_ERR_BUDGET) << st.message();
+  EXPECT_EQ(f->bytes_used(), e1.span);
+  f->release(e1);
+  EXPECT_TRUE(f->write(&p2, 1, &e2).is_ok());
+
+  o.dir = dir.file("missing/below");
+  std::unique_ptr<wkv::SpillFile> g;
+  st = wkv::SpillFile::open(o, &g);
+  EXPECT_EQ(st.code(), WKV_ERR_IO);
+  EXPECT_NE(st.message().find("missing/below"), std::string::npos) << st.message();
+}
+
+// Faults of the pread/pwrite path: each an error naming the system's
+// words, nothing kept from a failed write; short transfers are completed.
+TEST(SpillFile, InjectedFaultsAreReportedAndLoseNothing) {
+  ScratchDir dir;
+  wkv::FaultyIO io(wkv::posix_io());
+  wkv::SpillFile::Options o;
+  o.dir = dir.path();
+  o.io = &io;
+  std::unique_ptr<wkv::SpillFile> f;
+  ASSERT_TRUE(wkv::SpillFile::open(o, &f).is_ok());
+  EXPECT_EQ(f->io_bits() & WKV_SPILL_IO_URING, 0u);
+  std::mt19937_64 rng(5);
+  auto a = random_pieces(rng, 600, 4000);
+  auto pa = as_pieces(a);
+  using F = wkv::FaultyIO;
+  struct Case {
+    F::Fault fault;
+    int code;
+    const char *words;
+  };
+  const Case cases[] = {
+      {{F::Op::kWrite, F::Kind::kFail, 2, false, EIO, 0}, WKV_ERR_IO, "Input/output error"},
+      {{F::Op::kWrite, F::Kind::kFail, 1, false, ENOSPC, 0}, WKV_ERR_IO, "No space left"},
+      {{F::Op::kWrite, F::Kind::kTorn, 1, false, EIO, 512}, WKV_ERR_IO, "Input/output error"},
+      // Short transfers of whole blocks, as O_DIRECT's are.
+      {{F::Op::kWrite, F::Kind::kShort, 1, true, 0, 3 * 4096}, WKV_OK, nullptr},
+  };
+  for (const Case &c : cases) {
+    io.inject(c.fault);
+    wkv::SpillExtent e;
+    wkv::Status st = f->write(pa.data(), pa.size(), &e);
+    EXPECT_EQ(st.code(), c.code) << st.message();
+    if (c.words) {
+      EXPECT_NE(st.message().find(c.words), std::string::npos) << st.message();
+    }
+    if (c.code != WKV_OK) {
+      EXPECT_EQ(f->bytes_used(), 0u);
+      continue;
+    }
+    io.clear();
+    // Reads: an error, a short read completed, then the data.
+    auto back = random_pieces(rng, 600, 4000);
+    auto pb = as_pieces(back);
+    io.inject({F::Op::kRead, F::Kind::kFail, 1, false, EIO, 0});
+    st = f->read(e, pb.data(), pb.size());
+    EXPECT_EQ(st.code(), WKV_ERR_IO) << st.message();
+    io.inject({F::Op::kRead, F::Kind::kShort, 1, true, 0, 2 * 4096});
+    st = f->read(e, pb.data(), pb.size());
+    EXPECT_TRUE(st.is_ok()) << st.message();
+    EXPECT_TRUE(back == a);
+    f->release(e);
+  }
+  io.clear();
+}
+
+// Sequences ------------------------------------------------------------------
+
+namespace {
+
+wkv_config spill_config(const Shape &s, const std::string &dir, uint64_t budget = 0, uint32_t flags = 0) {
+  wkv_config c = file_config(s);
+  c.spill_dir = dir.c_str();
+  c.spill_budget_bytes = budget;
+  c.flags |= flags;
+  return c;
+}
+
+wkv_stats stats_of(const wavekv::Engine &e) { return e.stats(); }
+
+}  // namespace
+
+TEST(Evict, WithoutASpillDirectoryIsRefused) {
+  const Shape s;
+  wavekv::Engine e(file_config(s));
+  wavekv::Sequence seq(e);
+  Context ctx(s);
+  fill(seq, s, ctx);
+  EXPECT_EQ(wkv_seq_evict(seq.get()), WKV_ERR_STATE);
+  EXPECT_NE(std::string(wkv_last_error()).find("spill_dir"), std::string::npos) << wkv_last_error();
+  EXPECT_EQ(wkv_seq_restore(seq.get()), WKV_OK);  // in memory: nothing to do
+}
+
+// Evicted, a sequence gives its pages back; its next use restores it, and
+// it decodes bit for bit as before, on both I/O paths and with page slots
+// that are not multiples of 4 KiB (head_dim 80).
+TEST(Evict, ARestoredSequenceDecodesBitForBitAsBefore) {
+  for (uint32_t flags : {0u, uint32_t(WKV_CONFIG_SPILL_NO_URING)})
+    for (uint32_t d : {64u, 80u}) {
+      SCOPED_TRACE(testing::Message() << "flags " << flags << " head_dim " << d);
+      ScratchDir dir;
+      Shape s;
+      s.head_dim = d;
+      wavekv::Engine e(spill_config(s, dir.path(), 0, flags));
+      wavekv::Sequence seq(e), other(e);
+      Context ctx(s), ctx2(s, 9);
+      fill(seq, s, ctx);
+      fill(other, s, ctx2);
+      const std::vector<uint8_t> q = ctx.query();
+      const std::vector<uint8_t> before = decode_all(e, seq.get(), s, q);
+      const std::vector<uint8_t> other_before = decode_all(e, other.get(), s, q);
+      const wkv_stats s0 = stats_of(e);
+      EXPECT_NE(s0.spill_io, 0u);
+      EXPECT_EQ(s0.spill_io & WKV_SPILL_IO_URING, flags ? 0u : s0.spill_io & WKV_SPILL_IO_URING);
+      seq.evict();
+      seq.evict();  // again: nothing to do
+      const wkv_stats s1 = stats_of(e);
+      EXPECT_EQ(s1.evicted_sequences, 1u);
+      EXPECT_GT(s1.spill_bytes_used, 0u);
+      EXPECT_LT(s1.pages_used, s0.pages_used);
+      EXPECT_GE(s1.spill_bytes_written, (s0.pages_used - s1.pages_used) * s0.page_bytes);
+      // The other sequence is untouched.
+      EXPECT_TRUE(decode_all(e, other.get(), s, q) == other_before);
+      // The next lookup restores.
+      EXPECT_TRUE(decode_all(e, seq.get(), s, q) == before);
+      const wkv_stats s2 = stats_of(e);
+      EXPECT_EQ(s2.evicted_sequences, 0u);
+      EXPECT_EQ(s2.spill_bytes_used, 0u);
+      EXPECT_EQ(s2.pages_used, s0.pages_used);
+      EXPECT_EQ(s2.spill_bytes_read, s1.spill_bytes_used);
+      // Explicitly, and then appends and saves of an evicted sequence.
+      seq.evict();
+      seq.restore();
+      EXPECT_TRUE(decode_all(e, seq.get(), s, q) == before);
+      seq.evict();
+      seq.save(dir.file("saved.wkv"));
+      EXPECT_EQ(stats_of(e).evicted_sequences, 0u);
+      seq.evict();
+      std::vector<uint8_t> k, v;
+      ctx.tokens(1, &k, &v);
+      seq.append(0, k.data(), v.data(), 1);
+      EXPECT_EQ(stats_of(e).evicted_sequences, 0u);
+      wavekv::Sequence loaded = wavekv::Sequence::load(e, dir.file("saved.wkv"));
+      EXPECT_TRUE(decode_all(e, loaded.get(), s, q) == before);
+    }
+}
+
+// A plan that looked a sequence up before its eviction must look it up
+// again: its assemble is refused rather than reading pages given back.
+TEST(Evict, APlanLookedUpBeforeTheEvictionMustLookUpAgain) {
+  ScratchDir dir;
+  const Shape s;
+  wavekv::Engine e(spill_config(s, dir.path()));
+  wavekv::Sequence seq(e);
+  Context ctx(s);
+  fill(seq, s, ctx);
+  const std::vector<uint8_t> q = ctx.query();
+  wavekv::Plan plan(e);
+  wkv_seq *sp = seq.get();
+  plan.lookup(&sp, 1, 0, q.data());
+  seq.evict();
+  EXPECT_EQ(wkv_assemble(plan.get(), nullptr), WKV_ERR_STATE);
+  plan.lookup(&sp, 1, 0, q.data());  // restores
+  plan.assemble();
+  std::vector<uint8_t> out(q.size());
+  plan.attend(out.data());
+}
+
+// Over budget: refused, and the sequence is as it was, in memory.
+TEST(Evict, OverTheBudgetNothingIsLost) {
+  ScratchDir dir;
+  const Shape s;
+  wavekv::Engine e(spill_config(s, dir.path(), 8192));
+  wavekv::Sequence seq(e);
+  Context ctx(s);
+  fill(seq, s, ctx);
+  const std::vector<uint8_t> q = ctx.query();
+  const std::vector<uint8_t> before = decode_all(e, seq.get(), s, q);
+  const wkv_stats s0 = stats_of(e);
+  EXPECT_EQ(wkv_seq_evict(seq.get()), WKV_ERR_BUDGET);
+  EXPECT_NE(std::string(wkv_last_error()).find("budget"), std::string::npos) << wkv_last_error();
+  const wkv_stats s1 = stats_of(e);
+  EXPECT_EQ(s1.evicted_sequences, 0u);
+  EXPECT_EQ(s1.spill_bytes_used, 0u);
+  EXPECT_EQ(s1.pages_used, s0.pages_used);
+  EXPECT_TRUE(decode_all(e, seq.get(), s, q) == before);
+}
+
+// A flipped bit in the spill file: the restore is refused as corrupt, the
+// sequence stays evicted (every use of it fails the same way), the other
+// sequences decode, and destroying it gives its space back.
+TEST(Evict, ACorruptExtentIsAnErrorForItsSequenceOnly) {
+  ScratchDir dir;
+  const Shape s;
+  wavekv::Engine e(spill_config(s, dir.path()));
+  wavekv::Sequence other(e);
+  Context ctx(s), ctx2(s, 9);
+  fill(other, s, ctx2);
+  const std::vector<uint8_t> q = ctx.query();
+  const std::vector<uint8_t> other_before = decode_all(e, other.get(), s, q);
+  {
+    wavekv::Sequence seq(e);
+    fill(seq, s, ctx);
+    seq.evict();
+    const int fd = reopen_spill_file(dir.path());
+    ASSERT_GE(fd, 0);
+    flip_byte(fd, 4096 + 5);
+    ::close(fd);
+    if (HasFatalFailure()) return;
+    EXPECT_EQ(wkv_seq_restore(seq.get()), WKV_ERR_CORRUPT);
+    EXPECT_NE(std::string(wkv_last_error()).find("checksum"), std::string::npos) << wkv_last_error();
+    wkv_seq *sp = seq.get();
+    wavekv::Plan plan(e);
+    std::vector<uint8_t> out(q.size());
+    EXPECT_EQ(wkv_decode(plan.get(), &sp, 1, 0, q.data(), 0, 0, out.data(), 0, 0, nullptr), WKV_ERR_CORRUPT);
+    EXPECT_EQ(stats_of(e).evicted_sequences, 1u);
+    EXPECT_TRUE(decode_all(e, other.get(), s, q) == other_before);
+  }
+  const wkv_stats st = stats_of(e);
+  EXPECT_EQ(st.evicted_sequences, 0u);
+  EXPECT_EQ(st.spill_bytes_used, 0u);
+  EXPECT_TRUE(decode_all(e, other.get(), s, q) == other_before);
+}
