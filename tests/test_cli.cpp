@@ -243,3 +243,33 @@ TEST(Cli, TopShowsAnEnginesStatisticsFile) {
   write_bytes(dir.file("junk.json"), {'{', 'x'});
   EXPECT_EQ(run_cli({"top", "--once", dir.file("junk.json")}).status, 2);
 }
+
+// `wavekv bench spill` at a small size: the sequence goes to the spill file
+// and back, decodes as before, and fio's figures stand beside it. Skips
+// visibly without fio (the benchmark's anchor).
+TEST(Cli, BenchSpillEvictsRestoresAndComparesWithFio) {
+  bool have_fio = false;
+  if (const char *path = std::getenv("PATH")) {
+    std::string p = path;
+    for (size_t at = 0; at <= p.size() && !have_fio;) {
+      const size_t colon = std::min(p.find(':', at), p.size());
+      have_fio = access((p.substr(at, colon - at) + "/fio").c_str(), X_OK) == 0;
+      at = colon + 1;
+    }
+  }
+  if (!have_fio) GTEST_SKIP() << "fio is not on PATH (bench spill measures against it)";
+  ScratchDir dir;
+  const Outcome r = run_cli({"bench", "spill", "--dir", dir.path(), "--tokens", "4096", "--layers", "2",
+                             "--threads", "2", "--json"});
+  ASSERT_TRUE(r.exited) << r.out;
+  ASSERT_EQ(r.status, 0) << r.out;
+  const std::string last = r.out.substr(r.out.rfind('{'));
+  const nlohmann::json j = nlohmann::json::parse(last, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_TRUE(j["decodes_as_before"].get<bool>());
+  EXPECT_GT(j["bytes"].get<uint64_t>(), 0u);
+  EXPECT_GT(j["fio_write_gbps"].get<double>(), 0.0);
+  EXPECT_GT(j["fio_read_gbps"].get<double>(), 0.0);
+  EXPECT_EQ(j["bytes"].get<uint64_t>(), j["host_bytes_freed"].get<uint64_t>());
+  EXPECT_TRUE(dir.names().empty()) << "the spill file and fio's leave nothing behind";
+}

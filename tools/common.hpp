@@ -55,7 +55,7 @@ struct Options {
   std::string workloads;             // accuracy: workloads run
   std::string real_dir;              // accuracy: the real-attention set
   bool json = false;
-  std::string file;            // inspect, verify, top: the file; bench files: the directory
+  std::string file;            // inspect, verify, top: the file; bench files, bench spill: the directory
   uint64_t interval_ms = 1000;  // top
   uint64_t count = 0;           // top: updates to show (0: until interrupted)
   bool once = false;            // top

@@ -23,6 +23,8 @@ const Command kCommands[] = {
     {"bench", nullptr, "decode benchmark: wavekv step time against exact CPU attention", declare_bench, run_bench},
     {"files", "bench", "save and load bandwidth of a long sequence against dd on the same disk",
      declare_bench_files, run_bench_files},
+    {"spill", "bench", "evict and restore a long sequence through the spill file against fio on the same disk",
+     declare_bench_spill, run_bench_spill},
     {"accuracy", nullptr, "methods side by side on the needles, diffuse and real-attention workloads",
      declare_accuracy, run_accuracy},
     {"stats", nullptr, "engine statistics after a small synthetic session (text and JSON)", declare_stats,
