@@ -52,8 +52,11 @@ func (d Device) String() string {
 
 // Bits of Config.Flags.
 const (
-	ConfigNoNUMA   uint32 = C.WKV_CONFIG_NO_NUMA   // do not bind host arenas to a NUMA node
-	ConfigNoPinned uint32 = C.WKV_CONFIG_NO_PINNED // pageable host memory for arenas (CUDA)
+	ConfigNoNUMA       uint32 = C.WKV_CONFIG_NO_NUMA        // do not bind host arenas to a NUMA node
+	ConfigNoPinned     uint32 = C.WKV_CONFIG_NO_PINNED      // pageable host memory for arenas (CUDA)
+	ConfigSpillNoURing uint32 = C.WKV_CONFIG_SPILL_NO_URING // the spill file uses pread/pwrite
+	SpillIOURing       uint64 = C.WKV_SPILL_IO_URING        // Stats.SpillIO: io_uring
+	SpillIODirect      uint64 = C.WKV_SPILL_IO_DIRECT       // Stats.SpillIO: O_DIRECT
 )
 
 // Bits of Config.Method (wavekv.h and docs/accuracy.md say what each does).
@@ -94,6 +97,8 @@ type Config struct {
 	DeviceCacheBytes    uint64  // GPU block cache; 0 = 5% of the KV held (0)
 	Seed                uint64  // seed of k-means initialisation (0x5eed)
 	Method              uint32  // Method* bits (MethodDefault)
+	SpillDir            string  // directory of the spill file ("": no spill tier; Sequence.Evict)
+	SpillBudgetBytes    uint64  // cap on the spill file's bytes; 0 = unlimited (0)
 }
 
 // DefaultConfig returns the library's defaults (wkv_config_init); the shape
@@ -129,11 +134,20 @@ func configFromC(c *C.wkv_config) Config {
 		DeviceCacheBytes:    uint64(c.device_cache_bytes),
 		Seed:                uint64(c.seed),
 		Method:              uint32(c.method),
+		SpillDir:            goStringOrEmpty(c.spill_dir),
+		SpillBudgetBytes:    uint64(c.spill_budget_bytes),
 	}
 }
 
+func goStringOrEmpty(p *C.char) string {
+	if p == nil {
+		return ""
+	}
+	return C.GoString(p)
+}
+
 // toC fills a wkv_config from the defaults up: fields a newer header adds
-// keep their defaults.
+// keep their defaults. SpillDir is left to the caller (a C string it frees).
 func (cfg *Config) toC() C.wkv_config {
 	var c C.wkv_config
 	C.wkv_config_init(&c)
@@ -160,6 +174,7 @@ func (cfg *Config) toC() C.wkv_config {
 	c.device_cache_bytes = C.uint64_t(cfg.DeviceCacheBytes)
 	c.seed = C.uint64_t(cfg.Seed)
 	c.method = C.uint32_t(cfg.Method)
+	c.spill_budget_bytes = C.uint64_t(cfg.SpillBudgetBytes)
 	return c
 }
 
@@ -191,6 +206,13 @@ type Stats struct {
 	CacheEvictions    uint64
 	ManagerBacklog    uint64
 	PinFallbacks      uint64
+	SpillIO           uint64 // SpillIO* bits; 0 without a spill file
+	SpillBytesUsed    uint64
+	SpillFileBytes    uint64
+	SpillBudgetBytes  uint64
+	SpillBytesWritten uint64
+	SpillBytesRead    uint64
+	EvictedSequences  uint64
 }
 
 func statsFromC(s *C.wkv_stats) Stats {
@@ -220,6 +242,13 @@ func statsFromC(s *C.wkv_stats) Stats {
 		CacheEvictions:    uint64(s.cache_evictions),
 		ManagerBacklog:    uint64(s.manager_backlog),
 		PinFallbacks:      uint64(s.pin_fallbacks),
+		SpillIO:           uint64(s.spill_io),
+		SpillBytesUsed:    uint64(s.spill_bytes_used),
+		SpillFileBytes:    uint64(s.spill_file_bytes),
+		SpillBudgetBytes:  uint64(s.spill_budget_bytes),
+		SpillBytesWritten: uint64(s.spill_bytes_written),
+		SpillBytesRead:    uint64(s.spill_bytes_read),
+		EvictedSequences:  uint64(s.evicted_sequences),
 	}
 }
 

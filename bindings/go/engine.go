@@ -35,6 +35,14 @@ type Engine struct {
 // Open opens an engine (wkv_engine_open). Close it when done.
 func Open(cfg Config) (*Engine, error) {
 	c := cfg.toC()
+	if cfg.SpillDir != "" {
+		p, err := cPath("wkv_engine_open", cfg.SpillDir)
+		if err != nil {
+			return nil, err
+		}
+		defer C.free(unsafe.Pointer(p)) // the engine keeps a copy
+		c.spill_dir = p
+	}
 	var h *C.wkv_engine
 	if err := call(func() C.int { return C.wkv_engine_open(&c, &h) }); err != nil {
 		return nil, err
@@ -338,6 +346,31 @@ func (s *Sequence) EndPrompt(layer uint32) error {
 		return closedError(fn, "sequence")
 	}
 	return call(func() C.int { return C.wkv_seq_end_prompt(s.h, C.uint32_t(layer), nil) })
+}
+
+// Evict writes the sequence's pages to the engine's spill file and gives
+// their host memory back (wkv_seq_evict; needs Config.SpillDir). Its next
+// use, or Restore, reads them back, checking every checksum.
+func (s *Sequence) Evict() error {
+	const fn = "wkv_seq_evict"
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.h == nil {
+		return closedError(fn, "sequence")
+	}
+	return call(func() C.int { return C.wkv_seq_evict(s.h) })
+}
+
+// Restore reads an evicted sequence's pages back (wkv_seq_restore); a
+// sequence in memory is left as it is.
+func (s *Sequence) Restore() error {
+	const fn = "wkv_seq_restore"
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.h == nil {
+		return closedError(fn, "sequence")
+	}
+	return call(func() C.int { return C.wkv_seq_restore(s.h) })
 }
 
 // Save saves the sequence to the file at path (wkv_seq_save), whole or not

@@ -751,3 +751,79 @@ func TestConfigReadsBackAndBadConfigsAreRefused(t *testing.T) {
 	_, err = wavekv.Open(bad)
 	wantError(t, err, wavekv.ErrUnsupported)
 }
+
+// The spill tier: an evicted sequence gives its pages back, its next decode
+// reads them back and gives the same bits; without a spill directory the
+// eviction is refused.
+func TestEvictedSequencesDecodeTheSameAfterTheirRestore(t *testing.T) {
+	cfg := config(0.018, 0.232)
+	cfg.SpillDir = t.TempDir()
+	engine, err := wavekv.Open(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer engine.Close()
+	if got, err := engine.Config(); err != nil || got.SpillDir != cfg.SpillDir {
+		t.Fatalf("config spill dir %q (%v), want %q", got.SpillDir, err, cfg.SpillDir)
+	}
+	r := &rng{9}
+	m := newModel(r)
+	c := newContext(m, r, 3000)
+	seq, err := engine.NewSequence()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer seq.Close()
+	prefill(t, seq, c)
+	plan, err := engine.NewPlan()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plan.Close()
+	q := wavekv.F32(m.query(r, nil))
+	decodeAll := func() []float32 {
+		var all []float32
+		for l := uint32(0); l < nLayers; l++ {
+			out := make([]float32, nQ*dim)
+			if err := plan.Decode([]*wavekv.Sequence{seq}, l, q, wavekv.F32(out)); err != nil {
+				t.Fatal(err)
+			}
+			all = append(all, out...)
+		}
+		return all
+	}
+	before := decodeAll()
+	if err := seq.Evict(); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := engine.Stats(); err != nil || st.EvictedSequences != 1 || st.SpillBytesUsed == 0 || st.SpillIO == 0 {
+		t.Fatalf("stats after the eviction %+v, %v", st, err)
+	}
+	after := decodeAll()
+	for i := range before {
+		if math.Float32bits(before[i]) != math.Float32bits(after[i]) {
+			t.Fatalf("output %d: %g after the restore, %g before", i, after[i], before[i])
+		}
+	}
+	if err := seq.Evict(); err != nil {
+		t.Fatal(err)
+	}
+	if err := seq.Restore(); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := engine.Stats(); err != nil || st.EvictedSequences != 0 || st.SpillBytesUsed != 0 {
+		t.Fatalf("stats after the restore %+v, %v", st, err)
+	}
+
+	plain, err := wavekv.Open(config(0.018, 0.232))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	other, err := plain.NewSequence()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	wantError(t, other.Evict(), wavekv.ErrState, "spill_dir")
+}

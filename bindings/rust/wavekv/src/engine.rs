@@ -427,6 +427,23 @@ impl Sequence {
         check(unsafe { sys::wkv_seq_save(raw, path.as_ptr(), flags) })
     }
 
+    /// Writes the sequence's pages to the engine's spill file and gives their
+    /// host memory back (`wkv_seq_evict`; the engine needs a `spill_dir`).
+    /// Its next use, or `restore`, reads them back, checking every checksum.
+    pub fn evict(&mut self) -> Result<()> {
+        let raw = self.live("wkv_seq_evict")?;
+        // SAFETY: live handle, used by this thread only (not Sync).
+        check(unsafe { sys::wkv_seq_evict(raw) })
+    }
+
+    /// Reads an evicted sequence's pages back (`wkv_seq_restore`); a sequence
+    /// in memory is left as it is.
+    pub fn restore(&mut self) -> Result<()> {
+        let raw = self.live("wkv_seq_restore")?;
+        // SAFETY: live handle, used by this thread only (not Sync).
+        check(unsafe { sys::wkv_seq_restore(raw) })
+    }
+
     /// What one layer holds (`wkv_seq_info_get`).
     pub fn info(&self, layer: u32) -> Result<SeqInfo> {
         let raw = self.live("wkv_seq_info_get")?;

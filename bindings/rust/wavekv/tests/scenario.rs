@@ -610,3 +610,48 @@ fn config_reads_back_and_bad_configs_are_refused() {
     let e = Engine::open(&Config::new(2, 4, 2, 63)).unwrap_err();
     assert_eq!(e.status(), Status::Unsupported, "{}", e);
 }
+
+// The spill tier: an evicted sequence's next decode reads its pages back and
+// gives the same bits; an engine without a spill directory refuses.
+#[test]
+fn an_evicted_sequence_decodes_the_same_after_its_restore() {
+    let dir = temp_dir("wavekv-spill");
+    let dir_c = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+    let mut cfg = config(0.018, 0.232).spill_budget_bytes(1 << 30);
+    cfg.as_raw_mut().spill_dir = dir_c.as_ptr();
+    let engine = Engine::open(&cfg).unwrap();
+    let mut rng = Rng(9);
+    let model = Model::new(&mut rng);
+    let c = context(&model, &mut rng, 3000);
+    let mut seq = engine.create_sequence().unwrap();
+    prefill(&mut seq, &c);
+    let mut plan = engine.create_plan().unwrap();
+    let q: Vec<f32> = (0..N_Q * D).map(|_| rng.normal() as f32).collect();
+    let mut decode_all = |seq: &Sequence| -> Vec<u32> {
+        let mut all = Vec::new();
+        for layer in 0..N_LAYERS {
+            let mut out = vec![0.0f32; N_Q * D];
+            plan.decode(&[seq], layer, &q, &mut out).unwrap();
+            all.extend(out.iter().map(|v| v.to_bits()));
+        }
+        all
+    };
+    let before = decode_all(&seq);
+    seq.evict().unwrap();
+    let st = engine.stats().unwrap();
+    assert_eq!(st.evicted_sequences, 1);
+    assert!(st.spill_bytes_used > 0 && st.spill_io != 0);
+    assert!(
+        decode_all(&seq) == before,
+        "the restored sequence decodes differently"
+    );
+    seq.evict().unwrap();
+    seq.restore().unwrap();
+    assert_eq!(engine.stats().unwrap().spill_bytes_used, 0);
+
+    let plain = Engine::open(&config(0.018, 0.232)).unwrap();
+    let mut other = plain.create_sequence().unwrap();
+    let err = other.evict().unwrap_err();
+    assert_eq!(err.status(), Status::State);
+    assert!(err.message().contains("spill_dir"), "{}", err.message());
+}
