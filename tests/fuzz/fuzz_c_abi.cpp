@@ -2,7 +2,8 @@
 // configuration drawn from it (valid or not) and plays a sequence of calls
 // drawn from it against that engine: creating and destroying sequences and
 // plans, appending with any strides, ending prompts, describing, looking up,
-// assembling, attending, merging, updating and decoding, with live, destroyed,
+// assembling, attending, merging, updating and decoding, evicting sequences to
+// the spill file and restoring them, with live, destroyed,
 // mistyped, foreign and null handles, layers out of range, sequences listed
 // twice and buffers of every size.
 //
@@ -29,7 +30,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "wavekv/wavekv.h"
 
@@ -56,6 +60,23 @@ const bool kTrace = std::getenv("WKV_FUZZ_TRACE") != nullptr;
   } while (0)
 
 size_t dtype_bytes(uint32_t dtype) { return dtype == WKV_DTYPE_F32 ? 4 : 2; }
+
+// The process's spill directory: made once under $TMPDIR, removed at exit
+// (the engines' spill files have no name, so it is empty by then).
+std::string g_spill_dir;
+void remove_spill_dir() {
+  if (!g_spill_dir.empty()) rmdir(g_spill_dir.c_str());
+}
+const char *spill_dir() {
+  if (g_spill_dir.empty()) {
+    const char *base = std::getenv("TMPDIR");
+    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/wavekv-fuzz-spill-XXXXXX";
+    if (!mkdtemp(tmpl.data())) return "/nonexistent/wavekv-spill";
+    g_spill_dir = tmpl;
+    std::atexit(remove_spill_dir);
+  }
+  return g_spill_dir.c_str();
+}
 
 // Element values: small finite ones from a generator seeded by the input, or,
 // once the input asks for them, NaN, infinities and huge values too.
@@ -220,6 +241,16 @@ class Session {
     static const uint64_t chunks[] = {1ull << 20, 2ull << 20, 0, 4096};
     c.host_chunk_bytes = in_.PickValueInArray(chunks);
     c.seed = in_.ConsumeIntegral<uint64_t>();
+    // The spill tier: mostly a directory of the process's own, sometimes none
+    // or one that cannot hold a file; budgets from none to a few pages.
+    switch (in_.ConsumeIntegralInRange<int>(0, 7)) {
+      case 0: c.spill_dir = nullptr; break;
+      case 1: c.spill_dir = "/nonexistent/wavekv-spill"; break;
+      case 2: c.spill_dir = ""; break;
+      default: c.spill_dir = spill_dir(); break;
+    }
+    static const uint64_t spill_budgets[] = {0, 0, 64ull << 10, 4096, 1ull << 20};
+    c.spill_budget_bytes = in_.PickValueInArray(spill_budgets);
     if (in_.ConsumeIntegralInRange<int>(0, 31) == 0) c.size = in_.ConsumeIntegralInRange<uint32_t>(0, 2 * sizeof c);
     cfg_ = c;
     int rc = wkv_engine_open(&c, &engine_);
@@ -317,7 +348,7 @@ class Session {
       case 12: stats(); break;
       case 13: values_.special = values_.special || in_.ConsumeBool(); break;
       case 14: close_engine(); break;
-      default: lookup(false); break;
+      default: evict_or_restore(); break;
     }
   }
 
@@ -370,6 +401,22 @@ class Session {
     } else if (live && before != UINT64_MAX && tokens_of(s, layer) != before) {
       fail("a failed append changed its sequence", rc);
     }
+  }
+
+  // Evicts or restores a sequence: whatever the outcome, no token is lost
+  // or added, and a handle that is not live is refused.
+  void evict_or_restore() {
+    wkv_seq *s = pick_seq();
+    const bool live = is_live(s), evict = in_.ConsumeBool();
+    uint64_t before[4];
+    for (uint32_t l = 0; l < 4; ++l) before[l] = live ? tokens_of(s, l) : UINT64_MAX;
+    const int rc = evict ? wkv_seq_evict(s) : wkv_seq_restore(s);
+    TRACE("%s -> %s\n", evict ? "evict" : "restore", wkv_status_name(rc));
+    check_status(evict ? "wkv_seq_evict" : "wkv_seq_restore", rc);
+    if (rc == WKV_OK && !live) fail("evict or restore through a handle that is not live succeeded", rc);
+    if (evict && rc == WKV_OK && cfg_.spill_dir == nullptr) fail("an engine without a spill file evicted", rc);
+    for (uint32_t l = 0; live && l < 4; ++l)
+      if (tokens_of(s, l) != before[l]) fail("evict or restore changed a token count", rc);
   }
 
   void end_prompt() {
