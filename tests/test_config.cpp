@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstddef>
 #include <cstdlib>
 #include <deque>
 #include <optional>
@@ -100,6 +101,36 @@ TEST_F(ResolveConfig, OpensWithNoOverrides) {
   EXPECT_EQ(got.threads, 1u);
   EXPECT_EQ(got.segment_tokens, 8192u);
   EXPECT_EQ(got.host_chunk_bytes, 64ull << 20);
+}
+
+// A size that ends inside a pointer field (found by fuzz_c_abi: half of the
+// caller's spill_dir over half of the default NULL) leaves that pointer at its
+// default; a size that covers it takes it whole.
+TEST_F(ResolveConfig, APointerThatTheSizeCoversInPartIsNotRead) {
+  static const char kDir[] = "/nonexistent/spill";
+  static const char kPath[] = "/nonexistent/stats.json";
+  for (size_t cut : {offsetof(wkv_config, stats_path) + 4, offsetof(wkv_config, spill_dir) + 1,
+                     offsetof(wkv_config, spill_dir) + 7}) {
+    wkv_config c = minimal_config();
+    c.stats_path = kPath;
+    c.spill_dir = kDir;
+    c.size = static_cast<uint32_t>(cut);
+    wkv::Config got;
+    ASSERT_TRUE(resolve(c, &got).is_ok()) << "size " << cut;
+    EXPECT_EQ(got.c.spill_dir, nullptr) << "size " << cut;
+    if (cut < offsetof(wkv_config, stats_path) + 8) {
+      EXPECT_EQ(got.c.stats_path, nullptr) << "size " << cut;
+    }
+  }
+  wkv_config c = minimal_config();
+  c.spill_dir = kDir;
+  c.size = static_cast<uint32_t>(offsetof(wkv_config, spill_dir) + 8);
+  wkv::Config got;
+  ASSERT_TRUE(resolve(c, &got).is_ok());
+  EXPECT_EQ(got.c.spill_dir, kDir);
+  // The directory does not exist: opening says so, naming it.
+  EXPECT_EQ(open(c), WKV_ERR_IO);
+  EXPECT_TRUE(contains(error(), "/nonexistent/spill")) << error();
 }
 
 TEST_F(ResolveConfig, RejectsSegmentTokensThatWouldWrapTo64) {

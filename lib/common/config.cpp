@@ -3,6 +3,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <array>
@@ -158,6 +159,10 @@ Status resolve_config(const wkv_config *user, Config *out) {
   size_t n = user->size < sizeof c ? user->size : sizeof c;
   std::memcpy(&c, user, n);
   c.size = sizeof c;
+  // A pointer the size covers only in part is not the caller's: it keeps its
+  // default (NULL) rather than becoming half of one and half of another.
+  if (n < offsetof(wkv_config, stats_path) + sizeof c.stats_path) c.stats_path = nullptr;
+  if (n < offsetof(wkv_config, spill_dir) + sizeof c.spill_dir) c.spill_dir = nullptr;
 
   std::array<EnvOverride, kEnvOverrides> overrides = env_overrides(c);
   for (EnvOverride &o : overrides) {
