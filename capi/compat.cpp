@@ -11,22 +11,23 @@
 #include "lib/common/config.hpp"
 #include "wavekv/wavekv.h"
 
+// Writes the first `bytes` bytes of `full` (an older release's struct) over
+// *dst, with `size` set to `bytes`.
+template <typename T> void write_prefix(T *dst, T full, size_t bytes) {
+  full.size = static_cast<uint32_t>(bytes);
+  std::memcpy(dst, &full, bytes);
+}
+
 // wavekv 0.1's wkv_config ended after `seed`: its wkv_config_init writes no
 // further than that.
 extern "C" WKV_API void wkv_config_init_0_1(wkv_config *cfg) {
-  if (!cfg) return;
-  wkv_config full = wkv::default_config();
-  full.size = offsetof(wkv_config, stats_path);
-  std::memcpy(cfg, &full, full.size);
+  if (cfg) write_prefix(cfg, wkv::default_config(), offsetof(wkv_config, stats_path));
 }
 __asm__(".symver wkv_config_init_0_1,wkv_config_init@WAVEKV_0.1");
 
 // 0.2's ended after reserved1.
 extern "C" WKV_API void wkv_config_init_0_2(wkv_config *cfg) {
-  if (!cfg) return;
-  wkv_config full = wkv::default_config();
-  full.size = offsetof(wkv_config, spill_dir);
-  std::memcpy(cfg, &full, full.size);
+  if (cfg) write_prefix(cfg, wkv::default_config(), offsetof(wkv_config, spill_dir));
 }
 __asm__(".symver wkv_config_init_0_2,wkv_config_init@WAVEKV_0.2");
 
@@ -37,9 +38,7 @@ __asm__(".symver wkv_config_init_0_3,wkv_config_init@@WAVEKV_0.3");
 
 // wkv_stats of 0.1 and 0.2 ended after pin_fallbacks.
 extern "C" WKV_API void wkv_stats_init_0_1(wkv_stats *stats) {
-  if (!stats) return;
-  std::memset(stats, 0, offsetof(wkv_stats, spill_io));
-  stats->size = offsetof(wkv_stats, spill_io);
+  if (stats) write_prefix(stats, wkv_stats{}, offsetof(wkv_stats, spill_io));
 }
 __asm__(".symver wkv_stats_init_0_1,wkv_stats_init@WAVEKV_0.1");
 

@@ -128,10 +128,8 @@ struct Memory {
   std::vector<std::vector<uint8_t>> held;
 };
 
-// Decodes `steps` queries over ctx with one method; a needle step aims q
-// head 0 of each KV head at one of its needles.
-inline Result run(const Context &ctx, uint32_t method, uint32_t steps, float amp, bool needle_steps,
-                  Memory &&mem = Memory()) {
+// One layer of the scenario's shape in f16, with a method.
+inline wkv_config accuracy_config(uint32_t method, uint32_t segment_tokens, uint32_t threads) {
   wkv_config c;
   wkv_config_init(&c);
   c.n_layers = 1;
@@ -139,9 +137,17 @@ inline Result run(const Context &ctx, uint32_t method, uint32_t steps, float amp
   c.n_kv_heads = kKV;
   c.head_dim = kD;
   c.dtype = WKV_DTYPE_F16;
-  c.segment_tokens = 2048;  // several segments in a short context
-  c.threads = 2;
+  c.segment_tokens = segment_tokens;
+  c.threads = threads;
   c.method = method;
+  return c;
+}
+
+// Decodes `steps` queries over ctx with one method; a needle step aims q
+// head 0 of each KV head at one of its needles.
+inline Result run(const Context &ctx, uint32_t method, uint32_t steps, float amp, bool needle_steps,
+                  Memory &&mem = Memory()) {
+  wkv_config c = accuracy_config(method, 2048, 2);  // several segments in a short context
   c.device = mem.device;
   wavekv::Engine e(c);
   wavekv::Plan plan(e);

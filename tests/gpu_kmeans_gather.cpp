@@ -291,6 +291,22 @@ SegInput structured_segment(std::mt19937_64 &rng, DType t, uint32_t T, uint32_t 
   return in;
 }
 
+// Plants `count` needles in a segment (keys pushed far along a direction of
+// their own, away from every topic), rounds the keys to the dtype again and
+// returns the needles' positions.
+std::vector<uint32_t> plant_needles(std::mt19937_64 &rng, DType t, uint32_t d, uint32_t count, SegInput *in) {
+  std::vector<uint32_t> at;
+  std::uniform_int_distribution<uint32_t> pick(0, in->T - 1);
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint32_t p = pick(rng);
+    const auto dir = random_vec(rng, d, 1.f);
+    for (uint32_t j = 0; j < d; ++j) in->keys[size_t(p) * d + j] += 6.f * dir[j];
+    at.push_back(p);
+  }
+  in->keys = rounded(t, in->keys);
+  return at;
+}
+
 // Mean over tokens of the cosine between the centered key and its cluster's
 // centered centroid: how well the clusters fit the keys.
 double mean_cosine(const SegmentClusters &sc, const SegInput &in, uint32_t d) {
@@ -611,17 +627,7 @@ TEST(KMeansCuda, SplitsOutliersAsTheCpuDoes) {
       std::vector<std::vector<uint32_t>> planted;
       for (uint32_t T : {2000u, 777u, 64u, 9000u}) {
         SegInput in = structured_segment(rng, t, T, d, (T + 15) / 16, T + d);
-        // A few needles: far from every topic.
-        std::vector<uint32_t> at;
-        std::uniform_int_distribution<uint32_t> pick(0, T - 1);
-        for (uint32_t i = 0; i < std::max(1u, T / 500); ++i) {
-          const uint32_t p = pick(rng);
-          const auto dir = random_vec(rng, d, 1.f);
-          for (uint32_t j = 0; j < d; ++j) in.keys[size_t(p) * d + j] += 6.f * dir[j];
-          at.push_back(p);
-        }
-        in.keys = rounded(t, in.keys);
-        planted.push_back(at);
+        planted.push_back(plant_needles(rng, t, d, std::max(1u, T / 500), &in));
         plain.push_back(std::move(in));
       }
       std::vector<SegInput> split = plain;
@@ -677,13 +683,7 @@ TEST(KMeansCuda, SegmentsOfOneBatchSplitIndependently) {
   std::vector<SegInput> plain;
   for (uint32_t s = 0; s < S; ++s) {
     SegInput in = structured_segment(rng, t, T, d, T / 16, T + d + s);
-    std::uniform_int_distribution<uint32_t> pick(0, T - 1);
-    for (uint32_t i = 0; i < 8; ++i) {
-      const uint32_t p = pick(rng);
-      const auto dir = random_vec(rng, d, 1.f);
-      for (uint32_t j = 0; j < d; ++j) in.keys[size_t(p) * d + j] += 6.f * dir[j];
-    }
-    in.keys = rounded(t, in.keys);
+    plant_needles(rng, t, d, 8, &in);
     plain.push_back(std::move(in));
   }
   std::vector<SegInput> split = plain;

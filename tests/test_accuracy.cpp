@@ -49,16 +49,7 @@ TEST(Method, EachBitCanBeTurnedOffAndThePaperIsBitZero) {
   // only with OUTLIERS (more clusters: the ones split off).
   uint64_t clusters[16] = {};
   for (uint32_t m = 0; m < 16; ++m) {
-    wkv_config c;
-    wkv_config_init(&c);
-    c.n_layers = 1;
-    c.n_q_heads = kQ;
-    c.n_kv_heads = kKV;
-    c.head_dim = kD;
-    c.segment_tokens = 1024;
-    c.threads = 1;
-    c.method = m;
-    wavekv::Engine e(c);
+    wavekv::Engine e(accuracy_config(m, 1024, 1));
     wavekv::Sequence seq(e);
     wavekv::Plan plan(e);
     const std::vector<uint8_t> k = pack(WKV_DTYPE_F16, ctx.k), v = pack(WKV_DTYPE_F16, ctx.v);
