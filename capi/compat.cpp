@@ -42,9 +42,15 @@ extern "C" WKV_API void wkv_stats_init_0_1(wkv_stats *stats) {
 }
 __asm__(".symver wkv_stats_init_0_1,wkv_stats_init@WAVEKV_0.1");
 
+// 0.3's ended after evicted_sequences.
 extern "C" WKV_API void wkv_stats_init_0_3(wkv_stats *stats) {
+  if (stats) write_prefix(stats, wkv_stats{}, offsetof(wkv_stats, spill_cold_pages));
+}
+__asm__(".symver wkv_stats_init_0_3,wkv_stats_init@WAVEKV_0.3");
+
+extern "C" WKV_API void wkv_stats_init_0_4(wkv_stats *stats) {
   if (!stats) return;
   std::memset(stats, 0, sizeof *stats);
   stats->size = sizeof *stats;
 }
-__asm__(".symver wkv_stats_init_0_3,wkv_stats_init@@WAVEKV_0.3");
+__asm__(".symver wkv_stats_init_0_4,wkv_stats_init@@WAVEKV_0.4");

@@ -34,6 +34,14 @@ extern "C"
 #endif
 void wkv_config_init_v0_1(wkv_config *cfg);
 
+/* ... and wkv_stats_init of a program built against 0.3 (its struct ended
+ * after evicted_sequences). */
+__asm__(".symver wkv_stats_init_v0_3,wkv_stats_init@WAVEKV_0.3");
+#ifdef __cplusplus
+extern "C"
+#endif
+void wkv_stats_init_v0_3(wkv_stats *stats);
+
 /* The model shape of every engine in this test. */
 #define NL 2          /* layers */
 #define NQ 4          /* query heads */
@@ -1428,6 +1436,38 @@ static void test_old_config(void) {
   wkv_engine_close(e);
 }
 
+/* A program built against wavekv 0.3 knows a shorter wkv_stats: its
+ * wkv_stats_init writes no further, and wkv_engine_stats fills that prefix. */
+static void test_old_stats(void) {
+  const size_t old_size = offsetof(wkv_stats, spill_cold_pages);
+  union {
+    wkv_stats s;
+    unsigned char raw[sizeof(wkv_stats) + 64];
+  } u;
+  wkv_config cfg;
+  wkv_engine *e = NULL;
+  size_t i;
+  int untouched = 1;
+  phase("old_stats");
+  memset(&u, 0xab, sizeof u);
+  wkv_stats_init_v0_3(&u.s);
+  CHECK(u.s.size == old_size, "0.3's wkv_stats_init sets 0.3's size");
+  for (i = old_size; i < sizeof u.raw; ++i) untouched &= u.raw[i] == 0xab;
+  CHECK(untouched, "0.3's wkv_stats_init writes nothing past 0.3's struct");
+  CHECK(u.s.evicted_sequences == 0, "0.3's fields are zeroed");
+  wkv_config_init(&cfg);
+  cfg.n_layers = NL;
+  cfg.n_q_heads = NQ;
+  cfg.n_kv_heads = NKV;
+  cfg.head_dim = D;
+  EXPECT_OK(wkv_engine_open(&cfg, &e));
+  EXPECT_OK(wkv_engine_stats(e, &u.s));
+  untouched = 1;
+  for (i = old_size; i < sizeof u.raw; ++i) untouched &= u.raw[i] == 0xab;
+  CHECK(untouched && u.s.size == old_size, "wkv_engine_stats fills a 0.3 struct's prefix only");
+  wkv_engine_close(e);
+}
+
 /* Flips one bit of a file. */
 static void flip_bit(const char *path, long offset) {
   FILE *f = fopen(path, "r+b");
@@ -1531,6 +1571,7 @@ int main(void) {
   test_lifetime();
   test_release_after_failed_lookup();
   test_old_config();
+  test_old_stats();
   test_save_load();
 
   phase("teardown");

@@ -124,6 +124,8 @@ Session::Session(const Options &o, unsigned threads, int64_t method) {
   c.dtype = o.dtype_id();
   c.device = WKV_DEVICE_CPU;
   c.threads = threads;
+  c.host_budget_bytes = o.host_budget;
+  if (!o.spill_dir.empty()) c.spill_dir = o.spill_dir.c_str();
   check(wkv_engine_open(&c, &engine), "wkv_engine_open");
   try {
     config.size = sizeof config;
@@ -174,6 +176,28 @@ double ingest(Session &s, const SynthContext &ctx, uint32_t layer, uint64_t firs
     check(wkv_seq_append(s.seq, layer, ctx.k_store(0, first + done), ctx.v_store(0, first + done), m,
                          token_stride, head_stride, nullptr),
           "wkv_seq_append");
+    secs += seconds_since(t0);
+    done += m;
+    p.update(done);
+  }
+  p.finish();
+  return secs;
+}
+
+double ingest_layers(Session &s, const SynthContext &ctx, uint32_t layers, uint64_t first, uint64_t n,
+                     const char *label) {
+  constexpr uint64_t kChunk = 1024;
+  const int64_t head_stride = static_cast<int64_t>(ctx.head_stride() * ctx.spec().head_dim);
+  const int64_t token_stride = ctx.spec().head_dim;
+  Progress p(label, n);
+  double secs = 0;
+  for (uint64_t done = 0; done < n;) {
+    const uint32_t m = static_cast<uint32_t>(std::min(kChunk, n - done));
+    auto t0 = Clock::now();
+    for (uint32_t l = 0; l < layers; ++l)
+      check(wkv_seq_append(s.seq, l, ctx.k_store(0, first + done), ctx.v_store(0, first + done), m, token_stride,
+                           head_stride, nullptr),
+            "wkv_seq_append");
     secs += seconds_since(t0);
     done += m;
     p.update(done);

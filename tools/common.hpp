@@ -61,6 +61,8 @@ struct Options {
   bool once = false;            // top
   bool keep = false;            // bench files: keep the files
   std::string save;             // demo, stats: save the sequence to this file
+  uint64_t host_budget = 0;     // demo: wkv_config.host_budget_bytes (0: none)
+  std::string spill_dir;        // demo: wkv_config.spill_dir (empty: none)
 
   uint32_t dtype_id() const;
   // threads, or the number of cores when 0.
@@ -103,6 +105,11 @@ void save_sequence(Session &s, const std::string &path);
 
 // Appends tokens [first, first + n) of every head of ctx to `layer` in
 // chunks, with a progress line; returns the wall seconds of the appends.
+// Appends tokens [first, first + n) of the context to every layer of the
+// session's sequence, chunk by chunk and layer by layer within a chunk, as
+// a runtime's chunked prefill would. Returns the seconds the appends took.
+double ingest_layers(Session &s, const SynthContext &ctx, uint32_t layers, uint64_t first, uint64_t n,
+                     const char *label);
 double ingest(Session &s, const SynthContext &ctx, uint32_t layer, uint64_t first, uint64_t n,
               const char *label);
 

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <numeric>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -21,7 +22,12 @@ namespace wkv_tool {
 void declare_demo(CLI::App &cmd, Options *o) {
   o->tokens = 32768;
   o->steps = 32;
-  add_shape_flags(cmd, o, false);
+  add_shape_flags(cmd, o, true);
+  cmd.add_option("--host-budget", o->host_budget,
+                 "cap on the engine's host page memory (wkv_config.host_budget_bytes), e.g. 4GiB; with --spill-dir, "
+                 "pages beyond it go to the spill file and decoding goes on")
+      ->transform(CLI::AsSizeValue(false));
+  cmd.add_option("--spill-dir", o->spill_dir, "directory of the engine's spill file (wkv_config.spill_dir)");
   cmd.add_option("--save", o->save, "save the sequence to this file at the end (wkv_seq_save)");
   cmd.add_option("--workload", o->workload,
                  "needles: span queries and needle queries in turn; diffuse: span queries aimed so loosely that "
@@ -84,13 +90,15 @@ int run_demo(const Options &o) {
   // 2. Ingest; the first lookup ends the prompt (clusters its remainder),
   //    so it belongs to the index build.
   Session s(o, threads, parse_method(o.method, "demo: --method"));
-  const double append_s = ingest(s, ctx, 0, 0, o.tokens, "ingesting");
+  const uint32_t L = static_cast<uint32_t>(o.layers);
+  const double append_s = ingest_layers(s, ctx, L, 0, o.tokens, "ingesting");
   std::vector<uint8_t> q_store;
   std::vector<float> q32;
   std::vector<int> needle_of;
   ctx.make_queries(false, 0, &q_store, &q32, &needle_of);
   auto t0 = Clock::now();
-  check(wkv_lookup(s.plan, &s.seq, 1, 0, q_store.data(), 0, 0, nullptr), "wkv_lookup");
+  for (uint32_t l = 0; l < L; ++l)
+    check(wkv_lookup(s.plan, &s.seq, 1, l, q_store.data(), 0, 0, nullptr), "wkv_lookup");
   const double finish_s = seconds_since(t0);
   const wkv_stats built = s.stats();
   const uint32_t sink = s.config.sink_tokens, window = s.config.window_tokens;
@@ -113,9 +121,10 @@ int run_demo(const Options &o) {
     if (step > 0) {
       const uint64_t pos = ctx.tokens();
       ctx.generate(1, nullptr);
-      check(wkv_seq_append(s.seq, 0, ctx.k_store(0, pos), ctx.v_store(0, pos), 1, d,
-                           static_cast<int64_t>(ctx.head_stride() * d), nullptr),
-            "wkv_seq_append");
+      for (uint32_t l = 0; l < L; ++l)
+        check(wkv_seq_append(s.seq, l, ctx.k_store(0, pos), ctx.v_store(0, pos), 1, d,
+                             static_cast<int64_t>(ctx.head_stride() * d), nullptr),
+              "wkv_seq_append");
       ctx.make_queries(needle_step, step / 2, &q_store, &q32, &needle_of);
     }
     const uint64_t n = ctx.tokens();
@@ -143,16 +152,30 @@ int run_demo(const Options &o) {
         in_xbuf[j] = run_holds(x, nd.head, ctx.k_store(nd.head, nd.pos), row_bytes);
       }
     }
+    // The other layers (the same K and V, each stored, indexed and spilled
+    // on its own): one call each, in the step's time; their errors
+    // against the same reference are counted with layer 0's.
+    std::vector<std::vector<float>> out_layers;
+    if (L > 1) {
+      std::vector<uint8_t> other(out_store.size());
+      t0 = Clock::now();
+      for (uint32_t l = 1; l < L; ++l) {
+        check(wkv_decode(s.plan, &s.seq, 1, l, q_store.data(), 0, 0, other.data(), 0, 0, nullptr), "wkv_decode");
+        out_layers.emplace_back(out_wkv.size());
+        from_storage(dt, other.data(), out_layers.back().data(), out_wkv.size());
+      }
+      wkv_ms.back() += seconds_since(t0) * 1e3;
+    }
     from_storage(dt, out_store.data(), out_wkv.data(), out_wkv.size());
     // Tokens this step attended exactly, per KV head: the oracle's budget.
     const wkv_stats now = s.stats();
-    const uint64_t budget = (now.attended_tokens - prev_attended) / H;
+    const uint64_t budget = (now.attended_tokens - prev_attended) / H / L;
     prev_attended = now.attended_tokens;
 
     // The exact baseline, timed.
     t0 = Clock::now();
     exact.run(ctx.k_store(0, 0), ctx.v_store(0, 0), ctx.head_stride(), n, q32.data(), out_exact.data());
-    exact_ms.push_back(seconds_since(t0) * 1e3);
+    exact_ms.push_back(seconds_since(t0) * 1e3 * L);  // every layer is this one's size
 
     // References in double: all tokens, and sink + window only.
     Probe probe;
@@ -173,6 +196,7 @@ int run_demo(const Options &o) {
 
     for (uint32_t j = 0; j < Q; ++j) {
       const size_t off = static_cast<size_t>(j) * d;
+      for (const std::vector<float> &ol : out_layers) err_wkv.push_back(rel_l2(&ol[off], &ref[off], d));
       const double ew = rel_l2(&out_wkv[off], &ref[off], d);
       const double es = rel_l2(&sw_f[off], &ref[off], d);
       err_wkv.push_back(ew);
@@ -204,7 +228,13 @@ int run_demo(const Options &o) {
   const double att_per_head = (fin.attended_tokens - built.attended_tokens) / lookups / H;
   const double ret_per_head = (fin.retrieved_clusters - built.retrieved_clusters) / lookups / H;
   const double est_per_head = (fin.estimated_clusters - built.estimated_clusters) / lookups / H;
-  const uint64_t clusters_per_head = built.clusters / H;
+  const uint64_t clusters_per_head = built.clusters / H / L;
+  // The spill tier while decoding: what the steps read back and estimated.
+  const double decode_s = std::accumulate(wkv_ms.begin(), wkv_ms.end(), 0.0) * 1e-3;
+  const uint64_t read_back = fin.spill_bytes_read - built.spill_bytes_read;
+  const uint64_t kv_bytes = (fin.pages_used + fin.spill_cold_pages) * fin.page_bytes;
+  const uint64_t retrievals = fin.retrieved_clusters - built.retrieved_clusters;
+  const uint64_t estimated_on_disk = fin.spill_estimated - built.spill_estimated;
   const double build_s = append_s + finish_s;
   const double kmeans_s = built.kmeans_ns * 1e-9;
   const double w_med = median(wkv_ms), e_med = median(exact_ms);
@@ -214,14 +244,14 @@ int run_demo(const Options &o) {
 
   // 4. Report.
   if (o.json) {
-    const nlohmann::ordered_json j = {{"command", "demo"}, {"tokens", o.tokens}, {"generated", final_tokens - o.tokens}, {"kv_heads", H}, {"q_heads", Q}, {"head_dim", d}, {"dtype", o.dtype}, {"threads", threads}, {"steps", o.steps}, {"seed", o.seed}, {"workload", o.workload}, {"method", method_name(s.config.method)}, {"documents", ctx.documents()}, {"topics", spec.topics}, {"segments_per_head", built.segments / H}, {"clusters_per_head", clusters_per_head}, {"index_build_s", build_s}, {"append_s", append_s}, {"prompt_finish_s", finish_s}, {"kmeans_s", kmeans_s}, {"wavekv", {{"step_ms_median", w_med}, {"step_ms_p90", quantile(wkv_ms, 0.9)}, {"rel_l2_median", median(err_wkv)}, {"rel_l2_p90", quantile(err_wkv, 0.9)}, {"rel_l2_needle_median", median(err_wkv_needle)}, {"needle_hits", wkv_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", att_per_head}, {"retrieved_clusters_per_head", ret_per_head}, {"estimated_clusters_per_head", est_per_head}}}, {"sink_window", {{"rel_l2_median", median(err_sw)}, {"rel_l2_p90", quantile(err_sw, 0.9)}, {"rel_l2_needle_median", median(err_sw_needle)}, {"needle_hits", sw_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", std::min<uint64_t>(final_tokens, sink + window)}}}, {"exact", {{"step_ms_median", e_med}, {"step_ms_p90", quantile(exact_ms, 0.9)}, {"rel_l2_median", median(err_exact)}, {"rel_l2_p90", quantile(err_exact, 0.9)}, {"needle_share_median", median(needle_share)}, {"sink_share_median", median(sink_share)}, {"top_share_median", median(top_share)}, {"attended_tokens_per_head", final_tokens}}}, {"oracle_top_k", {{"rel_l2_median", median(err_oracle)}, {"rel_l2_p90", quantile(err_oracle, 0.9)}, {"rel_l2_needle_median", median(err_oracle_needle)}, {"needle_hits", oracle_hits}, {"needle_queries", needle_queries}}}, {"speedup", speedup}, {"total_s", total_s}};
+    const nlohmann::ordered_json j = {{"command", "demo"}, {"tokens", o.tokens}, {"generated", final_tokens - o.tokens}, {"kv_heads", H}, {"q_heads", Q}, {"head_dim", d}, {"dtype", o.dtype}, {"threads", threads}, {"steps", o.steps}, {"seed", o.seed}, {"workload", o.workload}, {"method", method_name(s.config.method)}, {"documents", ctx.documents()}, {"topics", spec.topics}, {"segments_per_head", built.segments / H}, {"clusters_per_head", clusters_per_head}, {"index_build_s", build_s}, {"append_s", append_s}, {"prompt_finish_s", finish_s}, {"kmeans_s", kmeans_s}, {"wavekv", {{"step_ms_median", w_med}, {"step_ms_p90", quantile(wkv_ms, 0.9)}, {"rel_l2_median", median(err_wkv)}, {"rel_l2_p90", quantile(err_wkv, 0.9)}, {"rel_l2_needle_median", median(err_wkv_needle)}, {"needle_hits", wkv_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", att_per_head}, {"retrieved_clusters_per_head", ret_per_head}, {"estimated_clusters_per_head", est_per_head}}}, {"sink_window", {{"rel_l2_median", median(err_sw)}, {"rel_l2_p90", quantile(err_sw, 0.9)}, {"rel_l2_needle_median", median(err_sw_needle)}, {"needle_hits", sw_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", std::min<uint64_t>(final_tokens, sink + window)}}}, {"exact", {{"step_ms_median", e_med}, {"step_ms_p90", quantile(exact_ms, 0.9)}, {"rel_l2_median", median(err_exact)}, {"rel_l2_p90", quantile(err_exact, 0.9)}, {"needle_share_median", median(needle_share)}, {"sink_share_median", median(sink_share)}, {"top_share_median", median(top_share)}, {"attended_tokens_per_head", final_tokens}}}, {"oracle_top_k", {{"rel_l2_median", median(err_oracle)}, {"rel_l2_p90", quantile(err_oracle, 0.9)}, {"rel_l2_needle_median", median(err_oracle_needle)}, {"needle_hits", oracle_hits}, {"needle_queries", needle_queries}}}, {"speedup", speedup}, {"total_s", total_s}, {"layers", L}, {"spill", {{"host_budget_bytes", o.host_budget}, {"kv_page_bytes", kv_bytes}, {"host_page_bytes", fin.pages_used * fin.page_bytes}, {"cold_pages", fin.spill_cold_pages}, {"bytes_written", fin.spill_bytes_written}, {"bytes_read", fin.spill_bytes_read}, {"bytes_read_decoding", read_back}, {"read_mb_per_s_decoding", decode_s > 0 ? read_back / decode_s / 1e6 : 0.0}, {"retrievals_estimated_on_disk", estimated_on_disk}, {"retrievals_exact", retrievals}, {"read_errors", fin.spill_read_errors}, {"io", fin.spill_io}}}};
     std::cout << j.dump() << std::endl;
     return 0;
   }
   Table t;
   t.row({"metric", "wavekv", "sink+window", "exact", "oracle top-k"});
   t.row({"tokens", std::to_string(o.tokens) + " + " + std::to_string(final_tokens - o.tokens) + " generated"});
-  t.row({"shape", std::to_string(H) + " kv heads, " + std::to_string(Q) + " q heads, d=" + std::to_string(d) +
+  t.row({"shape", std::to_string(L) + " layer" + (L > 1 ? "s, " : ", ") + std::to_string(H) + " kv heads, " + std::to_string(Q) + " q heads, d=" + std::to_string(d) +
                       ", " + o.dtype + ", " + std::to_string(threads) + " threads"});
   t.row({"workload / method", o.workload + " / " + method_name(s.config.method)});
   t.row({"documents / topics", std::to_string(ctx.documents()) + " / " + std::to_string(spec.topics)});
@@ -244,9 +274,26 @@ int run_demo(const Options &o) {
   t.row({"needle share of attention", "", "", fixed(median(needle_share), 3)});
   t.row({"sink share of attention", "", "", fixed(median(sink_share), 3)});
   t.row({"top 1.8% share of attention", "", "", fixed(median(top_share), 3)});
+  if (!o.spill_dir.empty() || o.host_budget) {
+    const double mb = 1e6;
+    t.row({"host pages / KV (MB)", fixed(fin.pages_used * fin.page_bytes / mb, 0) + " / " + fixed(kv_bytes / mb, 0) +
+                                       " (budget " + fixed(o.host_budget / mb, 0) + ")"});
+    t.row({"cold pages on disk", std::to_string(fin.spill_cold_pages) + " (" +
+                                     fixed(fin.spill_cold_pages * fin.page_bytes / mb, 0) + " MB, io " +
+                                     (fin.spill_io & WKV_SPILL_IO_URING ? "io_uring" : "pread") +
+                                     (fin.spill_io & WKV_SPILL_IO_DIRECT ? "+direct" : "") + ")"});
+    t.row({"spill written / read (MB)", fixed(fin.spill_bytes_written / mb, 0) + " / " +
+                                            fixed(fin.spill_bytes_read / mb, 0)});
+    t.row({"read back while decoding", fixed(read_back / mb, 1) + " MB, " +
+                                           fixed(decode_s > 0 ? read_back / decode_s / mb : 0, 1) +
+                                           " MB/s over the steps' time"});
+    t.row({"retrievals estimated: on disk", std::to_string(estimated_on_disk) + " of " +
+                                                std::to_string(estimated_on_disk + retrievals) + " (" +
+                                                std::to_string(fin.spill_read_errors) + " read errors)"});
+  }
   std::cout << t.str();
   std::printf("errors: relative L2 against exact attention in f64, per (step, q head): %zu of them; exact = the\n"
-              "f32 CPU baseline; oracle top-k = exact attention over the tokens with the highest logits for each\n"
+              "f32 CPU baseline (timed on layer 0, times the layers); oracle top-k = exact attention over the tokens with the highest logits for each\n"
               "q head, as many as wavekv attended exactly per kv head (the best any selection that size can do)\n",
               err_wkv.size());
   std::printf("demo took %.1f s\n", total_s);

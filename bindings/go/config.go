@@ -213,6 +213,13 @@ type Stats struct {
 	SpillBytesWritten uint64
 	SpillBytesRead    uint64
 	EvictedSequences  uint64
+	// Cold pages (CPU engines with a spill directory and a host budget).
+	SpillColdPages    uint64 // pages of live sequences in the spill file
+	SpillPagesWritten uint64 // cold pages written out, since open
+	SpillPagesRead    uint64 // cold pages read back, since open
+	SpillEstimated    uint64 // retrievals estimated because a page was on disk
+	SpillReadErrors   uint64
+	SpillWriteErrors  uint64
 }
 
 func statsFromC(s *C.wkv_stats) Stats {
@@ -249,6 +256,12 @@ func statsFromC(s *C.wkv_stats) Stats {
 		SpillBytesWritten: uint64(s.spill_bytes_written),
 		SpillBytesRead:    uint64(s.spill_bytes_read),
 		EvictedSequences:  uint64(s.evicted_sequences),
+		SpillColdPages:    uint64(s.spill_cold_pages),
+		SpillPagesWritten: uint64(s.spill_pages_written),
+		SpillPagesRead:    uint64(s.spill_pages_read),
+		SpillEstimated:    uint64(s.spill_estimated),
+		SpillReadErrors:   uint64(s.spill_read_errors),
+		SpillWriteErrors:  uint64(s.spill_write_errors),
 	}
 }
 

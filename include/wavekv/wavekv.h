@@ -21,7 +21,8 @@
  *   older header keeps working: when a struct grows, its *_init function
  *   keeps the old size under the old symbol version (wkv_config grew in 0.2
  *   and 0.3: wkv_config_init@WAVEKV_0.1 writes 0.1's struct; wkv_stats grew
- *   in 0.3: wkv_stats_init@WAVEKV_0.1 writes 0.2's).
+ *   in 0.3 and 0.4: wkv_stats_init@WAVEKV_0.1 writes 0.2's, and
+ *   wkv_stats_init@WAVEKV_0.3 writes 0.3's).
  * - Tensors are raw pointers in the engine's storage dtype (wkv_config.dtype),
  *   with explicit strides counted in elements, not bytes. On a CUDA engine
  *   they are device pointers and streams are cudaStream_t passed as void*
@@ -87,7 +88,7 @@ extern "C" {
 /* Versions ---------------------------------------------------------------- */
 
 #define WKV_VERSION_MAJOR 0
-#define WKV_VERSION_MINOR 3
+#define WKV_VERSION_MINOR 4
 #define WKV_VERSION_PATCH 0
 /* The version as one number: major * 10000 + minor * 100 + patch. */
 #define WKV_VERSION_NUMBER \
@@ -335,6 +336,19 @@ typedef struct wkv_stats {
   uint64_t spill_bytes_written;/* bytes written to it, since open */
   uint64_t spill_bytes_read;   /* bytes read back from it, since open */
   uint64_t evicted_sequences;  /* sequences whose pages are in the spill file */
+  /* 0.4: cold pages (CPU engines with a spill_dir and a host budget: pages
+     of live sequences written to the spill file when the budget runs short,
+     read back when a lookup wants them; see wkv_config.spill_dir). */
+  uint64_t spill_cold_pages;   /* pages of live sequences in the spill file now */
+  uint64_t spill_pages_written;/* cold pages written out, since open */
+  uint64_t spill_pages_read;   /* cold pages read back, since open */
+  uint64_t spill_estimated;    /* retrieval-zone clusters estimated instead
+                                  because a page of theirs was on disk */
+  uint64_t spill_read_errors;  /* cold pages whose read back failed (I/O or
+                                  checksum): their clusters are estimated from
+                                  then on, and saving the sequence fails */
+  uint64_t spill_write_errors; /* writes of cold pages that failed (the pages
+                                  stayed in memory) */
 } wkv_stats;
 
 /* Bits of wkv_stats.spill_io. */

@@ -21,6 +21,13 @@ struct EngineCounters {
   std::atomic<uint64_t> cache_misses{0};
   std::atomic<uint64_t> kmeans_ns{0};
   std::atomic<uint64_t> pin_fallbacks{0};  // host chunks left pageable: pinning failed
+  // The spill tier under live sequences (lib/engine/cold.hpp).
+  std::atomic<uint64_t> cold_pages{0};          // pages of live sequences on disk
+  std::atomic<uint64_t> cold_pages_written{0};  // pages written out, since open
+  std::atomic<uint64_t> cold_pages_read{0};     // pages read back, since open
+  std::atomic<uint64_t> cold_estimated{0};      // retrievals estimated: on disk
+  std::atomic<uint64_t> spill_read_errors{0};
+  std::atomic<uint64_t> spill_write_errors{0};
   std::atomic<uint64_t> next_seq_id{1};
 };
 

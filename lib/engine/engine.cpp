@@ -119,6 +119,19 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
     so.no_uring = (cfg.c.flags & WKV_CONFIG_SPILL_NO_URING) != 0;
     Status st = SpillFile::open(so, &e->spill_);
     if (!st.is_ok()) return WKV_ERROR(st.code(), "spill_dir: %s", st.message().c_str());
+    // Cold pages of live sequences leave for the spill file under a host
+    // budget, on a CPU engine (a CUDA engine's gathers read host pages
+    // directly: it evicts whole sequences only).
+    if (device == WKV_DEVICE_CPU && cfg.c.host_budget_bytes > 0) {
+      ColdTier::Options co;
+      co.budget_pages = cfg.c.host_budget_bytes / cfg.page_slot_bytes();
+      co.page_tokens = cfg.page_tokens();
+      try {
+        e->cold_ = std::make_unique<ColdTier>(co, *e->spill_, *e->arena_, e->counters_);
+      } catch (const std::exception &) {
+        return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of resources starting the spill tier's thread");
+      }
+    }
   }
   *out = std::move(e);
   return Status::ok();
@@ -157,6 +170,12 @@ void Engine::fill_stats(wkv_stats *out) {
     out->spill_bytes_written = spill_->bytes_written();
     out->spill_bytes_read = spill_->bytes_read();
   }
+  out->spill_cold_pages = counters_.cold_pages.load();
+  out->spill_pages_written = counters_.cold_pages_written.load();
+  out->spill_pages_read = counters_.cold_pages_read.load();
+  out->spill_estimated = counters_.cold_estimated.load();
+  out->spill_read_errors = counters_.spill_read_errors.load();
+  out->spill_write_errors = counters_.spill_write_errors.load();
   out->cache_hits = counters_.cache_hits.load();
   out->cache_misses = counters_.cache_misses.load();
   out->device_cache_bytes = 0;
@@ -232,6 +251,12 @@ std::string Engine::stats_json() {
       {"spill_bytes_written", s.spill_bytes_written},
       {"spill_bytes_read", s.spill_bytes_read},
       {"evicted_sequences", s.evicted_sequences},
+      {"spill_cold_pages", s.spill_cold_pages},
+      {"spill_pages_written", s.spill_pages_written},
+      {"spill_pages_read", s.spill_pages_read},
+      {"spill_estimated", s.spill_estimated},
+      {"spill_read_errors", s.spill_read_errors},
+      {"spill_write_errors", s.spill_write_errors},
   };
   const auto now = std::chrono::system_clock::now().time_since_epoch();
   nlohmann::ordered_json j = {
@@ -250,8 +275,10 @@ Status Engine::evict(Sequence &seq) {
     return WKV_ERROR(WKV_ERR_STATE, "the engine has no spill file (wkv_config.spill_dir is NULL)");
   if (seq.evicted()) return Status::ok();
   // 1. The sequence's own device work (page writes of its growths) ends
-  //    before its pages are read here.
+  //    before its pages are read here; its cold pages' reads and writes are
+  //    settled (they stay in the spill file as they are).
   BufferManager::wait_idle(seq.tracker());
+  if (cold_) cold_->settle(seq);
   const uint32_t H = cfg_.c.n_kv_heads;
   const size_t page = arena_->page_bytes();
   // 2. Every head's pages into an extent of their own. On a failure the
@@ -267,35 +294,38 @@ Status Engine::evict(Sequence &seq) {
     const HeadState &hs = seq.layer(i / H).heads[i % H];
     Status st = Status::ok();
     try {
-      pieces.resize(hs.map.pages.size());
+      pieces.clear();
+      for (PageId id : hs.map.pages)
+        if (id != kNoPage) pieces.push_back(SpillPiece{arena_->page_ptr(id), page});
     } catch (const std::bad_alloc &) {
       st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory evicting a sequence");
     }
-    if (st.is_ok()) {
-      for (size_t p = 0; p < pieces.size(); ++p)
-        pieces[p] = SpillPiece{arena_->page_ptr(hs.map.pages[p]), page};
-      st = spill_->write(pieces.data(), pieces.size(), &seq.spilled(i / H, i % H));
-    }
+    if (st.is_ok()) st = spill_->write(pieces.data(), pieces.size(), &seq.spilled(i / H, i % H));
     if (!st.is_ok()) {
       undo(i);
       return WKV_ERROR(st.code(), "evicting layer %u head %u: %s", i / H, i % H, st.message().c_str());
     }
   }
   // 3. Commit: the pages go once no step in flight reads them; plans that
-  //    looked the sequence up must look it up again.
+  //    looked the sequence up must look it up again. The page list keeps
+  //    its length: kNoPage throughout, cold pages told apart by their
+  //    state (lib/index/head.hpp).
   for (uint32_t l = 0; l < seq.n_layers(); ++l) {
     LayerState &L = seq.layer(l);
     L.version++;
     for (HeadState &hs : L.heads) {
       try {
-        buffers_->defer([&arena = *arena_, ids = std::move(hs.map.pages)] {
+        MetaVector<PageId> ids;
+        for (PageId id : hs.map.pages)
+          if (id != kNoPage) ids.push_back(id);
+        buffers_->defer([&arena = *arena_, ids = std::move(ids)] {
           arena.release(ids.data(), static_cast<uint32_t>(ids.size()));
         });
       } catch (...) {
         // Out of memory for the release itself: the pages stay allocated
         // (counted in use) rather than being reused under a reader.
       }
-      hs.map.pages.clear();
+      std::fill(hs.map.pages.begin(), hs.map.pages.end(), kNoPage);
     }
   }
   seq.set_evicted(true);
@@ -320,10 +350,20 @@ Status Engine::restore(Sequence &seq) {
     for (MetaVector<PageId> &v : ids)
       if (!v.empty()) arena_->release(v.data(), static_cast<uint32_t>(v.size()));
   };
+  // Page p of a head was evicted unless it is a cold page (on disk before).
+  auto evicted_page = [](const HeadState &hs, size_t p) {
+    return hs.cold.state.size() <= p || hs.cold.state[p] == ColdPages::kResident;
+  };
   for (uint32_t i = 0; i < N; ++i) {
     const SpillExtent &x = seq.spilled(i / H, i % H);
+    const HeadState &hs = seq.layer(i / H).heads[i % H];
     const uint32_t n = static_cast<uint32_t>(x.bytes / page);
     Status st = Status::ok();
+    uint32_t expect = 0;
+    for (size_t p = 0; p < hs.map.pages.size(); ++p) expect += evicted_page(hs, p);
+    if (expect != n)
+      return WKV_ERROR(WKV_ERR_INTERNAL, "layer %u head %u: %u pages evicted, %u in its extent", i / H, i % H,
+                       expect, n);
     try {
       ids[i].resize(n);
       pieces.resize(n);
@@ -344,6 +384,21 @@ Status Engine::restore(Sequence &seq) {
                        st.message().c_str());
     }
   }
+  // The page lists as they will be: each evicted page's new id in place.
+  std::vector<MetaVector<PageId>> lists;
+  try {
+    lists.resize(N);
+    for (uint32_t i = 0; i < N; ++i) {
+      const HeadState &hs = seq.layer(i / H).heads[i % H];
+      lists[i] = hs.map.pages;
+      size_t k = 0;
+      for (size_t p = 0; p < lists[i].size(); ++p)
+        if (evicted_page(hs, p)) lists[i][p] = ids[i][k++];
+    }
+  } catch (const std::bad_alloc &) {
+    undo();
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory restoring a sequence");
+  }
   // 2. The device's page table (CUDA), on the I/O stream, before anything
   //    can look the sequence up.
   const IndexContext ix = index();
@@ -351,8 +406,8 @@ Status Engine::restore(Sequence &seq) {
   Status st = Status::ok();
   for (uint32_t i = 0; i < N && st.is_ok(); ++i) {
     HeadState &hs = seq.layer(i / H).heads[i % H];
-    st = mirror_fill_entries(ix, hs, 0, nullptr, nullptr, nullptr, 0, 0, ids[i].data(),
-                             static_cast<uint32_t>(ids[i].size()), stream);
+    st = mirror_fill_entries(ix, hs, 0, nullptr, nullptr, nullptr, 0, 0, lists[i].data(),
+                             static_cast<uint32_t>(lists[i].size()), stream);
   }
   if (st.is_ok()) st = backend_->mem_sync(stream);
   if (!st.is_ok()) {
@@ -362,7 +417,7 @@ Status Engine::restore(Sequence &seq) {
   // 3. Commit.
   for (uint32_t i = 0; i < N; ++i) {
     HeadState &hs = seq.layer(i / H).heads[i % H];
-    hs.map.pages = std::move(ids[i]);
+    hs.map.pages = std::move(lists[i]);
     spill_->release(seq.spilled(i / H, i % H));
     seq.spilled(i / H, i % H) = SpillExtent{};
   }
@@ -390,16 +445,30 @@ Status Engine::append(Sequence &seq, uint32_t layer, const uint8_t *k, const uin
   WKV_RETURN_IF_ERROR(backend_->check_pointer(v, "v", esz));
   WKV_RETURN_IF_ERROR(restore(seq));
   const uint64_t epoch = buffers_->begin(seq.tracker());
-  Status st = append_tokens(index(), seq.layer(layer), layer, k, v, n, token_stride, head_stride, stream);
+  Status st = append_tokens(index_for(seq), seq.layer(layer), layer, k, v, n, token_stride, head_stride, stream);
   Status marked = backend_->end_work(seq.tracker(), epoch, stream);
   return st.is_ok() ? marked : st;
+}
+
+IndexContext Engine::index_for(Sequence &seq) {
+  IndexContext ix = index();
+  if (cold_) {
+    ix.relieve = [this, &seq](uint64_t n) { return cold_->relieve(seq, n); };
+    ix.read_cold = [this](const HeadState &hs, uint32_t p, uint8_t *dst) { return cold_->read_page(hs, p, dst); };
+    // A growth's pages within a quarter of the budget.
+    const uint64_t per_segment =
+        uint64_t(cfg_.c.n_kv_heads) * ((cfg_.c.segment_tokens + cfg_.page_tokens() - 1) / cfg_.page_tokens());
+    const uint64_t budget_pages = cfg_.c.host_budget_bytes / cfg_.page_slot_bytes();
+    ix.max_growth_segments = static_cast<uint32_t>(std::max<uint64_t>(1, budget_pages / 4 / per_segment));
+  }
+  return ix;
 }
 
 Status Engine::end_prompt_locked(Sequence &seq, uint32_t layer, void *stream) {
   const LayerState &L = seq.layer(layer);
   if (L.generating || L.tokens == 0) return Status::ok();
   const uint64_t epoch = buffers_->begin(seq.tracker());
-  Status st = wkv::end_prompt(index(), seq.layer(layer), layer, stream);
+  Status st = wkv::end_prompt(index_for(seq), seq.layer(layer), layer, stream);
   Status marked = backend_->end_work(seq.tracker(), epoch, stream);
   return st.is_ok() ? marked : st;
 }
@@ -465,8 +534,14 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
     plan.n_seqs = 0;
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory sizing the plan");
   }
-  // 4. Score, select, estimate.
+  // 4. Score, select, estimate; with cold pages, what came back from the
+  //    spill file is installed first, and what the step wanted is asked
+  //    for after.
+  if (cold_)
+    for (uint32_t i = 0; i < n; ++i) cold_->begin_lookup(*seqs[i], layer);
   Status st = backend_->lookup(plan);
+  if (cold_)
+    for (uint32_t i = 0; i < n; ++i) cold_->end_lookup(*seqs[i], layer);
   if (!st.is_ok()) return st;
   plan.stage = Plan::Stage::kLookedUp;
   counters_.lookups.fetch_add(n);

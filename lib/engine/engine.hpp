@@ -19,6 +19,7 @@
 #include "lib/common/faults.hpp"
 #include "lib/common/status.hpp"
 #include "lib/common/thread_pool.hpp"
+#include "lib/engine/cold.hpp"
 #include "lib/engine/stats_publisher.hpp"
 #include "lib/index/growth.hpp"
 #include "lib/store/host_arena.hpp"
@@ -78,6 +79,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // sequence stays evicted after a failure). Pre: no other thread uses
   // `seq` meanwhile.
   SpillFile *spill() { return spill_.get(); }
+  // The spill tier under live sequences (lib/engine/cold.hpp): CPU engines
+  // with a spill file and a host budget; null otherwise.
+  ColdTier *cold() { return cold_.get(); }
   Status evict(Sequence &seq);
   Status restore(Sequence &seq);
 
@@ -101,6 +105,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
  private:
   Engine() = default;
   Status end_prompt_locked(Sequence &seq, uint32_t layer, void *stream);
+  // index(), with a growth of `seq` that finds the host budget full first
+  // writing the sequence's cold pages out (when the engine has a cold tier).
+  IndexContext index_for(Sequence &seq);
 
   Config cfg_;
   // Destroyed in reverse order: the buffer manager first (it waits for the
@@ -116,6 +123,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::string stats_path_;  // the config's stats_path points here
   std::string spill_dir_;   // the config's spill_dir points here
   std::unique_ptr<SpillFile> spill_;
+  std::unique_ptr<ColdTier> cold_;  // before the spill file and the arena it uses
   // Last: stopped first, since it reads everything above.
   std::unique_ptr<StatsPublisher> stats_publisher_;
 };

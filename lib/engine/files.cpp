@@ -16,7 +16,7 @@ Status Engine::save(Sequence &seq, FileIO &io, int fd, uint32_t flags, const Pro
   // 2. One layer at a time: export on the I/O stream (export_layer waits for
   //    it), write, and the next export reuses the snapshot's memory.
   void *stream = backend_->io_stream();
-  const IndexContext ix = index();
+  const IndexContext ix = index_for(seq);
   SeqFileWriter writer(io, fd, cfg_, cfg_.c.device);
   return writer.write(
       [&](uint32_t l, LayerSnapshot *snap) { return export_layer(ix, seq.layer(l), snap, stream); }, flags,

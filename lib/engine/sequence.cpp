@@ -17,6 +17,7 @@ Status Sequence::create(std::shared_ptr<Engine> engine, std::shared_ptr<Sequence
     s->layers_.resize(e.config().c.n_layers);
     s->heads_ = e.config().c.n_kv_heads;
     s->spilled_.resize(size_t(s->layers_.size()) * s->heads_);
+    if (e.cold()) s->cold_ = std::make_shared<ColdShared>();
     const IndexContext ix = e.index();
     for (LayerState &L : s->layers_) init_layer(ix, &L);
   } catch (const std::bad_alloc &) {
@@ -27,6 +28,10 @@ Status Sequence::create(std::shared_ptr<Engine> engine, std::shared_ptr<Sequence
 }
 
 Sequence::~Sequence() {
+  if (cold_) {
+    engine_->cold()->settle(*this);
+    engine_->cold()->release(*this);
+  }
   if (evicted_) {
     // Its pages are in the spill file (map.pages are empty): give the
     // extents back.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "lib/buffer/buffer_manager.hpp"
+#include "lib/engine/cold.hpp"
 #include "lib/common/status.hpp"
 #include "lib/index/head.hpp"
 #include "lib/store/spill.hpp"
@@ -38,6 +39,12 @@ class Sequence {
   SpillExtent &spilled(uint32_t l, uint32_t h) { return spilled_[size_t(l) * heads_ + h]; }
   void set_evicted(bool e) { evicted_ = e; }
 
+  // Cold pages (lib/engine/cold.hpp): the lookup stamp, and what the
+  // sequence shares with the pager's thread (null without a cold tier).
+  uint64_t stamp() const { return stamp_; }
+  uint64_t next_stamp() { return ++stamp_; }
+  const std::shared_ptr<ColdShared> &cold() const { return cold_; }
+
  private:
   Sequence(std::shared_ptr<Engine> engine, uint64_t id) : engine_(std::move(engine)), id_(id) {}
 
@@ -48,6 +55,8 @@ class Sequence {
   bool evicted_ = false;
   uint32_t heads_ = 0;
   std::vector<SpillExtent> spilled_;  // [layers][heads]
+  uint64_t stamp_ = 0;
+  std::shared_ptr<ColdShared> cold_;
 };
 
 }  // namespace wkv

@@ -139,7 +139,12 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %u page ids", npages);
   }
-  WKV_RETURN_IF_ERROR(ix.arena.allocate(npages, ids.data()));
+  Status got = ix.arena.allocate(npages, ids.data());
+  if (got.code() == WKV_ERR_BUDGET && ix.relieve) {
+    Status freed = ix.relieve(npages);
+    got = freed.is_ok() ? ix.arena.allocate(npages, ids.data()) : freed;
+  }
+  WKV_RETURN_IF_ERROR(got);
   struct PageGuard {
     HostArena &arena;
     std::vector<PageId> &ids;
@@ -415,7 +420,9 @@ void release_layer(const IndexContext &ix, LayerState &L, bool counted) noexcept
     for (Region &c : h.mirror.unit_chunks) ix.backend.mem_free_deferred(&c);
     // Pages too may be read by a step in flight (a CUDA gather).
     try {
-      ix.buffers.defer([&arena = ix.arena, pages = std::move(h.map.pages)] {
+      // Cold pages (kNoPage) are the spill file's, not the arena's.
+      ix.buffers.defer([&arena = ix.arena, pages = std::move(h.map.pages)]() mutable {
+        pages.erase(std::remove(pages.begin(), pages.end(), kNoPage), pages.end());
         arena.release(pages.data(), static_cast<uint32_t>(pages.size()));
       });
     } catch (...) {
@@ -482,18 +489,26 @@ Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, cons
   uint32_t count = static_cast<uint32_t>(ready / seg);
   if (!L.generating && count < ix.backend.prompt_batch_segments()) count = 0;
   ix.counters.steady_rows.fetch_add(static_cast<uint64_t>(n) * H);
-  if (count > 0) {
-    Status st = grow(ix, L, layer, count, seg, seg, L.generating, stream);
-    if (!st.is_ok()) {
-      // The layer as before the call.
-      for (HeadState &h : L.heads) {
-        h.sink.n -= to_sink;
-        h.tail.n -= to_tail;
-      }
-      L.tail_begin = tail_begin;
-      ix.counters.steady_rows.fetch_sub(static_cast<uint64_t>(n) * H);
-      return st;
+  // Under a host budget with cold pages, in growths of at most
+  // max_growth_segments: once one has succeeded the tokens are kept, and
+  // segments a later one could not take wait in the tail (the steady zone,
+  // attended exactly) for the next growth.
+  for (uint32_t done = 0; done < count;) {
+    const uint32_t c = ix.max_growth_segments ? std::min(count - done, ix.max_growth_segments) : count - done;
+    Status st = grow(ix, L, layer, c, seg, seg, L.generating, stream);
+    if (st.is_ok()) {
+      done += c;
+      continue;
     }
+    if (done > 0) break;
+    // The layer as before the call.
+    for (HeadState &h : L.heads) {
+      h.sink.n -= to_sink;
+      h.tail.n -= to_tail;
+    }
+    L.tail_begin = tail_begin;
+    ix.counters.steady_rows.fetch_sub(static_cast<uint64_t>(n) * H);
+    return st;
   }
   L.tokens += n;
   L.version++;
@@ -510,7 +525,13 @@ Status end_prompt(const IndexContext &ix, LayerState &L, uint32_t layer, void *s
     const uint32_t seg = cfg.c.segment_tokens;
     const uint32_t count = static_cast<uint32_t>((ready + seg - 1) / seg);
     const uint32_t last = static_cast<uint32_t>(ready - static_cast<uint64_t>(count - 1) * seg);
-    WKV_RETURN_IF_ERROR(grow(ix, L, layer, count, seg, last, false, stream));
+    // In growths of at most max_growth_segments (as append_tokens): a
+    // failure leaves the prompt open, with what was clustered kept.
+    for (uint32_t done = 0; done < count;) {
+      const uint32_t c = ix.max_growth_segments ? std::min(count - done, ix.max_growth_segments) : count - done;
+      WKV_RETURN_IF_ERROR(grow(ix, L, layer, c, seg, done + c == count ? last : seg, false, stream));
+      done += c;
+    }
   }
   L.generating = true;
   L.version++;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
 
 #include "lib/backend/backend.hpp"
@@ -29,6 +30,17 @@ struct IndexContext {
   EngineCounters &counters;
   BufferManager &buffers;
   std::mutex &growth_mu;  // one growth at a time (the backend's k-means workspace)
+  // When the arena refuses pages for the budget: frees at least n pages of
+  // the growing sequence (lib/engine/cold.hpp), after which the growth
+  // allocates again. Empty: the refusal stands.
+  std::function<Status(uint64_t n)> relieve = nullptr;
+  // With `relieve`: segments one growth clusters at most (0: no bound), so
+  // that a long prompt's pages never need more of the budget at once than
+  // the spill tier can free.
+  uint32_t max_growth_segments = 0;
+  // Reads a page that is not resident (map.pages[p] == kNoPage) into dst:
+  // a snapshot of a sequence with cold pages. Empty: no page may be cold.
+  std::function<Status(const HeadState &, uint32_t p, uint8_t *dst)> read_cold = nullptr;
 };
 
 // WKV_METHOD_OUTLIERS: a segment's members whose squared distance to their

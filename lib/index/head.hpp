@@ -34,6 +34,7 @@
 #include "kernels/dtype.hpp"
 #include "lib/common/meta_alloc.hpp"
 #include "lib/store/host_arena.hpp"
+#include "lib/store/spill.hpp"
 
 namespace wkv {
 
@@ -119,6 +120,22 @@ struct ValueMean {
   Region mean;
 };
 
+// Cold pages (lib/engine/cold.hpp): pages of the head written to the spill
+// file under host-budget pressure, on CPU engines with a spill file and a
+// host budget. Such a page's map.pages entry is kNoPage and its extent is
+// extent[p]; a retrieval-zone cluster with a page not resident is
+// estimated instead, and its pages are read back for later steps.
+// last_used[c] is the sequence's lookup stamp when cluster c was last
+// retrieved (or created): the replacement's recency. Empty until used.
+struct ColdPages {
+  enum State : uint8_t { kResident = 0, kOnDisk, kReading, kWriting, kFailed };
+  MetaVector<uint32_t> last_used;  // [clusters]
+  MetaVector<uint8_t> state;       // [pages]
+  MetaVector<SpillExtent> extent;  // [pages]: valid unless kResident / kWriting
+  MetaVector<uint32_t> want;       // pages the last lookup asks to read back
+  uint32_t out = 0;                // pages not resident
+};
+
 struct HeadState {
   Rows sink, tail;
   MetaVector<SegmentDesc> segments;
@@ -126,6 +143,7 @@ struct HeadState {
   MappingTable map;
   HeadMirror mirror;
   ValueMean values;
+  ColdPages cold;
   uint32_t max_cluster = 0;  // largest cluster size
   uint32_t ones = 0;         // clusters of one member
   uint32_t clusters() const { return map.clusters(); }
@@ -140,6 +158,7 @@ struct LayerState {
   uint64_t tail_begin = 0;  // first unclustered token (>= the sink's tokens)
   bool generating = false;  // set when the prompt ends
   uint64_t version = 0;     // bumped by every change, checked by plans
+  uint64_t last_lookup = 0; // the sequence's stamp of this layer's latest lookup
   std::vector<HeadState> heads;
 };
 

@@ -125,8 +125,15 @@ Status export_layer(const IndexContext &ix, const LayerState &L, LayerSnapshot *
     WKV_RETURN_IF_ERROR(ix.backend.mem_sync(stream));
     for (size_t h = 0; h < L.heads.size(); ++h) {
       const HeadState &hs = L.heads[h];
-      for (size_t p = 0; p < hs.map.pages.size(); ++p)
-        std::memcpy(out->heads[h].pages.data() + p * slot, ix.arena.page_ptr(hs.map.pages[p]), slot);
+      for (size_t p = 0; p < hs.map.pages.size(); ++p) {
+        uint8_t *dst = out->heads[h].pages.data() + p * slot;
+        if (hs.map.pages[p] != kNoPage) {
+          std::memcpy(dst, ix.arena.page_ptr(hs.map.pages[p]), slot);
+          continue;
+        }
+        if (!ix.read_cold) return WKV_ERROR(WKV_ERR_INTERNAL, "a page of layer head %zu is not resident", h);
+        WKV_RETURN_IF_ERROR(ix.read_cold(hs, static_cast<uint32_t>(p), dst));
+      }
     }
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for a snapshot");

@@ -188,29 +188,36 @@ void SpillFile::release(const SpillExtent &e) noexcept {
   }
 }
 
-Status SpillFile::transfer(bool write, uint64_t offset, uint64_t bytes,
+std::vector<SpillFile::Op> SpillFile::chunk_ops(uint64_t offset, uint64_t bytes) {
+  std::vector<Op> ops;
+  const uint64_t span = round_block(bytes);
+  for (uint64_t b = 0; b < span; b += kStageBytes) {
+    Op o;
+    o.offset = offset + b;
+    o.len = static_cast<uint32_t>(std::min<uint64_t>(kStageBytes, span - b));
+    o.payload = static_cast<uint32_t>(std::min<uint64_t>(o.len, bytes > b ? bytes - b : 0));
+    ops.push_back(o);
+  }
+  return ops;
+}
+
+Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
                            const std::function<void(size_t, uint8_t *, size_t)> &fill,
                            const std::function<void(size_t, const uint8_t *, size_t)> &drain) {
-  const size_t span = round_block(bytes);
-  const size_t chunks = (span + kStageBytes - 1) / kStageBytes;
-  auto chunk_len = [&](size_t i) { return std::min(kStageBytes, span - i * kStageBytes); };
-  // Payload bytes of chunk i (the rest of the last block is padding).
-  auto chunk_payload = [&](size_t i) {
-    const uint64_t b = uint64_t(i) * kStageBytes;
-    return static_cast<size_t>(std::min<uint64_t>(chunk_len(i), bytes > b ? bytes - b : 0));
-  };
+  const size_t n_ops = ops.size();
+  if (n_ops == 0) return Status::ok();
   const char *what = write ? "writing the spill file" : "reading the spill file";
   Stage stage;
 #if defined(WKV_WITH_URING)
   if (ring_) {
-    const size_t depth = std::min<size_t>(kQueueDepth, chunks);
+    const size_t depth = std::min<size_t>(kQueueDepth, n_ops);
     WKV_RETURN_IF_ERROR(stage.make(depth, kStageBytes));
     std::lock_guard<std::mutex> lock(ring_->mu);
     io_uring *ring = &ring_->ring;
-    // Chunk i uses buffer i % depth; at most `depth` in flight, drained (for
-    // reads) in order, so that the checksum streams.
-    std::vector<int> result(chunks, 0);
-    std::vector<char> done(chunks, 0);
+    // Op i uses buffer i % depth; at most `depth` in flight, drained (for
+    // reads) in order, so that checksums stream.
+    std::vector<int> result(n_ops, 0);
+    std::vector<char> done(n_ops, 0);
     size_t next_submit = 0, next_drain = 0, in_flight = 0;
     int failure = 0;
     size_t failed_len = 0, failed_res = 0;
@@ -218,23 +225,22 @@ Status SpillFile::transfer(bool write, uint64_t offset, uint64_t bytes,
       io_uring_sqe *sqe = io_uring_get_sqe(ring);
       if (!sqe) return false;
       uint8_t *buf = stage.bufs[i % depth];
-      const size_t len = chunk_len(i);
+      const Op &o = ops[i];
       if (write) {
-        const size_t pay = chunk_payload(i);
-        fill(i, buf, pay);
-        if (pay < len) std::memset(buf + pay, 0, len - pay);
-        io_uring_prep_write(sqe, fd_, buf, static_cast<unsigned>(len), offset + uint64_t(i) * kStageBytes);
+        fill(i, buf, o.payload);
+        if (o.payload < o.len) std::memset(buf + o.payload, 0, o.len - o.payload);
+        io_uring_prep_write(sqe, fd_, buf, o.len, o.offset);
       } else {
-        io_uring_prep_read(sqe, fd_, buf, static_cast<unsigned>(len), offset + uint64_t(i) * kStageBytes);
+        io_uring_prep_read(sqe, fd_, buf, o.len, o.offset);
       }
       io_uring_sqe_set_data64(sqe, i);
       return true;
     };
-    while (next_drain < chunks && failure == 0) {
-      // Fill the queue: a chunk may go once the one that last used its
+    while (next_drain < n_ops && failure == 0) {
+      // Fill the queue: an op may go once the one that last used its
       // buffer has been drained.
       size_t queued = 0;
-      while (next_submit < chunks && next_submit < next_drain + depth && submit(next_submit)) {
+      while (next_submit < n_ops && next_submit < next_drain + depth && submit(next_submit)) {
         ++next_submit;
         ++queued;
       }
@@ -258,19 +264,19 @@ Status SpillFile::transfer(bool write, uint64_t offset, uint64_t bytes,
       done[i] = 1;
       io_uring_cqe_seen(ring, cqe);
       --in_flight;
-      while (next_drain < chunks && done[next_drain]) {
+      while (next_drain < n_ops && done[next_drain]) {
         const size_t j = next_drain;
         if (result[j] < 0) {
           failure = result[j];
           break;
         }
-        if (static_cast<size_t>(result[j]) != chunk_len(j)) {
+        if (static_cast<size_t>(result[j]) != ops[j].len) {
           failure = -EIO;
-          failed_len = chunk_len(j);
+          failed_len = ops[j].len;
           failed_res = static_cast<size_t>(result[j]);
           break;
         }
-        if (!write) drain(j, stage.bufs[j % depth], chunk_payload(j));
+        if (!write) drain(j, stage.bufs[j % depth], ops[j].payload);
         ++next_drain;
       }
     }
@@ -290,20 +296,21 @@ Status SpillFile::transfer(bool write, uint64_t offset, uint64_t bytes,
     return Status::ok();
   }
 #endif
-  WKV_RETURN_IF_ERROR(stage.make(1, std::min(kStageBytes, span)));
+  size_t largest = 0;
+  for (const Op &o : ops) largest = std::max<size_t>(largest, o.len);
+  WKV_RETURN_IF_ERROR(stage.make(1, largest));
   uint8_t *buf = stage.bufs[0];
-  for (size_t i = 0; i < chunks; ++i) {
-    const size_t len = chunk_len(i), pay = chunk_payload(i);
-    const uint64_t at = offset + uint64_t(i) * kStageBytes;
+  for (size_t i = 0; i < n_ops; ++i) {
+    const Op &o = ops[i];
     if (write) {
-      fill(i, buf, pay);
-      if (pay < len) std::memset(buf + pay, 0, len - pay);
-      const int r = write_full(*io_, fd_, buf, len, at);
+      fill(i, buf, o.payload);
+      if (o.payload < o.len) std::memset(buf + o.payload, 0, o.len - o.payload);
+      const int r = write_full(*io_, fd_, buf, o.len, o.offset);
       if (r < 0) return io_status(r, what);
     } else {
-      const int r = read_full(*io_, fd_, buf, len, at);
+      const int r = read_full(*io_, fd_, buf, o.len, o.offset);
       if (r < 0) return r == -ENODATA ? WKV_ERROR(WKV_ERR_IO, "%s: the file ends early", what) : io_status(r, what);
-      drain(i, buf, pay);
+      drain(i, buf, o.payload);
     }
   }
   return Status::ok();
@@ -336,7 +343,14 @@ Status SpillFile::write(const SpillPiece *pieces, size_t n, SpillExtent *out) {
     }
     XXH3_64bits_update(&h, buf, len);
   };
-  Status st = transfer(true, e.offset, bytes, fill, nullptr);
+  std::vector<Op> ops;
+  Status st = Status::ok();
+  try {
+    ops = chunk_ops(e.offset, bytes);
+  } catch (const std::bad_alloc &) {
+    st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory writing the spill file");
+  }
+  if (st.is_ok()) st = transfer(true, ops, fill, nullptr);
   if (!st.is_ok()) {
     release(e);
     return st;
@@ -369,7 +383,13 @@ Status SpillFile::read(const SpillExtent &e, const SpillPiece *pieces, size_t n)
       }
     }
   };
-  WKV_RETURN_IF_ERROR(transfer(false, e.offset, e.bytes, nullptr, drain));
+  std::vector<Op> ops;
+  try {
+    ops = chunk_ops(e.offset, e.bytes);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory reading the spill file");
+  }
+  WKV_RETURN_IF_ERROR(transfer(false, ops, nullptr, drain));
   {
     std::lock_guard<std::mutex> lock(mu_);
     read_ += e.span;
@@ -377,6 +397,88 @@ Status SpillFile::read(const SpillExtent &e, const SpillPiece *pieces, size_t n)
   if (XXH3_64bits_digest(&h) != e.checksum)
     return WKV_ERROR(WKV_ERR_CORRUPT, "a spilled extent (%llu bytes at offset %llu) fails its checksum",
                      static_cast<unsigned long long>(e.bytes), static_cast<unsigned long long>(e.offset));
+  return Status::ok();
+}
+
+}  // namespace wkv
+
+namespace wkv {
+
+Status SpillFile::write_many(const uint8_t *const *items, size_t n, size_t bytes, SpillExtent *out) {
+  if (n == 0 || bytes == 0) return Status::ok();
+  const uint64_t span = round_block(bytes);
+  SpillExtent all;
+  WKV_RETURN_IF_ERROR(allocate(span * n, &all));
+  std::vector<Op> ops;
+  Status st = Status::ok();
+  try {
+    ops = chunk_ops(all.offset, span * n);
+  } catch (const std::bad_alloc &) {
+    st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory writing the spill file");
+  }
+  // Op i covers bytes [i * kStageBytes, + len) of the run of extents.
+  auto fill = [&](size_t i, uint8_t *buf, size_t len) {
+    uint64_t pos = uint64_t(i) * kStageBytes;
+    const uint64_t end = pos + len;
+    while (pos < end) {
+      const size_t k = static_cast<size_t>(pos / span);
+      const uint64_t within = pos % span;
+      const size_t m = static_cast<size_t>(std::min(span - within, end - pos));
+      const size_t data = within < bytes ? static_cast<size_t>(std::min<uint64_t>(m, bytes - within)) : 0;
+      uint8_t *dst = buf + (pos - uint64_t(i) * kStageBytes);
+      if (data) std::memcpy(dst, items[k] + within, data);
+      if (data < m) std::memset(dst + data, 0, m - data);
+      pos += m;
+    }
+  };
+  if (st.is_ok()) st = transfer(true, ops, fill, nullptr);
+  if (!st.is_ok()) {
+    release(all);
+    return st;
+  }
+  for (size_t k = 0; k < n; ++k)
+    out[k] = SpillExtent{all.offset + k * span, span, bytes, XXH3_64bits(items[k], bytes)};
+  std::lock_guard<std::mutex> lock(mu_);
+  written_ += span * n;
+  return Status::ok();
+}
+
+Status SpillFile::read_many(const SpillExtent *ext, uint8_t *const *dst, size_t n, Status *each) {
+  std::vector<Op> ops;
+  std::vector<std::pair<size_t, uint64_t>> where;  // per op: item, offset in it
+  uint64_t spans = 0;
+  try {
+    for (size_t k = 0; k < n; ++k) {
+      each[k] = Status::ok();
+      std::vector<Op> o = chunk_ops(ext[k].offset, ext[k].bytes);
+      for (const Op &x : o) {
+        where.emplace_back(k, x.offset - ext[k].offset);
+        ops.push_back(x);
+      }
+      spans += ext[k].span;
+    }
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory reading the spill file");
+  }
+  // Ops of one item are consecutive and drained in order: one hash state.
+  XXH3_state_t h;
+  size_t item = n;
+  auto drain = [&](size_t j, const uint8_t *buf, size_t len) {
+    const size_t k = where[j].first;
+    if (k != item) {
+      XXH3_64bits_reset(&h);
+      item = k;
+    }
+    XXH3_64bits_update(&h, buf, len);
+    std::memcpy(dst[k] + where[j].second, buf, len);
+    if (where[j].second + len == ext[k].bytes && XXH3_64bits_digest(&h) != ext[k].checksum)
+      each[k] = WKV_ERROR(WKV_ERR_CORRUPT, "a spilled extent (%llu bytes at offset %llu) fails its checksum",
+                          static_cast<unsigned long long>(ext[k].bytes),
+                          static_cast<unsigned long long>(ext[k].offset));
+  };
+  WKV_RETURN_IF_ERROR(transfer(false, ops, nullptr, drain));
+  std::lock_guard<std::mutex> lock(mu_);
+  read_ += spans;
   return Status::ok();
 }
 

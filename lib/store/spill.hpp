@@ -69,6 +69,14 @@ class SpillFile {
   // pieces then hold bytes that must not be used), WKV_ERR_IO for a failed
   // read. The extent stays allocated either way.
   Status read(const SpillExtent &e, const SpillPiece *pieces, size_t n);
+  // Writes n items of `bytes` bytes each into n extents of their own (one
+  // contiguous run of the file, written at full queue depth), out[i] for
+  // items[i]. All or nothing, as write.
+  Status write_many(const uint8_t *const *items, size_t n, size_t bytes, SpillExtent *out);
+  // Reads n extents into dst[i] (ext[i].bytes each) at full queue depth.
+  // A failed read fails the call (WKV_ERR_IO); each[i] says whether extent
+  // i passed its checksum (else WKV_ERR_CORRUPT: dst[i] must not be used).
+  Status read_many(const SpillExtent *ext, uint8_t *const *dst, size_t n, Status *each);
   // Gives an extent's blocks back. Never fails.
   void release(const SpillExtent &e) noexcept;
 
@@ -86,12 +94,21 @@ class SpillFile {
 
  private:
   struct Ring;
+  // One request: `len` bytes (whole blocks, at most kStageBytes) at
+  // `offset`, of which the first `payload` are data (the rest padding).
+  struct Op {
+    uint64_t offset = 0;
+    uint32_t len = 0, payload = 0;
+  };
+  // The requests of `bytes` bytes from `offset`, kStageBytes at a time.
+  static std::vector<Op> chunk_ops(uint64_t offset, uint64_t bytes);
   SpillFile() = default;
   Status allocate(uint64_t span, SpillExtent *out);
-  // Moves `bytes` bytes between the file at `offset` and the staging
-  // buffers, chunk by chunk: `fill(i, buf, n)` fills chunk i before it is
-  // written; `drain(i, buf, n)` takes chunk i once read.
-  Status transfer(bool write, uint64_t offset, uint64_t bytes,
+  // Runs the requests between the file and the staging buffers, up to
+  // kQueueDepth in flight: `fill(i, buf, payload)` fills request i's buffer
+  // before it is written; `drain(i, buf, payload)` takes it once read, in
+  // request order.
+  Status transfer(bool write, const std::vector<Op> &ops,
                   const std::function<void(size_t, uint8_t *, size_t)> &fill,
                   const std::function<void(size_t, const uint8_t *, size_t)> &drain);
 

@@ -81,6 +81,12 @@ int main(void) {
   FIELD(wkv_stats, spill_bytes_written);
   FIELD(wkv_stats, spill_bytes_read);
   FIELD(wkv_stats, evicted_sequences);
+  FIELD(wkv_stats, spill_cold_pages);
+  FIELD(wkv_stats, spill_pages_written);
+  FIELD(wkv_stats, spill_pages_read);
+  FIELD(wkv_stats, spill_estimated);
+  FIELD(wkv_stats, spill_read_errors);
+  FIELD(wkv_stats, spill_write_errors);
 
   STRUCT(wkv_seq_info);
   FIELD(wkv_seq_info, size);

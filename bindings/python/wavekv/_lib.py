@@ -13,7 +13,7 @@ import glob
 import os
 import threading
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Type, TypeVar
 
 from .errors import LibraryNotFoundError, error_for_status
 
@@ -107,6 +107,12 @@ class WkvStats(ctypes.Structure):
         ("spill_bytes_written", c_uint64),
         ("spill_bytes_read", c_uint64),
         ("evicted_sequences", c_uint64),
+        ("spill_cold_pages", c_uint64),
+        ("spill_pages_written", c_uint64),
+        ("spill_pages_read", c_uint64),
+        ("spill_estimated", c_uint64),
+        ("spill_read_errors", c_uint64),
+        ("spill_write_errors", c_uint64),
     ]
 
 
@@ -150,19 +156,19 @@ _SIGNATURES = {
     "wkv_status_name": (ctypes.c_char_p, [ctypes.c_int]),
     "wkv_last_error": (ctypes.c_char_p, []),
     "wkv_free": (None, [_P]),
-    "wkv_config_init": (None, [ctypes.POINTER(WkvConfig)]),
+    "wkv_config_init": (None, [_P]),
     "wkv_engine_open": (ctypes.c_int, [ctypes.POINTER(WkvConfig), _PP]),
     "wkv_engine_close": (None, [_P]),
     "wkv_engine_config": (ctypes.c_int, [_P, ctypes.POINTER(WkvConfig)]),
     "wkv_engine_device": (ctypes.c_int, [_P, ctypes.POINTER(c_uint32)]),
-    "wkv_stats_init": (None, [ctypes.POINTER(WkvStats)]),
+    "wkv_stats_init": (None, [_P]),
     "wkv_engine_stats": (ctypes.c_int, [_P, ctypes.POINTER(WkvStats)]),
     "wkv_engine_stats_json": (ctypes.c_int, [_P, _PP]),
     "wkv_seq_create": (ctypes.c_int, [_P, _PP]),
     "wkv_seq_destroy": (None, [_P]),
     "wkv_seq_append": (ctypes.c_int, [_P, c_uint32, _P, _P, c_uint32, c_int64, c_int64, _P]),
     "wkv_seq_end_prompt": (ctypes.c_int, [_P, c_uint32, _P]),
-    "wkv_seq_info_init": (None, [ctypes.POINTER(WkvSeqInfo)]),
+    "wkv_seq_info_init": (None, [_P]),
     "wkv_seq_info_get": (ctypes.c_int, [_P, c_uint32, ctypes.POINTER(WkvSeqInfo)]),
     "wkv_seq_save": (ctypes.c_int, [_P, ctypes.c_char_p, c_uint32]),
     "wkv_seq_evict": (ctypes.c_int, [_P]),
@@ -172,7 +178,7 @@ _SIGNATURES = {
     "wkv_plan_destroy": (None, [_P]),
     "wkv_lookup": (ctypes.c_int, [_P, _PP, c_uint32, c_uint32, _P, c_int64, c_int64, _P]),
     "wkv_assemble": (ctypes.c_int, [_P, _P]),
-    "wkv_xbuf_view_init": (None, [ctypes.POINTER(WkvXbufView)]),
+    "wkv_xbuf_view_init": (None, [_P]),
     "wkv_plan_xbuf": (ctypes.c_int, [_P, ctypes.POINTER(WkvXbufView)]),
     "wkv_attend": (ctypes.c_int, [_P, _P, c_int64, c_int64, _P, _P]),
     "wkv_merge": (ctypes.c_int, [_P, _P, c_int64, c_int64, _P, c_int64, _P]),
@@ -329,6 +335,26 @@ def library_path() -> str:
     lib()
     assert _path is not None
     return _path
+
+
+# Room past a struct for what a newer library's struct may add.
+_STRUCT_SLACK = 4096
+
+_S = TypeVar("_S", bound=ctypes.Structure)
+
+
+def init_struct(cls: Type[_S], init: str) -> _S:
+    """A struct filled by its *_init function, safe against a library whose
+    struct is larger than this binding's: the function writes into a buffer
+    with room to spare, this binding keeps the prefix it knows and sets
+    `size` to it, and the library then reads and writes only that prefix
+    (wavekv.h: structs that may grow)."""
+    n = ctypes.sizeof(cls)
+    buf = ctypes.create_string_buffer(n + _STRUCT_SLACK)
+    getattr(lib(), init)(ctypes.cast(buf, c_void_p))
+    out = cls.from_buffer_copy(buf.raw[:n])
+    out.size = min(out.size, n)
+    return out
 
 
 def last_error() -> str:

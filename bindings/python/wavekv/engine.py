@@ -188,9 +188,7 @@ def _short_float32(x: float) -> float:
 
 
 def _init_config() -> _lib.WkvConfig:
-    cfg = _lib.WkvConfig()
-    _lib.lib().wkv_config_init(ctypes.byref(cfg))
-    return cfg
+    return _lib.init_struct(_lib.WkvConfig, "wkv_config_init")
 
 
 @dataclass(frozen=True)
@@ -230,6 +228,12 @@ class Stats:
     spill_bytes_written: int
     spill_bytes_read: int
     evicted_sequences: int
+    spill_cold_pages: int     # pages of live sequences in the spill file (cold pages)
+    spill_pages_written: int
+    spill_pages_read: int
+    spill_estimated: int      # retrievals estimated because a page was on disk
+    spill_read_errors: int
+    spill_write_errors: int
 
 
 @dataclass(frozen=True)
@@ -366,8 +370,7 @@ class Engine(_Owner):
         )
 
     def _read_config(self) -> Config:
-        cfg = _lib.WkvConfig()
-        _lib.lib().wkv_config_init(ctypes.byref(cfg))
+        cfg = _lib.init_struct(_lib.WkvConfig, "wkv_config_init")
         _lib.check(_lib.lib().wkv_engine_config(self._handle, ctypes.byref(cfg)))
         return Config._from_c(cfg)
 
@@ -391,8 +394,7 @@ class Engine(_Owner):
         """The engine's statistics (wkv_engine_stats)."""
         handle = self._enter("Engine.stats")
         try:
-            st = _lib.WkvStats()
-            _lib.lib().wkv_stats_init(ctypes.byref(st))
+            st = _lib.init_struct(_lib.WkvStats, "wkv_stats_init")
             _lib.check(_lib.lib().wkv_engine_stats(handle, ctypes.byref(st)))
         finally:
             self._leave()
@@ -640,8 +642,7 @@ class Sequence(_Owner):
         layer = _check_layer(layer, fn)
         handle = self._enter(fn)
         try:
-            info = _lib.WkvSeqInfo()
-            _lib.lib().wkv_seq_info_init(ctypes.byref(info))
+            info = _lib.init_struct(_lib.WkvSeqInfo, "wkv_seq_info_init")
             _lib.check(_lib.lib().wkv_seq_info_get(handle, layer, ctypes.byref(info)))
         finally:
             self._leave()
@@ -868,8 +869,7 @@ class Plan(_Owner):
         fn = "Plan.xbuf"
         handle = self._enter(fn)
         try:
-            view = _lib.WkvXbufView()
-            _lib.lib().wkv_xbuf_view_init(ctypes.byref(view))
+            view = _lib.init_struct(_lib.WkvXbufView, "wkv_xbuf_view_init")
             _lib.check(_lib.lib().wkv_plan_xbuf(handle, ctypes.byref(view)))
             gen = self._generation
         finally:

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -276,12 +277,13 @@ Status CpuBackend::lookup(Plan &plan) {
                static_cast<const uint8_t *>(plan.q_src) +
                    (static_cast<size_t>(i) * plan.q_seq_stride + static_cast<size_t>(h) * plan.q_head_stride) * esz,
                &plan.q[(static_cast<size_t>(i) * nq + h) * d], d);
+  std::atomic<uint64_t> cold_total{0};
   return step(plan, [&]() -> Status {
     // scores are laid out like logits, one row per run instead of G; scratch
     // likewise with four rows.
     e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
       RunPlan &r = plan.runs[ri];
-      const HeadState &hs = plan.seqs[r.seq]->layer(plan.layer).heads[r.head];
+      HeadState &hs = plan.seqs[r.seq]->layer(plan.layer).heads[r.head];
       const float *q = &plan.q[(static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G) * d];
       float *est_out = &plan.est_out[(static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G) * d];
       float *est_lse = &plan.est_lse[static_cast<size_t>(r.seq) * nq + static_cast<size_t>(r.head) * G];
@@ -320,10 +322,48 @@ Status CpuBackend::lookup(Plan &plan) {
       if (method & WKV_METHOD_TAIL)
         kernels::estimate_tail(logits, G, r.clusters, r.clusters, ret_ids, r.n_ret, est_ids, r.n_est, size,
                                hs.values.mean.as<float>(), d, est_out, est_lse, score);  // scores are spent
+      // Cold pages: a retrieval-zone cluster with a page on disk is
+      // estimated instead (the tail above already left it out), and its
+      // pages are asked for (hs.cold.want).
+      if (!hs.cold.last_used.empty()) {
+        const uint32_t stamp = static_cast<uint32_t>(
+            std::min<uint64_t>(plan.seqs[r.seq]->layer(plan.layer).last_lookup, std::numeric_limits<uint32_t>::max()));
+        uint32_t keep = 0, cold = 0;
+        uint32_t *cold_ids = scratch;  // spent by the selection
+        for (uint32_t i = 0; i < r.n_ret; ++i) {
+          const uint32_t id = ret_ids[i];
+          hs.cold.last_used[id] = stamp;
+          if (cold_resident(hs, id, cfg.page_tokens()))
+            ret_ids[keep++] = id;
+          else
+            cold_ids[cold++] = id;
+        }
+        if (cold > 0) {
+          thread_local std::vector<float> o, l;
+          o.resize(static_cast<size_t>(G) * d);
+          l.resize(G);
+          if (compact)
+            kernels::estimate_zone_group_means(logits, G, r.clusters, cold_ids, cold, meta.value_mean_f16.data(),
+                                               size, d, o.data(), l.data());
+          else
+            kernels::estimate_zone_group(logits, G, r.clusters, cold_ids, cold, meta.value_sum.as<float>(), size, d,
+                                         o.data(), l.data());
+          for (uint32_t g = 0; g < G; ++g)
+            est_lse[g] = kernels::merge_partials(est_out + static_cast<size_t>(g) * d, est_lse[g],
+                                                 o.data() + static_cast<size_t>(g) * d, l[g], d,
+                                                 est_out + static_cast<size_t>(g) * d);
+          r.n_ret = keep;
+          cold_total.fetch_add(cold, std::memory_order_relaxed);
+        }
+      }
       uint64_t toks = 0;
       for (uint32_t i = 0; i < r.n_ret; ++i) toks += size[ret_ids[i]];
       r.ret_tokens = toks;
     });
+    const uint64_t cold = cold_total.load();
+    e_.counters().cold_estimated.fetch_add(cold);
+    ret -= cold;
+    est += cold;
     e_.counters().retrieved_clusters.fetch_add(ret);
     e_.counters().estimated_clusters.fetch_add(est);
     return Status::ok();
@@ -352,6 +392,7 @@ Status CpuBackend::assemble(Plan &plan) {
                      static_cast<unsigned long long>(total));
   }
   // 2. Steady zone, then the retrieval clusters page by page.
+  std::atomic<bool> gone{false};
   return step(plan, [&]() -> Status {
     HostArena &arena = e_.arena();
     e_.pool().parallel_for(plan.runs.size(), [&](size_t ri) {
@@ -373,13 +414,20 @@ Status CpuBackend::assemble(Plan &plan) {
         uint32_t slot = hs.map.first_slot[id], left = hs.map.size[id];
         while (left > 0) {
           const uint32_t off = slot % pt, m = std::min(left, pt - off);
-          const uint8_t *page = arena.page_ptr(hs.map.pages[slot / pt]);
+          const PageId id_p = hs.map.pages[slot / pt];
+          if (id_p == kNoPage) {  // spilled since the lookup: never read as data
+            gone.store(true, std::memory_order_relaxed);
+            return;
+          }
+          const uint8_t *page = arena.page_ptr(id_p);
           put(page + static_cast<size_t>(off) * row, page + static_cast<size_t>(pt + off) * row, m);
           left -= m;
           slot += m;
         }
       }
     });
+    if (gone.load())
+      return WKV_ERROR(WKV_ERR_STATE, "a page the lookup chose was spilled since; look up again");
     e_.counters().attended_tokens.fetch_add(total);
     return Status::ok();
   });

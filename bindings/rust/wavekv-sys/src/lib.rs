@@ -14,7 +14,7 @@ use std::os::raw::{c_char, c_void};
 // Versions
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
-pub const WKV_VERSION_MINOR: u32 = 3;
+pub const WKV_VERSION_MINOR: u32 = 4;
 pub const WKV_VERSION_PATCH: u32 = 0;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
@@ -143,6 +143,13 @@ pub struct wkv_stats {
     pub spill_bytes_written: u64,
     pub spill_bytes_read: u64,
     pub evicted_sequences: u64,
+    // 0.4: cold pages.
+    pub spill_cold_pages: u64,
+    pub spill_pages_written: u64,
+    pub spill_pages_read: u64,
+    pub spill_estimated: u64,
+    pub spill_read_errors: u64,
+    pub spill_write_errors: u64,
 }
 
 /// What one layer of a sequence holds; fill `size` with `wkv_seq_info_init`.

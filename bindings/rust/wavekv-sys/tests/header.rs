@@ -322,6 +322,12 @@ fn declarations_match_the_header() {
                 spill_bytes_written,
                 spill_bytes_read,
                 evicted_sequences,
+                spill_cold_pages,
+                spill_pages_written,
+                spill_pages_read,
+                spill_estimated,
+                spill_read_errors,
+                spill_write_errors,
             }
         ),
         layout!(

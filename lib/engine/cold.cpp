@@ -1,0 +1,426 @@
+#include "lib/engine/cold.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <new>
+
+#include "lib/engine/sequence.hpp"
+#include "wavekv/wavekv.h"
+
+namespace wkv {
+
+namespace {
+
+uint32_t stamp32(uint64_t s) { return static_cast<uint32_t>(std::min<uint64_t>(s, std::numeric_limits<uint32_t>::max())); }
+
+}  // namespace
+
+void cold_fit(HeadState &hs, uint64_t stamp) {
+  ColdPages &cp = hs.cold;
+  const size_t pages = hs.map.pages.size(), clusters = hs.clusters();
+  if (cp.state.size() < pages) {
+    cp.state.resize(pages, ColdPages::kResident);
+    cp.extent.resize(pages);
+  }
+  if (cp.last_used.size() < clusters) cp.last_used.resize(clusters, stamp32(stamp));
+}
+
+bool cold_resident(HeadState &hs, uint32_t c, uint32_t pt) {
+  ColdPages &cp = hs.cold;
+  const uint32_t first = hs.map.first_slot[c], n = hs.map.size[c];
+  bool resident = true;
+  for (uint32_t p = first / pt; p <= (first + n - 1) / pt; ++p) {
+    switch (cp.state[p]) {
+      case ColdPages::kResident:
+        break;
+      case ColdPages::kWriting:
+        cp.state[p] = ColdPages::kResident;  // wanted again: its write is disowned
+        break;
+      case ColdPages::kOnDisk:
+        cp.state[p] = ColdPages::kReading;
+        cp.want.push_back(p);
+        resident = false;
+        break;
+      default:  // being read back, or failed
+        resident = false;
+    }
+  }
+  return resident;
+}
+
+ColdTier::ColdTier(Options opts, SpillFile &spill, HostArena &arena, EngineCounters &counters)
+    : opts_(opts), spill_(spill), arena_(arena), counters_(counters) {
+  // A 32nd of the budget, at least two batches: room for the reads of a few
+  // steps and for a growth's pages before the next writes free more.
+  reserve_ = std::max<uint64_t>(opts_.budget_pages / 32, 2 * uint64_t(opts_.batch));
+  reserve_ = std::max<uint64_t>(1, std::min<uint64_t>(reserve_, opts_.budget_pages / 4));
+  thread_ = std::thread([this] { run(); });
+}
+
+ColdTier::~ColdTier() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void ColdTier::submit(std::vector<Job> &jobs) {
+  if (jobs.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(jobs.front().owner->mu);
+    jobs.front().owner->queued += static_cast<uint32_t>(jobs.size());
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Job &j : jobs) queue_.push_back(std::move(j));
+  }
+  jobs.clear();
+  cv_.notify_one();
+}
+
+void ColdTier::run() {
+  std::vector<Job> batch;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (stop_) return;
+      // One owner, one kind, up to a batch.
+      const Job &first = queue_.front();
+      const ColdShared *owner = first.owner.get();
+      const bool write = first.write;
+      while (!queue_.empty() && batch.size() < opts_.batch && queue_.front().owner.get() == owner &&
+             queue_.front().write == write) {
+        batch.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
+    }
+    run_batch(batch);
+    batch.clear();
+  }
+}
+
+void ColdTier::run_batch(std::vector<Job> &batch) {
+  ColdShared &owner = *batch.front().owner;
+  const bool write = batch.front().write;
+  // Jobs of an older generation were disowned: dropped unseen.
+  {
+    std::lock_guard<std::mutex> lock(owner.mu);
+    owner.queued -= static_cast<uint32_t>(batch.size());
+    batch.erase(std::remove_if(batch.begin(), batch.end(), [&](const Job &j) { return j.gen != owner.gen; }),
+                batch.end());
+    if (batch.empty()) {
+      owner.cv.notify_all();
+      return;
+    }
+    owner.busy++;
+  }
+  const size_t n = batch.size(), page = arena_.page_bytes();
+  std::vector<ColdShared::Done> done(n);
+  Status st = Status::ok();
+  try {
+    for (size_t i = 0; i < n; ++i) {
+      done[i].gen = batch[i].gen;
+      done[i].write = write;
+      done[i].layer = batch[i].layer;
+      done[i].head = batch[i].head;
+      done[i].page = batch[i].page;
+    }
+    if (write) {
+      std::vector<const uint8_t *> src(n);
+      std::vector<SpillExtent> ext(n);
+      for (size_t i = 0; i < n; ++i) src[i] = batch[i].src;
+      st = spill_.write_many(src.data(), n, page, ext.data());
+      for (size_t i = 0; i < n; ++i) {
+        done[i].st = st;
+        if (st.is_ok()) done[i].extent = ext[i];
+      }
+    } else {
+      // Slots for what can be read now; the rest waits for a later lookup.
+      std::vector<SpillExtent> ext;
+      std::vector<uint8_t *> dst;
+      std::vector<size_t> which;
+      for (size_t i = 0; i < n; ++i) {
+        PageId id = kNoPage;
+        done[i].st = arena_.allocate(1, &id);
+        if (!done[i].st.is_ok()) continue;
+        done[i].id = id;
+        ext.push_back(batch[i].extent);
+        dst.push_back(arena_.page_ptr(id));
+        which.push_back(i);
+      }
+      std::vector<Status> each(which.size());
+      st = spill_.read_many(ext.data(), dst.data(), which.size(), each.data());
+      for (size_t k = 0; k < which.size(); ++k) done[which[k]].st = st.is_ok() ? each[k] : st;
+    }
+  } catch (const std::bad_alloc &) {
+    st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory in the spill tier");
+    for (ColdShared::Done &d : done)
+      if (d.st.is_ok()) d.st = st;
+  }
+  std::lock_guard<std::mutex> lock(owner.mu);
+  owner.busy--;
+  for (ColdShared::Done &d : done) {
+    if (d.gen == owner.gen) {
+      try {
+        owner.done.push_back(d);
+        continue;
+      } catch (const std::bad_alloc &) {
+      }
+    }
+    // Disowned meanwhile (or no room to report it): undone here.
+    if (d.id != kNoPage) arena_.release(&d.id, 1);
+    if (d.write && d.st.is_ok()) spill_.release(d.extent);
+  }
+  owner.cv.notify_all();
+}
+
+void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d) {
+  HeadState &hs = seq.layer(d.layer).heads[d.head];
+  ColdPages &cp = hs.cold;
+  uint8_t &state = cp.state[d.page];
+  if (d.write) {
+    if (state != ColdPages::kWriting || !d.st.is_ok()) {
+      // Wanted again since (the lookup kept it), or the write failed: the
+      // page stays; a later lookup tries again.
+      if (d.st.is_ok()) spill_.release(d.extent);
+      if (state == ColdPages::kWriting) state = ColdPages::kResident;
+      if (!d.st.is_ok()) counters_.spill_write_errors.fetch_add(1);
+      return;
+    }
+    const PageId id = hs.map.pages[d.page];
+    cp.extent[d.page] = d.extent;
+    state = ColdPages::kOnDisk;
+    hs.map.pages[d.page] = kNoPage;
+    cp.out++;
+    counters_.cold_pages.fetch_add(1);
+    counters_.cold_pages_written.fetch_add(1);
+    // A CPU engine's steps run inside their calls, and the layer's latest
+    // lookup never chose this page: nothing reads the slot now.
+    arena_.release(&id, 1);
+    return;
+  }
+  if (state != ColdPages::kReading) {  // cannot happen: reads are disowned first
+    if (d.id != kNoPage) arena_.release(&d.id, 1);
+    return;
+  }
+  if (d.st.is_ok()) {
+    spill_.release(cp.extent[d.page]);
+    cp.extent[d.page] = SpillExtent{};
+    hs.map.pages[d.page] = d.id;
+    state = ColdPages::kResident;
+    cp.out--;
+    counters_.cold_pages.fetch_sub(1);
+    counters_.cold_pages_read.fetch_add(1);
+    return;
+  }
+  if (d.id != kNoPage) arena_.release(&d.id, 1);
+  if (d.st.code() == WKV_ERR_BUDGET || d.st.code() == WKV_ERR_OUT_OF_MEMORY) {
+    state = ColdPages::kOnDisk;  // no room now; asked for again later
+    return;
+  }
+  state = ColdPages::kFailed;
+  counters_.spill_read_errors.fetch_add(1);
+}
+
+void ColdTier::install(Sequence &seq) {
+  ColdShared &sh = *seq.cold();
+  std::vector<ColdShared::Done> done;
+  {
+    std::lock_guard<std::mutex> lock(sh.mu);
+    if (sh.done.empty()) return;
+    done.swap(sh.done);
+  }
+  for (const ColdShared::Done &d : done) install_one(seq, d);
+}
+
+void ColdTier::begin_lookup(Sequence &seq, uint32_t layer) {
+  install(seq);
+  const uint64_t stamp = seq.next_stamp();
+  LayerState &L = seq.layer(layer);
+  L.last_lookup = stamp;
+  // Clusters new since the last fit (a growth) rank as used just before
+  // this lookup: recent, but not kept the way its retrievals are.
+  for (HeadState &hs : L.heads) cold_fit(hs, stamp - 1);
+}
+
+std::vector<ColdTier::Victim> ColdTier::choose(Sequence &seq, uint64_t n) {
+  std::vector<Victim> cand;
+  std::vector<uint32_t> hot;
+  const uint32_t pt = opts_.page_tokens;
+  for (uint32_t l = 0; l < seq.n_layers(); ++l) {
+    LayerState &L = seq.layer(l);
+    const uint32_t keep = L.last_lookup ? stamp32(L.last_lookup) : std::numeric_limits<uint32_t>::max();
+    for (uint32_t h = 0; h < L.heads.size(); ++h) {
+      HeadState &hs = L.heads[h];
+      cold_fit(hs, seq.stamp() ? seq.stamp() - 1 : 0);
+      const uint32_t P = static_cast<uint32_t>(hs.map.pages.size());
+      hot.assign(P, 0);
+      for (uint32_t c = 0; c < hs.clusters(); ++c) {
+        const uint32_t first = hs.map.first_slot[c], size = hs.map.size[c], s = hs.cold.last_used[c];
+        for (uint32_t p = first / pt; p <= (first + size - 1) / pt; ++p) hot[p] = std::max(hot[p], s);
+      }
+      for (uint32_t p = 0; p < P; ++p)
+        if (hs.cold.state[p] == ColdPages::kResident && hs.map.pages[p] != kNoPage && (keep == 0 || hot[p] < keep))
+          cand.push_back(Victim{hot[p], p, l, h});
+    }
+  }
+  // Oldest first; among equals the oldest tokens, spread over the heads.
+  auto older = [](const Victim &a, const Victim &b) {
+    if (a.hot != b.hot) return a.hot < b.hot;
+    if (a.page != b.page) return a.page < b.page;
+    if (a.layer != b.layer) return a.layer < b.layer;
+    return a.head < b.head;
+  };
+  if (cand.size() > n) {
+    std::nth_element(cand.begin(), cand.begin() + static_cast<ptrdiff_t>(n), cand.end(), older);
+    cand.resize(n);
+  }
+  std::sort(cand.begin(), cand.end(), older);
+  return cand;
+}
+
+void ColdTier::end_lookup(Sequence &seq, uint32_t layer) {
+  std::vector<Job> jobs;
+  LayerState &L = seq.layer(layer);
+  const uint64_t gen = [&] {
+    std::lock_guard<std::mutex> lock(seq.cold()->mu);
+    return seq.cold()->gen;
+  }();
+  try {
+    for (uint32_t h = 0; h < L.heads.size(); ++h) {
+      ColdPages &cp = L.heads[h].cold;
+      for (uint32_t p : cp.want) {
+        Job j;
+        j.owner = seq.cold();
+        j.gen = gen;
+        j.layer = layer;
+        j.head = h;
+        j.page = p;
+        j.extent = cp.extent[p];
+        jobs.push_back(std::move(j));
+      }
+      cp.want.clear();
+    }
+    submit(jobs);
+    // Writes, when the budget runs short and none of the sequence's are
+    // under way.
+    const HostArena::Stats a = arena_.stats();
+    const uint64_t used = a.pages_used, budget = opts_.budget_pages;
+    const uint64_t free = budget > used ? budget - used : 0;
+    bool writing;
+    {
+      std::lock_guard<std::mutex> lock(seq.cold()->mu);
+      writing = seq.cold()->queued > 0 || seq.cold()->busy > 0;
+    }
+    if (free >= reserve_ || writing) return;
+    for (const Victim &v : choose(seq, 2 * reserve_ - free)) {
+      HeadState &hs = seq.layer(v.layer).heads[v.head];
+      hs.cold.state[v.page] = ColdPages::kWriting;
+      Job j;
+      j.owner = seq.cold();
+      j.gen = gen;
+      j.write = true;
+      j.layer = v.layer;
+      j.head = v.head;
+      j.page = v.page;
+      j.src = arena_.page_ptr(hs.map.pages[v.page]);
+      jobs.push_back(std::move(j));
+    }
+    submit(jobs);
+  } catch (const std::bad_alloc &) {
+    // No memory to hand work over: pages asked for go back on disk, and
+    // pages chosen stay; a later lookup tries again.
+    for (const Job &j : jobs) {
+      uint8_t &s = seq.layer(j.layer).heads[j.head].cold.state[j.page];
+      s = j.write ? ColdPages::kResident : ColdPages::kOnDisk;
+    }
+    for (HeadState &hs : L.heads) {
+      for (uint32_t p : hs.cold.want) hs.cold.state[p] = ColdPages::kOnDisk;
+      hs.cold.want.clear();
+    }
+  }
+}
+
+Status ColdTier::relieve(Sequence &seq, uint64_t pages) {
+  try {
+    install(seq);
+    std::vector<Victim> v = choose(seq, pages + reserve_);
+    if (v.empty())
+      return WKV_ERROR(WKV_ERR_BUDGET, "the host budget is full and the sequence has no page that may leave");
+    const size_t page = arena_.page_bytes();
+    for (size_t b = 0; b < v.size(); b += opts_.batch) {
+      const size_t n = std::min<size_t>(opts_.batch, v.size() - b);
+      std::vector<const uint8_t *> src(n);
+      std::vector<SpillExtent> ext(n);
+      for (size_t i = 0; i < n; ++i) src[i] = arena_.page_ptr(seq.layer(v[b + i].layer).heads[v[b + i].head].map.pages[v[b + i].page]);
+      Status st = spill_.write_many(src.data(), n, page, ext.data());
+      if (!st.is_ok()) {
+        counters_.spill_write_errors.fetch_add(1);
+        // What was written stays out; the caller's allocation fails if it
+        // still does not fit.
+        return b > 0 ? Status::ok() : st;
+      }
+      for (size_t i = 0; i < n; ++i) {
+        ColdShared::Done d;
+        d.write = true;
+        d.layer = v[b + i].layer;
+        d.head = v[b + i].head;
+        d.page = v[b + i].page;
+        d.extent = ext[i];
+        seq.layer(d.layer).heads[d.head].cold.state[d.page] = ColdPages::kWriting;
+        install_one(seq, d);
+      }
+    }
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory choosing pages to spill");
+  }
+  return Status::ok();
+}
+
+void ColdTier::settle(Sequence &seq) {
+  ColdShared &sh = *seq.cold();
+  std::vector<ColdShared::Done> done;
+  {
+    std::unique_lock<std::mutex> lock(sh.mu);
+    sh.gen++;
+    sh.cv.wait(lock, [&] { return sh.busy == 0; });
+    done.swap(sh.done);
+  }
+  // What came back before the sequence disowned it is still its own.
+  for (const ColdShared::Done &d : done) install_one(seq, d);
+  for (uint32_t l = 0; l < seq.n_layers(); ++l)
+    for (HeadState &hs : seq.layer(l).heads) {
+      for (uint8_t &s : hs.cold.state) {
+        if (s == ColdPages::kWriting) s = ColdPages::kResident;
+        if (s == ColdPages::kReading) s = ColdPages::kOnDisk;
+      }
+      hs.cold.want.clear();
+    }
+}
+
+void ColdTier::release(Sequence &seq) noexcept {
+  for (uint32_t l = 0; l < seq.n_layers(); ++l)
+    for (HeadState &hs : seq.layer(l).heads) {
+      ColdPages &cp = hs.cold;
+      for (size_t p = 0; p < cp.state.size(); ++p)
+        if (cp.state[p] == ColdPages::kOnDisk || cp.state[p] == ColdPages::kFailed) {
+          spill_.release(cp.extent[p]);
+          cp.extent[p] = SpillExtent{};
+        }
+      counters_.cold_pages.fetch_sub(cp.out);
+      cp.out = 0;
+    }
+}
+
+Status ColdTier::read_page(const HeadState &hs, uint32_t p, uint8_t *dst) {
+  const SpillPiece piece{dst, arena_.page_bytes()};
+  Status st = spill_.read(hs.cold.extent[p], &piece, 1);
+  if (!st.is_ok())
+    return WKV_ERROR(st.code(), "reading back page %u of a head from the spill file: %s", p, st.message().c_str());
+  return st;
+}
+
+}  // namespace wkv

@@ -1,0 +1,147 @@
+// Cold pages: the spill tier under a live sequence (docs/spill.md).
+//
+// On a CPU engine with a spill file and a host budget, host pages leave for
+// the spill file when the budget runs short and come back when they are
+// wanted, while the sequence keeps decoding:
+//
+//   replacement  a page's recency is the latest lookup stamp of the clusters
+//                it holds (ColdPages::last_used, written by each lookup for
+//                its retrieval zone, and by a growth for new clusters); the
+//                oldest pages go first, oldest tokens first among equals.
+//                Pages that a layer's latest lookup retrieved never go, so
+//                a plan between its lookup and its assemble reads what it
+//                chose.
+//   writes       at the end of a lookup, when fewer than `reserve` pages of
+//                the budget are free, the sequence's coldest pages are
+//                handed to the pager's thread, which writes them; the next
+//                call that installs finished work frees their slots. A
+//                growth that finds the budget full writes synchronously
+//                (relieve), then allocates again.
+//   reads        a retrieval-zone cluster with a page not resident is
+//                estimated for the step (its centroid and value sum never
+//                leave memory) and its pages are read back on the pager's
+//                thread; a later lookup installs them. A step never waits
+//                on the disk.
+//
+// Ownership: only the sequence's own calls (one thread at a time, as for
+// every wkv_seq) change its pages and their states. The pager's thread
+// touches nothing of the sequence but the ColdShared it was handed: it
+// writes page slots the sequence keeps until the result is installed, and
+// reads into slots of its own that the install hands over.
+//
+// A read back that fails (I/O or checksum) leaves its page on disk, marked
+// failed: its clusters are estimated from then on, and anything that needs
+// the page's bytes (save, restore) fails with the read's error.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "lib/common/counters.hpp"
+#include "lib/common/status.hpp"
+#include "lib/index/head.hpp"
+#include "lib/store/host_arena.hpp"
+#include "lib/store/spill.hpp"
+
+namespace wkv {
+
+class Sequence;
+
+// What a sequence shares with the pager's thread.
+struct ColdShared {
+  struct Done {
+    uint64_t gen = 0;
+    bool write = false;
+    uint32_t layer = 0, head = 0, page = 0;
+    PageId id = kNoPage;  // a read's new page
+    SpillExtent extent;   // a write's extent
+    Status st;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t gen = 0;   // bumped to disown the jobs handed over before
+  uint32_t busy = 0;  // jobs of the sequence on the pager's thread now
+  uint32_t queued = 0;  // jobs handed over and not yet done
+  std::vector<Done> done;
+};
+
+class ColdTier {
+ public:
+  struct Options {
+    uint64_t budget_pages = 0;  // the host budget in page slots
+    uint32_t page_tokens = 0;
+    uint32_t batch = 64;        // pages one request of the pager moves at most
+  };
+  ColdTier(Options opts, SpillFile &spill, HostArena &arena, EngineCounters &counters);
+  ~ColdTier();  // joins the pager's thread; jobs left are dropped
+  ColdTier(const ColdTier &) = delete;
+  ColdTier &operator=(const ColdTier &) = delete;
+
+  // Free slots the tier keeps for reads back and growths.
+  uint64_t reserve() const { return reserve_; }
+
+  // Before a lookup of `layer`: installs finished work, stamps the layer
+  // and sizes the head's arrays.
+  void begin_lookup(Sequence &seq, uint32_t layer);
+  // After it: hands the pages it wants to the pager, and writes cold pages
+  // out when the budget runs short.
+  void end_lookup(Sequence &seq, uint32_t layer);
+  // A growth found the budget full: writes at least `pages` cold pages of
+  // the sequence (plus the reserve) synchronously and frees their slots.
+  // WKV_ERR_BUDGET when the sequence has none to give.
+  Status relieve(Sequence &seq, uint64_t pages);
+  // Disowns the sequence's jobs, waits for the one the pager may be doing,
+  // and settles what came back: the sequence's pages are each resident or
+  // on disk afterwards (for eviction, saving and destruction).
+  void settle(Sequence &seq);
+  // Gives every extent of the sequence's cold pages back (its destruction).
+  void release(Sequence &seq) noexcept;
+  // Reads page p of a head from its extent into dst (a save).
+  Status read_page(const HeadState &hs, uint32_t p, uint8_t *dst);
+
+ private:
+  struct Job {
+    std::shared_ptr<ColdShared> owner;
+    uint64_t gen = 0;
+    bool write = false;
+    uint32_t layer = 0, head = 0, page = 0;
+    const uint8_t *src = nullptr;  // write: the page's slot
+    SpillExtent extent;            // read
+  };
+  struct Victim {
+    uint32_t hot, page, layer, head;
+  };
+
+  void install(Sequence &seq);
+  void install_one(Sequence &seq, const ColdShared::Done &d);
+  // The sequence's coldest pages that may go, at most n of them.
+  std::vector<Victim> choose(Sequence &seq, uint64_t n);
+  void submit(std::vector<Job> &jobs);
+  void run();
+  void run_batch(std::vector<Job> &batch);
+
+  Options opts_;
+  uint64_t reserve_ = 0;
+  SpillFile &spill_;
+  HostArena &arena_;
+  EngineCounters &counters_;
+  std::mutex mu_;  // guards the queue
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// Sizes a head's cold arrays to its pages and clusters (new clusters get
+// `stamp`).
+void cold_fit(HeadState &hs, uint64_t stamp);
+// Whether every page of cluster c is resident; a page being written is
+// kept (its write is disowned), a page on disk is added to hs.cold.want.
+bool cold_resident(HeadState &hs, uint32_t c, uint32_t page_tokens);
+
+}  // namespace wkv
