@@ -273,3 +273,30 @@ TEST(Cli, BenchSpillEvictsRestoresAndComparesWithFio) {
   EXPECT_EQ(j["bytes"].get<uint64_t>(), j["host_bytes_freed"].get<uint64_t>());
   EXPECT_TRUE(dir.names().empty()) << "the spill file and fio's leave nothing behind";
 }
+
+// The demo's small version of a context beyond host memory: two layers
+// under a host budget of a fifth of their KV, with a spill directory. It
+// spills, keeps decoding, and reports the spill tier's figures beside the
+// accuracy ones (`wavekv demo --tokens 1048576 ...` is the full size).
+TEST(Cli, DemoSpillsAContextBeyondItsHostBudgetAndKeepsDecoding) {
+  ScratchDir dir;
+  const Outcome r = run_cli({"demo", "--tokens", "32768", "--layers", "2", "--heads", "2", "--q-heads", "8",
+                             "--steps", "6", "--threads", "2", "--host-budget", "12MiB", "--spill-dir", dir.path(),
+                             "--json"});
+  ASSERT_TRUE(r.exited) << r.out;
+  ASSERT_EQ(r.status, 0) << r.out;
+  const size_t at = r.out.find("{\"command\"");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out.substr(at, r.out.find('\n', at) - at), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  const nlohmann::json &s = j["spill"];
+  EXPECT_EQ(j["layers"].get<uint32_t>(), 2u);
+  EXPECT_GT(s["kv_page_bytes"].get<uint64_t>(), 4 * s["host_budget_bytes"].get<uint64_t>());
+  EXPECT_LE(s["host_page_bytes"].get<uint64_t>(), s["host_budget_bytes"].get<uint64_t>());
+  EXPECT_GT(s["cold_pages"].get<uint64_t>(), 0u);
+  EXPECT_GT(s["bytes_written"].get<uint64_t>(), 0u);
+  EXPECT_EQ(s["read_errors"].get<uint64_t>(), 0u);
+  EXPECT_GT(s["retrievals_estimated_on_disk"].get<uint64_t>() + s["retrievals_exact"].get<uint64_t>(), 0u);
+  EXPECT_LT(j["wavekv"]["rel_l2_median"].get<double>(), j["sink_window"]["rel_l2_median"].get<double>());
+  EXPECT_TRUE(dir.names().empty()) << "the spill file leaves nothing behind";
+}

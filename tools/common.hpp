@@ -63,6 +63,7 @@ struct Options {
   std::string save;             // demo, stats: save the sequence to this file
   uint64_t host_budget = 0;     // demo: wkv_config.host_budget_bytes (0: none)
   std::string spill_dir;        // demo: wkv_config.spill_dir (empty: none)
+  uint64_t repeat = 1;          // demo: steps each query holds for
 
   uint32_t dtype_id() const;
   // threads, or the number of cores when 0.

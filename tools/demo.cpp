@@ -27,6 +27,10 @@ void declare_demo(CLI::App &cmd, Options *o) {
                  "cap on the engine's host page memory (wkv_config.host_budget_bytes), e.g. 4GiB; with --spill-dir, "
                  "pages beyond it go to the spill file and decoding goes on")
       ->transform(CLI::AsSizeValue(false));
+  cmd.add_option("--repeat", o->repeat,
+                 "steps each query holds for (temporal locality, as in real decoding; 1: every step a new one)")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
   cmd.add_option("--spill-dir", o->spill_dir, "directory of the engine's spill file (wkv_config.spill_dir)");
   cmd.add_option("--save", o->save, "save the sequence to this file at the end (wkv_seq_save)");
   cmd.add_option("--workload", o->workload,
@@ -117,7 +121,10 @@ int run_demo(const Options &o) {
   std::vector<float> oracle_f(static_cast<size_t>(Q) * d);
   Progress prog("decoding", o.steps);
   for (uint32_t step = 0; step < o.steps; ++step) {
-    const bool needle_step = !diffuse && step % 2 == 1;
+    // Each query holds for --repeat steps (temporal locality: consecutive
+    // decoding steps attend to the same places).
+    const uint32_t turn = step / static_cast<uint32_t>(o.repeat);
+    const bool needle_step = !diffuse && turn % 2 == 1;
     if (step > 0) {
       const uint64_t pos = ctx.tokens();
       ctx.generate(1, nullptr);
@@ -125,7 +132,7 @@ int run_demo(const Options &o) {
         check(wkv_seq_append(s.seq, l, ctx.k_store(0, pos), ctx.v_store(0, pos), 1, d,
                              static_cast<int64_t>(ctx.head_stride() * d), nullptr),
               "wkv_seq_append");
-      ctx.make_queries(needle_step, step / 2, &q_store, &q32, &needle_of);
+      if (step % o.repeat == 0) ctx.make_queries(needle_step, turn / 2, &q_store, &q32, &needle_of);
     }
     const uint64_t n = ctx.tokens();
 
@@ -244,7 +251,7 @@ int run_demo(const Options &o) {
 
   // 4. Report.
   if (o.json) {
-    const nlohmann::ordered_json j = {{"command", "demo"}, {"tokens", o.tokens}, {"generated", final_tokens - o.tokens}, {"kv_heads", H}, {"q_heads", Q}, {"head_dim", d}, {"dtype", o.dtype}, {"threads", threads}, {"steps", o.steps}, {"seed", o.seed}, {"workload", o.workload}, {"method", method_name(s.config.method)}, {"documents", ctx.documents()}, {"topics", spec.topics}, {"segments_per_head", built.segments / H}, {"clusters_per_head", clusters_per_head}, {"index_build_s", build_s}, {"append_s", append_s}, {"prompt_finish_s", finish_s}, {"kmeans_s", kmeans_s}, {"wavekv", {{"step_ms_median", w_med}, {"step_ms_p90", quantile(wkv_ms, 0.9)}, {"rel_l2_median", median(err_wkv)}, {"rel_l2_p90", quantile(err_wkv, 0.9)}, {"rel_l2_needle_median", median(err_wkv_needle)}, {"needle_hits", wkv_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", att_per_head}, {"retrieved_clusters_per_head", ret_per_head}, {"estimated_clusters_per_head", est_per_head}}}, {"sink_window", {{"rel_l2_median", median(err_sw)}, {"rel_l2_p90", quantile(err_sw, 0.9)}, {"rel_l2_needle_median", median(err_sw_needle)}, {"needle_hits", sw_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", std::min<uint64_t>(final_tokens, sink + window)}}}, {"exact", {{"step_ms_median", e_med}, {"step_ms_p90", quantile(exact_ms, 0.9)}, {"rel_l2_median", median(err_exact)}, {"rel_l2_p90", quantile(err_exact, 0.9)}, {"needle_share_median", median(needle_share)}, {"sink_share_median", median(sink_share)}, {"top_share_median", median(top_share)}, {"attended_tokens_per_head", final_tokens}}}, {"oracle_top_k", {{"rel_l2_median", median(err_oracle)}, {"rel_l2_p90", quantile(err_oracle, 0.9)}, {"rel_l2_needle_median", median(err_oracle_needle)}, {"needle_hits", oracle_hits}, {"needle_queries", needle_queries}}}, {"speedup", speedup}, {"total_s", total_s}, {"layers", L}, {"spill", {{"host_budget_bytes", o.host_budget}, {"kv_page_bytes", kv_bytes}, {"host_page_bytes", fin.pages_used * fin.page_bytes}, {"cold_pages", fin.spill_cold_pages}, {"bytes_written", fin.spill_bytes_written}, {"bytes_read", fin.spill_bytes_read}, {"bytes_read_decoding", read_back}, {"read_mb_per_s_decoding", decode_s > 0 ? read_back / decode_s / 1e6 : 0.0}, {"retrievals_estimated_on_disk", estimated_on_disk}, {"retrievals_exact", retrievals}, {"read_errors", fin.spill_read_errors}, {"io", fin.spill_io}}}};
+    const nlohmann::ordered_json j = {{"command", "demo"}, {"tokens", o.tokens}, {"generated", final_tokens - o.tokens}, {"kv_heads", H}, {"q_heads", Q}, {"head_dim", d}, {"dtype", o.dtype}, {"threads", threads}, {"steps", o.steps}, {"seed", o.seed}, {"workload", o.workload}, {"repeat", o.repeat}, {"method", method_name(s.config.method)}, {"documents", ctx.documents()}, {"topics", spec.topics}, {"segments_per_head", built.segments / H}, {"clusters_per_head", clusters_per_head}, {"index_build_s", build_s}, {"append_s", append_s}, {"prompt_finish_s", finish_s}, {"kmeans_s", kmeans_s}, {"wavekv", {{"step_ms_median", w_med}, {"step_ms_p90", quantile(wkv_ms, 0.9)}, {"rel_l2_median", median(err_wkv)}, {"rel_l2_p90", quantile(err_wkv, 0.9)}, {"rel_l2_needle_median", median(err_wkv_needle)}, {"needle_hits", wkv_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", att_per_head}, {"retrieved_clusters_per_head", ret_per_head}, {"estimated_clusters_per_head", est_per_head}}}, {"sink_window", {{"rel_l2_median", median(err_sw)}, {"rel_l2_p90", quantile(err_sw, 0.9)}, {"rel_l2_needle_median", median(err_sw_needle)}, {"needle_hits", sw_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", std::min<uint64_t>(final_tokens, sink + window)}}}, {"exact", {{"step_ms_median", e_med}, {"step_ms_p90", quantile(exact_ms, 0.9)}, {"rel_l2_median", median(err_exact)}, {"rel_l2_p90", quantile(err_exact, 0.9)}, {"needle_share_median", median(needle_share)}, {"sink_share_median", median(sink_share)}, {"top_share_median", median(top_share)}, {"attended_tokens_per_head", final_tokens}}}, {"oracle_top_k", {{"rel_l2_median", median(err_oracle)}, {"rel_l2_p90", quantile(err_oracle, 0.9)}, {"rel_l2_needle_median", median(err_oracle_needle)}, {"needle_hits", oracle_hits}, {"needle_queries", needle_queries}}}, {"speedup", speedup}, {"total_s", total_s}, {"layers", L}, {"spill", {{"host_budget_bytes", o.host_budget}, {"kv_page_bytes", kv_bytes}, {"host_page_bytes", fin.pages_used * fin.page_bytes}, {"cold_pages", fin.spill_cold_pages}, {"bytes_written", fin.spill_bytes_written}, {"bytes_read", fin.spill_bytes_read}, {"bytes_read_decoding", read_back}, {"read_mb_per_s_decoding", decode_s > 0 ? read_back / decode_s / 1e6 : 0.0}, {"retrievals_estimated_on_disk", estimated_on_disk}, {"retrievals_exact", retrievals}, {"read_errors", fin.spill_read_errors}, {"io", fin.spill_io}}}};
     std::cout << j.dump() << std::endl;
     return 0;
   }
@@ -253,7 +260,8 @@ int run_demo(const Options &o) {
   t.row({"tokens", std::to_string(o.tokens) + " + " + std::to_string(final_tokens - o.tokens) + " generated"});
   t.row({"shape", std::to_string(L) + " layer" + (L > 1 ? "s, " : ", ") + std::to_string(H) + " kv heads, " + std::to_string(Q) + " q heads, d=" + std::to_string(d) +
                       ", " + o.dtype + ", " + std::to_string(threads) + " threads"});
-  t.row({"workload / method", o.workload + " / " + method_name(s.config.method)});
+  t.row({"workload / method", o.workload + " / " + method_name(s.config.method) +
+                                   (o.repeat > 1 ? ", each query for " + std::to_string(o.repeat) + " steps" : "")});
   t.row({"documents / topics", std::to_string(ctx.documents()) + " / " + std::to_string(spec.topics)});
   t.row({"clusters (per kv head)", std::to_string(clusters_per_head)});
   t.row({"index build (s)", fixed(build_s, 2) + " (k-means " + fixed(kmeans_s, 2) + ")"});

@@ -70,7 +70,8 @@ void ColdTier::submit(std::vector<Job> &jobs) {
   if (jobs.empty()) return;
   {
     std::lock_guard<std::mutex> lock(jobs.front().owner->mu);
-    jobs.front().owner->queued += static_cast<uint32_t>(jobs.size());
+    (jobs.front().write ? jobs.front().owner->writes : jobs.front().owner->reads) +=
+        static_cast<uint32_t>(jobs.size());
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -108,7 +109,7 @@ void ColdTier::run_batch(std::vector<Job> &batch) {
   // Jobs of an older generation were disowned: dropped unseen.
   {
     std::lock_guard<std::mutex> lock(owner.mu);
-    owner.queued -= static_cast<uint32_t>(batch.size());
+    (write ? owner.writes : owner.reads) -= static_cast<uint32_t>(batch.size());
     batch.erase(std::remove_if(batch.begin(), batch.end(), [&](const Job &j) { return j.gen != owner.gen; }),
                 batch.end());
     if (batch.empty()) {
@@ -218,7 +219,13 @@ void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d) {
   }
   if (d.id != kNoPage) arena_.release(&d.id, 1);
   if (d.st.code() == WKV_ERR_BUDGET || d.st.code() == WKV_ERR_OUT_OF_MEMORY) {
-    state = ColdPages::kOnDisk;  // no room now; asked for again later
+    // No room yet (the writes that make it are installed by this same
+    // call): asked for again by the layer's next lookup.
+    try {
+      cp.want.push_back(d.page);
+    } catch (const std::bad_alloc &) {
+      state = ColdPages::kOnDisk;
+    }
     return;
   }
   state = ColdPages::kFailed;
@@ -304,19 +311,24 @@ void ColdTier::end_lookup(Sequence &seq, uint32_t layer) {
       }
       cp.want.clear();
     }
+    const uint64_t asked = jobs.size();
     submit(jobs);
-    // Writes, when the budget runs short and none of the sequence's are
-    // under way.
+    // Writes, when the free pages fall short of the reserve plus the reads
+    // asked for, and none of the sequence's writes are under way: room for
+    // the reads, which the pager retries at the next lookups.
     const HostArena::Stats a = arena_.stats();
     const uint64_t used = a.pages_used, budget = opts_.budget_pages;
     const uint64_t free = budget > used ? budget - used : 0;
+    uint64_t reads = 0;
     bool writing;
     {
       std::lock_guard<std::mutex> lock(seq.cold()->mu);
-      writing = seq.cold()->queued > 0 || seq.cold()->busy > 0;
+      writing = seq.cold()->writes > 0;
+      reads = seq.cold()->reads;
     }
-    if (free >= reserve_ || writing) return;
-    for (const Victim &v : choose(seq, 2 * reserve_ - free)) {
+    const uint64_t need = reserve_ + std::min<uint64_t>(std::max(reads, asked), budget / 2);
+    if (free >= need || writing) return;
+    for (const Victim &v : choose(seq, need + reserve_ - free)) {
       HeadState &hs = seq.layer(v.layer).heads[v.head];
       hs.cold.state[v.page] = ColdPages::kWriting;
       Job j;
@@ -345,6 +357,11 @@ void ColdTier::end_lookup(Sequence &seq, uint32_t layer) {
 }
 
 Status ColdTier::relieve(Sequence &seq, uint64_t pages) {
+  if (pages > opts_.budget_pages)
+    return WKV_ERROR(WKV_ERR_BUDGET,
+                     "a growth needs %llu pages at once, more than the host budget holds (%llu): the budget must "
+                     "hold at least a segment of every KV head of a layer",
+                     static_cast<unsigned long long>(pages), static_cast<unsigned long long>(opts_.budget_pages));
   try {
     install(seq);
     std::vector<Victim> v = choose(seq, pages + reserve_);

@@ -66,7 +66,7 @@ struct ColdShared {
   std::condition_variable cv;
   uint64_t gen = 0;   // bumped to disown the jobs handed over before
   uint32_t busy = 0;  // jobs of the sequence on the pager's thread now
-  uint32_t queued = 0;  // jobs handed over and not yet done
+  uint32_t reads = 0, writes = 0;  // jobs handed over and not yet done
   std::vector<Done> done;
 };
 
