@@ -223,6 +223,25 @@ enum {
  * with WKV_CONFIG_SPILL_NO_URING), else with pread and pwrite; wkv_stats
  * says which (spill_io). A directory that cannot hold the file fails
  * wkv_engine_open with WKV_ERR_IO.
+ *
+ * Cold pages (0.4; CPU engines with both spill_dir and host_budget_bytes):
+ * a sequence may hold more KV than the budget. When a growth (an append or
+ * the end of a prompt that clusters a segment) finds the budget full, the
+ * sequence's coldest pages (those whose clusters were retrieved longest ago)
+ * are written to the spill file first, in that call; at the end of a lookup
+ * that leaves fewer pages free than a reserve (1/32 of the budget), more go
+ * on a thread of the engine. A lookup that retrieves a cluster with a page
+ * on disk estimates that cluster for the step (from its centroid and value
+ * sum, as the estimation zone) and has its pages read back on that thread;
+ * a later lookup of the layer attends it exactly. No call waits for those
+ * reads. Pages the latest lookup of a layer retrieved are never written out.
+ * A read back that fails its checksum or its I/O leaves the page on disk:
+ * its clusters are estimated from then on and wkv_seq_save of the sequence
+ * fails (WKV_ERR_CORRUPT or WKV_ERR_IO). A growth that needs more pages at
+ * once than the budget holds (a segment of every KV head of a layer) fails
+ * with WKV_ERR_BUDGET, as does one whose pages cannot leave because the
+ * spill file is at spill_budget_bytes. wkv_stats counts all of it
+ * (spill_cold_pages and after). A CUDA engine evicts whole sequences only.
  */
 typedef struct wkv_config {
   uint32_t size;            /* sizeof(wkv_config), set by wkv_config_init */
