@@ -239,7 +239,11 @@ extern "C" {
     pub fn wkv_seq_evict(seq: *mut wkv_seq) -> i32;
     pub fn wkv_seq_restore(seq: *mut wkv_seq) -> i32;
     pub fn wkv_seq_save_fd(seq: *const wkv_seq, fd: i32, flags: u32) -> i32;
-    pub fn wkv_seq_load(engine: *mut wkv_engine, path: *const c_char, out: *mut *mut wkv_seq) -> i32;
+    pub fn wkv_seq_load(
+        engine: *mut wkv_engine,
+        path: *const c_char,
+        out: *mut *mut wkv_seq,
+    ) -> i32;
     pub fn wkv_seq_load_fd(engine: *mut wkv_engine, fd: i32, out: *mut *mut wkv_seq) -> i32;
 
     pub fn wkv_plan_create(engine: *mut wkv_engine, out: *mut *mut wkv_plan) -> i32;

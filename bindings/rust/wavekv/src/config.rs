@@ -138,8 +138,9 @@ impl Config {
         /// `WKV_METHOD_*` bits (`WKV_METHOD_DEFAULT`).
         method: u32;
         /// Cap on the spill file's bytes; 0 = unlimited (0). The spill
-        /// directory itself (`spill_dir`, a C string the caller keeps alive
-        /// until the engine is open) is set through `as_raw_mut`.
+        /// directory itself is given to `Engine::open_with_files` (or, as a
+        /// C string kept alive until the engine is open, through
+        /// `as_raw_mut`).
         spill_budget_bytes: u64;
     }
 }

@@ -63,6 +63,33 @@ fn c_path(func: &str, path: &Path) -> Result<CString> {
 }
 
 impl Engine {
+    /// Opens an engine with the paths of `wkv_config` given safely: a
+    /// directory for the spill file (`spill_dir`: eviction of sequences,
+    /// and on a CPU engine with a host budget, cold pages) and a file for
+    /// the published statistics (`stats_path`), each `None` to leave the
+    /// config's own. The library copies both at open, so they need not
+    /// outlive the call; a path with a NUL byte is refused.
+    pub fn open_with_files(
+        config: &Config,
+        spill_dir: Option<&Path>,
+        stats_path: Option<&Path>,
+    ) -> Result<Engine> {
+        let spill = spill_dir
+            .map(|p| c_path("wkv_engine_open", p))
+            .transpose()?;
+        let stats = stats_path
+            .map(|p| c_path("wkv_engine_open", p))
+            .transpose()?;
+        let mut cfg = *config;
+        if let Some(s) = &spill {
+            cfg.as_raw_mut().spill_dir = s.as_ptr();
+        }
+        if let Some(s) = &stats {
+            cfg.as_raw_mut().stats_path = s.as_ptr();
+        }
+        Engine::open(&cfg)
+    }
+
     /// Opens an engine (`wkv_engine_open`).
     pub fn open(config: &Config) -> Result<Engine> {
         let mut raw: *mut sys::wkv_engine = ptr::null_mut();

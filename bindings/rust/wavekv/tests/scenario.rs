@@ -6,6 +6,7 @@
 // three errors (a bad shape, an unknown layer, use after close) with their
 // status and message.
 use std::fs;
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 
 use wavekv::{Config, Dtype, Engine, Plan, Sequence, Status, Strides, F16};
@@ -616,10 +617,13 @@ fn config_reads_back_and_bad_configs_are_refused() {
 #[test]
 fn an_evicted_sequence_decodes_the_same_after_its_restore() {
     let dir = temp_dir("wavekv-spill");
-    let dir_c = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
-    let mut cfg = config(0.018, 0.232).spill_budget_bytes(1 << 30);
-    cfg.as_raw_mut().spill_dir = dir_c.as_ptr();
-    let engine = Engine::open(&cfg).unwrap();
+    let cfg = config(0.018, 0.232).spill_budget_bytes(1 << 30);
+    let engine = Engine::open_with_files(&cfg, Some(&dir), None).unwrap();
+    let mut bad = dir.as_os_str().as_bytes().to_vec();
+    bad.extend_from_slice(b"\0x");
+    let bad = PathBuf::from(std::ffi::OsStr::from_bytes(&bad));
+    let e = Engine::open_with_files(&cfg, Some(&bad), None).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument, "{}", e);
     let mut rng = Rng(9);
     let model = Model::new(&mut rng);
     let c = context(&model, &mut rng, 3000);
