@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "files_support.hpp"
+#include "spill_support.hpp"
 #include "wavekv/wavekv.hpp"
 
 using namespace wkvtest;
@@ -262,23 +263,11 @@ TEST(ColdPages, ACorruptSpilledPageIsAnErrorNeverData) {
   const wkv_stats st = e.stats();
   ASSERT_GT(st.spill_cold_pages, 0u);
   // The spill file, through /proc (the process holds its only name).
-  int fd = -1;
-  for (int i = 3; i < 1024 && fd < 0; ++i) {
-    char link[4096];
-    const ssize_t n = readlink(("/proc/self/fd/" + std::to_string(i)).c_str(), link, sizeof link - 1);
-    if (n > 0 && std::string(link, n).rfind(dir.path() + "/", 0) == 0) fd = i;
-  }
+  const int fd = reopen_spill_file(dir.path());
   ASSERT_GE(fd, 0);
   const uint64_t span = (st.page_bytes + 4095) / 4096 * 4096;
-  for (uint64_t at = 100; at < st.spill_file_bytes; at += span) {
-    const int own = ::open(("/proc/self/fd/" + std::to_string(fd)).c_str(), O_RDWR);
-    ASSERT_GE(own, 0);
-    uint8_t b = 0;
-    ASSERT_EQ(::pread(own, &b, 1, static_cast<off_t>(at)), 1);
-    b ^= 0x40;
-    ASSERT_EQ(::pwrite(own, &b, 1, static_cast<off_t>(at)), 1);
-    ::close(own);
-  }
+  for (uint64_t at = 100; at < st.spill_file_bytes; at += span) flip_byte(fd, at);
+  ::close(fd);
   Context q(s, 11);
   for (int i = 0; i < 40 && e.stats().spill_read_errors == 0; ++i) {
     const std::vector<float> out = to_f32(s, decode_all(e, seq.get(), s, q.query()));

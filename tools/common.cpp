@@ -161,31 +161,13 @@ void save_sequence(Session &s, const std::string &path) {
   if (isatty(STDERR_FILENO) != 1) std::fprintf(stderr, "saved the sequence to %s\n", path.c_str());
 }
 
-double ingest(Session &s, const SynthContext &ctx, uint32_t layer, uint64_t first, uint64_t n,
-              const char *label) {
-  // Chunks as a runtime's chunked prefill would send them; each segment is
-  // clustered by the append that completes it.
-  constexpr uint64_t kChunk = 1024;
-  const int64_t head_stride = static_cast<int64_t>(ctx.head_stride() * ctx.spec().head_dim);
-  const int64_t token_stride = ctx.spec().head_dim;
-  Progress p(label, n);
-  double secs = 0;
-  for (uint64_t done = 0; done < n;) {
-    const uint32_t m = static_cast<uint32_t>(std::min(kChunk, n - done));
-    auto t0 = Clock::now();
-    check(wkv_seq_append(s.seq, layer, ctx.k_store(0, first + done), ctx.v_store(0, first + done), m,
-                         token_stride, head_stride, nullptr),
-          "wkv_seq_append");
-    secs += seconds_since(t0);
-    done += m;
-    p.update(done);
-  }
-  p.finish();
-  return secs;
-}
+namespace {
 
-double ingest_layers(Session &s, const SynthContext &ctx, uint32_t layers, uint64_t first, uint64_t n,
-                     const char *label) {
+// Appends tokens [first, first + n) to layers [l0, l1), chunk by chunk and
+// layer by layer within a chunk, as a runtime's chunked prefill would send
+// them; each segment is clustered by the append that completes it.
+double ingest_range(Session &s, const SynthContext &ctx, uint32_t l0, uint32_t l1, uint64_t first, uint64_t n,
+                    const char *label) {
   constexpr uint64_t kChunk = 1024;
   const int64_t head_stride = static_cast<int64_t>(ctx.head_stride() * ctx.spec().head_dim);
   const int64_t token_stride = ctx.spec().head_dim;
@@ -194,7 +176,7 @@ double ingest_layers(Session &s, const SynthContext &ctx, uint32_t layers, uint6
   for (uint64_t done = 0; done < n;) {
     const uint32_t m = static_cast<uint32_t>(std::min(kChunk, n - done));
     auto t0 = Clock::now();
-    for (uint32_t l = 0; l < layers; ++l)
+    for (uint32_t l = l0; l < l1; ++l)
       check(wkv_seq_append(s.seq, l, ctx.k_store(0, first + done), ctx.v_store(0, first + done), m, token_stride,
                            head_stride, nullptr),
             "wkv_seq_append");
@@ -204,6 +186,18 @@ double ingest_layers(Session &s, const SynthContext &ctx, uint32_t layers, uint6
   }
   p.finish();
   return secs;
+}
+
+}  // namespace
+
+double ingest(Session &s, const SynthContext &ctx, uint32_t layer, uint64_t first, uint64_t n,
+              const char *label) {
+  return ingest_range(s, ctx, layer, layer + 1, first, n, label);
+}
+
+double ingest_layers(Session &s, const SynthContext &ctx, uint32_t layers, uint64_t first, uint64_t n,
+                     const char *label) {
+  return ingest_range(s, ctx, 0, layers, first, n, label);
 }
 
 Progress::Progress(std::string label, uint64_t total, bool tty_only)

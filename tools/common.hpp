@@ -106,13 +106,12 @@ void save_sequence(Session &s, const std::string &path);
 
 // Appends tokens [first, first + n) of every head of ctx to `layer` in
 // chunks, with a progress line; returns the wall seconds of the appends.
-// Appends tokens [first, first + n) of the context to every layer of the
-// session's sequence, chunk by chunk and layer by layer within a chunk, as
-// a runtime's chunked prefill would. Returns the seconds the appends took.
-double ingest_layers(Session &s, const SynthContext &ctx, uint32_t layers, uint64_t first, uint64_t n,
-                     const char *label);
 double ingest(Session &s, const SynthContext &ctx, uint32_t layer, uint64_t first, uint64_t n,
               const char *label);
+// The same for layers [0, layers), layer by layer within each chunk, as a
+// runtime's chunked prefill would send them.
+double ingest_layers(Session &s, const SynthContext &ctx, uint32_t layers, uint64_t first, uint64_t n,
+                     const char *label);
 
 // Progress on stderr: one line rewritten in place on a terminal, a line per
 // quarter otherwise (or nothing, if tty_only).

@@ -9,11 +9,9 @@
 
 namespace wkv {
 
-namespace {
-
-uint32_t stamp32(uint64_t s) { return static_cast<uint32_t>(std::min<uint64_t>(s, std::numeric_limits<uint32_t>::max())); }
-
-}  // namespace
+uint32_t cold_stamp(uint64_t s) {
+  return static_cast<uint32_t>(std::min<uint64_t>(s, std::numeric_limits<uint32_t>::max()));
+}
 
 void cold_fit(HeadState &hs, uint64_t stamp) {
   ColdPages &cp = hs.cold;
@@ -22,7 +20,7 @@ void cold_fit(HeadState &hs, uint64_t stamp) {
     cp.state.resize(pages, ColdPages::kResident);
     cp.extent.resize(pages);
   }
-  if (cp.last_used.size() < clusters) cp.last_used.resize(clusters, stamp32(stamp));
+  if (cp.last_used.size() < clusters) cp.last_used.resize(clusters, cold_stamp(stamp));
 }
 
 bool cold_resident(HeadState &hs, uint32_t c, uint32_t pt) {
@@ -54,6 +52,9 @@ ColdTier::ColdTier(Options opts, SpillFile &spill, HostArena &arena, EngineCount
   // steps and for a growth's pages before the next writes free more.
   reserve_ = std::max<uint64_t>(opts_.budget_pages / 32, 2 * uint64_t(opts_.batch));
   reserve_ = std::max<uint64_t>(1, std::min<uint64_t>(reserve_, opts_.budget_pages / 4));
+  // A growth's pages within a quarter of the budget.
+  max_growth_segments_ = static_cast<uint32_t>(
+      std::max<uint64_t>(1, opts_.budget_pages / 4 / std::max<uint64_t>(1, opts_.segment_pages)));
   thread_ = std::thread([this] { run(); });
 }
 
@@ -259,7 +260,7 @@ std::vector<ColdTier::Victim> ColdTier::choose(Sequence &seq, uint64_t n) {
   const uint32_t pt = opts_.page_tokens;
   for (uint32_t l = 0; l < seq.n_layers(); ++l) {
     LayerState &L = seq.layer(l);
-    const uint32_t keep = L.last_lookup ? stamp32(L.last_lookup) : std::numeric_limits<uint32_t>::max();
+    const uint32_t keep = L.last_lookup ? cold_stamp(L.last_lookup) : std::numeric_limits<uint32_t>::max();
     for (uint32_t h = 0; h < L.heads.size(); ++h) {
       HeadState &hs = L.heads[h];
       cold_fit(hs, seq.stamp() ? seq.stamp() - 1 : 0);
@@ -296,18 +297,22 @@ void ColdTier::end_lookup(Sequence &seq, uint32_t layer) {
     std::lock_guard<std::mutex> lock(seq.cold()->mu);
     return seq.cold()->gen;
   }();
+  auto job = [&](bool write, uint32_t l, uint32_t h, uint32_t p) {
+    Job j;
+    j.owner = seq.cold();
+    j.gen = gen;
+    j.write = write;
+    j.layer = l;
+    j.head = h;
+    j.page = p;
+    return j;
+  };
   try {
     for (uint32_t h = 0; h < L.heads.size(); ++h) {
       ColdPages &cp = L.heads[h].cold;
       for (uint32_t p : cp.want) {
-        Job j;
-        j.owner = seq.cold();
-        j.gen = gen;
-        j.layer = layer;
-        j.head = h;
-        j.page = p;
-        j.extent = cp.extent[p];
-        jobs.push_back(std::move(j));
+        jobs.push_back(job(false, layer, h, p));
+        jobs.back().extent = cp.extent[p];
       }
       cp.want.clear();
     }
@@ -331,15 +336,8 @@ void ColdTier::end_lookup(Sequence &seq, uint32_t layer) {
     for (const Victim &v : choose(seq, need + reserve_ - free)) {
       HeadState &hs = seq.layer(v.layer).heads[v.head];
       hs.cold.state[v.page] = ColdPages::kWriting;
-      Job j;
-      j.owner = seq.cold();
-      j.gen = gen;
-      j.write = true;
-      j.layer = v.layer;
-      j.head = v.head;
-      j.page = v.page;
-      j.src = arena_.page_ptr(hs.map.pages[v.page]);
-      jobs.push_back(std::move(j));
+      jobs.push_back(job(true, v.layer, v.head, v.page));
+      jobs.back().src = arena_.page_ptr(hs.map.pages[v.page]);
     }
     submit(jobs);
   } catch (const std::bad_alloc &) {

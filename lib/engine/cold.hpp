@@ -75,6 +75,7 @@ class ColdTier {
   struct Options {
     uint64_t budget_pages = 0;  // the host budget in page slots
     uint32_t page_tokens = 0;
+    uint64_t segment_pages = 0;  // pages of one prompt segment of every KV head
     uint32_t batch = 64;        // pages one request of the pager moves at most
   };
   ColdTier(Options opts, SpillFile &spill, HostArena &arena, EngineCounters &counters);
@@ -84,6 +85,9 @@ class ColdTier {
 
   // Free slots the tier keeps for reads back and growths.
   uint64_t reserve() const { return reserve_; }
+  // Prompt segments one growth may cluster (IndexContext): their pages stay
+  // within a quarter of the budget.
+  uint32_t max_growth_segments() const { return max_growth_segments_; }
 
   // Before a lookup of `layer`: installs finished work, stamps the layer
   // and sizes the head's arrays.
@@ -127,6 +131,7 @@ class ColdTier {
 
   Options opts_;
   uint64_t reserve_ = 0;
+  uint32_t max_growth_segments_ = 1;
   SpillFile &spill_;
   HostArena &arena_;
   EngineCounters &counters_;
@@ -137,6 +142,8 @@ class ColdTier {
   std::thread thread_;
 };
 
+// A lookup stamp as ColdPages::last_used holds it (saturating at 2^32 - 1).
+uint32_t cold_stamp(uint64_t stamp);
 // Sizes a head's cold arrays to its pages and clusters (new clusters get
 // `stamp`).
 void cold_fit(HeadState &hs, uint64_t stamp);

@@ -126,6 +126,8 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
       ColdTier::Options co;
       co.budget_pages = cfg.c.host_budget_bytes / cfg.page_slot_bytes();
       co.page_tokens = cfg.page_tokens();
+      co.segment_pages =
+          uint64_t(cfg.c.n_kv_heads) * ((cfg.c.segment_tokens + cfg.page_tokens() - 1) / cfg.page_tokens());
       try {
         e->cold_ = std::make_unique<ColdTier>(co, *e->spill_, *e->arena_, e->counters_);
       } catch (const std::exception &) {
@@ -455,11 +457,7 @@ IndexContext Engine::index_for(Sequence &seq) {
   if (cold_) {
     ix.relieve = [this, &seq](uint64_t n) { return cold_->relieve(seq, n); };
     ix.read_cold = [this](const HeadState &hs, uint32_t p, uint8_t *dst) { return cold_->read_page(hs, p, dst); };
-    // A growth's pages within a quarter of the budget.
-    const uint64_t per_segment =
-        uint64_t(cfg_.c.n_kv_heads) * ((cfg_.c.segment_tokens + cfg_.page_tokens() - 1) / cfg_.page_tokens());
-    const uint64_t budget_pages = cfg_.c.host_budget_bytes / cfg_.page_slot_bytes();
-    ix.max_growth_segments = static_cast<uint32_t>(std::max<uint64_t>(1, budget_pages / 4 / per_segment));
+    ix.max_growth_segments = cold_->max_growth_segments();
   }
   return ix;
 }

@@ -440,6 +440,15 @@ void release_layer(const IndexContext &ix, LayerState &L, bool counted) noexcept
   L.tokens = L.tail_begin = 0;
 }
 
+namespace {
+
+// The segments the next growth clusters, of `left` still to cluster.
+uint32_t growth_part(const IndexContext &ix, uint32_t left) {
+  return ix.max_growth_segments ? std::min(left, ix.max_growth_segments) : left;
+}
+
+}  // namespace
+
 Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, const uint8_t *k, const uint8_t *v,
                      uint32_t n, int64_t token_stride, int64_t head_stride, void *stream) {
   const Config &cfg = ix.cfg;
@@ -494,7 +503,7 @@ Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, cons
   // segments a later one could not take wait in the tail (the steady zone,
   // attended exactly) for the next growth.
   for (uint32_t done = 0; done < count;) {
-    const uint32_t c = ix.max_growth_segments ? std::min(count - done, ix.max_growth_segments) : count - done;
+    const uint32_t c = growth_part(ix, count - done);
     Status st = grow(ix, L, layer, c, seg, seg, L.generating, stream);
     if (st.is_ok()) {
       done += c;
@@ -528,7 +537,7 @@ Status end_prompt(const IndexContext &ix, LayerState &L, uint32_t layer, void *s
     // In growths of at most max_growth_segments (as append_tokens): a
     // failure leaves the prompt open, with what was clustered kept.
     for (uint32_t done = 0; done < count;) {
-      const uint32_t c = ix.max_growth_segments ? std::min(count - done, ix.max_growth_segments) : count - done;
+      const uint32_t c = growth_part(ix, count - done);
       WKV_RETURN_IF_ERROR(grow(ix, L, layer, c, seg, done + c == count ? last : seg, false, stream));
       done += c;
     }

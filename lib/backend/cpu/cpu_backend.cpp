@@ -326,8 +326,7 @@ Status CpuBackend::lookup(Plan &plan) {
       // estimated instead (the tail above already left it out), and its
       // pages are asked for (hs.cold.want).
       if (!hs.cold.last_used.empty()) {
-        const uint32_t stamp = static_cast<uint32_t>(
-            std::min<uint64_t>(plan.seqs[r.seq]->layer(plan.layer).last_lookup, std::numeric_limits<uint32_t>::max()));
+        const uint32_t stamp = cold_stamp(plan.seqs[r.seq]->layer(plan.layer).last_lookup);
         uint32_t keep = 0, cold = 0;
         uint32_t *cold_ids = scratch;  // spent by the selection
         for (uint32_t i = 0; i < r.n_ret; ++i) {
