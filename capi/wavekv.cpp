@@ -158,8 +158,9 @@ template <typename T> void copy_prefix(T *dst, const T &src) {
   dst->size = keep;
 }
 
-// Collects and checks a batch of sequences for a plan of engine e.
-int collect_seqs(const wkv::Plan &plan, wkv_seq *const *seqs, uint32_t n, const char *fn,
+// Collects and checks a batch of distinct sequences of one engine: the
+// plan's, or (plan null) sequence 0's.
+int collect_seqs(const wkv::Plan *plan, wkv_seq *const *seqs, uint32_t n, const char *fn,
                  std::vector<std::shared_ptr<wkv::Sequence>> *out) {
   CHECK_ARG(seqs, "%s: seqs is NULL", fn);
   CHECK_ARG(n > 0, "%s: n_seqs is 0", fn);
@@ -168,9 +169,10 @@ int collect_seqs(const wkv::Plan &plan, wkv_seq *const *seqs, uint32_t n, const 
   for (uint32_t i = 0; i < n; ++i) {
     std::shared_ptr<wkv::Sequence> s;
     if (int rc = resolve_seq(seqs[i], fn, &s)) return rc;
-    if (s->engine_ptr() != plan.engine_ptr())
-      return fail(WKV_ERR_INVALID_HANDLE,
-                  wkv::format("%s: sequence %u belongs to another engine than the plan", fn, i));
+    const wkv::Engine *engine = plan ? plan->engine_ptr().get() : i > 0 ? (*out)[0]->engine_ptr().get() : nullptr;
+    if (engine && s->engine_ptr().get() != engine)
+      return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: sequence %u belongs to another engine than %s", fn, i,
+                                                      plan ? "the plan" : "sequence 0"));
     out->push_back(std::move(s));
   }
   std::vector<const wkv::Sequence *> sorted;
@@ -211,7 +213,7 @@ int lookup_impl(const char *fn, wkv::Plan &plan, wkv_seq *const *seqs, uint32_t 
     ~ClearBatch() { t_batch.clear(); }
   } clear_batch;
   wkv::Engine &e = plan.engine();
-  if (int rc = collect_seqs(plan, seqs, n_seqs, fn, &t_batch)) return rc;
+  if (int rc = collect_seqs(&plan, seqs, n_seqs, fn, &t_batch)) return rc;
   if (int rc = check_layer(e, layer, fn)) return rc;
   CHECK_ARG(q, "%s: q is NULL", fn);
   const wkv::Config &cfg = e.config();
@@ -382,6 +384,47 @@ int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k, const void *v, u
       return rc;
     return done(e.append(*s, layer, static_cast<const uint8_t *>(k), static_cast<const uint8_t *>(v), n_tokens,
                          token_stride, head_stride, stream));
+  });
+}
+
+int wkv_append_batch(wkv_seq *const *seqs, uint32_t n_seqs, uint32_t layer, const void *k, const void *v,
+                     uint32_t n_tokens, int64_t seq_stride, int64_t token_stride, int64_t head_stride,
+                     void *stream) {
+  return guarded("wkv_append_batch", [&] {
+    const char *fn = "wkv_append_batch";
+    struct ClearBatch {
+      ~ClearBatch() { t_batch.clear(); }
+    } clear_batch;
+    if (int rc = collect_seqs(nullptr, seqs, n_seqs, fn, &t_batch)) return rc;
+    wkv::Engine &e = t_batch[0]->engine();
+    if (int rc = check_layer(e, layer, fn)) return rc;
+    CHECK_ARG(k, "%s: k is NULL", fn);
+    CHECK_ARG(v, "%s: v is NULL", fn);
+    CHECK_ARG(n_tokens > 0, "%s: n_tokens is 0", fn);
+    const wkv::Config &cfg = e.config();
+    const size_t esz = element_bytes(e);
+    if (int rc = check_strides(fn, "k/v", n_tokens, cfg.c.n_kv_heads, cfg.c.head_dim, esz, &token_stride,
+                               &head_stride))
+      return rc;
+    // Sequence i's tokens begin at i * seq_stride; 0: one after another.
+    // Any other layout is fine (sequences interleaved by token, say): the
+    // tensors are only read, so the batch need only be addressable.
+    const uint64_t span = static_cast<uint64_t>(n_tokens - 1) * static_cast<uint64_t>(token_stride) +
+                          static_cast<uint64_t>(cfg.c.n_kv_heads - 1) * static_cast<uint64_t>(head_stride) +
+                          cfg.c.head_dim;  // elements of one sequence's rows (its extent checked above)
+    if (seq_stride == 0) seq_stride = static_cast<int64_t>(span);
+    if (seq_stride < 0) return fail(WKV_ERR_INVALID_ARGUMENT, wkv::format("%s: seq_stride must not be negative", fn));
+    uint64_t end = 0;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(n_seqs - 1), static_cast<uint64_t>(seq_stride), &end) ||
+        __builtin_add_overflow(end, span, &end) || __builtin_mul_overflow(end, static_cast<uint64_t>(esz), &end) ||
+        end > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      return fail(WKV_ERR_INVALID_ARGUMENT, wkv::format("%s: k/v is too large to address", fn));
+    thread_local std::vector<wkv::Sequence *> batch;
+    batch.clear();
+    for (auto &s : t_batch) batch.push_back(s.get());
+    return done(e.append_batch(batch.data(), n_seqs, layer, static_cast<const uint8_t *>(k),
+                               static_cast<const uint8_t *>(v), n_tokens, seq_stride, token_stride, head_stride, stream,
+                               fn));
   });
 }
 

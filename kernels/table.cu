@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "kernels/cuda_common.cuh"
 #include "kernels/table_cuda.hpp"
 
@@ -18,6 +20,49 @@ struct WordChunk {
   uint32_t n, value;
 };
 static_assert(sizeof(WordChunk) <= 4000, "kernel parameters are limited to 4 KiB");
+
+constexpr uint32_t kCopiesPerLaunch = 96;
+constexpr uint32_t kCopyRowsPerCta = 16;
+constexpr uint32_t kMarksPerLaunch = 240;
+
+struct CopyChunk {
+  RowCopyDesc c[kCopiesPerLaunch];
+  const uint8_t *k, *v;
+  uint64_t pitch;
+  uint32_t row_bytes, n;
+};
+static_assert(sizeof(CopyChunk) <= 4000, "kernel parameters are limited to 4 KiB");
+
+struct MarkChunk {
+  unsigned long long *done[kMarksPerLaunch];
+  unsigned long long epoch[kMarksPerLaunch];
+  uint32_t n;
+};
+static_assert(sizeof(MarkChunk) <= 4000, "kernel parameters are limited to 4 KiB");
+
+// CTA (x, y) copies rows y * 16 .. of copy x (and every gridDim.y * 16th
+// row group after), K and V, word by word.
+template <typename W> __global__ void copy_rows_kernel(const __grid_constant__ CopyChunk chunk) {
+  const RowCopyDesc &c = chunk.c[blockIdx.x];
+  const uint32_t words = chunk.row_bytes / sizeof(W);
+  for (uint64_t r0 = uint64_t(blockIdx.y) * kCopyRowsPerCta; r0 < c.rows;
+       r0 += uint64_t(gridDim.y) * kCopyRowsPerCta) {
+    const uint32_t rows = static_cast<uint32_t>(c.rows - r0 < kCopyRowsPerCta ? c.rows - r0 : kCopyRowsPerCta);
+    for (uint32_t i = threadIdx.x; i < rows * words; i += blockDim.x) {
+      const uint64_t r = r0 + i / words, w = i % words;
+      const uint64_t src = c.src_off + r * chunk.pitch + w * sizeof(W);
+      const uint64_t dst = r * chunk.row_bytes + w * sizeof(W);
+      *reinterpret_cast<W *>(c.dst_k + dst) = *reinterpret_cast<const W *>(chunk.k + src);
+      *reinterpret_cast<W *>(c.dst_v + dst) = *reinterpret_cast<const W *>(chunk.v + src);
+    }
+  }
+}
+
+__global__ void mark_many_kernel(const __grid_constant__ MarkChunk chunk) {
+  __threadfence_system();
+  for (uint32_t i = threadIdx.x; i < chunk.n; i += blockDim.x)
+    *reinterpret_cast<volatile unsigned long long *>(chunk.done[i]) = chunk.epoch[i];
+}
 
 __global__ void store_words_kernel(const WordChunk chunk) {
   for (uint32_t i = threadIdx.x; i < chunk.n; i += blockDim.x)
@@ -66,6 +111,62 @@ cudaError_t mark_step_end(unsigned long long *done, unsigned long long epoch, vo
   if (!done) return cudaErrorInvalidValue;
   mark_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(done, epoch);
   WKV_CUDA_CHECK_LAUNCH("mark_kernel");
+  return cudaSuccess;
+}
+
+cudaError_t copy_rows(const RowCopyDesc *copies, uint32_t n, const uint8_t *k, const uint8_t *v, uint64_t src_pitch,
+                      uint32_t row_bytes, void *stream) {
+  if (n == 0) return cudaSuccess;
+  if (!copies || !k || !v || row_bytes == 0) return cudaErrorInvalidValue;
+  // The widest word every address, offset and pitch is a multiple of.
+  uint64_t bits = reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v) | src_pitch | row_bytes;
+  uint64_t max_rows = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    bits |= copies[i].src_off | reinterpret_cast<uintptr_t>(copies[i].dst_k) |
+            reinterpret_cast<uintptr_t>(copies[i].dst_v);
+    if (copies[i].rows > max_rows) max_rows = copies[i].rows;
+  }
+  const uint32_t width = bits % 16 == 0 ? 16 : bits % 8 == 0 ? 8 : bits % 4 == 0 ? 4 : bits % 2 == 0 ? 2 : 1;
+  const uint32_t threads = 128;
+  const uint32_t groups =
+      static_cast<uint32_t>(std::min<uint64_t>((max_rows + kCopyRowsPerCta - 1) / kCopyRowsPerCta, 65535));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  for (uint32_t done = 0; done < n; done += kCopiesPerLaunch) {
+    CopyChunk c;
+    c.n = n - done < kCopiesPerLaunch ? n - done : kCopiesPerLaunch;
+    for (uint32_t i = 0; i < c.n; ++i) c.c[i] = copies[done + i];
+    c.k = k;
+    c.v = v;
+    c.pitch = src_pitch;
+    c.row_bytes = row_bytes;
+    const dim3 grid(c.n, std::max<uint32_t>(groups, 1));
+    switch (width) {
+      case 16: copy_rows_kernel<uint4><<<grid, threads, 0, s>>>(c); break;
+      case 8: copy_rows_kernel<uint2><<<grid, threads, 0, s>>>(c); break;
+      case 4: copy_rows_kernel<uint32_t><<<grid, threads, 0, s>>>(c); break;
+      case 2: copy_rows_kernel<uint16_t><<<grid, threads, 0, s>>>(c); break;
+      default: copy_rows_kernel<uint8_t><<<grid, threads, 0, s>>>(c); break;
+    }
+    WKV_CUDA_CHECK_LAUNCH("copy_rows");
+  }
+  return cudaSuccess;
+}
+
+cudaError_t mark_steps_end(unsigned long long *const *done, const unsigned long long *epochs, uint32_t n,
+                           void *stream) {
+  for (uint32_t i = 0; i < n; ++i)
+    if (!done[i]) return cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  for (uint32_t at = 0; at < n; at += kMarksPerLaunch) {
+    MarkChunk c;
+    c.n = n - at < kMarksPerLaunch ? n - at : kMarksPerLaunch;
+    for (uint32_t i = 0; i < c.n; ++i) {
+      c.done[i] = done[at + i];
+      c.epoch[i] = epochs[at + i];
+    }
+    mark_many_kernel<<<1, 256, 0, s>>>(c);
+    WKV_CUDA_CHECK_LAUNCH("mark_many");
+  }
   return cudaSuccess;
 }
 

@@ -20,6 +20,26 @@ cudaError_t upload_runs(const DevRun *host_runs, uint32_t n, DevRun *dst, void *
 // ended (StepMark without a kernel of its own to carry it).
 cudaError_t mark_step_end(unsigned long long *done, unsigned long long epoch, void *stream);
 
+// One copy of an append: `rows` rows of row_bytes, row r from byte offset
+// src_off + r * src_pitch of the source to dst + r * row_bytes, for K and V.
+struct RowCopyDesc {
+  uint8_t *dst_k, *dst_v;
+  uint64_t src_off;
+  uint32_t rows, pad;
+};
+
+// The copies of an append (one sequence's or a batch's) from k and v
+// (device-readable), in launches of up to 96 copies passed by value, 16
+// rows per CTA, in the widest word that every address, offset and pitch
+// allows.
+cudaError_t copy_rows(const RowCopyDesc *copies, uint32_t n, const uint8_t *k, const uint8_t *v, uint64_t src_pitch,
+                      uint32_t row_bytes, void *stream);
+
+// mark_step_end for n trackers: *done[i] = epochs[i] once the work
+// enqueued before has ended, in launches of up to 240 pairs.
+cudaError_t mark_steps_end(unsigned long long *const *done, const unsigned long long *epochs, uint32_t n,
+                           void *stream);
+
 // Stores `value` into n 4-byte words at the device addresses in addrs (a
 // host array), in launches of up to 480 addresses passed by value.
 cudaError_t store_words(const uint64_t *addrs, uint32_t n, uint32_t value, void *stream);

@@ -88,7 +88,7 @@ extern "C" {
 /* Versions ---------------------------------------------------------------- */
 
 #define WKV_VERSION_MAJOR 0
-#define WKV_VERSION_MINOR 4
+#define WKV_VERSION_MINOR 5
 #define WKV_VERSION_PATCH 0
 /* The version as one number: major * 10000 + minor * 100 + patch. */
 #define WKV_VERSION_NUMBER \
@@ -449,6 +449,40 @@ WKV_API int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k,
  * (layer), WKV_ERR_BUDGET, WKV_ERR_OUT_OF_MEMORY; on an error the layer is
  * still in its prompt and holds every token it held.
  */
+/*
+ * Appends n_tokens tokens (1 while decoding; a few for speculative
+ * decoding) to one layer of each of n_seqs sequences of one engine, in one
+ * call: on a CUDA engine one kernel writes every sequence's rows (no driver
+ * copy per sequence or head), so the host's cost hardly depends on the batch.
+ * (0.5)
+ *
+ * Sequence i's keys are at k + i * seq_stride, laid out as wkv_seq_append's
+ * ([n_tokens][n_kv_heads][head_dim], token_stride and head_stride in
+ * elements, 0 packed); seq_stride in elements, 0 packed (the sequences one
+ * after another; any other value is fine, sequences interleaved by token
+ * for instance: the tensors are only read). The usual decoding layout, new K
+ * of shape [batch][n_kv_heads][head_dim], is all strides 0. The sequences
+ * must be distinct and of one engine; no other thread may use them during
+ * the call.
+ *
+ * Everything wkv_seq_append says holds for each sequence: an evicted one is
+ * restored first; a segment that completes is clustered (an index growth,
+ * which waits for the stream on a CUDA engine).
+ *
+ * Errors: as wkv_seq_append, plus WKV_ERR_INVALID_ARGUMENT (seqs NULL,
+ * n_seqs 0, a sequence listed twice, a negative seq_stride, a batch whose
+ * extent 63 bits cannot address), WKV_ERR_INVALID_HANDLE (a destroyed sequence, sequences of two
+ * engines). An error found before the copy (arguments, handles, restoring an
+ * evicted sequence, room for the rows) appends nothing to any sequence. An
+ * error in the growth of sequence i (WKV_ERR_BUDGET, WKV_ERR_OUT_OF_MEMORY;
+ * the message names i) leaves sequences before i with their new tokens and
+ * i and those after it without: append those again.
+ */
+WKV_API int wkv_append_batch(wkv_seq *const *seqs, uint32_t n_seqs, uint32_t layer,
+                             const void *k, const void *v, uint32_t n_tokens,
+                             int64_t seq_stride, int64_t token_stride,
+                             int64_t head_stride, void *stream);
+
 WKV_API int wkv_seq_end_prompt(wkv_seq *seq, uint32_t layer, void *stream);
 
 /* What one layer of a sequence holds. */

@@ -154,6 +154,14 @@ class Plan : public Handle<wkv_plan, wkv_plan_destroy> {
   }
 };
 
+// Appends n_tokens tokens to one layer of each of n sequences in one call
+// (wkv_append_batch).
+inline void append_batch(wkv_seq *const *seqs, uint32_t n, uint32_t layer, const void *k, const void *v,
+                         uint32_t n_tokens, int64_t seq_stride = 0, int64_t token_stride = 0,
+                         int64_t head_stride = 0, void *stream = nullptr) {
+  check(wkv_append_batch(seqs, n, layer, k, v, n_tokens, seq_stride, token_stride, head_stride, stream));
+}
+
 }  // namespace wavekv
 
 #endif  // WAVEKV_HPP

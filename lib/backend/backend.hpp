@@ -59,6 +59,15 @@ struct PageWriteJob {
   uint32_t tokens = 0;
 };
 
+// One copy of an append: `rows` rows of a head's K and V from the caller's
+// tensors, row r at byte offset src_off + r * src_pitch of k (and of v), to
+// dst_k + r * row_bytes and dst_v + r * row_bytes (engine memory).
+struct RowCopy {
+  uint8_t *dst_k = nullptr, *dst_v = nullptr;
+  uint64_t src_off = 0;
+  uint32_t rows = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -71,8 +80,9 @@ class Backend {
   // graphs exist).
   virtual Status check_stream(void *stream, const char *verb) = 0;
   // Checks that a caller's tensor pointer is usable by the engine's device
-  // and aligned to `align` bytes.
-  virtual Status check_pointer(const void *p, const char *what, size_t align) = 0;
+  // and aligned to `align` bytes; *device (if given) is the address the
+  // device reads it at (CUDA: mapped host memory's device pointer).
+  virtual Status check_pointer(const void *p, const char *what, size_t align, const void **device = nullptr) = 0;
 
   // Engine memory ---------------------------------------------------------
   // True on the CPU backend: engine memory is host memory and nothing is
@@ -97,6 +107,18 @@ class Backend {
   virtual Status mem_copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
                                size_t width, size_t rows, void *stream) = 0;
   virtual Status mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream) = 0;
+  // The copies of an append (of one sequence or of a batch), in stream
+  // order: k and v are device addresses (check_pointer's), every row
+  // `width` bytes. CUDA: one launch per 96 copies, no driver copy calls.
+  virtual Status copy_rows(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v, size_t src_pitch,
+                           size_t width, void *stream) {
+    for (uint32_t i = 0; i < n; ++i) {
+      const RowCopy &c = copies[i];
+      WKV_RETURN_IF_ERROR(mem_copy_rows(c.dst_k, width, k + c.src_off, src_pitch, width, c.rows, stream));
+      WKV_RETURN_IF_ERROR(mem_copy_rows(c.dst_v, width, v + c.src_off, src_pitch, width, c.rows, stream));
+    }
+    return Status::ok();
+  }
   // Waits for everything enqueued on `stream` (reads of engine memory into
   // host memory are complete after it).
   virtual Status mem_sync(void *stream) = 0;
@@ -124,6 +146,15 @@ class Backend {
   // sequence's tracker (the buffer manager frees a destroyed sequence's
   // memory once it is done).
   virtual Status end_work(StepTracker &tracker, uint64_t epoch, void *stream) = 0;
+  // end_work for n trackers at once (a batched append). CUDA: one launch.
+  virtual Status end_work_many(StepTracker *const *trackers, const uint64_t *epochs, uint32_t n, void *stream) {
+    Status first = Status::ok();
+    for (uint32_t i = 0; i < n; ++i) {
+      Status st = end_work(*trackers[i], epochs[i], stream);
+      if (first.is_ok()) first = st;
+    }
+    return first;
+  }
 
   // The buffer manager's view of the device (done words, the record ring,
   // unit map stores), and the device cache's frames (0: no cache).

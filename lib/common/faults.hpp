@@ -14,6 +14,7 @@ class FaultInjector {
   enum Site : uint32_t {
     kEngineAlloc,  // a region of engine memory (host on the CPU, device on CUDA)
     kPinning,      // pinning a host arena chunk for the device (CUDA)
+    kGrowth,       // an index growth, before it changes anything (as if out of memory)
     kSites
   };
 

@@ -441,14 +441,60 @@ Plan::~Plan() { engine_->backend().release_plan(*this); }
 
 Status Engine::append(Sequence &seq, uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
                       int64_t token_stride, int64_t head_stride, void *stream) {
+  Sequence *one = &seq;
+  return append_batch(&one, 1, layer, k, v, n, 0, token_stride, head_stride, stream, "wkv_seq_append");
+}
+
+Status Engine::append_batch(Sequence *const *seqs, uint32_t n_seqs, uint32_t layer, const uint8_t *k,
+                            const uint8_t *v, uint32_t n, int64_t seq_stride, int64_t token_stride,
+                            int64_t head_stride, void *stream, const char *verb) {
   const size_t esz = dtype_bytes(cfg_.dtype());
-  WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_seq_append"));
-  WKV_RETURN_IF_ERROR(backend_->check_pointer(k, "k", esz));
-  WKV_RETURN_IF_ERROR(backend_->check_pointer(v, "v", esz));
-  WKV_RETURN_IF_ERROR(restore(seq));
-  const uint64_t epoch = buffers_->begin(seq.tracker());
-  Status st = append_tokens(index_for(seq), seq.layer(layer), layer, k, v, n, token_stride, head_stride, stream);
-  Status marked = backend_->end_work(seq.tracker(), epoch, stream);
+  WKV_RETURN_IF_ERROR(backend_->check_stream(stream, verb));
+  const void *dk = nullptr, *dv = nullptr;
+  WKV_RETURN_IF_ERROR(backend_->check_pointer(k, "k", esz, &dk));
+  WKV_RETURN_IF_ERROR(backend_->check_pointer(v, "v", esz, &dv));
+  // 1. Evicted sequences come back, and every layer gets room for its rows
+  //    (nothing a reader sees changes).
+  std::vector<StagedAppend> staged;
+  std::vector<RowCopy> copies;
+  std::vector<StepTracker *> trackers;
+  std::vector<uint64_t> epochs;
+  try {
+    staged.resize(n_seqs);
+    copies.reserve(static_cast<size_t>(n_seqs) * cfg_.c.n_kv_heads);
+    trackers.reserve(n_seqs);
+    epochs.reserve(n_seqs);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for an append to %u sequences", n_seqs);
+  }
+  const uint64_t token_pitch = static_cast<uint64_t>(token_stride) * esz;
+  const uint64_t head_pitch = static_cast<uint64_t>(head_stride) * esz;
+  for (uint32_t i = 0; i < n_seqs; ++i) {
+    Sequence &seq = *seqs[i];
+    WKV_RETURN_IF_ERROR(restore(seq));
+    const IndexContext ix = index_for(seq);
+    WKV_RETURN_IF_ERROR(stage_append(ix, seq.layer(layer), n, &staged[i], stream));
+    WKV_RETURN_IF_ERROR(append_copies(ix, seq.layer(layer), staged[i],
+                                      static_cast<uint64_t>(i) * static_cast<uint64_t>(seq_stride) * esz,
+                                      token_pitch, head_pitch, &copies));
+  }
+  // 2. One copy for the batch, then each sequence counts its rows and
+  //    grows, inside its tracker's step.
+  for (uint32_t i = 0; i < n_seqs; ++i) {
+    trackers.push_back(&seqs[i]->tracker());
+    epochs.push_back(buffers_->begin(seqs[i]->tracker()));
+  }
+  Status st = backend_->copy_rows(copies.data(), static_cast<uint32_t>(copies.size()),
+                                  static_cast<const uint8_t *>(dk), static_cast<const uint8_t *>(dv), token_pitch,
+                                  cfg_.row_bytes(), stream);
+  for (uint32_t i = 0; i < n_seqs && st.is_ok(); ++i) {
+    st = commit_append(index_for(*seqs[i]), seqs[i]->layer(layer), layer, staged[i], stream);
+    if (!st.is_ok() && n_seqs > 1)
+      st = Status(st.code(), format("sequence %u: %s (sequences before it hold the new tokens; it and those after "
+                                    "it do not)",
+                                    i, st.message().c_str()));
+  }
+  Status marked = backend_->end_work_many(trackers.data(), epochs.data(), n_seqs, stream);
   return st.is_ok() ? marked : st;
 }
 

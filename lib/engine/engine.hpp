@@ -48,7 +48,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   FaultInjector &faults() { return faults_; }
   // The index's view of the engine (lib/index/growth.hpp).
   IndexContext index() {
-    return IndexContext{cfg_, *backend_, *arena_, *pool_, counters_, *buffers_, growth_mu_};
+    return IndexContext{cfg_, *backend_, *arena_, *pool_, counters_, *buffers_, growth_mu_, &faults_};
   }
 
   void fill_stats(wkv_stats *out);
@@ -89,6 +89,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // pointers checked first and the sequence's tracker around the work.
   Status append(Sequence &seq, uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
                 int64_t token_stride, int64_t head_stride, void *stream);
+  // n tokens to one layer of each of n_seqs distinct sequences of this
+  // engine: sequence i's rows at k + i * seq_stride (elements), one copy for
+  // the whole batch. On an error in sequence i's growth, sequences before i
+  // keep their tokens, i and after get none (the message names i); any
+  // earlier error appends nothing.
+  Status append_batch(Sequence *const *seqs, uint32_t n_seqs, uint32_t layer, const uint8_t *k, const uint8_t *v,
+                      uint32_t n, int64_t seq_stride, int64_t token_stride, int64_t head_stride, void *stream,
+                      const char *verb);
   Status end_prompt(Sequence &seq, uint32_t layer, void *stream);
 
   // The decoding verbs, in the order of a step. Any failure leaves the plan

@@ -88,6 +88,8 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
   const uint32_t d = cfg.c.head_dim, pt = cfg.page_tokens();
   const uint64_t consumed = static_cast<uint64_t>(count - 1) * seg_tokens + last_tokens;
   const uint32_t S = count * H;
+  if (ix.faults && ix.faults->fail(FaultInjector::kGrowth))
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of memory for a growth of %u segments (injected)", S);
   std::lock_guard<std::mutex> growth_lock(ix.growth_mu);
 
   // 1. Cuts and seeds: segment i of head h is job h * count + i.
@@ -449,49 +451,56 @@ uint32_t growth_part(const IndexContext &ix, uint32_t left) {
 
 }  // namespace
 
-Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, const uint8_t *k, const uint8_t *v,
-                     uint32_t n, int64_t token_stride, int64_t head_stride, void *stream) {
+Status stage_append(const IndexContext &ix, LayerState &L, uint32_t n, StagedAppend *out, void *stream) {
   const Config &cfg = ix.cfg;
-  const uint32_t H = static_cast<uint32_t>(L.heads.size()), sink = cfg.c.sink_tokens;
-  const size_t row = cfg.row_bytes(), esz = dtype_bytes(cfg.dtype());
-  const uint64_t to_sink = L.tokens < sink ? std::min<uint64_t>(sink - L.tokens, n) : 0;
-  const uint64_t to_tail = n - to_sink;
-
-  // 1. Room for the rows (may move the live rows; nothing visible changes).
-  //    A tail is sized for what a generating layer gathers between two
-  //    growths (the window and an update segment), not for the prompt.
+  const uint32_t sink = cfg.c.sink_tokens;
+  StagedAppend sa;
+  sa.n = n;
+  sa.to_sink = L.tokens < sink ? std::min<uint64_t>(sink - L.tokens, n) : 0;
+  sa.to_tail = n - sa.to_sink;
+  // A tail is sized for what a generating layer gathers between two
+  // growths (the window and an update segment), not for the prompt.
   const uint64_t tail_min = cfg.c.window_tokens + cfg.c.update_segment_tokens + 1;
   for (HeadState &h : L.heads) {
-    if (to_sink) WKV_RETURN_IF_ERROR(reserve_rows(ix, &h.sink, to_sink, sink, stream));
-    if (to_tail) WKV_RETURN_IF_ERROR(reserve_rows(ix, &h.tail, to_tail, tail_min, stream));
+    if (sa.to_sink) WKV_RETURN_IF_ERROR(reserve_rows(ix, &h.sink, sa.to_sink, sink, stream));
+    if (sa.to_tail) WKV_RETURN_IF_ERROR(reserve_rows(ix, &h.tail, sa.to_tail, tail_min, stream));
   }
-  // 2. The rows, strided from the caller's tensor. Not yet counted.
-  const size_t pitch = static_cast<size_t>(token_stride) * esz;
-  for (uint32_t hd = 0; hd < H; ++hd) {
-    HeadState &h = L.heads[hd];
-    const size_t off = static_cast<size_t>(hd) * static_cast<size_t>(head_stride) * esz;
-    if (to_sink) {
-      WKV_RETURN_IF_ERROR(ix.backend.mem_copy_rows(h.sink.k_at(h.sink.n), row, k + off, pitch, row, to_sink, stream));
-      WKV_RETURN_IF_ERROR(ix.backend.mem_copy_rows(h.sink.v_at(h.sink.n), row, v + off, pitch, row, to_sink, stream));
+  *out = sa;
+  return Status::ok();
+}
+
+Status append_copies(const IndexContext &ix, const LayerState &L, const StagedAppend &sa, uint64_t src_off,
+                     uint64_t token_pitch, uint64_t head_pitch, std::vector<RowCopy> *out) {
+  (void)ix;
+  try {
+    for (size_t hd = 0; hd < L.heads.size(); ++hd) {
+      const HeadState &h = L.heads[hd];
+      const uint64_t off = src_off + hd * head_pitch;
+      if (sa.to_sink)
+        out->push_back(RowCopy{h.sink.k_at(h.sink.n), h.sink.v_at(h.sink.n), off, static_cast<uint32_t>(sa.to_sink)});
+      if (sa.to_tail)
+        out->push_back(RowCopy{h.tail.k_at(h.tail.n), h.tail.v_at(h.tail.n), off + sa.to_sink * token_pitch,
+                               static_cast<uint32_t>(sa.to_tail)});
     }
-    if (to_tail) {
-      const size_t skip = to_sink * pitch;
-      WKV_RETURN_IF_ERROR(
-          ix.backend.mem_copy_rows(h.tail.k_at(h.tail.n), row, k + off + skip, pitch, row, to_tail, stream));
-      WKV_RETURN_IF_ERROR(
-          ix.backend.mem_copy_rows(h.tail.v_at(h.tail.n), row, v + off + skip, pitch, row, to_tail, stream));
-    }
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for an append's copies");
   }
+  return Status::ok();
+}
+
+Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, const StagedAppend &sa, void *stream) {
+  const Config &cfg = ix.cfg;
+  const uint32_t H = static_cast<uint32_t>(L.heads.size()), sink = cfg.c.sink_tokens, n = sa.n;
   for (HeadState &h : L.heads) {
-    h.sink.n += to_sink;
-    h.tail.n += to_tail;
+    h.sink.n += sa.to_sink;
+    h.tail.n += sa.to_tail;
   }
   const uint64_t tail_begin = L.tail_begin;
   if (L.tokens < sink) L.tail_begin = std::min<uint64_t>(sink, L.tokens + n);
 
-  // 3. Cluster the segments complete beyond the window. Where they are cut
-  //    never depends on how the prompt was split into appends, nor on when
-  //    the backend clusters them.
+  // Cluster the segments complete beyond the window. Where they are cut
+  // never depends on how the prompt was split into appends, nor on when
+  // the backend clusters them.
   const uint64_t tail = L.tokens + n - L.tail_begin;
   const uint32_t seg = L.generating ? cfg.c.update_segment_tokens : cfg.c.segment_tokens;
   const uint64_t ready = tail > cfg.c.window_tokens ? tail - cfg.c.window_tokens : 0;
@@ -512,8 +521,8 @@ Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, cons
     if (done > 0) break;
     // The layer as before the call.
     for (HeadState &h : L.heads) {
-      h.sink.n -= to_sink;
-      h.tail.n -= to_tail;
+      h.sink.n -= sa.to_sink;
+      h.tail.n -= sa.to_tail;
     }
     L.tail_begin = tail_begin;
     ix.counters.steady_rows.fetch_sub(static_cast<uint64_t>(n) * H);
@@ -523,6 +532,19 @@ Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, cons
   L.version++;
   ix.counters.tokens.fetch_add(n);
   return Status::ok();
+}
+
+Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, const uint8_t *k, const uint8_t *v,
+                     uint32_t n, int64_t token_stride, int64_t head_stride, void *stream) {
+  const size_t esz = dtype_bytes(ix.cfg.dtype());
+  StagedAppend sa;
+  WKV_RETURN_IF_ERROR(stage_append(ix, L, n, &sa, stream));
+  std::vector<RowCopy> copies;
+  WKV_RETURN_IF_ERROR(append_copies(ix, L, sa, 0, static_cast<uint64_t>(token_stride) * esz,
+                                    static_cast<uint64_t>(head_stride) * esz, &copies));
+  WKV_RETURN_IF_ERROR(ix.backend.copy_rows(copies.data(), static_cast<uint32_t>(copies.size()), k, v,
+                                           static_cast<size_t>(token_stride) * esz, ix.cfg.row_bytes(), stream));
+  return commit_append(ix, L, layer, sa, stream);
 }
 
 Status end_prompt(const IndexContext &ix, LayerState &L, uint32_t layer, void *stream) {

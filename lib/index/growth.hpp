@@ -9,11 +9,13 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <vector>
 
 #include "lib/backend/backend.hpp"
 #include "lib/buffer/buffer_manager.hpp"
 #include "lib/common/config.hpp"
 #include "lib/common/counters.hpp"
+#include "lib/common/faults.hpp"
 #include "lib/common/status.hpp"
 #include "lib/common/thread_pool.hpp"
 #include "lib/index/head.hpp"
@@ -30,6 +32,7 @@ struct IndexContext {
   EngineCounters &counters;
   BufferManager &buffers;
   std::mutex &growth_mu;  // one growth at a time (the backend's k-means workspace)
+  FaultInjector *faults = nullptr;  // kGrowth
   // When the arena refuses pages for the budget: frees at least n pages of
   // the growing sequence (lib/engine/cold.hpp), after which the growth
   // allocates again. Empty: the refusal stands.
@@ -61,9 +64,27 @@ uint64_t segment_seed(uint64_t seed, uint32_t layer, uint32_t head, uint64_t tok
 // head 0 on the engine's device, strides in elements. Clusters the segments
 // that complete (the backend's prompt batching decides when, not where).
 // All or nothing: on an error nothing is appended and every token stored
-// before is intact.
+// before is intact. The three steps below, for one layer.
 Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, const uint8_t *k, const uint8_t *v,
                      uint32_t n, int64_t token_stride, int64_t head_stride, void *stream);
+
+// An append in three steps, so that a batch of sequences shares one copy:
+//   stage_append   room for n more rows in every head of the layer (may move
+//                  the live rows to new regions; nothing visible changes)
+//   append_copies  the copies that write the staged rows, from byte offset
+//                  src_off of the caller's tensors (token and head strides
+//                  in bytes), added to *out
+//   commit_append  counts the rows, once the copies are enqueued, and
+//                  clusters the segments that complete; on an error the
+//                  layer is as before the stage
+struct StagedAppend {
+  uint32_t n = 0;
+  uint64_t to_sink = 0, to_tail = 0;  // of the n rows
+};
+Status stage_append(const IndexContext &ix, LayerState &L, uint32_t n, StagedAppend *out, void *stream);
+Status append_copies(const IndexContext &ix, const LayerState &L, const StagedAppend &sa, uint64_t src_off,
+                     uint64_t token_pitch, uint64_t head_pitch, std::vector<RowCopy> *out);
+Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, const StagedAppend &sa, void *stream);
 
 // Ends the prompt of a layer: clusters what the prompt holds beyond the
 // window and switches the layer to generated-token segments. A no-op once

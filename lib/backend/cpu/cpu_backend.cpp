@@ -44,9 +44,10 @@ class CpuBackend final : public Backend, public BufferManager::Device {
 
   uint32_t device() const override { return WKV_DEVICE_CPU; }
   Status check_stream(void *, const char *) override { return Status::ok(); }
-  Status check_pointer(const void *p, const char *what, size_t align) override {
+  Status check_pointer(const void *p, const char *what, size_t align, const void **device) override {
     if (reinterpret_cast<uintptr_t>(p) % align != 0)
       return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "%s (%p) is not aligned to its %zu-byte elements", what, p, align);
+    if (device) *device = p;
     return Status::ok();
   }
 

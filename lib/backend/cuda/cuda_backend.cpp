@@ -131,7 +131,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
 
   uint32_t device() const override { return WKV_DEVICE_CUDA; }
   Status check_stream(void *stream, const char *verb) override;
-  Status check_pointer(const void *p, const char *what, size_t align) override;
+  Status check_pointer(const void *p, const char *what, size_t align, const void **device) override;
 
   bool host_memory() const override { return false; }
   Status mem_alloc(size_t bytes, void *stream, Region *out) override;
@@ -142,6 +142,8 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Status mem_copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width, size_t rows,
                        void *stream) override;
   Status mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream) override;
+  Status copy_rows(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v, size_t src_pitch,
+                   size_t width, void *stream) override;
   Status mem_sync(void *stream) override;
   void *io_stream() override { return io_; }
 
@@ -151,6 +153,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Status write_pages(const PageWriteJob *jobs, uint32_t n, void *stream) override;
   const uint8_t *page_address(PageId id) override { return e_.arena().page_ptr(id); }
   Status end_work(StepTracker &t, uint64_t epoch, void *stream) override;
+  Status end_work_many(StepTracker *const *trackers, const uint64_t *epochs, uint32_t n, void *stream) override;
 
   BufferManager::Device *buffer_device() override { return this; }
   uint32_t cache_units() const override { return frames_; }
@@ -333,7 +336,7 @@ Status CudaBackend::check_stream(void *stream, const char *verb) {
   return Status::ok();
 }
 
-Status CudaBackend::check_pointer(const void *p, const char *what, size_t align) {
+Status CudaBackend::check_pointer(const void *p, const char *what, size_t align, const void **device) {
   if (reinterpret_cast<uintptr_t>(p) % align != 0)
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "%s (%p) is not aligned to its %zu-byte elements", what, p, align);
   cudaPointerAttributes a;
@@ -346,9 +349,14 @@ Status CudaBackend::check_pointer(const void *p, const char *what, size_t align)
     if (a.device != dev_)
       return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "%s is on CUDA device %d, the engine on device %d", what, a.device,
                        dev_);
+    if (device) *device = p;
     return Status::ok();
   }
-  if (a.type == cudaMemoryTypeHost && a.devicePointer) return Status::ok();  // mapped host memory
+  if (a.type == cudaMemoryTypeHost && a.devicePointer) {  // mapped host memory
+    // The device pointer of the byte p names (p may be inside the block).
+    if (device) *device = a.devicePointer;
+    return Status::ok();
+  }
   return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "%s is a host pointer; a CUDA engine needs device (or mapped) memory",
                    what);
 }
@@ -446,6 +454,23 @@ Status CudaBackend::mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream
   return Status::ok();
 }
 
+Status CudaBackend::copy_rows(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v,
+                              size_t src_pitch, size_t width, void *stream) {
+  if (n == 0) return Status::ok();
+  DeviceGuard guard(dev_);
+  std::vector<kernels::RowCopyDesc> desc;
+  try {
+    desc.resize(n);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %u row copies", n);
+  }
+  for (uint32_t i = 0; i < n; ++i)
+    desc[i] = kernels::RowCopyDesc{copies[i].dst_k, copies[i].dst_v, copies[i].src_off, copies[i].rows, 0};
+  WKV_KERNEL(kernels::copy_rows(desc.data(), n, k, v, src_pitch, static_cast<uint32_t>(width),
+                                static_cast<cudaStream_t>(stream)));
+  return Status::ok();
+}
+
 Status CudaBackend::mem_sync(void *stream) {
   DeviceGuard guard(dev_);
   WKV_CU(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
@@ -457,6 +482,31 @@ Status CudaBackend::end_work(StepTracker &t, uint64_t epoch, void *stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const cudaError_t err = kernels::mark_step_end(reinterpret_cast<unsigned long long *>(t.done_device()), epoch, s);
   return finish(t, epoch, err == cudaSuccess ? Status::ok() : kernel_status(err, "mark_step_end"), s);
+}
+
+Status CudaBackend::end_work_many(StepTracker *const *trackers, const uint64_t *epochs, uint32_t n, void *stream) {
+  if (n == 1) return end_work(*trackers[0], epochs[0], stream);
+  DeviceGuard guard(dev_);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  std::vector<unsigned long long *> done;
+  std::vector<unsigned long long> ep;
+  cudaError_t err = cudaSuccess;
+  try {
+    done.resize(n);
+    ep.assign(epochs, epochs + n);
+  } catch (const std::bad_alloc &) {
+    err = cudaErrorMemoryAllocation;
+  }
+  if (err == cudaSuccess) {
+    for (uint32_t i = 0; i < n; ++i) done[i] = reinterpret_cast<unsigned long long *>(trackers[i]->done_device());
+    err = kernels::mark_steps_end(done.data(), ep.data(), n, s);
+  }
+  if (err == cudaSuccess) return Status::ok();
+  // As finish(): the work is waited for here and the steps ended on the host.
+  Status st = kernel_status(err, "mark_steps_end");
+  if (cudaStreamSynchronize(s) != cudaSuccess) (void)cudaGetLastError();
+  for (uint32_t i = 0; i < n; ++i) e_.buffers().end_on_host(*trackers[i], epochs[i]);
+  return st;
 }
 
 Status CudaBackend::finish(StepTracker &t, uint64_t epoch, Status st, cudaStream_t s) {
