@@ -4,7 +4,12 @@
 # prints a short table. The logs are packed into $OUT/gpu-check-logs.tar.gz
 # beside $OUT/summary.txt ($OUT defaults to ./gpu-check-logs).
 #
-#   tools/gpu-check.sh [STEP...]   steps: build test sanitize bench (default)
+#   tools/gpu-check.sh [STEP...]   steps: build test sanitize bench (default),
+#                                  serving (decoding throughput against full
+#                                  attention: bench/gpu_serving_bench.cu with
+#                                  its PyTorch anchor, at 128K tokens over
+#                                  SERVING_BATCHES, 1,2,4,7, and at 1M tokens,
+#                                  batch 1, unless SERVING_1M=0)
 #                                  and profile (ncu: device time of each kernel
 #                                  of one k-means batch, summed by kernel)
 #
@@ -84,10 +89,34 @@ if want bench; then
   export WKV_PREFILL_ANCHOR_MS=${anchor:-0}
   for b in build-gpu/bin/gpu_*bench*; do
     [ -x "$b" ] || continue
+    [[ "$b" == *gpu_serving_bench ]] && continue  # the serving step's
     timeout "${BENCH_TIMEOUT:-240}" "$b" > "$LOG/$(basename "$b").log" 2>&1
     step "$(basename "$b")" "rc=$? (log below)"
     tail -25 "$LOG/$(basename "$b").log"
   done
+fi
+if want serving; then
+  # The anchor first (PyTorch SDPA, KV on the GPU), then wavekv in the same
+  # run, which prints the ratios.
+  python3 bench/gpu_full_attention.py 131072 "${SERVING_BATCHES:-1,2,4,7}" > "$LOG/full-attention.log" 2>&1
+  step "full attention (torch)" "rc=$? $(tr '\n' ' ' < "$LOG/full-attention.log" | cut -c1-200)"
+  WKV_FULL_ATTN_MS=$(awk '/^full_ms/{printf "%s%s:%s", sep, $2, $3; sep=","}' "$LOG/full-attention.log")
+  WKV_FULL_BATCH_MAX=$(awk '/^full_batch_max/{print $2}' "$LOG/full-attention.log")
+  export WKV_FULL_ATTN_MS WKV_FULL_BATCH_MAX
+  timeout "${BENCH_TIMEOUT:-400}" build-gpu/bin/gpu_serving_bench 131072 "${SERVING_BATCHES:-1,2,4,7}" \
+    > "$LOG/serving.log" 2>&1
+  step "gpu_serving_bench 128K" "rc=$?"
+  tee -a "$LOG/summary.txt" < "$LOG/serving.log" | tail -20
+  if [ "${SERVING_1M:-1}" != 0 ]; then
+    python3 bench/gpu_full_attention.py 1048576 1 --stream > "$LOG/full-attention-1m.log" 2>&1
+    WKV_FULL_ATTN_MS=$(awk '/^full_ms/{printf "%s%s:%s", sep, $2, $3; sep=","}' "$LOG/full-attention-1m.log")
+    WKV_FULL_BATCH_MAX=$(awk '/^full_batch_max/{print $2}' "$LOG/full-attention-1m.log")
+    WKV_STREAM_MS=$(awk '/^stream_ms/{print $2}' "$LOG/full-attention-1m.log")
+    export WKV_FULL_ATTN_MS WKV_FULL_BATCH_MAX WKV_STREAM_MS
+    timeout "${BENCH_TIMEOUT:-400}" build-gpu/bin/gpu_serving_bench 1048576 1 > "$LOG/serving-1m.log" 2>&1
+    step "gpu_serving_bench 1M" "rc=$?"
+    tee -a "$LOG/summary.txt" < "$LOG/serving-1m.log" | tail -8
+  fi
 fi
 if want profile && command -v ncu >/dev/null; then
   # Device time of each kernel of the k-means, summed by kernel: two calls of

@@ -12,12 +12,22 @@ static int wkvgo_seq_append_device(wkv_seq *seq, uint32_t layer, uintptr_t k, ui
   return wkv_seq_append(seq, layer, (const void *)k, (const void *)v, n_tokens, token_stride,
                         head_stride, (void *)stream);
 }
+
+static int wkvgo_append_batch_device(wkv_seq *const *seqs, uint32_t n_seqs, uint32_t layer,
+                                     uintptr_t k, uintptr_t v, uint32_t n_tokens,
+                                     int64_t seq_stride, int64_t token_stride,
+                                     int64_t head_stride, uintptr_t stream) {
+  return wkv_append_batch(seqs, n_seqs, layer, (const void *)k, (const void *)v, n_tokens,
+                          seq_stride, token_stride, head_stride, (void *)stream);
+}
 */
 import "C"
 
 import (
+	"fmt"
 	"math"
 	"runtime"
+	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -334,6 +344,186 @@ func (s *Sequence) AppendDevice(layer uint32, k, v uintptr, nTokens uint32, toke
 		return C.wkvgo_seq_append_device(s.h, C.uint32_t(layer), C.uintptr_t(k), C.uintptr_t(v),
 			C.uint32_t(nTokens), C.int64_t(tokenStride), C.int64_t(headStride), C.uintptr_t(stream))
 	})
+}
+
+// seqBatch locks the sequences of one call that takes several: in id
+// order, the one order every caller uses, so that two calls never wait on
+// each other. Its slices are reused from call to call.
+type seqBatch struct {
+	locked  []*Sequence  // the batch in lock order
+	handles []*C.wkv_seq // the handles in the caller's order
+}
+
+// lock checks the sequences (none nil, none listed twice, none closed),
+// locks them and fills b.handles; on success unlock releases them.
+func (b *seqBatch) lock(fn string, seqs []*Sequence) (unlock func(), err error) {
+	b.locked = append(b.locked[:0], seqs...)
+	for i, s := range b.locked {
+		if s == nil {
+			return nil, errorf(ErrInvalidHandle, "%s: sequence %d of the batch is nil", fn, i)
+		}
+	}
+	sort.Slice(b.locked, func(i, j int) bool { return b.locked[i].id < b.locked[j].id })
+	for i := 1; i < len(b.locked); i++ {
+		if b.locked[i] == b.locked[i-1] {
+			return nil, errorf(ErrInvalidArgument, "%s: a sequence is listed twice", fn)
+		}
+	}
+	for _, s := range b.locked {
+		s.mu.Lock()
+	}
+	locked := b.locked
+	unlock = func() {
+		for _, s := range locked {
+			s.mu.Unlock()
+		}
+	}
+	b.handles = b.handles[:0]
+	for i, s := range seqs {
+		if s.h == nil {
+			unlock()
+			return nil, &Error{Status: ErrInvalidHandle, closed: true,
+				Message: fmt.Sprintf("%s: sequence %d of the batch is closed", fn, i)}
+		}
+		b.handles = append(b.handles, s.h)
+	}
+	return unlock, nil
+}
+
+func (b *seqBatch) ptr() **C.wkv_seq {
+	if len(b.handles) == 0 {
+		return nil
+	}
+	return &b.handles[0]
+}
+
+// The scratch of AppendBatch calls, so that steady decoding does not
+// allocate.
+var seqBatches = sync.Pool{New: func() interface{} { return new(seqBatch) }}
+
+// AppendBatch appends tokens to one layer of each of several sequences of
+// one engine in one call (wkv_append_batch, ABI 0.5): k and v are packed
+// [len(seqs)][n_tokens][n_kv_heads][head_dim] (the decoding layout, new K of
+// shape [batch][n_kv_heads][head_dim], is one token), and n_tokens is their
+// length over len(seqs) * n_kv_heads * head_dim. Each sequence gets what
+// Append would give it. The sequences are locked for the call.
+//
+// A sequence listed twice is refused with ErrInvalidArgument, sequences of
+// two engines with ErrInvalidHandle. An error found before the copy appends
+// nothing to any sequence; an error in the growth of sequence i (ErrBudget,
+// ErrOutOfMemory; the message names i) leaves the sequences before i with
+// their new tokens and i and those after it without (wavekv.h).
+func AppendBatch(seqs []*Sequence, layer uint32, k, v Tensor) error {
+	const fn = "wkv_append_batch"
+	sh, err := batchShape(fn, seqs)
+	if err != nil {
+		return err
+	}
+	if err := checkTensor(fn, "k", k, sh); err != nil {
+		return err
+	}
+	if err := checkTensor(fn, "v", v, sh); err != nil {
+		return err
+	}
+	row := uint64(len(seqs)) * uint64(sh.nKVHeads) * uint64(sh.headDim)
+	n := uint64(k.elems())
+	if n == 0 || n%row != 0 {
+		return errorf(ErrInvalidArgument,
+			"%s: k has %d elements, not a positive multiple of n_seqs x n_kv_heads x head_dim (%d elements)",
+			fn, n, row)
+	}
+	if uint64(v.elems()) != n {
+		return errorf(ErrInvalidArgument, "%s: v has %d elements, k has %d", fn, v.elems(), n)
+	}
+	if n/row > math.MaxUint32 {
+		return errorf(ErrInvalidArgument, "%s: %d tokens in one call", fn, n/row)
+	}
+	return appendBatch(fn, seqs, func(b *seqBatch) C.int {
+		return C.wkv_append_batch(b.ptr(), C.uint32_t(len(seqs)), C.uint32_t(layer), k.data(), v.data(),
+			C.uint32_t(n/row), 0, 0, 0, nil)
+	})
+}
+
+// AppendBatchStrided is AppendBatch of nTokens tokens with explicit strides
+// in elements: sequence i's [nTokens][n_kv_heads][head_dim] begins
+// i * seqStride elements into k and v (0: one after another, packed; any
+// other value is fine, sequences interleaved by token for instance), with
+// tokenStride and headStride as in AppendStrided (0 = packed).
+func AppendBatchStrided(seqs []*Sequence, layer uint32, k, v Tensor, nTokens uint32,
+	seqStride, tokenStride, headStride int64) error {
+	const fn = "wkv_append_batch"
+	sh, err := batchShape(fn, seqs)
+	if err != nil {
+		return err
+	}
+	kv, d := uint64(sh.nKVHeads), uint64(sh.headDim)
+	for _, t := range []struct {
+		name string
+		t    Tensor
+	}{{"k", k}, {"v", v}} {
+		if err := checkTensor(fn, t.name, t.t, sh); err != nil {
+			return err
+		}
+		if err := checkBatchSpan(fn, t.name, t.t.elems(), uint64(len(seqs)), uint64(nTokens), kv, d,
+			seqStride, tokenStride, headStride); err != nil {
+			return err
+		}
+	}
+	return appendBatch(fn, seqs, func(b *seqBatch) C.int {
+		return C.wkv_append_batch(b.ptr(), C.uint32_t(len(seqs)), C.uint32_t(layer), k.data(), v.data(),
+			C.uint32_t(nTokens), C.int64_t(seqStride), C.int64_t(tokenStride), C.int64_t(headStride), nil)
+	})
+}
+
+// AppendBatchDevice is wkv_append_batch for CUDA engines: k and v are device
+// pointers, stream a cudaStream_t (0: the default stream), strides as in
+// AppendBatchStrided; one kernel writes every sequence's rows. The memory
+// must stay valid until the copy on the stream completes. A CPU engine
+// refuses the call with ErrInvalidArgument.
+func AppendBatchDevice(seqs []*Sequence, layer uint32, k, v uintptr, nTokens uint32,
+	seqStride, tokenStride, headStride int64, stream uintptr) error {
+	const fn = "wkv_append_batch"
+	sh, err := batchShape(fn, seqs)
+	if err != nil {
+		return err
+	}
+	if sh.device != DeviceCUDA {
+		return errorf(ErrInvalidArgument, "%s: device pointers need a CUDA engine; this one runs on the %s",
+			fn, sh.device)
+	}
+	return appendBatch(fn, seqs, func(b *seqBatch) C.int {
+		return C.wkvgo_append_batch_device(b.ptr(), C.uint32_t(len(seqs)), C.uint32_t(layer),
+			C.uintptr_t(k), C.uintptr_t(v), C.uint32_t(nTokens), C.int64_t(seqStride),
+			C.int64_t(tokenStride), C.int64_t(headStride), C.uintptr_t(stream))
+	})
+}
+
+// batchShape is the shape a batch's tensors are checked against: its first
+// sequence's (the library refuses sequences of two engines before it reads
+// k or v). An empty batch, or one too large for the ABI, is refused.
+func batchShape(fn string, seqs []*Sequence) (*shape, error) {
+	if len(seqs) == 0 {
+		return nil, errorf(ErrInvalidArgument, "%s: n_seqs is 0", fn)
+	}
+	if len(seqs) > math.MaxUint32 {
+		return nil, errorf(ErrInvalidArgument, "%s: %d sequences", fn, len(seqs))
+	}
+	if seqs[0] == nil {
+		return nil, errorf(ErrInvalidHandle, "%s: sequence 0 of the batch is nil", fn)
+	}
+	return &seqs[0].shape, nil
+}
+
+// appendBatch locks the batch and runs f on its handles.
+func appendBatch(fn string, seqs []*Sequence, f func(b *seqBatch) C.int) error {
+	b := seqBatches.Get().(*seqBatch)
+	defer seqBatches.Put(b)
+	unlock, err := b.lock(fn, seqs)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return call(func() C.int { return f(b) })
 }
 
 // EndPrompt ends the prompt of one layer now, so that its index is built

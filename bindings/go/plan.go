@@ -16,7 +16,6 @@ static int wkvgo_decode_device(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_
 import "C"
 
 import (
-	"fmt"
 	"math"
 	"runtime"
 	"sort"
@@ -58,37 +57,10 @@ func (p *Plan) Close() error {
 // so that two plans never wait on each other; it fills p.batch with their
 // handles in the caller's order. Pre: p.mu is held.
 func (p *Plan) lockBatch(fn string, seqs []*Sequence) (unlock func(), err error) {
-	p.locked = append(p.locked[:0], seqs...)
-	for i, s := range p.locked {
-		if s == nil {
-			return nil, errorf(ErrInvalidHandle, "%s: sequence %d of the batch is nil", fn, i)
-		}
-	}
-	sort.Slice(p.locked, func(i, j int) bool { return p.locked[i].id < p.locked[j].id })
-	for i := 1; i < len(p.locked); i++ {
-		if p.locked[i] == p.locked[i-1] {
-			return nil, errorf(ErrInvalidArgument, "%s: a sequence is listed twice", fn)
-		}
-	}
-	for _, s := range p.locked {
-		s.mu.Lock()
-	}
-	locked := p.locked
-	unlock = func() {
-		for _, s := range locked {
-			s.mu.Unlock()
-		}
-	}
-	p.batch = p.batch[:0]
-	for i, s := range seqs {
-		if s.h == nil {
-			unlock()
-			return nil, &Error{Status: ErrInvalidHandle, closed: true,
-				Message: fmt.Sprintf("%s: sequence %d of the batch is closed", fn, i)}
-		}
-		p.batch = append(p.batch, s.h)
-	}
-	return unlock, nil
+	b := seqBatch{locked: p.locked, handles: p.batch}
+	unlock, err = b.lock(fn, seqs)
+	p.locked, p.batch = b.locked, b.handles
+	return unlock, err
 }
 
 // lockStep locks the sequences of the last lookup, which the plan reads

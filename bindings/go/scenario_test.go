@@ -827,3 +827,315 @@ func TestEvictedSequencesDecodeTheSameAfterTheirRestore(t *testing.T) {
 	defer other.Close()
 	wantError(t, other.Evict(), wavekv.ErrState, "spill_dir")
 }
+
+// TestBatchAppendDecodesAsOneAppendPerSequence: wkv_append_batch (0.5). Each
+// step's new tokens appended to three sequences in one call decode bit for
+// bit as the same tokens appended to each with wkv_seq_append: one token a
+// step, three every 50th (speculative decoding), through AppendBatch (layer
+// 0) and, on layer 1, AppendBatchStrided over a layout interleaved by token
+// with padded heads, over enough generated tokens that segments complete
+// and are clustered (index growths) under both.
+func TestBatchAppendDecodesAsOneAppendPerSequence(t *testing.T) {
+	const (
+		n     = 3
+		steps = 280 // 320 tokens: past UpdateSegmentTokens (128) twice
+		hs    = dim + 8
+		row   = nKV * dim
+	)
+	cfg := config(0.018, 0.232)
+	open := func() *wavekv.Engine {
+		e, err := wavekv.Open(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e
+	}
+	batchEngine, singleEngine := open(), open()
+	defer batchEngine.Close()
+	defer singleEngine.Close()
+	r := &rng{s: 7}
+	m := newModel(r)
+	var contexts []*context
+	for _, tokens := range []int{1500, 900, 2100} {
+		contexts = append(contexts, newContext(m, r, tokens))
+	}
+	newSeqs := func(e *wavekv.Engine) []*wavekv.Sequence {
+		var seqs []*wavekv.Sequence
+		for i := 0; i < n; i++ {
+			s, err := e.NewSequence()
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { s.Close() })
+			prefill(t, s, contexts[i])
+			seqs = append(seqs, s)
+		}
+		return seqs
+	}
+	batch, single := newSeqs(batchEngine), newSeqs(singleEngine)
+	var promptClustered []uint64
+	for _, s := range single {
+		info, err := s.Info(0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		promptClustered = append(promptClustered, info.Clustered)
+	}
+	batchPlan, err := batchEngine.NewPlan()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer batchPlan.Close()
+	singlePlan, err := singleEngine.NewPlan()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer singlePlan.Close()
+
+	compared, generated := 0, 0
+	for step := 0; step < steps; step++ {
+		nTok := 1
+		if step%50 == 49 {
+			nTok = 3
+		}
+		generated += nTok
+		for layer := uint32(0); layer < nLayers; layer++ {
+			// Packed [n][nTok][nKV][dim].
+			var k, v []float32
+			for i := 0; i < n*nTok; i++ {
+				k, v = m.token(r, k, v)
+			}
+			if layer == 0 {
+				if err := wavekv.AppendBatch(batch, layer, wavekv.F32(k), wavekv.F32(v)); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				// [nTok][n][nKV][hs]: sequence i at i * nKV * hs; the
+				// padding, NaN, must never be read.
+				kp, vp := make(wavekv.F32, nTok*n*nKV*hs), make(wavekv.F32, nTok*n*nKV*hs)
+				for i := range kp {
+					kp[i], vp[i] = float32(math.NaN()), float32(math.NaN())
+				}
+				for i := 0; i < n; i++ {
+					for tk := 0; tk < nTok; tk++ {
+						for h := 0; h < nKV; h++ {
+							from, to := ((i*nTok+tk)*nKV+h)*dim, ((tk*n+i)*nKV+h)*hs
+							copy(kp[to:to+dim], k[from:from+dim])
+							copy(vp[to:to+dim], v[from:from+dim])
+						}
+					}
+				}
+				if err := wavekv.AppendBatchStrided(batch, layer, kp, vp, uint32(nTok), nKV*hs, n*nKV*hs, hs); err != nil {
+					t.Fatal(err)
+				}
+			}
+			per := nTok * row
+			for i, s := range single {
+				if err := s.Append(layer, wavekv.F32(k[i*per:(i+1)*per]), wavekv.F32(v[i*per:(i+1)*per])); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if step%25 == 24 || step+1 == steps {
+				var q []float32
+				for i := 0; i < n; i++ {
+					q = m.query(r, q)
+				}
+				got, want := make(wavekv.F32, n*nQ*dim), make(wavekv.F32, n*nQ*dim)
+				if err := batchPlan.Decode(batch, layer, wavekv.F32(q), got); err != nil {
+					t.Fatal(err)
+				}
+				if err := singlePlan.Decode(single, layer, wavekv.F32(q), want); err != nil {
+					t.Fatal(err)
+				}
+				for i := range got {
+					if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+						t.Fatalf("step %d, layer %d, element %d: %v from the batch append, %v from one append each",
+							step, layer, i, got[i], want[i])
+					}
+				}
+				compared++
+			}
+		}
+	}
+	if compared != 2*(steps/25+1) {
+		t.Fatalf("compared %d times", compared)
+	}
+	for i := 0; i < n; i++ {
+		for layer := uint32(0); layer < nLayers; layer++ {
+			b, err1 := batch[i].Info(layer)
+			s, err2 := single[i].Info(layer)
+			if err1 != nil || err2 != nil || b != s {
+				t.Fatalf("sequence %d, layer %d: %+v (%v) after batch appends, %+v (%v) after single ones",
+					i, layer, b, err1, s, err2)
+			}
+			if int(b.Tokens) != len(contexts[i].k[0])/row+generated {
+				t.Fatalf("sequence %d, layer %d holds %d tokens", i, layer, b.Tokens)
+			}
+			if layer == 0 && b.Clustered <= promptClustered[i] {
+				t.Fatalf("sequence %d: no segment completed while generating (%d clustered tokens)", i, b.Clustered)
+			}
+		}
+	}
+	bs, err1 := batchEngine.Stats()
+	ss, err2 := singleEngine.Stats()
+	if err1 != nil || err2 != nil || bs.Tokens != ss.Tokens || bs.Segments != ss.Segments || bs.Clusters != ss.Clusters {
+		t.Fatalf("stats %+v (%v) after batch appends, %+v (%v) after single ones", bs, err1, ss, err2)
+	}
+}
+
+// TestBatchAppendRefusesBadBatches: what AppendBatch refuses, in the binding
+// and in the library, with its status and message; a refused batch appends
+// nothing.
+func TestBatchAppendRefusesBadBatches(t *testing.T) {
+	const row = nKV * dim
+	open := func() *wavekv.Engine {
+		e, err := wavekv.Open(config(1, 0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { e.Close() })
+		return e
+	}
+	engine, other := open(), open()
+	newSeq := func(e *wavekv.Engine) *wavekv.Sequence {
+		s, err := e.NewSequence()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		return s
+	}
+	a, b, c, x := newSeq(engine), newSeq(engine), newSeq(engine), newSeq(other)
+	kv := make(wavekv.F32, 2*row)
+	for i := range kv {
+		kv[i] = 0.5
+	}
+	ab := []*wavekv.Sequence{a, b}
+	fn := "wkv_append_batch: "
+
+	// The binding's checks.
+	wantError(t, wavekv.AppendBatch(ab, 0, kv[:2*row-8], kv[:2*row-8]), wavekv.ErrInvalidArgument,
+		fn, "multiple", "n_seqs x n_kv_heads x head_dim")
+	wantError(t, wavekv.AppendBatch(ab, 0, kv, kv[:row]), wavekv.ErrInvalidArgument, fn, "v has")
+	half := make(wavekv.F16, 2*row)
+	wantError(t, wavekv.AppendBatch(ab, 0, half, half), wavekv.ErrInvalidArgument, fn, "f16", "f32")
+	wantError(t, wavekv.AppendBatch(nil, 0, kv, kv), wavekv.ErrInvalidArgument, fn+"n_seqs is 0")
+	wantError(t, wavekv.AppendBatch([]*wavekv.Sequence{a, nil}, 0, kv, kv), wavekv.ErrInvalidHandle,
+		fn+"sequence 1 of the batch is nil")
+	wantError(t, wavekv.AppendBatch([]*wavekv.Sequence{a, b, a}, 0, kv, kv), wavekv.ErrInvalidArgument,
+		fn, "multiple")
+	wantError(t, wavekv.AppendBatchStrided(ab, 0, kv, kv[:2*row-1], 1, 0, 0, 0), wavekv.ErrInvalidArgument,
+		fn, "v has", "fewer than")
+	wantError(t, wavekv.AppendBatchStrided(ab, 0, kv, kv, 1, row+1, 0, 0), wavekv.ErrInvalidArgument,
+		fn, "fewer than")
+	wantError(t, wavekv.AppendBatchStrided(ab, 0, kv, kv, 1, -1, 0, 0), wavekv.ErrInvalidArgument,
+		fn, "must not be negative")
+	wantError(t, wavekv.AppendBatchDevice(ab, 0, 1, 1, 1, 0, 0, 0, 0), wavekv.ErrInvalidArgument, fn, "CUDA")
+	// A sequence listed twice: refused before any lock is taken twice.
+	wantError(t, wavekv.AppendBatch([]*wavekv.Sequence{a, a}, 0, kv, kv), wavekv.ErrInvalidArgument,
+		fn+"a sequence is listed twice")
+
+	// The library's: sequences of two engines, a layer.
+	wantError(t, wavekv.AppendBatch([]*wavekv.Sequence{a, x}, 0, kv, kv), wavekv.ErrInvalidHandle,
+		fn+"sequence 1 belongs to another engine")
+	wantError(t, wavekv.AppendBatch(ab, nLayers, kv, kv), wavekv.ErrOutOfRange, fn)
+
+	// A closed sequence.
+	c.Close()
+	err := wavekv.AppendBatch([]*wavekv.Sequence{a, c}, 0, kv, kv)
+	wantError(t, err, wavekv.ErrInvalidHandle, fn+"sequence 1 of the batch is closed")
+	if !errors.Is(err, wavekv.ErrClosed) {
+		t.Fatalf("%q is not ErrClosed", err)
+	}
+
+	for _, s := range []*wavekv.Sequence{a, b, x} {
+		if info, err := s.Info(0); err != nil || info.Tokens != 0 {
+			t.Fatalf("a refused batch appended: %+v, %v", info, err)
+		}
+	}
+	// The sequences were unlocked after each refusal: a good batch works.
+	if err := wavekv.AppendBatch(ab, 0, kv, kv); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range ab {
+		if info, err := s.Info(0); err != nil || info.Tokens != 1 {
+			t.Fatalf("after a batch of one token: %+v, %v", info, err)
+		}
+	}
+}
+
+// TestBatchAppendsFromGoroutines: goroutines appending to overlapping
+// batches listed in different orders, while another decodes them, never
+// deadlock (every call locks in one order) and lose no token.
+func TestBatchAppendsFromGoroutines(t *testing.T) {
+	const (
+		row   = nKV * dim
+		iters = 100
+	)
+	engine, err := wavekv.Open(config(1, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer engine.Close()
+	var seqs []*wavekv.Sequence
+	for i := 0; i < 3; i++ {
+		s, err := engine.NewSequence()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		seqs = append(seqs, s)
+	}
+	a, b, c := seqs[0], seqs[1], seqs[2]
+	orders := [][]*wavekv.Sequence{{a, b}, {b, a}, {c, b, a}, {a, c}}
+	var wg sync.WaitGroup
+	errs := make(chan error, len(orders)+1)
+	for _, order := range orders {
+		wg.Add(1)
+		go func(order []*wavekv.Sequence) {
+			defer wg.Done()
+			kv := make(wavekv.F32, len(order)*row)
+			for i := range kv {
+				kv[i] = float32(i%5) * 0.25
+			}
+			for i := 0; i < iters; i++ {
+				if err := wavekv.AppendBatch(order, 0, kv, kv); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}(order)
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		plan, err := engine.NewPlan()
+		if err != nil {
+			errs <- err
+			return
+		}
+		defer plan.Close()
+		q, out := make(wavekv.F32, 3*nQ*dim), make(wavekv.F32, 3*nQ*dim)
+		for i := 0; i < iters; i++ {
+			// Before a sequence's first append, an empty layer is an
+			// error, which is fine here.
+			_ = plan.Decode([]*wavekv.Sequence{c, a, b}, 0, q, out)
+		}
+	}()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	want := map[*wavekv.Sequence]uint64{}
+	for _, order := range orders {
+		for _, s := range order {
+			want[s] += iters
+		}
+	}
+	for i, s := range seqs {
+		if info, err := s.Info(0); err != nil || info.Tokens != want[s] {
+			t.Fatalf("sequence %d holds %+v (%v); want %d tokens", i, info, err, want[s])
+		}
+	}
+}

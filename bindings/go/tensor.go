@@ -110,6 +110,53 @@ func checkSpan(fn, what string, n int, nOuter, nInner, d uint64, outer, inner in
 	return nil
 }
 
+// checkBatchSpan is checkSpan for a batch: nSeqs tensors [nOuter][nInner][d]
+// with these strides, sequence i's beginning i * seqStride elements in (0:
+// one sequence's extent, the sequences one after another, as the library
+// reads it). Any other seqStride is fine, one smaller than a sequence's rows
+// too (sequences interleaved by token): the tensors are only read.
+func checkBatchSpan(fn, what string, n int, nSeqs, nOuter, nInner, d uint64, seqStride, outer, inner int64) error {
+	if seqStride < 0 || outer < 0 || inner < 0 {
+		return errorf(ErrInvalidArgument, "%s: %s strides (%d, %d, %d elements) must not be negative",
+			fn, what, seqStride, outer, inner)
+	}
+	in, out := uint64(inner), uint64(outer)
+	if in == 0 {
+		in = d
+	}
+	overflow := false
+	mul := func(a, b uint64) uint64 {
+		hi, lo := bits.Mul64(a, b)
+		overflow = overflow || hi != 0
+		return lo
+	}
+	add := func(a, b uint64) uint64 {
+		s, c := bits.Add64(a, b, 0)
+		overflow = overflow || c != 0
+		return s
+	}
+	if out == 0 {
+		out = mul(nInner, in)
+	}
+	var one, need uint64
+	if nOuter > 0 && nInner > 0 {
+		one = add(add(mul(nOuter-1, out), mul(nInner-1, in)), d)
+	}
+	between := uint64(seqStride)
+	if between == 0 {
+		between = one
+	}
+	if nSeqs > 0 && one > 0 {
+		need = add(mul(nSeqs-1, between), one)
+	}
+	if overflow || uint64(n) < need {
+		return errorf(ErrInvalidArgument,
+			"%s: %s has %d elements, fewer than [%d][%d][%d][%d] with strides (%d, %d, %d) spans",
+			fn, what, n, nSeqs, nOuter, nInner, d, seqStride, outer, inner)
+	}
+	return nil
+}
+
 // checkLen checks a packed tensor's length against an exact count.
 func checkLen(fn, what string, n int, want uint64, layout string) error {
 	if uint64(n) != want {

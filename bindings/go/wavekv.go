@@ -20,8 +20,11 @@
 //     calls lock the sequences of its step, so the header's rule (each
 //     sequence and plan used by one thread at a time) holds without care
 //     from the caller.
+//   - AppendBatch appends to several sequences in one call, locking them
+//     as a plan's calls do.
 //   - CUDA engines take device pointers and streams as uintptr
-//     (AppendDevice, DecodeDevice); a CPU engine refuses those calls.
+//     (AppendDevice, AppendBatchDevice, DecodeDevice); a CPU engine refuses
+//     those calls.
 package wavekv
 
 /*

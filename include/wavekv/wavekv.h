@@ -440,16 +440,6 @@ WKV_API int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k,
                            void *stream);
 
 /*
- * Ends the prompt of one layer now: clusters what the prompt holds beyond
- * the window, which the layer's first lookup does otherwise. Call it after a
- * layer's last prompt chunk so that the index build runs with the prefill,
- * not on the first decoding step. Waits for `stream` (an index growth); a
- * no-op for a layer already generating or holding no tokens. Returns WKV_ERR_INVALID_ARGUMENT
- * (unknown sequence, a stream of another device), WKV_ERR_OUT_OF_RANGE
- * (layer), WKV_ERR_BUDGET, WKV_ERR_OUT_OF_MEMORY; on an error the layer is
- * still in its prompt and holds every token it held.
- */
-/*
  * Appends n_tokens tokens (1 while decoding; a few for speculative
  * decoding) to one layer of each of n_seqs sequences of one engine, in one
  * call: on a CUDA engine one kernel writes every sequence's rows (no driver
@@ -483,6 +473,16 @@ WKV_API int wkv_append_batch(wkv_seq *const *seqs, uint32_t n_seqs, uint32_t lay
                              int64_t seq_stride, int64_t token_stride,
                              int64_t head_stride, void *stream);
 
+/*
+ * Ends the prompt of one layer now: clusters what the prompt holds beyond
+ * the window, which the layer's first lookup does otherwise. Call it after a
+ * layer's last prompt chunk so that the index build runs with the prefill,
+ * not on the first decoding step. Waits for `stream` (an index growth); a
+ * no-op for a layer already generating or holding no tokens. Returns WKV_ERR_INVALID_ARGUMENT
+ * (unknown sequence, a stream of another device), WKV_ERR_OUT_OF_RANGE
+ * (layer), WKV_ERR_BUDGET, WKV_ERR_OUT_OF_MEMORY; on an error the layer is
+ * still in its prompt and holds every token it held.
+ */
 WKV_API int wkv_seq_end_prompt(wkv_seq *seq, uint32_t layer, void *stream);
 
 /* What one layer of a sequence holds. */

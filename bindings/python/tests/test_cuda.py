@@ -126,3 +126,56 @@ def test_cupy_arrays() -> None:
         want = sdpa(torch.as_tensor(q, device="cuda"), torch.as_tensor(k, device="cuda")[None],
                     torch.as_tensor(v, device="cuda")[None])
         torch.testing.assert_close(torch.as_tensor(out, device="cuda"), want, atol=1e-4, rtol=1e-4)
+
+
+def test_append_batch_matches_one_append_per_sequence() -> None:
+    """Sequence.append_batch of torch CUDA tensors (one kernel writes every
+    sequence's rows, on torch's current stream, a side stream here) decodes
+    as one Sequence.append per sequence, and as sdpa: one token a step from
+    a strided [n][1][HKV][D] view of the model's K, then three tokens from a
+    buffer interleaved by token."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    n, prompt, steps = 3, 1200, 20
+    total = prompt + steps + 3
+    stream = torch.cuda.Stream()
+    with cuda_engine(dtype="f16") as eb, cuda_engine(dtype="f16") as es, \
+            eb.plan() as pb, es.plan() as ps, torch.cuda.stream(stream):
+        batch = [eb.sequence() for _ in range(n)]
+        single = [es.sequence() for _ in range(n)]
+        k = torch.randn(n, total, HKV, D, device="cuda", generator=gen, dtype=torch.float16)
+        v = torch.randn(n, total, HKV, D, device="cuda", generator=gen, dtype=torch.float16)
+        for i in range(n):
+            for seq in (batch[i], single[i]):
+                seq.append(0, k[i, :prompt], v[i, :prompt])
+                seq.end_prompt(0)
+
+        def step(t: int) -> None:
+            q = torch.randn(n, HQ, D, device="cuda", generator=gen, dtype=torch.float16)
+            got, want = pb.decode(batch, 0, q), ps.decode(single, 0, q)
+            assert torch.equal(got, want), "after %d tokens" % t
+            torch.testing.assert_close(got.float(), sdpa(q, k[:, :t], v[:, :t]).float(),
+                                       atol=3e-3, rtol=3e-3)
+
+        for t in range(prompt, prompt + steps):
+            wavekv.Sequence.append_batch(batch, 0, k[:, t:t + 1], v[:, t:t + 1])
+            for i, seq in enumerate(single):
+                seq.append(0, k[i, t:t + 1], v[i, t:t + 1])
+            step(t + 1)
+        t = prompt + steps
+        kb = k[:, t:t + 3].transpose(0, 1).contiguous()  # [3][n][HKV][D]
+        vb = v[:, t:t + 3].transpose(0, 1).contiguous()
+        wavekv.Sequence.append_batch(batch, 0, kb.transpose(0, 1), vb.transpose(0, 1))
+        for i, seq in enumerate(single):
+            seq.append(0, k[i, t:t + 3], v[i, t:t + 3])
+        step(t + 3)
+        for i in range(n):
+            assert batch[i].info(0) == single[i].info(0)
+            assert batch[i].info(0).tokens == total
+        with pytest.raises(wavekv.InvalidArgumentError, match="listed twice"):
+            wavekv.Sequence.append_batch([batch[0], batch[0]], 0, k[:2, :1], v[:2, :1])
+        with pytest.raises(wavekv.InvalidArgumentError, match="on cpu; this engine takes tensors on cuda"):
+            host = k[:, :1].cpu()
+            wavekv.Sequence.append_batch(batch, 0, host, host)
+        for seq in batch + single:
+            seq.close()
+    stream.synchronize()

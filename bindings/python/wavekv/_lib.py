@@ -21,8 +21,9 @@ __all__ = ["lib", "library_path", "check", "WkvConfig", "WkvStats", "WkvSeqInfo"
 
 # The library major version this binding speaks (WKV_VERSION_MAJOR).
 ABI_MAJOR = 0
-# The oldest minor version that has every function declared below.
-ABI_MINOR = 2
+# The oldest minor version that has every function declared below
+# (wkv_append_batch: 0.5).
+ABI_MINOR = 5
 WKV_SAVE_NO_FSYNC = 1
 
 c_void_p = ctypes.c_void_p
@@ -167,6 +168,10 @@ _SIGNATURES = {
     "wkv_seq_create": (ctypes.c_int, [_P, _PP]),
     "wkv_seq_destroy": (None, [_P]),
     "wkv_seq_append": (ctypes.c_int, [_P, c_uint32, _P, _P, c_uint32, c_int64, c_int64, _P]),
+    "wkv_append_batch": (
+        ctypes.c_int,
+        [_PP, c_uint32, c_uint32, _P, _P, c_uint32, c_int64, c_int64, c_int64, _P],
+    ),
     "wkv_seq_end_prompt": (ctypes.c_int, [_P, c_uint32, _P]),
     "wkv_seq_info_init": (None, [_P]),
     "wkv_seq_info_get": (ctypes.c_int, [_P, c_uint32, ctypes.POINTER(WkvSeqInfo)]),

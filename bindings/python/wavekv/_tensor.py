@@ -345,6 +345,32 @@ def row_strides(t: TensorView, what: str) -> Tuple[int, int]:
     return outer, inner
 
 
+def batch_row_strides(t: TensorView, what: str) -> Tuple[int, int, int]:
+    """The (seq, outer, inner) strides in elements of a
+    [n_seqs][outer][inner][head_dim] tensor, as wkv_append_batch takes them:
+    each sequence's [outer][inner][head_dim] checked as row_strides checks
+    it, and the sequence stride passed as it is (0 where there is one
+    sequence). Sequences may overlap (the library only reads them), but a
+    stride of 0 over several sequences (a broadcast) cannot be said: the
+    C ABI reads 0 as packed."""
+    n_seqs, s_seq = t.shape[0], t.strides[0]
+    inner_view = TensorView(ptr=t.ptr, shape=tuple(t.shape[1:]), strides=tuple(t.strides[1:]),
+                            dtype=t.dtype, device_type=t.device_type, device_id=t.device_id,
+                            readonly=t.readonly, keep=t.keep)
+    outer, inner = row_strides(inner_view, what)
+    if n_seqs <= 1:
+        return 0, outer, inner
+    if s_seq < 0:
+        raise InvalidArgumentError(1, "%s: negative strides %s are not supported"
+                                   % (what, tuple(t.strides)))
+    if s_seq == 0:
+        raise InvalidArgumentError(
+            1, "%s: strides %s repeat one sequence's rows for every sequence (a broadcast), "
+            "which the C ABI cannot express (its seq_stride 0 means packed)"
+            % (what, tuple(t.strides)))
+    return s_seq, outer, inner
+
+
 def check_writable(t: TensorView, obj: Any, what: str) -> None:
     if t.readonly or framework(obj) == "jax":
         raise InvalidArgumentError(1, "%s is read-only; wavekv writes its result there" % what)

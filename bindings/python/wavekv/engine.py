@@ -504,6 +504,16 @@ class _Checked:
         outer, inner = T.row_strides(view, what)
         return view, outer, inner
 
+    def batch_rows(self, obj: Tensor, name: str, shape: Tuple[int, Optional[int], int, int],
+                   names: str) -> Tuple[T.TensorView, int, int, int]:
+        what = "%s: %s" % (self.fn, name)
+        view = T.read(obj, what, self.stream)
+        T.check_device(view, self.target, what)
+        T.check_shape(view, shape, names, what)
+        T.check_dtype(view, self.target.dtype, what)
+        seq, outer, inner = T.batch_row_strides(view, what)
+        return view, seq, outer, inner
+
     def lse(self, obj: Tensor, n_seqs: int, n_q_heads: int, packed: bool) -> Tuple[T.TensorView, int]:
         what = "%s: lse" % self.fn
         view = T.read(obj, what, self.stream)
@@ -585,6 +595,57 @@ class Sequence(_Owner):
         finally:
             self._leave()
 
+    @staticmethod
+    def append_batch(seqs: Union["Sequence", Iterable["Sequence"]], layer: int, k: Tensor,
+                     v: Tensor, stream: StreamLike = None) -> None:
+        """Appends tokens' keys and values for one layer to each of several
+        sequences of one engine, in one call (wkv_append_batch, ABI 0.5): on a
+        CUDA engine one kernel writes every sequence's rows.
+
+        k and v are [n_seqs][n_tokens][n_kv_heads][head_dim] tensors, n_seqs
+        = len(seqs), in the engine's dtype and on its device, with the same
+        strides: each sequence's [n_tokens][n_kv_heads][head_dim] as append
+        takes it, the sequences any stride apart (interleaved by token, say).
+        The usual decoding step, new K of shape [n_seqs][n_kv_heads][head_dim],
+        is k[:, None]. Each sequence gets what append would give it; the
+        stream is chosen as for append.
+
+        The sequences must be distinct (InvalidArgumentError) and of one
+        engine (InvalidHandleError). An error found before the copy appends
+        nothing to any sequence; an error in the growth of sequence i
+        (BudgetError, OutOfMemoryError; the message names i) leaves those
+        before i with their new tokens and i and those after it without.
+        """
+        fn = "Sequence.append_batch"
+        layer = _check_layer(layer, fn)
+        seq_list, entered, arr = _enter_seqs(seqs, fn)
+        try:
+            first = seq_list[0]
+            c, target = first._config, first._target
+            n = len(seq_list)
+            s = _stream_handle(stream, (k, v), target)
+            chk = _Checked(fn, target, s)
+            shape = (n, None, c.n_kv_heads, c.head_dim)
+            names = "(n_seqs, n_tokens, n_kv_heads, head_dim)"
+            kt, ks, ko, ki = chk.batch_rows(k, "k", shape, names)
+            vt, vs, vo, vi = chk.batch_rows(v, "v", shape, names)
+            if kt.shape[1] != vt.shape[1]:
+                raise InvalidArgumentError(1, "%s: k has %d tokens and v %d" % (
+                    fn, kt.shape[1], vt.shape[1]))
+            if (ks, ko, ki) != (vs, vo, vi):
+                raise InvalidArgumentError(
+                    1, "%s: k and v must have the same strides (the C ABI takes one set); "
+                    "k %s, v %s" % (fn, kt.strides, vt.strides))
+            n_tokens = kt.shape[1]
+            if n_tokens > _U32:
+                raise InvalidArgumentError(1, "%s: %d tokens in one call; at most %d"
+                                           % (fn, n_tokens, _U32))
+            _lib.check(_lib.lib().wkv_append_batch(
+                arr, n, layer, kt.ptr, vt.ptr, n_tokens, ks, ko, ki, _c_stream(s)))
+        finally:
+            for seq in entered:
+                seq._leave()
+
     def end_prompt(self, layer: int, stream: StreamLike = None) -> None:
         """Ends the prompt of one layer, building its index now rather than at
         the first decoding step (wkv_seq_end_prompt). Waits for `stream`."""
@@ -653,6 +714,38 @@ class Sequence(_Owner):
 
     def __repr__(self) -> str:
         return "<wavekv.Sequence %s>" % ("closed" if self.closed else "open")
+
+
+def _enter_seqs(seqs: Union["Sequence", Iterable["Sequence"]], fn: str
+                ) -> Tuple[List["Sequence"], List["Sequence"], Any]:
+    """Enters each sequence of a batch (the caller leaves them): (the list,
+    the sequences entered, the C array of handles). A sequence listed twice
+    is entered once and its handle passed twice, for the library to refuse."""
+    seq_list = [seqs] if isinstance(seqs, Sequence) else list(seqs)
+    if not seq_list:
+        raise InvalidArgumentError(1, "%s: no sequences" % fn)
+    for s in seq_list:
+        if not isinstance(s, Sequence):
+            raise InvalidArgumentError(1, "%s: seqs must hold wavekv.Sequence objects, not %r"
+                                       % (fn, s))
+    if len(seq_list) > _U32:
+        raise InvalidArgumentError(1, "%s: %d sequences; at most %d" % (fn, len(seq_list), _U32))
+    entered: List[Sequence] = []
+    handles: List[int] = []
+    try:
+        seen = set()
+        for s in seq_list:
+            if id(s) in seen:
+                handles.append(s._handle or 0)  # listed twice: the library says so
+                continue
+            seen.add(id(s))
+            handles.append(s._enter(fn))
+            entered.append(s)
+    except BaseException:
+        for s in entered:
+            s._leave()
+        raise
+    return seq_list, entered, (ctypes.c_void_p * len(handles))(*handles)
 
 
 def _torch_current_stream(target: T.Target) -> int:
@@ -752,33 +845,6 @@ class Plan(_Owner):
         """The engine the plan was made from (possibly closed since)."""
         return self._engine
 
-    def _seq_handles(self, seqs: Union["Sequence", Iterable["Sequence"]], fn: str
-                     ) -> Tuple[List["Sequence"], List["Sequence"], Any]:
-        """(the list, the sequences entered, the C array of handles)."""
-        seq_list = [seqs] if isinstance(seqs, Sequence) else list(seqs)
-        if not seq_list:
-            raise InvalidArgumentError(1, "%s: no sequences" % fn)
-        for s in seq_list:
-            if not isinstance(s, Sequence):
-                raise InvalidArgumentError(1, "%s: seqs must hold wavekv.Sequence objects, not %r"
-                                           % (fn, s))
-        entered: List[Sequence] = []
-        handles: List[int] = []
-        try:
-            seen = set()
-            for s in seq_list:
-                if id(s) in seen:
-                    handles.append(s._handle or 0)  # listed twice: the library says so
-                    continue
-                seen.add(id(s))
-                handles.append(s._enter(fn))
-                entered.append(s)
-        except BaseException:
-            for s in entered:
-                s._leave()
-            raise
-        return seq_list, entered, (ctypes.c_void_p * len(handles))(*handles)
-
     def _q_out(self, chk: _Checked, n: int, q: Tensor) -> Tuple[T.TensorView, int, int]:
         c = self._config
         return chk.rows(q, "q", (n, c.n_q_heads, c.head_dim), "(n_seqs, n_q_heads, head_dim)")
@@ -805,7 +871,7 @@ class Plan(_Owner):
         layer = _check_layer(layer, fn)
         handle = self._enter(fn)
         try:
-            seq_list, entered, arr = self._seq_handles(seqs, fn)
+            seq_list, entered, arr = _enter_seqs(seqs, fn)
             try:
                 n = len(seq_list)
                 s = _stream_handle(stream, (q, out), self._target)
@@ -835,7 +901,7 @@ class Plan(_Owner):
         layer = _check_layer(layer, fn)
         handle = self._enter(fn)
         try:
-            seq_list, entered, arr = self._seq_handles(seqs, fn)
+            seq_list, entered, arr = _enter_seqs(seqs, fn)
             try:
                 n = len(seq_list)
                 s = _stream_handle(stream, (q,), self._target)

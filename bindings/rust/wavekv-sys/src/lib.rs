@@ -14,7 +14,7 @@ use std::os::raw::{c_char, c_void};
 // Versions
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
-pub const WKV_VERSION_MINOR: u32 = 4;
+pub const WKV_VERSION_MINOR: u32 = 5;
 pub const WKV_VERSION_PATCH: u32 = 0;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
@@ -227,6 +227,19 @@ extern "C" {
         k: *const c_void,
         v: *const c_void,
         n_tokens: u32,
+        token_stride: i64,
+        head_stride: i64,
+        stream: *mut c_void,
+    ) -> i32;
+    // 0.5
+    pub fn wkv_append_batch(
+        seqs: *const *mut wkv_seq,
+        n_seqs: u32,
+        layer: u32,
+        k: *const c_void,
+        v: *const c_void,
+        n_tokens: u32,
+        seq_stride: i64,
         token_stride: i64,
         head_stride: i64,
         stream: *mut c_void,

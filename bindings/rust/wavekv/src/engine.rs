@@ -1,3 +1,4 @@
+use std::cell::RefCell;
 use std::ffi::{CStr, CString};
 use std::fmt;
 use std::mem;
@@ -12,7 +13,7 @@ use crate::config::{Config, Device};
 use crate::element::{Dtype, Element};
 use crate::error::{check, fail, Result, Status};
 use crate::plan::Plan;
-use crate::tensor::{check_dtype, check_span, packed_rows, Shape, Strides};
+use crate::tensor::{check_batch_span, check_dtype, check_span, packed_rows, Shape, Strides};
 
 /// Statistics of one engine (`wkv_stats`; wavekv.h documents each counter).
 pub type Stats = sys::wkv_stats;
@@ -419,6 +420,153 @@ impl Sequence {
         ))
     }
 
+    /// Appends tokens to one layer of each of several sequences of one
+    /// engine in one call (`wkv_append_batch`, ABI 0.5): `k` and `v` are
+    /// packed `[seqs.len()][n_tokens][n_kv_heads][head_dim]` (the decoding
+    /// layout, new K of shape `[batch][n_kv_heads][head_dim]`, is one token),
+    /// and n_tokens is their length over `seqs.len() * n_kv_heads *
+    /// head_dim`. Each sequence gets what [`Sequence::append`] would give it.
+    ///
+    /// The sequences are taken as `&mut`, so none is listed twice and none
+    /// is borrowed by a [`crate::Step`] meanwhile. Sequences of two engines
+    /// fail with [`Status::InvalidHandle`]. An error found before the copy
+    /// appends nothing to any sequence; an error in the growth of sequence i
+    /// ([`Status::Budget`], [`Status::OutOfMemory`]; the message names i)
+    /// leaves the sequences before i with their new tokens and i and those
+    /// after it without (wavekv.h).
+    pub fn append_batch<T: Element>(
+        seqs: &mut [&mut Sequence],
+        layer: u32,
+        k: &[T],
+        v: &[T],
+    ) -> Result<()> {
+        const F: &str = "wkv_append_batch";
+        let shape = batch_shape(F, seqs)?;
+        check_dtype::<T>(F, "k", &shape)?;
+        let row = seqs.len() as u64 * shape.n_kv_heads as u64 * shape.head_dim as u64;
+        if row > usize::MAX as u64 {
+            return fail(
+                Status::InvalidArgument,
+                format!("{}: {} sequences", F, seqs.len()),
+            );
+        }
+        let n = packed_rows(
+            F,
+            "k",
+            k.len(),
+            row as usize,
+            "n_seqs x n_kv_heads x head_dim",
+        )?;
+        if v.len() != k.len() {
+            return fail(
+                Status::InvalidArgument,
+                format!("{}: v has {} elements, k has {}", F, v.len(), k.len()),
+            );
+        }
+        if n > u32::MAX as u64 {
+            return fail(
+                Status::InvalidArgument,
+                format!("{}: {} tokens in one call", F, n),
+            );
+        }
+        // SAFETY: live handles; k and v hold n tokens of every sequence,
+        // read during the call (a CPU engine; CUDA engines take device
+        // pointers through append_batch_raw).
+        unsafe {
+            append_batch_call(
+                seqs,
+                layer,
+                k.as_ptr() as *const c_void,
+                v.as_ptr() as *const c_void,
+                n as u32,
+                0,
+                Strides::PACKED,
+                ptr::null_mut(),
+            )
+        }
+    }
+
+    /// [`Sequence::append_batch`] of `n_tokens` tokens with explicit strides
+    /// in elements: sequence i's `[n_tokens][n_kv_heads][head_dim]` begins
+    /// `i * seq_stride` elements into `k` and `v` (0: one after another,
+    /// packed; any other value is fine, sequences interleaved by token for
+    /// instance), with `strides.outer` between tokens and `strides.inner`
+    /// between heads, as in [`Sequence::append_strided`].
+    pub fn append_batch_strided<T: Element>(
+        seqs: &mut [&mut Sequence],
+        layer: u32,
+        k: &[T],
+        v: &[T],
+        n_tokens: u32,
+        seq_stride: i64,
+        strides: Strides,
+    ) -> Result<()> {
+        const F: &str = "wkv_append_batch";
+        let shape = batch_shape(F, seqs)?;
+        check_dtype::<T>(F, "k", &shape)?;
+        let (kv, d) = (shape.n_kv_heads as u64, shape.head_dim as u64);
+        let n_seqs = seqs.len() as u64;
+        check_batch_span(
+            F,
+            "k",
+            k.len(),
+            n_seqs,
+            n_tokens as u64,
+            kv,
+            d,
+            seq_stride,
+            strides,
+        )?;
+        check_batch_span(
+            F,
+            "v",
+            v.len(),
+            n_seqs,
+            n_tokens as u64,
+            kv,
+            d,
+            seq_stride,
+            strides,
+        )?;
+        // SAFETY: as in append_batch; the spans are checked above.
+        unsafe {
+            append_batch_call(
+                seqs,
+                layer,
+                k.as_ptr() as *const c_void,
+                v.as_ptr() as *const c_void,
+                n_tokens,
+                seq_stride,
+                strides,
+                ptr::null_mut(),
+            )
+        }
+    }
+
+    /// `wkv_append_batch` with raw pointers and a stream, for CUDA engines
+    /// (device pointers, a `cudaStream_t` or null): one kernel writes every
+    /// sequence's rows.
+    ///
+    /// # Safety
+    /// `k` and `v` must point to memory on the engine's device that holds
+    /// the tensors `seq_stride` and the strides describe for every
+    /// sequence, valid for the call (and, on CUDA, until the copy on
+    /// `stream` completes); `stream` must be null or a live stream.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn append_batch_raw(
+        seqs: &mut [&mut Sequence],
+        layer: u32,
+        k: *const c_void,
+        v: *const c_void,
+        n_tokens: u32,
+        seq_stride: i64,
+        strides: Strides,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        batch_shape("wkv_append_batch", seqs)?;
+        append_batch_call(seqs, layer, k, v, n_tokens, seq_stride, strides, stream)
+    }
+
     /// Ends the prompt of one layer now, so that its index is built with the
     /// prefill (`wkv_seq_end_prompt`).
     pub fn end_prompt(&mut self, layer: u32) -> Result<()> {
@@ -485,6 +633,66 @@ impl Sequence {
     pub fn as_raw(&self) -> *mut sys::wkv_seq {
         self.raw
     }
+}
+
+// The shape the tensors of a batch are checked against: its first
+// sequence's (the library refuses sequences of two engines before it reads
+// k or v). Refuses an empty batch and one too large for the ABI.
+fn batch_shape(func: &str, seqs: &[&mut Sequence]) -> Result<Shape> {
+    match seqs.first() {
+        None => fail(Status::InvalidArgument, format!("{}: n_seqs is 0", func)),
+        Some(_) if seqs.len() > u32::MAX as usize => fail(
+            Status::InvalidArgument,
+            format!("{}: {} sequences", func, seqs.len()),
+        ),
+        Some(s) => Ok(s.shape),
+    }
+}
+
+thread_local! {
+    // The batch's handles, reused so that steady decoding does not allocate.
+    static BATCH: RefCell<Vec<*mut sys::wkv_seq>> = const { RefCell::new(Vec::new()) };
+}
+
+// Gathers the handles (every sequence live) and calls wkv_append_batch.
+// Pre: batch_shape accepted seqs.
+#[allow(clippy::too_many_arguments)]
+unsafe fn append_batch_call(
+    seqs: &[&mut Sequence],
+    layer: u32,
+    k: *const c_void,
+    v: *const c_void,
+    n_tokens: u32,
+    seq_stride: i64,
+    strides: Strides,
+    stream: *mut c_void,
+) -> Result<()> {
+    const F: &str = "wkv_append_batch";
+    BATCH.with(|batch| {
+        let mut batch = batch.borrow_mut();
+        batch.clear();
+        for (i, s) in seqs.iter().enumerate() {
+            if s.raw.is_null() {
+                return fail(
+                    Status::InvalidHandle,
+                    format!("{}: sequence {} of the batch is closed", F, i),
+                );
+            }
+            batch.push(s.raw);
+        }
+        check(sys::wkv_append_batch(
+            batch.as_ptr(),
+            seqs.len() as u32,
+            layer,
+            k,
+            v,
+            n_tokens,
+            seq_stride,
+            strides.outer,
+            strides.inner,
+            stream,
+        ))
+    })
 }
 
 impl Drop for Sequence {

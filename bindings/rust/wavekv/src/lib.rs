@@ -37,6 +37,25 @@
 //!     step.assemble().unwrap();
 //! }
 //! ```
+//!
+//! The batch append ([`Sequence::append_batch`]) takes its sequences as
+//! `&mut`, so that the same holds for it, and a sequence cannot be listed
+//! twice:
+//!
+//! ```compile_fail,E0502
+//! use wavekv::{Plan, Sequence};
+//! fn step(plan: &mut Plan, a: &mut Sequence, b: &mut Sequence, q: &[f32], k: &[f32]) {
+//!     let mut step = plan.lookup(&[&*a], 0, q).unwrap();
+//!     Sequence::append_batch(&mut [&mut *a, &mut *b], 0, k, k).unwrap();
+//!     step.assemble().unwrap();
+//! }
+//! ```
+//!
+//! ```compile_fail,E0499
+//! fn twice(a: &mut wavekv::Sequence, k: &[f32]) {
+//!     wavekv::Sequence::append_batch(&mut [&mut *a, &mut *a], 0, k, k).unwrap();
+//! }
+//! ```
 
 mod config;
 mod element;

@@ -102,6 +102,70 @@ pub(crate) fn check_span(
     Ok(())
 }
 
+/// [`check_span`] for a batch: `n_seqs` tensors `[n_outer][n_inner][d]`
+/// with these strides, sequence i's beginning `i * seq_stride` elements in
+/// (0: one sequence's extent, the sequences one after another, as the
+/// library reads it). Any other `seq_stride` is fine, one smaller than a
+/// sequence's rows too (sequences interleaved by token): the slices are
+/// only read.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_batch_span(
+    func: &str,
+    what: &str,
+    len: usize,
+    n_seqs: u64,
+    n_outer: u64,
+    n_inner: u64,
+    d: u64,
+    seq_stride: i64,
+    strides: Strides,
+) -> Result<()> {
+    if seq_stride < 0 || strides.outer < 0 || strides.inner < 0 {
+        return fail(
+            Status::InvalidArgument,
+            format!(
+                "{}: {} strides ({}, {}, {} elements) must not be negative",
+                func, what, seq_stride, strides.outer, strides.inner
+            ),
+        );
+    }
+    let inner = if strides.inner == 0 {
+        d as u128
+    } else {
+        strides.inner as u128
+    };
+    let outer = if strides.outer == 0 {
+        n_inner as u128 * inner
+    } else {
+        strides.outer as u128
+    };
+    let one = if n_outer == 0 || n_inner == 0 {
+        0
+    } else {
+        (n_outer as u128 - 1) * outer + (n_inner as u128 - 1) * inner + d as u128
+    };
+    let between = if seq_stride == 0 {
+        one
+    } else {
+        seq_stride as u128
+    };
+    let need = if n_seqs == 0 || one == 0 {
+        0
+    } else {
+        (n_seqs as u128 - 1) * between + one
+    };
+    if (len as u128) < need {
+        return fail(
+            Status::InvalidArgument,
+            format!(
+                "{}: {} has {} elements, fewer than the {} that [{}][{}][{}][{}] with strides ({}, {}, {}) spans",
+                func, what, len, need, n_seqs, n_outer, n_inner, d, seq_stride, strides.outer, strides.inner
+            ),
+        );
+    }
+    Ok(())
+}
+
 /// The number of rows of `row` elements in a packed slice, which must hold a
 /// positive whole number of them.
 pub(crate) fn packed_rows(

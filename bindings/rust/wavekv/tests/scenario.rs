@@ -659,3 +659,263 @@ fn an_evicted_sequence_decodes_the_same_after_its_restore() {
     assert_eq!(err.status(), Status::State);
     assert!(err.message().contains("spill_dir"), "{}", err.message());
 }
+
+// wkv_append_batch (0.5): each step's new tokens appended to three
+// sequences in one call decode bit for bit as the same tokens appended to
+// each with wkv_seq_append: one token a step, three every 50th (speculative
+// decoding), through the packed form (layer 0) and, on layer 1, the strided
+// form over a layout interleaved by token with padded heads, over enough
+// generated tokens that segments complete and are clustered (index growths)
+// under both.
+#[test]
+fn a_batch_append_decodes_as_one_append_per_sequence() {
+    const N: usize = 3;
+    const STEPS_B: usize = 280; // 320 tokens: past update_segment_tokens (128) twice
+    const HS: usize = D + 8; // padded heads, the padding NaN: never read
+    let row = N_KV * D;
+    let cfg = config(0.018, 0.232);
+    let batch_engine = Engine::open(&cfg).unwrap();
+    let single_engine = Engine::open(&cfg).unwrap();
+    let mut rng = Rng(7);
+    let model = Model::new(&mut rng);
+    let contexts: Vec<Context> = [1500, 900, 2100]
+        .iter()
+        .map(|&n| context(&model, &mut rng, n))
+        .collect();
+    let mut batch: Vec<Sequence> = (0..N)
+        .map(|_| batch_engine.create_sequence().unwrap())
+        .collect();
+    let mut single: Vec<Sequence> = (0..N)
+        .map(|_| single_engine.create_sequence().unwrap())
+        .collect();
+    for i in 0..N {
+        prefill(&mut batch[i], &contexts[i]);
+        prefill(&mut single[i], &contexts[i]);
+    }
+    let prompt_clustered: Vec<u64> = single
+        .iter()
+        .map(|s| s.info(0).unwrap().clustered)
+        .collect();
+    let (mut batch_plan, mut single_plan) = (
+        batch_engine.create_plan().unwrap(),
+        single_engine.create_plan().unwrap(),
+    );
+    let (mut compared, mut generated) = (0, 0);
+    for step in 0..STEPS_B {
+        let n_tok = if step % 50 == 49 { 3 } else { 1 };
+        generated += n_tok;
+        for layer in 0..N_LAYERS {
+            // Packed [N][n_tok][N_KV][D].
+            let (mut k, mut v) = (Vec::new(), Vec::new());
+            for _ in 0..N * n_tok {
+                model.token(&mut rng, &mut k, &mut v);
+            }
+            {
+                let mut refs: Vec<&mut Sequence> = batch.iter_mut().collect();
+                if layer == 0 {
+                    Sequence::append_batch(&mut refs, layer, &k, &v).unwrap();
+                } else {
+                    // [n_tok][N][N_KV][HS]: sequence i at i * N_KV * HS.
+                    let mut kp = vec![f32::NAN; n_tok * N * N_KV * HS];
+                    let mut vp = kp.clone();
+                    for i in 0..N {
+                        for t in 0..n_tok {
+                            for h in 0..N_KV {
+                                let from = ((i * n_tok + t) * N_KV + h) * D;
+                                let to = ((t * N + i) * N_KV + h) * HS;
+                                kp[to..to + D].copy_from_slice(&k[from..from + D]);
+                                vp[to..to + D].copy_from_slice(&v[from..from + D]);
+                            }
+                        }
+                    }
+                    Sequence::append_batch_strided(
+                        &mut refs,
+                        layer,
+                        &kp,
+                        &vp,
+                        n_tok as u32,
+                        (N_KV * HS) as i64,
+                        Strides::new((N * N_KV * HS) as i64, HS as i64),
+                    )
+                    .unwrap();
+                }
+            }
+            let per = n_tok * row;
+            for (i, s) in single.iter_mut().enumerate() {
+                s.append(
+                    layer,
+                    &k[i * per..(i + 1) * per],
+                    &v[i * per..(i + 1) * per],
+                )
+                .unwrap();
+            }
+            if step % 25 == 24 || step + 1 == STEPS_B {
+                let mut q = Vec::new();
+                for _ in 0..N {
+                    model.query(&mut rng, &mut q);
+                }
+                let mut got = vec![0.0f32; N * N_Q * D];
+                let mut want = vec![0.0f32; N * N_Q * D];
+                batch_plan
+                    .decode(&[&batch[0], &batch[1], &batch[2]], layer, &q, &mut got)
+                    .unwrap();
+                single_plan
+                    .decode(&[&single[0], &single[1], &single[2]], layer, &q, &mut want)
+                    .unwrap();
+                let differ = got
+                    .iter()
+                    .zip(&want)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert!(
+                    differ.is_none(),
+                    "step {}, layer {}: element {:?} differs",
+                    step,
+                    layer,
+                    differ
+                );
+                compared += 1;
+            }
+        }
+    }
+    assert_eq!(compared, 2 * (STEPS_B / 25 + 1));
+    for i in 0..N {
+        for layer in 0..N_LAYERS {
+            let (b, s) = (
+                batch[i].info(layer).unwrap(),
+                single[i].info(layer).unwrap(),
+            );
+            assert_eq!(b, s, "sequence {}, layer {}", i, layer);
+            assert_eq!(b.tokens as usize, contexts[i].k[0].len() / row + generated);
+        }
+        let grown = batch[i].info(0).unwrap().clustered;
+        assert!(
+            grown > prompt_clustered[i],
+            "sequence {}: no segment completed while generating ({} clustered tokens)",
+            i,
+            grown
+        );
+    }
+    let (b, s) = (
+        batch_engine.stats().unwrap(),
+        single_engine.stats().unwrap(),
+    );
+    assert_eq!(
+        (b.tokens, b.segments, b.clusters),
+        (s.tokens, s.segments, s.clusters)
+    );
+}
+
+// What a batch append refuses, before the library (the binding's checks) and
+// in it, with its status and message; a refused batch appends nothing.
+#[test]
+fn a_batch_append_refuses_bad_batches_and_appends_nothing() {
+    let row = N_KV * D;
+    let engine = Engine::open(&config(1.0, 0.0)).unwrap();
+    let other = Engine::open(&config(1.0, 0.0)).unwrap();
+    let (mut a, mut b, mut c) = (
+        engine.create_sequence().unwrap(),
+        engine.create_sequence().unwrap(),
+        engine.create_sequence().unwrap(),
+    );
+    let mut x = other.create_sequence().unwrap();
+    let kv = vec![0.5f32; 2 * row];
+    let expect = |r: wavekv::Result<()>, status: Status, words: &[&str]| {
+        let e = r.unwrap_err();
+        assert_eq!(e.status(), status, "{}", e);
+        assert!(e.message().starts_with("wkv_append_batch: "), "{}", e);
+        for w in words {
+            assert!(e.message().contains(w), "{:?} lacks {:?}", e.message(), w);
+        }
+    };
+
+    // The binding's checks: lengths, dtype, an empty batch, short slices.
+    let short = &kv[..2 * row - 8];
+    expect(
+        Sequence::append_batch(&mut [&mut a, &mut b], 0, short, short),
+        Status::InvalidArgument,
+        &["multiple", "n_seqs x n_kv_heads x head_dim"],
+    );
+    expect(
+        Sequence::append_batch(&mut [&mut a, &mut b], 0, &kv, &kv[..row]),
+        Status::InvalidArgument,
+        &["v has"],
+    );
+    let half = vec![F16::from_f32(0.5); 2 * row];
+    expect(
+        Sequence::append_batch(&mut [&mut a, &mut b], 0, &half, &half),
+        Status::InvalidArgument,
+        &["f16"],
+    );
+    expect(
+        Sequence::append_batch::<f32>(&mut [], 0, &kv, &kv),
+        Status::InvalidArgument,
+        &["n_seqs is 0"],
+    );
+    expect(
+        Sequence::append_batch_strided(
+            &mut [&mut a, &mut b],
+            0,
+            &kv,
+            &kv,
+            1,
+            (row + 1) as i64,
+            Strides::PACKED,
+        ),
+        Status::InvalidArgument,
+        &["fewer than"],
+    );
+    expect(
+        Sequence::append_batch_strided(&mut [&mut a, &mut b], 0, &kv, &kv, 1, -1, Strides::PACKED),
+        Status::InvalidArgument,
+        &["must not be negative"],
+    );
+
+    // The library's: sequences of two engines, a layer.
+    expect(
+        Sequence::append_batch(&mut [&mut a, &mut x], 0, &kv, &kv),
+        Status::InvalidHandle,
+        &["sequence 1 belongs to another engine"],
+    );
+    expect(
+        Sequence::append_batch(&mut [&mut a, &mut b], N_LAYERS, &kv, &kv),
+        Status::OutOfRange,
+        &[],
+    );
+    // A sequence listed twice cannot be written in safe Rust (two &mut); the
+    // library refuses it from raw handles.
+    let twice = [a.as_raw(), a.as_raw()];
+    let rc = unsafe {
+        wavekv::sys::wkv_append_batch(
+            twice.as_ptr(),
+            2,
+            0,
+            kv.as_ptr() as *const std::os::raw::c_void,
+            kv.as_ptr() as *const std::os::raw::c_void,
+            1,
+            0,
+            0,
+            0,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(rc, Status::InvalidArgument.code());
+
+    // A closed sequence.
+    c.close();
+    expect(
+        Sequence::append_batch(&mut [&mut a, &mut c], 0, &kv, &kv),
+        Status::InvalidHandle,
+        &["sequence 1 of the batch is closed"],
+    );
+
+    for s in [&a, &b, &x] {
+        assert_eq!(s.info(0).unwrap().tokens, 0, "a refused batch appended");
+    }
+    // And a good batch: one token each.
+    Sequence::append_batch(&mut [&mut a, &mut b], 0, &kv, &kv).unwrap();
+    assert_eq!(
+        (a.info(0).unwrap().tokens, b.info(0).unwrap().tokens),
+        (1, 1)
+    );
+    assert_eq!(engine.stats().unwrap().tokens, 2);
+}

@@ -1,0 +1,423 @@
+// Decoding throughput of the CUDA engine at serving scale, through the C ABI
+// as a runtime calls it (issue: GPU decoding at serving scale).
+//
+// Workload: one layer of Llama3-8B attention geometry (32 q heads, 8 KV
+// heads, head_dim 128, bf16); a batch of B sequences of about T tokens each
+// (sequence i has T + 97 i, so that their index growths fall on different
+// steps); the device cache 5% of the KV held; the rest in the engine's
+// pinned host arena. A decoding step is what a runtime does per layer: one
+// wkv_append_batch of the new token of every sequence, then one wkv_decode
+// of the batch. The timed run is long enough (update_segment_tokens + 64
+// steps) for every sequence to cross an index growth, whose cost it
+// includes.
+//
+// Keys with realistic structure, generated on the device: a large shared
+// offset (in the lowest RoPE frequencies, where it survives rotation, as in
+// real models), topics in runs of 512 tokens (64 topics), noise, then RoPE
+// (theta 500000) at the token's position. Values follow the topic plus
+// noise. Queries have temporal locality: each focuses on one topic for 8
+// consecutive steps, then moves on, with RoPE at the query's position.
+//
+// Printed per batch: per-layer step time, tokens/s for a 32-layer model (the
+// one-layer time x 32: the layers of a model are independent here), host
+// time to enqueue a step (median and worst), cache hit ratio and bytes
+// missed per step (read over PCIe), GPU and host memory of the engine, and
+// the relative L2 error against exact attention of the same steps (the
+// bench's own exact kernel, f32). The anchor, PyTorch SDPA with the KV on
+// the GPU, is measured by bench/gpu_full_attention.py in the same script run
+// (tools/gpu-check.sh serving) and passed in the environment:
+//   WKV_FULL_ATTN_MS     "B:ms,B:ms,..." per-layer step of full attention
+//   WKV_FULL_BATCH_MAX   the largest batch whose 32-layer KV fits the GPU
+//   WKV_STREAM_MS        full attention of one layer of T tokens, batch 1,
+//                        with the KV streamed from pinned host memory
+// Usage: gpu_serving_bench [tokens] [batches, comma-separated] [steps]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "wavekv/wavekv.h"
+
+namespace {
+
+constexpr uint32_t kQ = 32, kH = 8, kD = 128, kTopics = 64, kSpan = 512, kFocusSteps = 8;
+
+using Clock = std::chrono::steady_clock;
+double us_since(Clock::time_point t) { return std::chrono::duration<double, std::micro>(Clock::now() - t).count(); }
+
+#define CHECK(x)                                                                              \
+  do {                                                                                        \
+    int rc_ = (x);                                                                            \
+    if (rc_) {                                                                                \
+      std::fprintf(stderr, "%s failed: %s %s\n", #x, wkv_status_name(rc_), wkv_last_error()); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+#define CU(x)                                                               \
+  do {                                                                      \
+    cudaError_t e_ = (x);                                                   \
+    if (e_ != cudaSuccess) {                                                \
+      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                         \
+    }                                                                       \
+  } while (0)
+
+__device__ uint64_t mix(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+// About N(0, 1): a sum of four uniforms, centred and scaled.
+__device__ float gauss(uint64_t key) {
+  const uint64_t h = mix(key);
+  float s = 0.f;
+  for (int i = 0; i < 4; ++i) s += static_cast<float>((h >> (16 * i)) & 0xffff) / 65535.f;
+  return (s - 2.f) * 1.7320508f;
+}
+__device__ float basis(uint32_t what, uint32_t topic, uint32_t h, uint32_t i) {
+  return gauss((uint64_t(what) << 48) ^ (uint64_t(topic) << 32) ^ (uint64_t(h) << 16) ^ i);
+}
+// The shared offset: large, in the 8 lowest RoPE frequencies of each half.
+__device__ float offset(uint32_t h, uint32_t i) {
+  const uint32_t j = i % (kD / 2);
+  return j >= kD / 2 - 8 ? 6.f * basis(1, 0, h, i) : 0.f;
+}
+__device__ float rope_angle(uint32_t pos, uint32_t j) {
+  return static_cast<float>(pos) * powf(500000.f, -2.f * static_cast<float>(j) / kD);
+}
+
+// Token p of sequence `seq`: K and V rows [kH][kD] of one token.
+__global__ void gen_tokens(__nv_bfloat16 *k, __nv_bfloat16 *v, uint32_t seq, uint32_t pos0, uint32_t n,
+                           uint64_t token_stride) {
+  const uint32_t t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;  // j < kD / 2
+  if (t >= n) return;
+  const uint32_t p = pos0 + t;
+  const uint32_t topic = static_cast<uint32_t>(mix((uint64_t(seq) << 32) ^ (p / kSpan)) % kTopics);
+  const uint64_t nk = (uint64_t(seq) << 40) ^ (uint64_t(p) << 12) ^ (h << 8);
+  float a = offset(h, j) + basis(2, topic, h, j) + 0.5f * gauss(nk ^ j);
+  float b = offset(h, j + kD / 2) + basis(2, topic, h, j + kD / 2) + 0.5f * gauss(nk ^ (j + kD / 2));
+  float s, c;
+  sincosf(rope_angle(p, j), &s, &c);
+  __nv_bfloat16 *kr = k + t * token_stride + h * kD;
+  __nv_bfloat16 *vr = v + t * token_stride + h * kD;
+  kr[j] = __float2bfloat16(a * c - b * s);
+  kr[j + kD / 2] = __float2bfloat16(a * s + b * c);
+  const uint64_t nv = nk ^ (1ull << 63);
+  vr[j] = __float2bfloat16(basis(3, topic, h, j) + 0.5f * gauss(nv ^ j));
+  vr[j + kD / 2] = __float2bfloat16(basis(3, topic, h, j + kD / 2) + 0.5f * gauss(nv ^ (j + kD / 2)));
+}
+
+// The query of sequence `seq` at decoding step `step` (position pos): q
+// heads [kQ][kD], focused on one topic for kFocusSteps steps.
+__global__ void gen_query(__nv_bfloat16 *q, uint32_t seq, uint32_t step, uint32_t pos) {
+  const uint32_t qh = blockIdx.x, h = qh / (kQ / kH), j = threadIdx.x;
+  const uint32_t topic = static_cast<uint32_t>(mix((uint64_t(seq) << 32) ^ (step / kFocusSteps) ^ 0xabc) % kTopics);
+  const uint64_t nq = (uint64_t(seq) << 40) ^ (uint64_t(step) << 12) ^ (qh << 4) ^ 0x5;
+  float a = 0.15f * offset(h, j) + basis(2, topic, h, j) + 0.3f * gauss(nq ^ (j << 20));
+  float b = 0.15f * offset(h, j + kD / 2) + basis(2, topic, h, j + kD / 2) + 0.3f * gauss(nq ^ ((j + kD / 2) << 20));
+  float s, c;
+  sincosf(rope_angle(pos, j), &s, &c);
+  q[qh * kD + j] = __float2bfloat16(a * c - b * s);
+  q[qh * kD + j + kD / 2] = __float2bfloat16(a * s + b * c);
+}
+
+// Exact attention of one (sequence, q head) over its first len tokens, f32:
+// scores into scratch, then softmax and the weighted sum of values.
+__global__ void exact_attention(const __nv_bfloat16 *const *k, const __nv_bfloat16 *const *v, const uint32_t *len,
+                                const __nv_bfloat16 *q, uint32_t q_stride, float *scratch, uint64_t scratch_stride,
+                                float *out) {
+  const uint32_t s = blockIdx.y, qh = blockIdx.x, h = qh / (kQ / kH), L = len[s];
+  const __nv_bfloat16 *K = k[s], *V = v[s];
+  float *sc = scratch + (uint64_t(s) * kQ + qh) * scratch_stride;
+  __shared__ float qs[kD], red[256];
+  for (uint32_t i = threadIdx.x; i < kD; i += blockDim.x)
+    qs[i] = __bfloat162float(q[uint64_t(s) * q_stride + qh * kD + i]);
+  __syncthreads();
+  const float scale = rsqrtf(static_cast<float>(kD));
+  float mx = -INFINITY;
+  for (uint32_t t = threadIdx.x; t < L; t += blockDim.x) {
+    const __nv_bfloat16 *kr = K + (uint64_t(t) * kH + h) * kD;
+    float dot = 0.f;
+    for (uint32_t i = 0; i < kD; ++i) dot += qs[i] * __bfloat162float(kr[i]);
+    sc[t] = dot * scale;
+    mx = fmaxf(mx, dot * scale);
+  }
+  red[threadIdx.x] = mx;
+  __syncthreads();
+  for (uint32_t w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + w]);
+    __syncthreads();
+  }
+  mx = red[0];
+  __syncthreads();
+  float sum = 0.f;
+  for (uint32_t t = threadIdx.x; t < L; t += blockDim.x) {
+    sc[t] = expf(sc[t] - mx);
+    sum += sc[t];
+  }
+  red[threadIdx.x] = sum;
+  __syncthreads();
+  for (uint32_t w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+    __syncthreads();
+  }
+  sum = red[0];
+  if (threadIdx.x < kD) {
+    float acc = 0.f;
+    for (uint32_t t = 0; t < L; ++t) acc += sc[t] * __bfloat162float(V[(uint64_t(t) * kH + h) * kD + threadIdx.x]);
+    out[(uint64_t(s) * kQ + qh) * kD + threadIdx.x] = acc / sum;
+  }
+}
+
+double quantile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
+}
+
+std::map<uint32_t, double> parse_ms(const char *env) {
+  std::map<uint32_t, double> m;
+  if (!env) return m;
+  std::string s(env);
+  size_t at = 0;
+  while (at < s.size()) {
+    size_t comma = s.find(',', at);
+    if (comma == std::string::npos) comma = s.size();
+    const std::string item = s.substr(at, comma - at);
+    const size_t colon = item.find(':');
+    if (colon != std::string::npos) m[std::atoi(item.c_str())] = std::atof(item.c_str() + colon + 1);
+    at = comma + 1;
+  }
+  return m;
+}
+
+struct Row {
+  uint32_t batch = 0, tokens = 0;
+  double step_ms = 0, host_med_us = 0, host_max_us = 0, host_p99_us = 0;
+  double hit = 0, miss_mb = 0, gpu_gib = 0, host_gib = 0, err_med = 0, err_p90 = 0;
+  uint64_t growth_steps = 0;
+};
+
+Row run(uint32_t T, uint32_t B, uint32_t steps) {
+  Row row;
+  row.batch = B;
+  row.tokens = T;
+  const uint64_t tok = uint64_t(kH) * kD;  // elements of one token's K (or V)
+  cudaStream_t s;
+  CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+
+  // The context of every sequence and the tokens of every step, on the
+  // device (the exact reference reads them; wavekv copies them in).
+  std::vector<__nv_bfloat16 *> hk(B), hv(B);
+  std::vector<uint32_t> len(B);
+  for (uint32_t i = 0; i < B; ++i) {
+    len[i] = T + 97 * i;
+    const uint64_t n = uint64_t(len[i]) + steps;
+    CU(cudaMalloc(&hk[i], n * tok * 2));
+    CU(cudaMalloc(&hv[i], n * tok * 2));
+    for (uint64_t p = 0; p < n; p += 65535) {
+      const uint32_t m = static_cast<uint32_t>(std::min<uint64_t>(65535, n - p));
+      gen_tokens<<<dim3(m, kH), kD / 2, 0, s>>>(hk[i] + p * tok, hv[i] + p * tok, i, static_cast<uint32_t>(p), m,
+                                                 tok);
+    }
+  }
+  // The step's new tokens, [steps][B][kH][kD], and queries [steps][B][kQ][kD].
+  __nv_bfloat16 *nk, *nv, *q, *out;
+  CU(cudaMalloc(&nk, uint64_t(steps) * B * tok * 2));
+  CU(cudaMalloc(&nv, uint64_t(steps) * B * tok * 2));
+  CU(cudaMalloc(&q, uint64_t(steps) * B * kQ * kD * 2));
+  CU(cudaMalloc(&out, uint64_t(steps) * B * kQ * kD * 2));
+  for (uint32_t st = 0; st < steps; ++st)
+    for (uint32_t i = 0; i < B; ++i) {
+      const uint64_t p = len[i] + st;
+      CU(cudaMemcpyAsync(nk + (uint64_t(st) * B + i) * tok, hk[i] + p * tok, tok * 2, cudaMemcpyDeviceToDevice, s));
+      CU(cudaMemcpyAsync(nv + (uint64_t(st) * B + i) * tok, hv[i] + p * tok, tok * 2, cudaMemcpyDeviceToDevice, s));
+      gen_query<<<kQ, kD / 2, 0, s>>>(q + (uint64_t(st) * B + i) * kQ * kD, i, st, static_cast<uint32_t>(p));
+    }
+  CU(cudaStreamSynchronize(s));
+  size_t free0 = 0, total = 0;
+  CU(cudaMemGetInfo(&free0, &total));
+
+  wkv_config c;
+  wkv_config_init(&c);
+  c.device = WKV_DEVICE_CUDA;
+  c.n_layers = 1;
+  c.n_q_heads = kQ;
+  c.n_kv_heads = kH;
+  c.head_dim = kD;
+  c.dtype = WKV_DTYPE_BF16;
+  uint64_t kv = 0;
+  for (uint32_t i = 0; i < B; ++i) kv += uint64_t(len[i]) * tok * 2 * 2;
+  c.device_cache_bytes = kv / 20;
+  wkv_engine *e;
+  CHECK(wkv_engine_open(&c, &e));
+  std::vector<wkv_seq *> seqs(B);
+  for (uint32_t i = 0; i < B; ++i) {
+    CHECK(wkv_seq_create(e, &seqs[i]));
+    CHECK(wkv_seq_append(seqs[i], 0, hk[i], hv[i], len[i], 0, 0, s));
+    CHECK(wkv_seq_end_prompt(seqs[i], 0, s));
+  }
+  wkv_plan *plan;
+  CHECK(wkv_plan_create(e, &plan));
+  CU(cudaStreamSynchronize(s));
+
+  // Warm-up: 16 steps of the first queries (not timed), not appended, so
+  // that the timed run starts from the same context: the cache warms.
+  for (uint32_t w = 0; w < 16; ++w)
+    CHECK(wkv_decode(plan, seqs.data(), B, 0, q + uint64_t(w % 8) * B * kQ * kD, 0, 0, out, 0, 0, s));
+  CU(cudaStreamSynchronize(s));
+  size_t free1 = 0;
+  CU(cudaMemGetInfo(&free1, &total));
+  wkv_stats st0;
+  wkv_stats_init(&st0);
+  CHECK(wkv_engine_stats(e, &st0));
+
+  // The timed run: append + decode per step, no synchronization but the end.
+  std::vector<double> host(steps);
+  const auto t0 = Clock::now();
+  for (uint32_t st = 0; st < steps; ++st) {
+    const auto a = Clock::now();
+    CHECK(wkv_append_batch(seqs.data(), B, 0, nk + uint64_t(st) * B * tok, nv + uint64_t(st) * B * tok, 1, 0, 0, 0,
+                           s));
+    CHECK(wkv_decode(plan, seqs.data(), B, 0, q + uint64_t(st) * B * kQ * kD, 0, 0,
+                     out + uint64_t(st) * B * kQ * kD, 0, 0, s));
+    host[st] = us_since(a);
+  }
+  CU(cudaStreamSynchronize(s));
+  const double wall_us = us_since(t0);
+  wkv_stats st1;
+  wkv_stats_init(&st1);
+  CHECK(wkv_engine_stats(e, &st1));
+  row.step_ms = wall_us / 1e3 / steps;
+  row.host_med_us = quantile(host, 0.5);
+  row.host_p99_us = quantile(host, 0.99);
+  row.host_max_us = quantile(host, 1.0);
+  for (double h : host) row.growth_steps += h > 1000.0;
+  const double hits = double(st1.cache_hits - st0.cache_hits), misses = double(st1.cache_misses - st0.cache_misses);
+  row.hit = hits + misses > 0 ? hits / (hits + misses) : 0;
+  const double unit_bytes = 2.0 * double(c.page_bytes ? c.page_bytes : 2048);  // K and V of page_tokens members
+  row.miss_mb = misses * unit_bytes / steps / 1e6;
+  row.gpu_gib = double(free0 - free1) / (1ull << 30);
+  row.host_gib = double(st1.host_bytes_reserved) / (1ull << 30);
+
+  // Accuracy: 24 steps spread over the run against exact attention over
+  // the same tokens (the prefix each step saw).
+  __nv_bfloat16 **dk, **dv;
+  uint32_t *dlen;
+  float *scratch, *ref;
+  uint32_t max_len = 0;
+  for (uint32_t i = 0; i < B; ++i) max_len = std::max(max_len, len[i] + steps);
+  CU(cudaMalloc(&dk, B * sizeof(void *)));
+  CU(cudaMalloc(&dv, B * sizeof(void *)));
+  CU(cudaMalloc(&dlen, B * sizeof(uint32_t)));
+  CU(cudaMalloc(&scratch, uint64_t(B) * kQ * max_len * sizeof(float)));
+  CU(cudaMalloc(&ref, uint64_t(B) * kQ * kD * sizeof(float)));
+  CU(cudaMemcpy(dk, hk.data(), B * sizeof(void *), cudaMemcpyHostToDevice));
+  CU(cudaMemcpy(dv, hv.data(), B * sizeof(void *), cudaMemcpyHostToDevice));
+  std::vector<double> errs;
+  std::vector<float> hr(uint64_t(B) * kQ * kD);
+  std::vector<__nv_bfloat16> ho(hr.size());
+  for (uint32_t k = 0; k < 24; ++k) {
+    const uint32_t st = static_cast<uint32_t>(uint64_t(k) * (steps - 1) / 23);
+    std::vector<uint32_t> l(B);
+    for (uint32_t i = 0; i < B; ++i) l[i] = len[i] + st + 1;
+    CU(cudaMemcpy(dlen, l.data(), B * sizeof(uint32_t), cudaMemcpyHostToDevice));
+    exact_attention<<<dim3(kQ, B), 256, 0, s>>>(dk, dv, dlen, q + uint64_t(st) * B * kQ * kD, kQ * kD, scratch,
+                                                max_len, ref);
+    CU(cudaStreamSynchronize(s));
+    CU(cudaMemcpy(hr.data(), ref, hr.size() * 4, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(ho.data(), out + uint64_t(st) * B * kQ * kD, ho.size() * 2, cudaMemcpyDeviceToHost));
+    for (uint32_t r = 0; r < B * kQ; ++r) {
+      double num = 0, den = 0;
+      for (uint32_t j = 0; j < kD; ++j) {
+        const double a = __bfloat162float(ho[uint64_t(r) * kD + j]), b = hr[uint64_t(r) * kD + j];
+        num += (a - b) * (a - b);
+        den += b * b;
+      }
+      errs.push_back(std::sqrt(num / std::max(den, 1e-30)));
+    }
+  }
+  row.err_med = quantile(errs, 0.5);
+  row.err_p90 = quantile(errs, 0.9);
+
+  wkv_plan_destroy(plan);
+  for (wkv_seq *x : seqs) wkv_seq_destroy(x);
+  wkv_engine_close(e);
+  for (uint32_t i = 0; i < B; ++i) {
+    cudaFree(hk[i]);
+    cudaFree(hv[i]);
+  }
+  for (void *p : {static_cast<void *>(nk), static_cast<void *>(nv), static_cast<void *>(q), static_cast<void *>(out),
+                  static_cast<void *>(dk), static_cast<void *>(dv), static_cast<void *>(dlen),
+                  static_cast<void *>(scratch), static_cast<void *>(ref)})
+    cudaFree(p);
+  cudaStreamDestroy(s);
+  return row;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  const uint32_t T = argc > 1 ? std::atoi(argv[1]) : 131072;
+  std::vector<uint32_t> batches;
+  {
+    std::string list = argc > 2 ? argv[2] : "1,2,4,7";
+    for (size_t at = 0; at < list.size();) {
+      size_t comma = list.find(',', at);
+      if (comma == std::string::npos) comma = list.size();
+      batches.push_back(std::atoi(list.substr(at, comma - at).c_str()));
+      at = comma + 1;
+    }
+  }
+  const uint32_t steps = argc > 3 ? std::atoi(argv[3]) : 1024 + 64;  // update_segment_tokens + 64
+  const auto full = parse_ms(std::getenv("WKV_FULL_ATTN_MS"));
+  const uint32_t full_max = std::getenv("WKV_FULL_BATCH_MAX") ? std::atoi(std::getenv("WKV_FULL_BATCH_MAX")) : 0;
+  const double stream_ms = std::getenv("WKV_STREAM_MS") ? std::atof(std::getenv("WKV_STREAM_MS")) : 0;
+
+  std::printf("serving: one layer, %u q heads, %u KV heads, d=%u, bf16, ~%u tokens per sequence, %u steps per "
+              "batch; tokens/s = batch / (32 x step)\n",
+              kQ, kH, kD, T, steps);
+  std::printf("%5s %9s %9s %9s %9s %9s %6s %8s %7s %7s %9s %9s %9s %9s\n", "batch", "step_ms", "tok/s32", "host_us",
+              "host_p99", "host_max", "grow", "hit", "miss_MB", "gpu_GiB", "host_GiB", "err_med", "err_p90",
+              "vs_full");
+  double best_w = 0, best_f = 0;
+  uint32_t best_wb = 0, best_fb = 0;
+  for (uint32_t B : batches) {
+    const Row r = run(T, B, steps);
+    const double tps = B / (32.0 * r.step_ms / 1e3);
+    double ratio = 0;
+    auto f = full.find(B);
+    if (f != full.end() && f->second > 0) ratio = (B / r.step_ms) / (B / f->second);
+    std::printf("%5u %9.3f %9.1f %9.1f %9.1f %9.1f %6llu %8.3f %7.2f %7.2f %9.2f %9.4f %9.4f %9s\n", B, r.step_ms, tps,
+                r.host_med_us, r.host_p99_us, r.host_max_us, static_cast<unsigned long long>(r.growth_steps), r.hit,
+                r.miss_mb, r.gpu_gib, r.host_gib, r.err_med, r.err_p90,
+                ratio > 0 ? (std::to_string(ratio).substr(0, 5) + "x").c_str() : "-");
+    std::fflush(stdout);
+    if (tps > best_w) best_w = tps, best_wb = B;
+  }
+  for (auto &[B, ms] : full) {
+    if (full_max && B > full_max) continue;
+    const double tps = B / (32.0 * ms / 1e3);
+    std::printf("full attention (PyTorch SDPA, KV on the GPU), batch %u: %.3f ms per layer, %.1f tokens/s over 32 "
+                "layers\n",
+                B, ms, tps);
+    if (tps > best_f) best_f = tps, best_fb = B;
+  }
+  if (best_f > 0)
+    std::printf("best throughput: wavekv %.1f tokens/s (batch %u) vs full attention %.1f tokens/s (batch %u, its "
+                "32-layer KV bound %u): %.2fx\n",
+                best_w, best_wb, best_f, best_fb, full_max, best_w / best_f);
+  if (stream_ms > 0 && batches.size() == 1 && batches[0] == 1)
+    std::printf("batch 1 at %u tokens: full attention streaming the KV from pinned host memory %.2f ms per layer\n",
+                T, stream_ms);
+  return 0;
+}
