@@ -201,7 +201,7 @@ TEST(GpuBatch, AppendsLandWhereSingleAppendsDoAcrossGrowths) {
     EXPECT_EQ(b.tokens, s.tokens);
     EXPECT_EQ(b.segments, s.segments);
     EXPECT_EQ(b.clustered, s.clustered);
-    EXPECT_GE(b.segments, 3u + 2u) << "the prompt's segments and two growths";
+    EXPECT_GE(b.segments, 2u + 2u) << "the prompt's two segments (2048 and 1984 tokens) and two growths";
   }
   EXPECT_LT(worst, 5e-3) << "full retrieval must match exact attention";
   EXPECT_LT(apart, 5e-3) << "the batched and the single engine must agree";
