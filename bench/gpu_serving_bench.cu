@@ -34,6 +34,7 @@
 //   WKV_FULL_BATCH_MAX   the largest batch whose 32-layer KV fits the GPU
 //   WKV_STREAM_MS        full attention of one layer of T tokens, batch 1,
 //                        with the KV streamed from pinned host memory
+// and WKV_SERVING_CACHE_FRACTION sets the device cache (0.05 of the KV).
 // Usage: gpu_serving_bench [tokens] [batches, comma-separated] [steps] [layers]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -264,7 +265,8 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   c.dtype = WKV_DTYPE_BF16;
   uint64_t kv = 0;
   for (uint32_t i = 0; i < B; ++i) kv += uint64_t(len[i]) * tok * 2 * 2 * L;
-  c.device_cache_bytes = kv / 20;
+  const char *frac = std::getenv("WKV_SERVING_CACHE_FRACTION");  // of the KV held; 0.05 by default
+  c.device_cache_bytes = static_cast<uint64_t>(double(kv) * (frac ? std::atof(frac) : 0.05));
   wkv_engine *e;
   CHECK(wkv_engine_open(&c, &e));
   std::vector<wkv_seq *> seqs(B);
@@ -406,9 +408,11 @@ int main(int argc, char **argv) {
   const uint32_t full_max = std::getenv("WKV_FULL_BATCH_MAX") ? std::atoi(std::getenv("WKV_FULL_BATCH_MAX")) : 0;
   const double stream_ms = std::getenv("WKV_STREAM_MS") ? std::atof(std::getenv("WKV_STREAM_MS")) : 0;
 
+  const char *frac = std::getenv("WKV_SERVING_CACHE_FRACTION");
   std::printf("serving: %u layers, %u q heads, %u KV heads, d=%u, bf16, ~%u tokens per sequence, %u tokens per "
-              "batch, a synchronization per token; step = per layer; tokens/s = batch / (32 x step)\n",
-              L, kQ, kH, kD, T, steps);
+              "batch, a synchronization per token, device cache %.2f of the KV; step = per layer; tokens/s = batch / "
+              "(32 x step)\n",
+              L, kQ, kH, kD, T, steps, frac ? std::atof(frac) : 0.05);
   std::printf("%5s %9s %9s %9s %9s %9s %6s %8s %7s %7s %9s %9s %9s %9s\n", "batch", "step_ms", "tok/s32", "host_us",
               "host_p99", "host_max", "waits", "hit", "miss_MB", "gpu_GiB", "host_GiB", "err_med", "err_p90",
               "vs_full");
