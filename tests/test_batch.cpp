@@ -351,3 +351,66 @@ TEST(AppendBatchFaults, AFailureMidBatchLeavesWhatTheHeaderSays) {
     }
   }
 }
+
+// A tail sized for a whole prompt gives its room back once the prompt is
+// clustered (it used to keep it for the sequence's life: 512 MiB per layer
+// of a 128K-token prompt at 8 KV heads), and decoding stays exact across
+// the move and the growths after it.
+TEST(AppendBatchTails, APromptsTailIsTrimmedWhenItEnds) {
+  wkv_config c = batch_config(WKV_DTYPE_F32);
+  c.n_layers = 1;
+  c.retrieval_frac = 1.0f;
+  c.estimation_frac = 0.0f;
+  std::shared_ptr<wkv::Engine> e;
+  ASSERT_TRUE(wkv::Engine::open(&c, &e).is_ok());
+  std::shared_ptr<wkv::Sequence> seq;
+  ASSERT_TRUE(wkv::Sequence::create(e, &seq).is_ok());
+  std::vector<HeadRows> rows(kKV);
+  KeyGen gen(kKV, kD, 77);
+  auto append = [&](uint32_t n) {
+    std::vector<float> k, v;
+    gen.next(n, &k, &v);
+    wkv::Sequence *s = seq.get();
+    ASSERT_TRUE(e->append_batch(&s, 1, 0, reinterpret_cast<const uint8_t *>(k.data()),
+                                reinterpret_cast<const uint8_t *>(v.data()), n, 0, kKV * kD, kD, nullptr, "test")
+                    .is_ok());
+    for (uint32_t t = 0; t < n; ++t)
+      for (uint32_t h = 0; h < kKV; ++h) {
+        const size_t off = (static_cast<size_t>(t) * kKV + h) * kD;
+        rows[h].k.insert(rows[h].k.end(), k.begin() + off, k.begin() + off + kD);
+        rows[h].v.insert(rows[h].v.end(), v.begin() + off, v.begin() + off + kD);
+      }
+  };
+  auto worst_error = [&] {
+    std::shared_ptr<wkv::StepTracker> t;
+    EXPECT_TRUE(e->buffers().new_tracker(&t).is_ok());
+    wkv::Plan plan(e, t);
+    std::vector<float> q;
+    for (uint32_t h = 0; h < kKV; ++h) gen.query(h, kQ / kKV, &q);
+    std::vector<float> out(q.size());
+    wkv::Status s = e->lookup(plan, &seq, 1, 0, q.data(), kQ * kD, kD, nullptr);
+    if (s.is_ok()) s = e->assemble(plan, nullptr);
+    if (s.is_ok()) s = e->attend(plan, out.data(), kQ * kD, kD, nullptr, nullptr);
+    EXPECT_TRUE(s.is_ok()) << s.message();
+    double worst = 0;
+    for (uint32_t h = 0; h < kQ; ++h) {
+      std::vector<double> ref;
+      exact_attention(&q[h * kD], rows[h / (kQ / kKV)], kD, &ref);
+      worst = std::max(worst, rel_l2(&out[h * kD], ref));
+    }
+    return worst;
+  };
+  append(6000);
+  const uint64_t min_rows = c.window_tokens + c.update_segment_tokens + 1;
+  EXPECT_GE(seq->layer(0).heads[0].tail.cap, 6000u - c.sink_tokens) << "the prompt's rows";
+  ASSERT_TRUE(e->end_prompt(*seq, 0, nullptr).is_ok());
+  for (const wkv::HeadState &h : seq->layer(0).heads) {
+    EXPECT_EQ(h.tail.n, c.window_tokens);
+    EXPECT_LT(h.tail.cap, 4 * min_rows) << "the prompt's room given back";
+  }
+  EXPECT_LT(worst_error(), 1e-5);
+  for (int i = 0; i < 300; ++i) append(1);  // crosses a growth of 64
+  EXPECT_GE(seq->layer(0).heads[0].segments.size(), 2u + 1u);
+  for (const wkv::HeadState &h : seq->layer(0).heads) EXPECT_LT(h.tail.cap, 4 * min_rows);
+  EXPECT_LT(worst_error(), 1e-5);
+}

@@ -39,6 +39,37 @@ Status reserve_rows(const IndexContext &ix, Rows *rows, uint64_t add, uint64_t m
   return Status::ok();
 }
 
+// Gives a generating layer's tails back what a prompt left in them: a tail
+// sized for a whole prompt keeps that size while growths consume it from the
+// front (512 MiB per layer at 128K tokens, 8 KV heads, d=128, f16), so once
+// a tail holds less than a quarter of its capacity its live rows move to a
+// region of 1.5x of them (at least `min_rows`). Best effort: without memory
+// for the move the tail stays as it is. The old regions go once no step in
+// flight reads them.
+void trim_tails(const IndexContext &ix, LayerState &L, uint64_t min_rows, void *stream) {
+  for (HeadState &h : L.heads) {
+    Rows &r = h.tail;
+    const uint64_t want = std::max<uint64_t>(min_rows, r.n + r.n / 2);
+    if (r.cap < 4 * want) continue;
+    const size_t bytes = want * r.row_bytes;
+    Region k, v;
+    if (!ix.backend.mem_alloc(bytes, stream, &k).is_ok()) return;
+    if (!ix.backend.mem_alloc(bytes, stream, &v).is_ok() ||
+        (r.n > 0 && (!ix.backend.mem_copy(k.p, r.k_at(0), r.n * r.row_bytes, stream).is_ok() ||
+                     !ix.backend.mem_copy(v.p, r.v_at(0), r.n * r.row_bytes, stream).is_ok()))) {
+      ix.backend.mem_free(&k, stream);
+      ix.backend.mem_free(&v, stream);
+      return;
+    }
+    std::swap(r.k, k);
+    std::swap(r.v, v);
+    ix.backend.mem_free_after(&k, stream);
+    ix.backend.mem_free_after(&v, stream);
+    r.begin = 0;
+    r.cap = want;
+  }
+}
+
 // Appends a segment's clusters to the meta index's compact f16 mirror, or
 // drops the mirror for good when a value does not fit in f16. Pre: room
 // for them is reserved (no allocation, no throw).
@@ -531,6 +562,7 @@ Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, cons
   L.tokens += n;
   L.version++;
   ix.counters.tokens.fetch_add(n);
+  if (count > 0 && L.generating) trim_tails(ix, L, cfg.c.window_tokens + cfg.c.update_segment_tokens + 1, stream);
   return Status::ok();
 }
 
@@ -566,6 +598,7 @@ Status end_prompt(const IndexContext &ix, LayerState &L, uint32_t layer, void *s
   }
   L.generating = true;
   L.version++;
+  trim_tails(ix, L, cfg.c.window_tokens + cfg.c.update_segment_tokens + 1, stream);
   return Status::ok();
 }
 
