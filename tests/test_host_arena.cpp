@@ -2,6 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <mutex>
+#include <vector>
 #include <cstring>
 #include <set>
 #include <thread>
@@ -111,4 +114,58 @@ TEST(HostArena, ConcurrentAllocateAndRelease) {
     });
   for (auto &x : th) x.join();
   EXPECT_EQ(a.stats().pages_used, 0u);
+}
+
+// Options::ahead: once fewer than half a chunk's pages are free, the next
+// chunk is mapped and registered on the arena's own thread, so that the
+// allocation that needs it finds it ready and registers nothing itself;
+// allocations and releases go on while a chunk is being registered; a
+// budget with no room for another chunk gets none.
+TEST(HostArena, AheadRegistersTheNextChunkOnItsOwnThread) {
+  HostArena::Options o = opts(3u << 20);  // room for three chunks
+  o.ahead = true;
+  std::mutex mu;
+  std::vector<std::thread::id> registered_on;
+  o.on_register = [&](void *, size_t) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // as pinning takes its time
+    std::lock_guard<std::mutex> lock(mu);
+    registered_on.push_back(std::this_thread::get_id());
+    return wkv::Status::ok();
+  };
+  auto wait_chunks = [](const HostArena &a, uint64_t n) {
+    for (int i = 0; i < 400 && a.stats().chunks < n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    return a.stats().chunks;
+  };
+  HostArena a(o);
+  std::vector<PageId> ids(200);
+  ASSERT_TRUE(a.allocate(100, ids.data()).is_ok());  // the first chunk, on this thread
+  EXPECT_EQ(a.stats().chunks, 1u) << "156 of 256 pages free: nothing ahead yet";
+  ASSERT_TRUE(a.allocate(100, ids.data() + 100).is_ok());  // 56 free: the next one is wanted
+  // Meanwhile the arena serves what it has.
+  PageId more[40];
+  ASSERT_TRUE(a.allocate(40, more).is_ok());
+  a.release(more, 40);
+  EXPECT_EQ(wait_chunks(a, 2), 2u);
+  EXPECT_EQ(a.stats().chunks_ahead, 1u);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_EQ(registered_on.size(), 2u);
+    EXPECT_EQ(registered_on[0], std::this_thread::get_id());
+    EXPECT_NE(registered_on[1], std::this_thread::get_id()) << "the second chunk was registered ahead";
+  }
+  std::vector<PageId> next(250);
+  ASSERT_TRUE(a.allocate(250, next.data()).is_ok());  // from the chunk added ahead, and it asks for a third
+  EXPECT_EQ(wait_chunks(a, 3), 3u);
+  EXPECT_EQ(a.stats().chunks_ahead, 2u);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(registered_on.size(), 3u) << "no chunk registered on the allocating thread after the first";
+  }
+  // The budget holds three chunks: the fourth is never added ahead, and an
+  // allocation beyond the budget is refused as before.
+  std::vector<PageId> rest(200);
+  ASSERT_TRUE(a.allocate(200, rest.data()).is_ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(a.stats().chunks, 3u);
+  EXPECT_EQ(a.allocate(200, rest.data()).code(), WKV_ERR_BUDGET);
 }

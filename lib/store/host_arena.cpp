@@ -43,6 +43,12 @@ HostArena::HostArena(Options opts) : opts_(std::move(opts)) {
 }
 
 HostArena::~HostArena() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (ahead_.joinable()) ahead_.join();
   for (size_t i = 0; i < chunk_bytes_.size(); ++i) {
     uint8_t *base = chunk_base_[i].load();
     if (!base) continue;
@@ -52,7 +58,6 @@ HostArena::~HostArena() {
 }
 
 Status HostArena::add_chunk(std::unique_lock<std::mutex> &held) {
-  (void)held;
   size_t index = chunk_bytes_.size();
   if (index >= kMaxChunks)
     return WKV_ERROR(WKV_ERR_BUDGET, "host arena reached its limit of %u chunks", kMaxChunks);
@@ -76,24 +81,32 @@ Status HostArena::add_chunk(std::unique_lock<std::mutex> &held) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "host arena: chunk allocation of %zu bytes failed (injected)",
                      bytes);
   }
+  // Map, bind and register without the lock: other threads allocate and
+  // release meanwhile (only one chunk is added at a time, so `index` and
+  // the budget's room stay ours).
+  adding_ = true;
+  held.unlock();
+  Status st = Status::ok();
   void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED)
-    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "host arena: mmap of %zu bytes failed: %s", bytes,
-                     std::strerror(errno));
-  // Large chunks are read page by page at random: huge pages cut TLB misses.
-  madvise(p, bytes, MADV_HUGEPAGE);
+  if (p == MAP_FAILED) {
+    st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "host arena: mmap of %zu bytes failed: %s", bytes, std::strerror(errno));
+  } else {
+    // Large chunks are read page by page at random: huge pages cut TLB misses.
+    madvise(p, bytes, MADV_HUGEPAGE);
 #if defined(WKV_WITH_NUMA)
-  // Bind before first touch, so the pages land on the node nearest the GPU.
-  if (opts_.numa_node >= 0 && numa_available() >= 0 && numa_num_configured_nodes() > 1)
-    numa_tonode_memory(p, bytes, opts_.numa_node);
+    // Bind before first touch, so the pages land on the node nearest the GPU.
+    if (opts_.numa_node >= 0 && numa_available() >= 0 && numa_num_configured_nodes() > 1)
+      numa_tonode_memory(p, bytes, opts_.numa_node);
 #endif
-  if (opts_.on_register) {
-    Status s = opts_.on_register(p, bytes);
-    if (!s.is_ok()) {
-      munmap(p, bytes);
-      return s;
+    if (opts_.on_register) {
+      st = opts_.on_register(p, bytes);
+      if (!st.is_ok()) munmap(p, bytes);
     }
   }
+  held.lock();
+  adding_ = false;
+  cv_.notify_all();
+  WKV_RETURN_IF_ERROR(st);
   uint32_t pages = static_cast<uint32_t>(bytes / opts_.page_bytes);
   try {
     chunk_bytes_.push_back(bytes);
@@ -115,10 +128,41 @@ Status HostArena::add_chunk(std::unique_lock<std::mutex> &held) {
   return Status::ok();
 }
 
+void HostArena::want_ahead(std::unique_lock<std::mutex> &held) {
+  (void)held;
+  if (!opts_.ahead || stop_ || adding_ || ahead_wanted_ || free_.size() >= pages_per_chunk_ / 2) return;
+  if (!ahead_.joinable()) {
+    try {
+      ahead_ = std::thread([this] { ahead_loop(); });
+    } catch (...) {
+      return;  // no thread: chunks are added when needed, as without `ahead`
+    }
+  }
+  ahead_wanted_ = true;
+  cv_.notify_all();
+}
+
+void HostArena::ahead_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [this] { return stop_ || (ahead_wanted_ && !adding_); });
+    if (stop_) return;
+    ahead_wanted_ = false;
+    if (free_.size() >= pages_per_chunk_ / 2) continue;  // pages came back meanwhile
+    // A failure (the budget, the OS) is left for the allocation that needs
+    // the pages to report.
+    if (add_chunk(lock).is_ok()) ++chunks_ahead_;
+  }
+}
+
 Status HostArena::allocate(uint32_t n, PageId *out) {
   if (n == 0) return Status::ok();
   std::unique_lock<std::mutex> lock(mu_);
   while (free_.size() < n) {
+    if (adding_) {  // the background thread's chunk may be enough
+      cv_.wait(lock);
+      continue;
+    }
     Status s = add_chunk(lock);
     if (!s.is_ok()) {
       if (s.code() == WKV_ERR_BUDGET)
@@ -135,6 +179,7 @@ Status HostArena::allocate(uint32_t n, PageId *out) {
     free_.pop_back();
   }
   pages_used_ += n;
+  want_ahead(lock);
   return Status::ok();
 }
 
@@ -154,6 +199,7 @@ HostArena::Stats HostArena::stats() const {
   s.bytes_reserved = bytes_reserved_;
   s.pages_total = pages_total_;
   s.pages_used = pages_used_;
+  s.chunks_ahead = chunks_ahead_;
   return s;
 }
 

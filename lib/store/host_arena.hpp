@@ -14,11 +14,13 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "lib/common/meta_alloc.hpp"
 #include "lib/common/status.hpp"
@@ -42,6 +44,12 @@ class HostArena {
     int numa_node = -1;         // -1 = no binding
     RegisterFn on_register;
     UnregisterFn on_unregister;
+    // Keep a chunk ready: once fewer than half a chunk's pages are free
+    // after an allocation, a background thread adds the next chunk (maps,
+    // binds and registers it: pinning 512 MiB takes 100 to 150 ms), so that
+    // a growth on the decoding path does not. The chunk counts against the
+    // budget like any other; when the budget has no room it is not added.
+    bool ahead = false;
   };
 
   struct Stats {
@@ -49,6 +57,7 @@ class HostArena {
     uint64_t bytes_reserved = 0;  // chunk bytes
     uint64_t pages_total = 0;     // slots in all chunks
     uint64_t pages_used = 0;
+    uint64_t chunks_ahead = 0;    // chunks the background thread added
   };
 
   explicit HostArena(Options opts);
@@ -80,8 +89,14 @@ class HostArena {
  private:
   static constexpr uint32_t kMaxChunks = 1u << 16;
 
-  // Pre: mu_ held.
+  // Pre: `held` holds mu_ and no chunk is being added. Maps and registers
+  // the chunk with mu_ released (adding_ set meanwhile), publishes it under
+  // mu_.
   Status add_chunk(std::unique_lock<std::mutex> &held);
+  // Pre: mu_ held. Asks the background thread for a chunk when few pages
+  // are free (Options::ahead).
+  void want_ahead(std::unique_lock<std::mutex> &held);
+  void ahead_loop();
 
   Options opts_;
   uint32_t pages_per_chunk_;
@@ -93,6 +108,11 @@ class HostArena {
   uint64_t pages_total_ = 0;
   uint64_t pages_used_ = 0;
   std::atomic<uint32_t> inject_failures_{0};
+  std::condition_variable cv_;  // a chunk added, a chunk wanted, stop
+  bool adding_ = false;         // a chunk is being mapped and registered
+  bool ahead_wanted_ = false, stop_ = false;
+  uint64_t chunks_ahead_ = 0;
+  std::thread ahead_;           // started at the first want
 };
 
 // The NUMA node nearest a PCI device ("0000:3b:00.0"), or -1 if unknown.

@@ -256,6 +256,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
       }
       return cuda_error(err, "cudaHostRegister", __FILE__, __LINE__);
     };
+    ao->ahead = true;  // pinned ahead of need, off the decoding path
     ao->on_unregister = [dev](void *base, size_t) {
       DeviceGuard g(dev);
       if (cudaHostUnregister(base) != cudaSuccess) (void)cudaGetLastError();  // a chunk left pageable
