@@ -123,12 +123,13 @@ __global__ void gen_tokens(__nv_bfloat16 *k, __nv_bfloat16 *v, uint32_t seq, uin
 
 // The query of sequence `seq` at decoding step `step` (position pos): q
 // heads [kQ][kD], focused on one topic for kFocusSteps steps.
-__global__ void gen_query(__nv_bfloat16 *q, uint32_t seq, uint32_t step, uint32_t pos) {
+__global__ void gen_query(__nv_bfloat16 *q, uint32_t seq, uint32_t step, uint32_t pos, uint32_t focus_steps,
+                          float noise) {
   const uint32_t qh = blockIdx.x, h = qh / (kQ / kH), j = threadIdx.x;
-  const uint32_t topic = static_cast<uint32_t>(mix((uint64_t(seq) << 32) ^ (step / kFocusSteps) ^ 0xabc) % kTopics);
+  const uint32_t topic = static_cast<uint32_t>(mix((uint64_t(seq) << 32) ^ (step / focus_steps) ^ 0xabc) % kTopics);
   const uint64_t nq = (uint64_t(seq) << 40) ^ (uint64_t(step) << 12) ^ (qh << 4) ^ 0x5;
-  float a = 0.15f * offset(h, j) + basis(2, topic, h, j) + 0.3f * gauss(nq ^ (j << 20));
-  float b = 0.15f * offset(h, j + kD / 2) + basis(2, topic, h, j + kD / 2) + 0.3f * gauss(nq ^ ((j + kD / 2) << 20));
+  float a = 0.15f * offset(h, j) + basis(2, topic, h, j) + noise * gauss(nq ^ (j << 20));
+  float b = 0.15f * offset(h, j + kD / 2) + basis(2, topic, h, j + kD / 2) + noise * gauss(nq ^ ((j + kD / 2) << 20));
   float s, c;
   sincosf(rope_angle(pos, j), &s, &c);
   q[qh * kD + j] = __float2bfloat16(a * c - b * s);
@@ -183,6 +184,18 @@ __global__ void exact_attention(const __nv_bfloat16 *const *k, const __nv_bfloat
   }
 }
 
+// Query locality, from the environment: steps a query keeps its topic
+// (WKV_SERVING_FOCUS_STEPS, 8) and the noise added at each step
+// (WKV_SERVING_QUERY_NOISE, 0.3 of the topic's scale).
+uint32_t focus_steps() {
+  const char *e = std::getenv("WKV_SERVING_FOCUS_STEPS");
+  return e && std::atoi(e) > 0 ? std::atoi(e) : kFocusSteps;
+}
+float query_noise() {
+  const char *e = std::getenv("WKV_SERVING_QUERY_NOISE");
+  return e ? static_cast<float>(std::atof(e)) : 0.3f;
+}
+
 double quantile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -210,6 +223,7 @@ struct Row {
   double step_ms = 0, host_med_us = 0, host_max_us = 0, host_p99_us = 0;
   double hit = 0, miss_mb = 0, gpu_gib = 0, host_gib = 0, err_med = 0, err_p90 = 0;
   double append_us = 0, decode_us = 0;
+  double split_us[5] = {0, 0, 0, 0, 0};  // append, lookup, assemble, attend, update
   uint64_t growth_steps = 0;
 };
 
@@ -249,7 +263,8 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
       const uint64_t p = len[i] + st;
       CU(cudaMemcpyAsync(nk + (uint64_t(st) * B + i) * tok, hk[i] + p * tok, tok * 2, cudaMemcpyDeviceToDevice, s));
       CU(cudaMemcpyAsync(nv + (uint64_t(st) * B + i) * tok, hv[i] + p * tok, tok * 2, cudaMemcpyDeviceToDevice, s));
-      gen_query<<<kQ, kD / 2, 0, s>>>(q + (uint64_t(st) * B + i) * kQ * kD, i, st, static_cast<uint32_t>(p));
+      gen_query<<<kQ, kD / 2, 0, s>>>(q + (uint64_t(st) * B + i) * kQ * kD, i, st, static_cast<uint32_t>(p),
+                                      focus_steps(), query_noise());
     }
   CU(cudaStreamSynchronize(s));
   size_t free0 = 0, total = 0;
@@ -333,6 +348,37 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   row.gpu_gib = double(free0 - free1) / (1ull << 30);
   row.host_gib = double(st1.host_bytes_reserved) / (1ull << 30);
 
+  // Host time of each verb (the split form of wkv_decode), per layer, 64
+  // more tokens with a synchronization per token; their outputs are not
+  // checked and their tokens are the timed run's last ones again (the
+  // engine only sees more tokens).
+  {
+    std::vector<double> t[5];
+    for (uint32_t x = 0; x < 64; ++x) {
+      const uint32_t st = steps - 64 + x;
+      for (uint32_t l = 0; l < L; ++l) {
+        auto a = Clock::now();
+        CHECK(wkv_append_batch(seqs.data(), B, l, nk + uint64_t(st) * B * tok, nv + uint64_t(st) * B * tok, 1, 0, 0,
+                               0, s));
+        t[0].push_back(us_since(a));
+        a = Clock::now();
+        CHECK(wkv_lookup(plan, seqs.data(), B, l, q + uint64_t(st) * B * kQ * kD, 0, 0, s));
+        t[1].push_back(us_since(a));
+        a = Clock::now();
+        CHECK(wkv_assemble(plan, s));
+        t[2].push_back(us_since(a));
+        a = Clock::now();
+        CHECK(wkv_attend(plan, scratch_out, 0, 0, nullptr, s));
+        t[3].push_back(us_since(a));
+        a = Clock::now();
+        CHECK(wkv_update(plan, s));
+        t[4].push_back(us_since(a));
+      }
+      CU(cudaStreamSynchronize(s));
+    }
+    for (int i = 0; i < 5; ++i) row.split_us[i] = quantile(t[i], 0.5);
+  }
+
   // Accuracy: 24 steps spread over the run against exact attention over
   // the same tokens (the prefix each step saw).
   __nv_bfloat16 **dk, **dv;
@@ -410,9 +456,9 @@ int main(int argc, char **argv) {
 
   const char *frac = std::getenv("WKV_SERVING_CACHE_FRACTION");
   std::printf("serving: %u layers, %u q heads, %u KV heads, d=%u, bf16, ~%u tokens per sequence, %u tokens per "
-              "batch, a synchronization per token, device cache %.2f of the KV; step = per layer; tokens/s = batch / "
-              "(32 x step)\n",
-              L, kQ, kH, kD, T, steps, frac ? std::atof(frac) : 0.05);
+              "batch, a synchronization per token, device cache %.2f of the KV, queries hold a topic %u steps with "
+              "noise %.2f; step = per layer; tokens/s = batch / (32 x step)\n",
+              L, kQ, kH, kD, T, steps, frac ? std::atof(frac) : 0.05, focus_steps(), query_noise());
   std::printf("%5s %9s %9s %9s %9s %9s %6s %8s %7s %7s %9s %9s %9s %9s\n", "batch", "step_ms", "tok/s32", "host_us",
               "host_p99", "host_max", "waits", "hit", "miss_MB", "gpu_GiB", "host_GiB", "err_med", "err_p90",
               "vs_full");
@@ -429,7 +475,9 @@ int main(int argc, char **argv) {
                 r.host_med_us, r.host_p99_us, r.host_max_us, static_cast<unsigned long long>(r.growth_steps), r.hit,
                 r.miss_mb, r.gpu_gib, r.host_gib, r.err_med, r.err_p90,
                 ratio > 0 ? (std::to_string(ratio).substr(0, 5) + "x").c_str() : "-");
-    std::printf("      host us (medians): wkv_append_batch %.1f, wkv_decode %.1f\n", r.append_us, r.decode_us);
+    std::printf("      host us (medians): wkv_append_batch %.1f, wkv_decode %.1f; split form: append %.1f, lookup %.1f, "
+                "assemble %.1f, attend %.1f, update %.1f\n",
+                r.append_us, r.decode_us, r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3], r.split_us[4]);
     std::fflush(stdout);
     if (tps > best_w) best_w = tps, best_wb = B;
   }
