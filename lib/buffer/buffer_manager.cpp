@@ -215,9 +215,10 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   h->n_runs = n_runs;
   h->bytes = static_cast<uint32_t>(bytes);
   RecordArrays a = arrays_of(h);
-  // The last n_given free units, newest first, in one copy.
-  std::reverse_copy(free_units_.end() - n_given, free_units_.end(), a.given);
-  free_units_.resize(free_units_.size() - n_given);
+  for (uint32_t i = 0; i < n_given; ++i) {
+    a.given[i] = free_units_.back();
+    free_units_.pop_back();
+  }
   std::memcpy(a.heads, heads, 8ull * n_runs);
   open_.push_back(h);
   ++t.records_;

@@ -138,12 +138,8 @@ class BufferManager {
 
   struct Options {
     uint32_t units = 0;         // device cache frames (0: no cache)
-    size_t ring_bytes = 64u << 20;
-    // Free units handed to one step at most: a batch's step may miss tens of
-    // thousands (7 sequences x 8 KV heads of 128K tokens: about 18,000
-    // units of 4 KiB after a change of topic); what it is not handed it
-    // cannot admit.
-    uint32_t max_given = 65536;
+    size_t ring_bytes = 32u << 20;
+    uint32_t max_given = 8192;  // free units handed to one step at most
     uint32_t min_given = 64;    // ... and at least, while free units last
   };
 

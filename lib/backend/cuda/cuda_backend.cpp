@@ -122,10 +122,6 @@ Status kernel_status(cudaError_t err, const char *call) {
 // The plan's kernel counters (PlanDevice::counters): the gather's three, and
 // the finished CTAs of attend's and merge's last kernels.
 constexpr uint32_t kGatherWork = 0, kAttendCtas = 3, kMergeCtas = 4, kCounterWords = 8;
-// Hits a step's record logs at most (recency: a hit beyond it refreshes
-// nothing, and a batch's hot units would age): 64K units of 4 KiB, 256 MiB of
-// retrievals.
-constexpr uint32_t kMaxHitLog = 65536;
 
 class CudaBackend final : public Backend, public BufferManager::Device {
  public:
@@ -845,9 +841,8 @@ Status CudaBackend::assemble(Plan &plan) {
   const uint64_t epoch = e_.buffers().begin(plan.tracker());
   // The step's access record: free frames for its misses, room for its hits.
   // Hits beyond the log's room refresh nothing (recency is a hint).
-  const uint32_t hit_cap = std::min<uint32_t>(pd.want_units, kMaxHitLog);
   const StepRecord rec = frames_ ? e_.buffers().open_record(plan.tracker(), epoch, pd.run_heads.data(), R,
-                                                             pd.want_units, hit_cap)
+                                                             pd.want_units, std::min<uint32_t>(pd.want_units, 16384))
                                  : StepRecord{};
   kernels::GatherArgs a;
   a.runs = pd.runs.as<kernels::DevRun>();
