@@ -14,6 +14,7 @@
 #include "lib/engine/engine.hpp"
 #include "lib/engine/plan.hpp"
 #include "lib/engine/sequence.hpp"
+#include "engine_support.hpp"
 #include "support.hpp"
 #include "wavekv/wavekv.hpp"
 
@@ -327,23 +328,8 @@ TEST(AppendBatchFaults, AFailureMidBatchLeavesWhatTheHeaderSays) {
       EXPECT_NE(st.message().find(wkv::format("sequence %u:", skip)), std::string::npos) << st.message();
     }
     // Exact decoding of every sequence, then the missing tokens again.
-    for (uint32_t i = 0; i < N; ++i) {
-      std::shared_ptr<wkv::StepTracker> t;
-      ASSERT_TRUE(e->buffers().new_tracker(&t).is_ok());
-      wkv::Plan plan(e, t);
-      std::vector<float> q;
-      for (uint32_t h = 0; h < kKV; ++h) gens[i].query(h, kQ / kKV, &q);
-      std::vector<float> out(q.size());
-      wkv::Status s = e->lookup(plan, &seqs[i], 1, 0, q.data(), kQ * kD, kD, nullptr);
-      if (s.is_ok()) s = e->assemble(plan, nullptr);
-      if (s.is_ok()) s = e->attend(plan, out.data(), kQ * kD, kD, nullptr, nullptr);
-      ASSERT_TRUE(s.is_ok()) << s.message();
-      for (uint32_t h = 0; h < kQ; ++h) {
-        std::vector<double> ref;
-        exact_attention(&q[h * kD], rows[i][h / (kQ / kKV)], kD, &ref);
-        EXPECT_LT(rel_l2(&out[h * kD], ref), 1e-5) << "skip " << skip << " sequence " << i;
-      }
-    }
+    for (uint32_t i = 0; i < N; ++i)
+      EXPECT_LT(decode_error(e, seqs[i], rows[i], gens[i], kQ, kD), 1e-5) << "skip " << skip << " sequence " << i;
     ASSERT_TRUE(append(skip, N - skip, 1).is_ok());
     for (uint32_t i = 0; i < N; ++i) {
       EXPECT_EQ(seqs[i]->layer(0).tokens, before[i] + 1);
@@ -381,25 +367,7 @@ TEST(AppendBatchTails, APromptsTailIsTrimmedWhenItEnds) {
         rows[h].v.insert(rows[h].v.end(), v.begin() + off, v.begin() + off + kD);
       }
   };
-  auto worst_error = [&] {
-    std::shared_ptr<wkv::StepTracker> t;
-    EXPECT_TRUE(e->buffers().new_tracker(&t).is_ok());
-    wkv::Plan plan(e, t);
-    std::vector<float> q;
-    for (uint32_t h = 0; h < kKV; ++h) gen.query(h, kQ / kKV, &q);
-    std::vector<float> out(q.size());
-    wkv::Status s = e->lookup(plan, &seq, 1, 0, q.data(), kQ * kD, kD, nullptr);
-    if (s.is_ok()) s = e->assemble(plan, nullptr);
-    if (s.is_ok()) s = e->attend(plan, out.data(), kQ * kD, kD, nullptr, nullptr);
-    EXPECT_TRUE(s.is_ok()) << s.message();
-    double worst = 0;
-    for (uint32_t h = 0; h < kQ; ++h) {
-      std::vector<double> ref;
-      exact_attention(&q[h * kD], rows[h / (kQ / kKV)], kD, &ref);
-      worst = std::max(worst, rel_l2(&out[h * kD], ref));
-    }
-    return worst;
-  };
+  auto worst_error = [&] { return decode_error(e, seq, rows, gen, kQ, kD); };
   append(6000);
   const uint64_t min_rows = c.window_tokens + c.update_segment_tokens + 1;
   EXPECT_GE(seq->layer(0).heads[0].tail.cap, 6000u - c.sink_tokens) << "the prompt's rows";

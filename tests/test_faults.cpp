@@ -12,6 +12,7 @@
 #include "lib/engine/engine.hpp"
 #include "lib/engine/plan.hpp"
 #include "lib/engine/sequence.hpp"
+#include "engine_support.hpp"
 #include "support.hpp"
 
 using namespace wkvtest;
@@ -57,25 +58,7 @@ struct Fixture {
     return st;
   }
   // Worst error of a full-retrieval decode against exact attention.
-  double decode_error() {
-    std::shared_ptr<wkv::StepTracker> t;
-    EXPECT_TRUE(e->buffers().new_tracker(&t).is_ok());
-    wkv::Plan plan(e, t);
-    std::vector<float> q;
-    for (uint32_t h = 0; h < kKV; ++h) gen.query(h, kQ / kKV, &q);
-    std::vector<float> out(q.size());
-    wkv::Status st = e->lookup(plan, &seq, 1, 0, q.data(), kQ * kD, kD, nullptr);
-    if (st.is_ok()) st = e->assemble(plan, nullptr);
-    if (st.is_ok()) st = e->attend(plan, out.data(), kQ * kD, kD, nullptr, nullptr);
-    EXPECT_TRUE(st.is_ok()) << st.message();
-    double worst = 0;
-    for (uint32_t h = 0; h < kQ; ++h) {
-      std::vector<double> ref;
-      exact_attention(&q[h * kD], rows[h / (kQ / kKV)], kD, &ref);
-      worst = std::max(worst, rel_l2(&out[h * kD], ref));
-    }
-    return worst;
-  }
+  double decode_error() { return wkvtest::decode_error(e, seq, rows, gen, kQ, kD); }
   uint64_t tokens() const { return seq->layer(0).tokens; }
 };
 
