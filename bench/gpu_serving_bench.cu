@@ -223,6 +223,7 @@ struct Row {
   double step_ms = 0, host_med_us = 0, host_max_us = 0, host_p99_us = 0;
   double hit = 0, miss_mb = 0, gpu_gib = 0, host_gib = 0, err_med = 0, err_p90 = 0;
   double append_us = 0, decode_us = 0;
+  double admit_per_step = 0, evict_per_step = 0, miss_per_step = 0;  // units of page_tokens members
   double split_us[5] = {0, 0, 0, 0, 0};  // append, lookup, assemble, attend, update
   uint64_t growth_steps = 0;
 };
@@ -345,6 +346,9 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   row.hit = hits + misses > 0 ? hits / (hits + misses) : 0;
   const double unit_bytes = 2.0 * double(c.page_bytes ? c.page_bytes : 2048);  // K and V of page_tokens members
   row.miss_mb = misses * unit_bytes / (double(steps) * L) / 1e6;
+  row.miss_per_step = misses / (double(steps) * L);
+  row.admit_per_step = double(st1.cache_admissions - st0.cache_admissions) / (double(steps) * L);
+  row.evict_per_step = double(st1.cache_evictions - st0.cache_evictions) / (double(steps) * L);
   row.gpu_gib = double(free0 - free1) / (1ull << 30);
   row.host_gib = double(st1.host_bytes_reserved) / (1ull << 30);
 
@@ -475,6 +479,8 @@ int main(int argc, char **argv) {
                 r.host_med_us, r.host_p99_us, r.host_max_us, static_cast<unsigned long long>(r.growth_steps), r.hit,
                 r.miss_mb, r.gpu_gib, r.host_gib, r.err_med, r.err_p90,
                 ratio > 0 ? (std::to_string(ratio).substr(0, 5) + "x").c_str() : "-");
+    std::printf("      cache units per layer-step: %.0f missed, %.0f admitted, %.0f evicted\n", r.miss_per_step,
+                r.admit_per_step, r.evict_per_step);
     std::printf("      host us (medians): wkv_append_batch %.1f, wkv_decode %.1f; split form: append %.1f, lookup %.1f, "
                 "assemble %.1f, attend %.1f, update %.1f\n",
                 r.append_us, r.decode_us, r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3], r.split_us[4]);

@@ -299,6 +299,14 @@ void BufferManager::run() {
 
 bool BufferManager::take_records() {
   bool any = false;
+  double demand = 0;
+  struct Fold {  // the pass's demand into the running figure, however the loop ends
+    bool &any;
+    double &demand, &into;
+    ~Fold() {
+      if (any) into = 0.5 * into + 0.5 * demand;
+    }
+  } fold{any, demand, pass_demand_};
   for (;;) {
     RecordHeader *h;
     {
@@ -307,7 +315,7 @@ bool BufferManager::take_records() {
       h = open_.front();
       if (!h->cancelled && h->tracker->done() < h->epoch) return any;
     }
-    take_record(*h);
+    demand += take_record(*h);
     any = true;
     std::lock_guard<std::mutex> lock(mu_);
     --const_cast<StepTracker *>(h->tracker)->records_;
@@ -316,7 +324,7 @@ bool BufferManager::take_records() {
   }
 }
 
-void BufferManager::take_record(const RecordHeader &hc) {
+double BufferManager::take_record(const RecordHeader &hc) {
   RecordHeader *h = const_cast<RecordHeader *>(&hc);
   RecordArrays a = arrays_of(h);
   const uint32_t used = std::min(h->used, h->n_given), hits = std::min(h->hits, h->hit_cap);
@@ -351,19 +359,25 @@ void BufferManager::take_record(const RecordHeader &hc) {
     }
   }
   admissions_ += admitted;
-  admit_rate_ = 0.9 * admit_rate_ + 0.1 * admitted;
   // Handing out frames costs the decoding path a copy each: hand about what
   // steps take, and double it while a step takes all it was handed.
   if (h->n_given > 0) {
     const uint32_t hint = used >= h->n_given ? 2 * h->n_given : 2 * used;
     give_hint_.store(std::clamp<uint32_t>(hint, opts_.min_given, opts_.max_given), std::memory_order_relaxed);
   }
+  // A step handed nothing (none free) may have missed plenty: it asks for
+  // at least min_given.
+  if (h->cancelled) return 0;
+  return used >= h->n_given ? 2.0 * std::max(h->n_given, opts_.min_given) : static_cast<double>(used);
 }
 
 void BufferManager::evict() {
   if (opts_.units == 0) return;
-  const size_t target =
-      std::min<size_t>(opts_.units / 4, static_cast<size_t>(4 * admit_rate_) + 32);
+  // Free frames to keep ready: twice what a recent pass's records asked
+  // for (what they missed, not what they managed to admit: keeping four
+  // times the recent admissions let a shortage feed itself), at most a
+  // quarter of the cache.
+  const size_t target = std::min<size_t>(opts_.units / 4, static_cast<size_t>(2 * pass_demand_) + 32);
   std::vector<uint32_t> victims;
   std::vector<uint64_t> entries;
   {

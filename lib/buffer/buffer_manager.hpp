@@ -230,7 +230,10 @@ class BufferManager {
   uint64_t *device_word(uint64_t *host) const;
   // Takes the ended records at the ring's tail. Pre: mu_ not held.
   bool take_records();
-  void take_record(const RecordHeader &h);
+  // Applies one record; returns the step's demand for free frames: what it
+  // admitted, or, when it took every frame it was handed, twice that (it
+  // may have missed more).
+  double take_record(const RecordHeader &h);
   // Evicts until the reserve is met. Pre: mu_ not held.
   void evict();
   // Runs releases whose steps have ended. Pre: mu_ not held.
@@ -260,7 +263,10 @@ class BufferManager {
   std::unique_ptr<ReplacementPolicy> policy_;
   std::vector<Owner> owner_;  // [units]
   std::vector<Quarantined> quarantine_;
-  double admit_rate_ = 0;  // recent admissions per record
+  // Free frames the records of one manager pass asked for (recent passes):
+  // the eviction keeps twice that ready, so that steps in flight between two
+  // passes find frames for their misses.
+  double pass_demand_ = 0;
   // Free units to hand a step: twice what the last record took, doubled
   // while steps take all they are given (written by the manager's thread).
   std::atomic<uint32_t> give_hint_{0};
