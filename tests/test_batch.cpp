@@ -382,3 +382,59 @@ TEST(AppendBatchTails, APromptsTailIsTrimmedWhenItEnds) {
   for (const wkv::HeadState &h : seq->layer(0).heads) EXPECT_LT(h.tail.cap, 4 * min_rows);
   EXPECT_LT(worst_error(), 1e-5);
 }
+
+// A batch that fails after moving a sequence's tail to a larger region (a
+// later sequence refused its room) appends nothing, and the plan looked up
+// before is refused: its run table names the old region, freed once its
+// step ended. (It used to pass the version check and read freed memory.)
+TEST(AppendBatchFaults, AFailedBatchThatMovedRowsInvalidatesEarlierPlans) {
+  wkv_config c = batch_config(WKV_DTYPE_F32);
+  c.n_layers = 1;
+  std::shared_ptr<wkv::Engine> e;
+  ASSERT_TRUE(wkv::Engine::open(&c, &e).is_ok());
+  std::shared_ptr<wkv::Sequence> a, fresh;
+  ASSERT_TRUE(wkv::Sequence::create(e, &a).is_ok());
+  ASSERT_TRUE(wkv::Sequence::create(e, &fresh).is_ok());
+  KeyGen gen(kKV, kD, 91);
+  auto tokens = [&](uint32_t n, uint32_t seqs, std::vector<float> *k, std::vector<float> *v) {
+    for (uint32_t i = 0; i < seqs; ++i) gen.next(n, k, v);
+  };
+  std::vector<float> k, v;
+  tokens(600, 1, &k, &v);
+  wkv::Sequence *one = a.get();
+  ASSERT_TRUE(e->append_batch(&one, 1, 0, reinterpret_cast<const uint8_t *>(k.data()),
+                              reinterpret_cast<const uint8_t *>(v.data()), 600, 0, 0, 0, nullptr, "test")
+                  .is_ok());
+  ASSERT_TRUE(e->end_prompt(*a, 0, nullptr).is_ok());
+  const wkv::Rows &tail = a->layer(0).heads[0].tail;
+  const uint32_t fill = static_cast<uint32_t>(tail.cap - tail.begin - tail.n) + 1;  // one more than fits: a move
+
+  std::shared_ptr<wkv::StepTracker> t;
+  ASSERT_TRUE(e->buffers().new_tracker(&t).is_ok());
+  wkv::Plan plan(e, t);
+  std::vector<float> q;
+  for (uint32_t h = 0; h < kKV; ++h) gen.query(h, kQ / kKV, &q);
+  ASSERT_TRUE(e->lookup(plan, &a, 1, 0, q.data(), kQ * kD, kD, nullptr).is_ok());
+
+  const uint8_t *before = tail.k.p;
+  const uint64_t tokens_before = a->layer(0).tokens;
+  k.clear();
+  v.clear();
+  tokens(fill, 2, &k, &v);
+  wkv::Sequence *both[] = {a.get(), fresh.get()};
+  // a's tail moves (two regions per head), then the fresh sequence's first
+  // region is refused.
+  e->faults().arm(wkv::FaultInjector::kEngineAlloc, 1, 2 * kKV);
+  const wkv::Status st = e->append_batch(both, 2, 0, reinterpret_cast<const uint8_t *>(k.data()),
+                                         reinterpret_cast<const uint8_t *>(v.data()), fill, 0, 0, 0, nullptr, "test");
+  e->faults().arm(wkv::FaultInjector::kEngineAlloc, 0);
+  EXPECT_EQ(st.code(), WKV_ERR_OUT_OF_MEMORY) << st.message();
+  EXPECT_NE(tail.k.p, before) << "the tail moved";
+  EXPECT_EQ(a->layer(0).tokens, tokens_before);
+  EXPECT_EQ(fresh->layer(0).tokens, 0u);
+  const wkv::Status as = e->assemble(plan, nullptr);
+  EXPECT_EQ(as.code(), WKV_ERR_STATE) << as.message();
+  // Looked up again, the step reads the new region.
+  ASSERT_TRUE(e->lookup(plan, &a, 1, 0, q.data(), kQ * kD, kD, nullptr).is_ok());
+  EXPECT_TRUE(e->assemble(plan, nullptr).is_ok());
+}

@@ -230,9 +230,9 @@ class BufferManager {
   uint64_t *device_word(uint64_t *host) const;
   // Takes the ended records at the ring's tail. Pre: mu_ not held.
   bool take_records();
-  // Applies one record; returns the step's demand for free frames: what it
-  // admitted, or, when it took every frame it was handed, twice that (it
-  // may have missed more).
+  // Applies one record; returns the step's demand for free frames: the
+  // frames it used, or, when it used every frame it was handed, twice that
+  // (it may have missed more).
   double take_record(const RecordHeader &h);
   // Evicts until the reserve is met. Pre: mu_ not held.
   void evict();

@@ -139,7 +139,11 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
   return Status::ok();
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  // The arena's chunk thread first: its registration hook uses the engine's
+  // fault injector, counters and backend, which go before the arena.
+  if (arena_) arena_->stop_ahead();
+}
 
 void Engine::fill_stats(wkv_stats *out) {
   HostArena::Stats a = arena_->stats();

@@ -492,10 +492,19 @@ Status stage_append(const IndexContext &ix, LayerState &L, uint32_t n, StagedApp
   // A tail is sized for what a generating layer gathers between two
   // growths (the window and an update segment), not for the prompt.
   const uint64_t tail_min = cfg.c.window_tokens + cfg.c.update_segment_tokens + 1;
+  // Rows that move invalidate the plans looked up before (their run tables
+  // hold the old addresses, freed once their steps have ended), whether or
+  // not the append then succeeds.
+  Status st = Status::ok();
+  bool moved = false;
   for (HeadState &h : L.heads) {
-    if (sa.to_sink) WKV_RETURN_IF_ERROR(reserve_rows(ix, &h.sink, sa.to_sink, sink, stream));
-    if (sa.to_tail) WKV_RETURN_IF_ERROR(reserve_rows(ix, &h.tail, sa.to_tail, tail_min, stream));
+    const uint8_t *sink_k = h.sink.k.p, *tail_k = h.tail.k.p;
+    if (st.is_ok() && sa.to_sink) st = reserve_rows(ix, &h.sink, sa.to_sink, sink, stream);
+    if (st.is_ok() && sa.to_tail) st = reserve_rows(ix, &h.tail, sa.to_tail, tail_min, stream);
+    moved |= h.sink.k.p != sink_k || h.tail.k.p != tail_k;
   }
+  if (moved) L.version++;
+  WKV_RETURN_IF_ERROR(st);
   *out = sa;
   return Status::ok();
 }

@@ -42,13 +42,17 @@ HostArena::HostArena(Options opts) : opts_(std::move(opts)) {
   for (uint32_t i = 0; i < kMaxChunks; ++i) chunk_base_[i].store(nullptr, std::memory_order_relaxed);
 }
 
-HostArena::~HostArena() {
+void HostArena::stop_ahead() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
   if (ahead_.joinable()) ahead_.join();
+}
+
+HostArena::~HostArena() {
+  stop_ahead();
   for (size_t i = 0; i < chunk_bytes_.size(); ++i) {
     uint8_t *base = chunk_base_[i].load();
     if (!base) continue;

@@ -82,8 +82,13 @@ class HostArena {
   int numa_node() const { return opts_.numa_node; }
   Stats stats() const;
 
+  // Stops the chunk thread of Options::ahead (waits for a chunk it is
+  // adding); chunks are added when needed from then on. For owners whose
+  // registration hook uses what they destroy before the arena.
+  void stop_ahead();
+
   // Fault injection for tests: the next `n` chunk allocations fail as if the
-  // OS refused them.
+  // OS refused them (the chunk thread of Options::ahead may take one).
   void inject_chunk_failures(uint32_t n) { inject_failures_.store(n); }
 
  private:

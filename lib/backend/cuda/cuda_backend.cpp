@@ -340,6 +340,7 @@ Status CudaBackend::check_stream(void *stream, const char *verb) {
 Status CudaBackend::check_pointer(const void *p, const char *what, size_t align, const void **device) {
   if (reinterpret_cast<uintptr_t>(p) % align != 0)
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "%s (%p) is not aligned to its %zu-byte elements", what, p, align);
+  DeviceGuard guard(dev_);  // a mapped block's device pointer is the engine device's
   cudaPointerAttributes a;
   const cudaError_t err = cudaPointerGetAttributes(&a, p);
   if (err != cudaSuccess) {
