@@ -11,12 +11,10 @@ namespace {
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-// Room for `add` more rows after the live ones, the live rows moved to the
-// front of new regions when the old ones are full. All or nothing.
-Status reserve_rows(const IndexContext &ix, Rows *rows, uint64_t add, uint64_t min_cap, void *stream) {
-  const uint64_t need = rows->n + add;
-  if (rows->begin + need <= rows->cap) return Status::ok();
-  const uint64_t cap = std::max<uint64_t>({need, rows->n + rows->n / 2, min_cap});
+// Moves the live rows to the front of new regions of `cap` rows (cap >= n);
+// the old regions go once no step in flight, nor the work enqueued on
+// `stream` so far, reads them. All or nothing.
+Status move_rows(const IndexContext &ix, Rows *rows, uint64_t cap, void *stream) {
   const size_t bytes = cap * rows->row_bytes;
   Region k, v;
   WKV_RETURN_IF_ERROR(ix.backend.mem_alloc(bytes, stream, &k));
@@ -39,34 +37,24 @@ Status reserve_rows(const IndexContext &ix, Rows *rows, uint64_t add, uint64_t m
   return Status::ok();
 }
 
+// Room for `add` more rows after the live ones, the live rows moved to the
+// front of new regions when the old ones are full. All or nothing.
+Status reserve_rows(const IndexContext &ix, Rows *rows, uint64_t add, uint64_t min_cap, void *stream) {
+  const uint64_t need = rows->n + add;
+  if (rows->begin + need <= rows->cap) return Status::ok();
+  return move_rows(ix, rows, std::max<uint64_t>({need, rows->n + rows->n / 2, min_cap}), stream);
+}
+
 // Gives a generating layer's tails back what a prompt left in them: a tail
 // sized for a whole prompt keeps that size while growths consume it from the
 // front (512 MiB per layer at 128K tokens, 8 KV heads, d=128, f16), so once
 // a tail holds less than a quarter of its capacity its live rows move to a
 // region of 1.5x of them (at least `min_rows`). Best effort: without memory
-// for the move the tail stays as it is. The old regions go once no step in
-// flight reads them.
+// for the move the tail stays as it is.
 void trim_tails(const IndexContext &ix, LayerState &L, uint64_t min_rows, void *stream) {
   for (HeadState &h : L.heads) {
-    Rows &r = h.tail;
-    const uint64_t want = std::max<uint64_t>(min_rows, r.n + r.n / 2);
-    if (r.cap < 4 * want) continue;
-    const size_t bytes = want * r.row_bytes;
-    Region k, v;
-    if (!ix.backend.mem_alloc(bytes, stream, &k).is_ok()) return;
-    if (!ix.backend.mem_alloc(bytes, stream, &v).is_ok() ||
-        (r.n > 0 && (!ix.backend.mem_copy(k.p, r.k_at(0), r.n * r.row_bytes, stream).is_ok() ||
-                     !ix.backend.mem_copy(v.p, r.v_at(0), r.n * r.row_bytes, stream).is_ok()))) {
-      ix.backend.mem_free(&k, stream);
-      ix.backend.mem_free(&v, stream);
-      return;
-    }
-    std::swap(r.k, k);
-    std::swap(r.v, v);
-    ix.backend.mem_free_after(&k, stream);
-    ix.backend.mem_free_after(&v, stream);
-    r.begin = 0;
-    r.cap = want;
+    const uint64_t want = std::max<uint64_t>(min_rows, h.tail.n + h.tail.n / 2);
+    if (h.tail.cap >= 4 * want && !move_rows(ix, &h.tail, want, stream).is_ok()) return;
   }
 }
 
