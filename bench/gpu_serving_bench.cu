@@ -225,6 +225,7 @@ struct Row {
   double append_us = 0, decode_us = 0;
   double admit_per_step = 0, evict_per_step = 0, miss_per_step = 0;  // units of page_tokens members
   double split_us[5] = {0, 0, 0, 0, 0};  // append, lookup, assemble, attend, update
+  double device_us[5] = {0, 0, 0, 0, 0};  // the same verbs' device time (events around each)
   uint64_t growth_steps = 0;
 };
 
@@ -356,31 +357,52 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   // more tokens with a synchronization per token; their outputs are not
   // checked and their tokens are the timed run's last ones again (the
   // engine only sees more tokens).
+  // Events between the verbs (recorded outside the host timings) give each
+  // verb's device time.
   {
-    std::vector<double> t[5];
+    std::vector<double> t[5], dt[5];
+    std::vector<cudaEvent_t> ev(6 * L);
+    for (cudaEvent_t &x : ev) CU(cudaEventCreate(&x));
     for (uint32_t x = 0; x < 64; ++x) {
       const uint32_t st = steps - 64 + x;
       for (uint32_t l = 0; l < L; ++l) {
+        cudaEvent_t *e6 = &ev[6 * l];
+        CU(cudaEventRecord(e6[0], s));
         auto a = Clock::now();
         CHECK(wkv_append_batch(seqs.data(), B, l, nk + uint64_t(st) * B * tok, nv + uint64_t(st) * B * tok, 1, 0, 0,
                                0, s));
         t[0].push_back(us_since(a));
+        CU(cudaEventRecord(e6[1], s));
         a = Clock::now();
         CHECK(wkv_lookup(plan, seqs.data(), B, l, q + uint64_t(st) * B * kQ * kD, 0, 0, s));
         t[1].push_back(us_since(a));
+        CU(cudaEventRecord(e6[2], s));
         a = Clock::now();
         CHECK(wkv_assemble(plan, s));
         t[2].push_back(us_since(a));
+        CU(cudaEventRecord(e6[3], s));
         a = Clock::now();
         CHECK(wkv_attend(plan, scratch_out, 0, 0, nullptr, s));
         t[3].push_back(us_since(a));
+        CU(cudaEventRecord(e6[4], s));
         a = Clock::now();
         CHECK(wkv_update(plan, s));
         t[4].push_back(us_since(a));
+        CU(cudaEventRecord(e6[5], s));
       }
       CU(cudaStreamSynchronize(s));
+      for (uint32_t l = 0; l < L; ++l)
+        for (int i = 0; i < 5; ++i) {
+          float ms = 0;
+          CU(cudaEventElapsedTime(&ms, ev[6 * l + i], ev[6 * l + i + 1]));
+          dt[i].push_back(1e3 * ms);
+        }
     }
-    for (int i = 0; i < 5; ++i) row.split_us[i] = quantile(t[i], 0.5);
+    for (cudaEvent_t &x : ev) cudaEventDestroy(x);
+    for (int i = 0; i < 5; ++i) {
+      row.split_us[i] = quantile(t[i], 0.5);
+      row.device_us[i] = quantile(dt[i], 0.5);
+    }
   }
 
   // Accuracy: 24 steps spread over the run against exact attention over
@@ -484,6 +506,9 @@ int main(int argc, char **argv) {
     std::printf("      host us (medians): wkv_append_batch %.1f, wkv_decode %.1f; split form: append %.1f, lookup %.1f, "
                 "assemble %.1f, attend %.1f, update %.1f\n",
                 r.append_us, r.decode_us, r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3], r.split_us[4]);
+    std::printf("      device us (medians, split form): append %.1f, lookup %.1f, assemble %.1f, attend %.1f, "
+                "update %.1f\n",
+                r.device_us[0], r.device_us[1], r.device_us[2], r.device_us[3], r.device_us[4]);
     std::fflush(stdout);
     if (tps > best_w) best_w = tps, best_wb = B;
   }

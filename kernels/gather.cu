@@ -134,9 +134,11 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
         }
         if (q0 == 0) {
           if (lane == 0) {
-            if (!hit && entry && a.given) {
+            // Every miss of a mapped unit is counted (the record's demand),
+            // whether or not a given frame is left for it.
+            if (!hit && entry && a.record_counts) {
               g = atomicAdd(&a.work[0], 1u);
-              if (g < a.n_given) af = a.given[g];
+              if (a.given && g < a.n_given) af = a.given[g];
             }
             if (hit && a.hits) {
               const uint32_t h = atomicAdd(&a.work[1], 1u);
@@ -199,6 +201,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
   if (a.record_counts) {
     a.record_counts[0] = min(taken, a.n_given);
     a.record_counts[1] = min(logged, a.hit_cap);
+    a.record_counts[2] = taken;
   }
   a.work[0] = a.work[1] = a.work[2] = 0;  // for the next launch (stream order)
   __threadfence_system();
@@ -219,6 +222,7 @@ cudaError_t gather_cuda(const GatherArgs &a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if ((a.given || a.hits || a.mark.done) && !a.work) return cudaErrorInvalidValue;
   if (a.given && (!a.admits || !a.cache)) return cudaErrorInvalidValue;
+  if (a.record_counts && !a.work) return cudaErrorInvalidValue;
   if (a.frames > 0 && (!a.cache || a.frame_bytes < size_t(2) * a.page_tokens * a.row_bytes ||
                        a.frame_bytes % 16 != 0))
     return cudaErrorInvalidValue;

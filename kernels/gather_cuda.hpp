@@ -37,7 +37,9 @@ namespace wkv::kernels {
 // Given frame i is reported in admits[i] (AdmitEntry), every unit read from
 // the cache in hits[] (its frame), and the last CTA writes the number of
 // given frames taken and of hits logged to record_counts[0] and [1] (at most
-// n_given and hit_cap) before it reports the step's end in `mark`.
+// n_given and hit_cap), and the units missed that have a unit map entry
+// (what the step could have admitted, given frames or not) to
+// record_counts[2], before it reports the step's end in `mark`.
 struct GatherArgs {
   const DevRun *runs = nullptr;  // device [n_runs]
   uint32_t n_runs = 0;
@@ -58,10 +60,10 @@ struct GatherArgs {
   AdmitEntry *admits = nullptr;     // [n_given]
   uint32_t *hits = nullptr;         // [hit_cap]
   uint32_t hit_cap = 0;
-  uint32_t *record_counts = nullptr;  // [2]: given frames taken, hits logged
+  uint32_t *record_counts = nullptr;  // [3]: given frames taken, hits logged, units missed
   // Device counters of the gather, zero between launches (the last CTA
-  // resets them): [0] given frames taken, [1] hits, [2] CTAs done. Required
-  // with `given` or `mark`.
+  // resets them): [0] units missed (given frames taken up to n_given), [1]
+  // hits, [2] CTAs done. Required with `record_counts`, `given` or `mark`.
   uint32_t *work = nullptr;
   // Device counters: stats[0] += hits, stats[1] += misses (in units),
   // stats[2] += the tokens gathered (offsets[n_runs]). May be null.

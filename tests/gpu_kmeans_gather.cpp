@@ -945,7 +945,7 @@ TEST(GatherCuda, AssemblesUnitsFromFramesAndPagesAndAdmitsMisses) {
     std::memset(rec.p, 0, 4 * n_given + sizeof(AdmitEntry) * n_given + 4 * hit_cap + 64);
     uint8_t *rh = rec.bytes(), *rd = rec.device();
     auto *counts_h = reinterpret_cast<uint32_t *>(rh);
-    auto *done_h = reinterpret_cast<unsigned long long *>(rh + 8);
+    auto *done_h = reinterpret_cast<unsigned long long *>(rh + 16);
     auto *admits_h = reinterpret_cast<AdmitEntry *>(rh + 64);
     auto *given_h = reinterpret_cast<uint32_t *>(rh + 64 + sizeof(AdmitEntry) * n_given);
     auto *hits_h = given_h + n_given;
@@ -1029,6 +1029,7 @@ TEST(GatherCuda, AssemblesUnitsFromFramesAndPagesAndAdmitsMisses) {
     // The record: every given frame taken, every hit logged, the end last.
     EXPECT_EQ(counts_h[0], n_given);
     EXPECT_EQ(counts_h[1], hit_cap);
+    EXPECT_EQ(counts_h[2], want_misses) << "every miss counted, given frames or not";
     EXPECT_EQ(*done_h, 77u);
     std::vector<uint32_t> work_after;
     download(&work_after, work.p, 4);

@@ -40,8 +40,6 @@ RecordArrays arrays_of(RecordHeader *h) {
 
 BufferManager::BufferManager(Options opts, Device *device) : opts_(opts), dev_(device) {
   heads_.resize(1);
-  // Generous until the first records tell what steps take.
-  give_hint_.store(opts_.max_given);
   if (opts_.units > 0) {
     policy_ = std::make_unique<LruPolicy>(opts_.units);
     owner_.resize(opts_.units);
@@ -184,9 +182,19 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
                                       uint32_t want, uint32_t hit_cap) {
   StepRecord r;
   if (!ring_) return r;
+  // The share of its bound that steps miss, a quarter more, and at least
+  // min_given (until the first records tell, the whole bound).
+  const size_t hint =
+      static_cast<size_t>(1.25 * miss_share_.load(std::memory_order_relaxed) * want) + opts_.min_given;
   std::unique_lock<std::mutex> lock(mu_);
-  const uint32_t n_given = static_cast<uint32_t>(std::min<size_t>(
-      {static_cast<size_t>(want), free_units_.size(), opts_.max_given, give_hint_.load(std::memory_order_relaxed)}));
+  // Frames whose readers ended since the manager's last pass are free now:
+  // a burst that begins right after the steps before it ended (a runtime
+  // that waits for a token, then enqueues the next) finds the frames its
+  // predecessors' evictions made ready.
+  if (free_units_.size() < std::min<size_t>(want, hint) && !quarantine_.empty())
+    release_quarantined(oldest_in_flight(lock));
+  const uint32_t n_given = static_cast<uint32_t>(
+      std::min<size_t>({static_cast<size_t>(want), free_units_.size(), opts_.max_given, hint}));
   const size_t bytes = record_bytes(n_given, hit_cap, n_runs);
   // 1. Room in the ring: after the newest record, else from the start.
   size_t at = SIZE_MAX;
@@ -214,6 +222,7 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   h->hit_cap = hit_cap;
   h->n_runs = n_runs;
   h->bytes = static_cast<uint32_t>(bytes);
+  h->want = want;
   RecordArrays a = arrays_of(h);
   for (uint32_t i = 0; i < n_given; ++i) {
     a.given[i] = free_units_.back();
@@ -221,6 +230,7 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   }
   std::memcpy(a.heads, heads, 8ull * n_runs);
   open_.push_back(h);
+  open_peak_ = std::max(open_peak_, open_.size());
   ++t.records_;
   ring_head_ = at + bytes;
   lock.unlock();
@@ -243,6 +253,7 @@ void BufferManager::cancel_record(const StepRecord &r) {
   std::lock_guard<std::mutex> lock(mu_);
   h->used = 0;
   h->hits = 0;
+  h->missed = 0;
   h->cancelled = 1;
 }
 
@@ -251,6 +262,8 @@ BufferManager::Stats BufferManager::stats() {
   std::lock_guard<std::mutex> lock(mu_);
   s.admissions = admissions_.load();
   s.evictions = evictions_.load();
+  s.missed = missed_.load();
+  s.given = given_.load();
   s.lost = lost_.load();
   s.backlog = open_.size() + (busy_.load() ? 1 : 0);
   s.dropped_records = dropped_;
@@ -298,15 +311,14 @@ void BufferManager::run() {
 }
 
 bool BufferManager::take_records() {
+  {
+    // The records open at once since the last pass: a peak that decays by
+    // an eighth a pass that saw fewer.
+    std::lock_guard<std::mutex> lock(mu_);
+    open_records_ = std::max(static_cast<double>(std::max<size_t>(open_peak_, 1)), 0.875 * open_records_);
+    open_peak_ = open_.size();
+  }
   bool any = false;
-  double demand = 0;
-  struct Fold {  // the pass's demand into the running figure, however the loop ends
-    bool &any;
-    double &demand, &into;
-    ~Fold() {
-      if (any) into = 0.5 * into + 0.5 * demand;
-    }
-  } fold{any, demand, pass_demand_};
   for (;;) {
     RecordHeader *h;
     {
@@ -315,7 +327,8 @@ bool BufferManager::take_records() {
       h = open_.front();
       if (!h->cancelled && h->tracker->done() < h->epoch) return any;
     }
-    demand += take_record(*h);
+    if (!h->cancelled) record_missed_ = 0.75 * record_missed_ + 0.25 * take_record(*h);
+    else take_record(*h);
     any = true;
     std::lock_guard<std::mutex> lock(mu_);
     --const_cast<StepTracker *>(h->tracker)->records_;
@@ -359,25 +372,32 @@ double BufferManager::take_record(const RecordHeader &hc) {
     }
   }
   admissions_ += admitted;
-  // Handing out frames costs the decoding path a copy each: hand about what
-  // steps take, and double it while a step takes all it was handed.
-  if (h->n_given > 0) {
-    const uint32_t hint = used >= h->n_given ? 2 * h->n_given : 2 * used;
-    give_hint_.store(std::clamp<uint32_t>(hint, opts_.min_given, opts_.max_given), std::memory_order_relaxed);
-  }
-  // A step handed nothing (none free) may have missed plenty: it asks for
-  // at least min_given.
   if (h->cancelled) return 0;
-  return used >= h->n_given ? 2.0 * std::max(h->n_given, opts_.min_given) : static_cast<double>(used);
+  // What the step missed (a gather that counts nothing reports at least
+  // what it admitted).
+  const uint32_t missed = std::max(h->missed, used);
+  missed_ += missed;
+  given_ += h->n_given;
+  // Handing out frames costs the decoding path a store each and the
+  // manager a log entry: hand each step the share of its bound that steps
+  // miss (recent records).
+  if (h->want > 0) {
+    const float share = std::min(1.0f, static_cast<float>(missed) / static_cast<float>(h->want));
+    miss_share_.store(0.75f * miss_share_.load(std::memory_order_relaxed) + 0.25f * share,
+                      std::memory_order_relaxed);
+  }
+  return missed;
 }
 
 void BufferManager::evict() {
   if (opts_.units == 0) return;
-  // Free frames to keep ready: twice what a recent pass's records asked
-  // for (what they missed, not what they managed to admit: keeping four
-  // times the recent admissions let a shortage feed itself), at most a
-  // quarter of the cache.
-  const size_t target = std::min<size_t>(opts_.units / 4, static_cast<size_t>(2 * pass_demand_) + 32);
+  // Free frames to keep ready: what a burst of steps misses (the header
+  // says why), at most a quarter of the cache. (Keeping four times the
+  // recent admissions let a shortage feed itself: steps admitted what they
+  // were handed, and the next target followed that; twice a manager pass's
+  // misses left three of four steps of a burst without frames.)
+  const size_t target =
+      std::min<size_t>(opts_.units / 4, static_cast<size_t>(1.5 * record_missed_ * open_records_) + 32);
   std::vector<uint32_t> victims;
   std::vector<uint64_t> entries;
   {
@@ -411,12 +431,26 @@ void BufferManager::evict() {
       return;
     }
   }
+  std::lock_guard<std::mutex> lock(mu_);
   const uint64_t stamp = epoch_.load(std::memory_order_seq_cst);
   for (uint32_t u : victims) {
     quarantine_.push_back({stamp, u});
     ++quarantined_;
   }
   evictions_ += victims.size();
+}
+
+void BufferManager::release_quarantined(uint64_t oldest) {
+  size_t q = 0;
+  for (size_t i = 0; i < quarantine_.size(); ++i) {
+    if (quarantine_[i].stamp < oldest) {
+      free_units_.push_back(quarantine_[i].unit);
+      --quarantined_;
+    } else {
+      quarantine_[q++] = quarantine_[i];
+    }
+  }
+  quarantine_.resize(q);
 }
 
 bool BufferManager::release_ready() {
@@ -434,16 +468,7 @@ bool BufferManager::release_ready() {
     }
     pending_.resize(kept);
     // Quarantined frames whose readers have ended are free again.
-    size_t q = 0;
-    for (size_t i = 0; i < quarantine_.size(); ++i) {
-      if (quarantine_[i].stamp < oldest) {
-        free_units_.push_back(quarantine_[i].unit);
-        --quarantined_;
-      } else {
-        quarantine_[q++] = std::move(quarantine_[i]);
-      }
-    }
-    quarantine_.resize(q);
+    release_quarantined(oldest);
   }
   for (Pending &p : ready) p.release();
   return !ready.empty();

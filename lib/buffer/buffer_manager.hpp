@@ -96,14 +96,18 @@ struct RecordHeader {
   uint64_t epoch;
   const StepTracker *tracker;
   uint32_t n_given, hit_cap, n_runs;
-  uint32_t used;  // written by the device: given units taken (<= n_given)
-  uint32_t hits;  // written by the device, right after used: hit log entries (<= hit_cap)
-  uint32_t bytes;  // the record's size in the ring
+  uint32_t used;    // written by the device: given units taken (<= n_given)
+  uint32_t hits;    // written by the device, right after used: hit log entries (<= hit_cap)
+  uint32_t missed;  // written by the device, right after hits: units missed (what it could admit)
+  uint32_t bytes;   // the record's size in the ring
   uint32_t cancelled;  // its step was never enqueued
-  uint32_t pad[5];
+  uint32_t want;       // the most units the step could miss (its plan's bound)
+  uint32_t pad[3];
 };
 static_assert(sizeof(RecordHeader) == 64, "RecordHeader is one 64-byte line");
-static_assert(offsetof(RecordHeader, hits) == offsetof(RecordHeader, used) + 4, "the gather writes used, hits");
+static_assert(offsetof(RecordHeader, hits) == offsetof(RecordHeader, used) + 4 &&
+                  offsetof(RecordHeader, missed) == offsetof(RecordHeader, used) + 8,
+              "the gather writes used, hits, missed");
 
 // What a gather did with given unit i (kernels/device_layout.hpp).
 using kernels::AdmitEntry;
@@ -139,12 +143,13 @@ class BufferManager {
   struct Options {
     uint32_t units = 0;         // device cache frames (0: no cache)
     size_t ring_bytes = 32u << 20;
-    uint32_t max_given = 8192;  // free units handed to one step at most
+    uint32_t max_given = 16384;  // free units handed to one step at most
     uint32_t min_given = 64;    // ... and at least, while free units last
   };
 
   struct Stats {
     uint64_t admissions = 0, evictions = 0;
+    uint64_t missed = 0, given = 0;  // units the records' steps missed; free units handed to them
     uint64_t lost = 0;             // frames withheld after a failed unit map store
     uint64_t backlog = 0;          // records not yet taken
     uint64_t dropped_records = 0;  // steps that got no record (ring full)
@@ -230,14 +235,16 @@ class BufferManager {
   uint64_t *device_word(uint64_t *host) const;
   // Takes the ended records at the ring's tail. Pre: mu_ not held.
   bool take_records();
-  // Applies one record; returns the step's demand for free frames: the
-  // frames it used, or, when it used every frame it was handed, twice that
-  // (it may have missed more).
+  // Applies one record; returns the units its step missed (its demand for
+  // free frames, whatever it was handed).
   double take_record(const RecordHeader &h);
   // Evicts until the reserve is met. Pre: mu_ not held.
   void evict();
   // Runs releases whose steps have ended. Pre: mu_ not held.
   bool release_ready();
+  // Frees the quarantined frames stamped before `oldest` (the oldest epoch
+  // in flight). Pre: mu_ held.
+  void release_quarantined(uint64_t oldest);
 
   Options opts_;
   Device *dev_;
@@ -251,6 +258,7 @@ class BufferManager {
   std::vector<std::pair<uint64_t *, uint64_t *>> slab_offsets_;  // word slabs: host, device
   std::vector<Pending> pending_;
   std::vector<uint32_t> free_units_;
+  std::vector<Quarantined> quarantine_;  // frames given up, until their readers end
   std::vector<HeadSlot> heads_;  // [0] unused
   std::vector<uint32_t> free_heads_;
   uint8_t *ring_ = nullptr, *ring_dev_ = nullptr;
@@ -258,18 +266,25 @@ class BufferManager {
   std::deque<RecordHeader *> open_;       // records in ring order
   uint64_t dropped_ = 0;
   std::atomic<uint64_t> admissions_{0}, evictions_{0}, lost_{0}, resident_{0}, quarantined_{0};
+  std::atomic<uint64_t> missed_{0}, given_{0};
 
   // The manager thread's own state (no lock).
   std::unique_ptr<ReplacementPolicy> policy_;
   std::vector<Owner> owner_;  // [units]
-  std::vector<Quarantined> quarantine_;
-  // Free frames the records of one manager pass asked for (recent passes):
-  // the eviction keeps twice that ready, so that steps in flight between two
-  // passes find frames for their misses.
-  double pass_demand_ = 0;
-  // Free units to hand a step: twice what the last record took, doubled
-  // while steps take all they are given (written by the manager's thread).
-  std::atomic<uint32_t> give_hint_{0};
+  // What steps miss, and how many begin before the manager can act on it.
+  // A frame evicted while steps are in flight is free again only once they
+  // have ended, so the frames ready when a burst of steps begins (a token's
+  // layers, enqueued back to back) are all that burst can admit into: the
+  // eviction keeps ready the misses of a record (recent records' mean)
+  // times the records open at once (a slowly decaying peak), with half as
+  // much again for the spread between steps, at most a quarter of the cache.
+  double record_missed_ = 0;
+  double open_records_ = 1;
+  size_t open_peak_ = 0;  // records open at once since the last pass (guarded by mu_)
+  // The share of a record's bound (`want`) that steps miss (recent records):
+  // a step is handed that share of its bound, and a quarter more (written
+  // by the manager's thread, read when a record opens).
+  std::atomic<float> miss_share_{1.0f};
   std::thread thread_;
   std::atomic<bool> busy_{false};
 };
