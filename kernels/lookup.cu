@@ -4,16 +4,20 @@
 // Four kernels, in stream order:
 //   1. logits_kernel    grid (cluster tiles, R): logits [G][clusters] of each
 //                       run into out.logits; reads every centroid once.
-//   2. select_kernel    one CTA per run: per-head softmax statistics, scores,
+//   2. select_kernel    a cluster of CTAs per run on sm_90 (each a slice of
+//                       its clusters, meeting through distributed shared
+//                       memory; one CTA elsewhere or for small runs):
+//                       per-head softmax statistics, scores,
 //                       a radix select of the two thresholds, compaction in
 //                       id order, ret_pos and run_tokens; with n_one > 0 two
 //                       rounds (the retrieval zone of both classes, then
 //                       the estimation zone of the rest); every cluster's
 //                       zone.
-//   3. estimate_kernel  (run, head) pairs, each split over a cluster of 8
-//                       CTAs on sm_90 that merge through distributed shared
-//                       memory: est_out and est_lse, with the tail folded in
-//                       where the run has a value mean.
+//   3. estimate_kernel  (run, group of up to 8 heads) pairs, each split over
+//                       a cluster of 8 CTAs on sm_90 that merge through
+//                       distributed shared memory: est_out and est_lse,
+//                       with the tail folded in where the run has a value
+//                       mean; a group's heads share each value sum read.
 //   4. offsets_kernel   one CTA: exclusive prefix of run_tokens.
 // Each kernel is launched with programmatic dependent launch and waits for
 // the grid before it (griddepcontrol.wait) before touching memory, so that
@@ -41,8 +45,11 @@ template <uint32_t D> constexpr uint32_t kTileLd = D + 4;
 constexpr uint32_t kLogitThreads = 256;
 constexpr uint32_t kSelectThreads = 1024;
 constexpr uint32_t kSelectWarps = kSelectThreads / 32;
+constexpr uint32_t kSelectMaxSplit = 8;     // CTAs a run's selection is split over, at most (one cluster)
+constexpr uint32_t kSelectMinSlice = 2048;  // clusters a CTA's slice keeps, at least
 constexpr uint32_t kEstThreads = 256;
-constexpr uint32_t kEstSplits = 8;  // CTAs per (run, head) on sm_90: one cluster
+constexpr uint32_t kEstSplits = 8;       // CTAs per (run, head group) on sm_90: one cluster
+constexpr uint32_t kEstWideSplits = 16;  // ... when that leaves multiprocessors idle (a non-portable cluster size)
 constexpr uint32_t kOffsetThreads = 1024;
 
 __device__ __forceinline__ void cp_async16(void *dst, const void *src) {
@@ -225,25 +232,62 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const DevRun *__r
 
 struct SelectShared {
   float red_m[kSelectWarps], red_s[kSelectWarps];
+  float loc_m[kMaxGroup], loc_s[kMaxGroup];  // this CTA's softmax statistics, per head
   float head_m[kMaxGroup], head_inv[kMaxGroup];
-  uint32_t hist[2][256];
+  uint32_t hist[2][2][256];  // [pass parity][target][bin]: a pass fills one while the CTAs may read the other
   uint32_t prefix[2], krem[2];
   uint32_t wcnt[kSelectWarps][4];  // per warp: > T_ret, == T_ret, > T_sel, == T_sel
-  uint32_t tot[4];
+  uint32_t loc_tot[4];             // this CTA's totals of the four counts
+  uint32_t tot[4], before[4];      // the run's totals; the CTAs' before this one
+  uint32_t ret_n, ret_tokens;      // this CTA's retrieval clusters and their members
   uint32_t tmp[32];
 };
 
-// Finds, for target t, the bin of hist[t] that holds the krem[t]-th largest
-// key among those matching prefix[t], and narrows prefix/krem to it. One
-// warp; lane L owns bins 255 - 8L down to 248 - 8L.
-__device__ void radix_pick(SelectShared &sh, uint32_t t, uint32_t shift) {
+// A run's selection is split over the CTAs of a thread-block cluster on
+// sm_90 (one CTA elsewhere): CTA `rank` of `n` owns the cluster ids
+// [lo, hi), a contiguous slice, and the CTAs meet through distributed
+// shared memory: softmax statistics, histograms and counts are each CTA's,
+// summed in rank order by every CTA alike.
+struct Slice {
+  uint32_t rank, n, lo, hi;
+};
+
+// This CTA's SelectShared seen from the cluster: `p` in CTA k's copy.
+template <typename T>
+__device__ __forceinline__ T *in_rank(T *p, uint32_t k) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().map_shared_rank(p, k);
+#else
+  (void)k;
+  return p;
+#endif
+}
+// Every thread of every CTA of the cluster arrives; shared memory writes
+// before it are visible to every CTA after it.
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();
+#else
+  __syncthreads();
+#endif
+}
+
+// Finds, for target t, the bin of the run's histogram t (the sum of every
+// CTA's) that holds the krem[t]-th largest key among those matching
+// prefix[t], and narrows prefix/krem to it. One warp; lane L owns bins
+// 255 - 8L down to 248 - 8L.
+__device__ void radix_pick(SelectShared &sh, uint32_t buf, uint32_t t, uint32_t shift, uint32_t n_ranks) {
   const uint32_t lane = threadIdx.x % 32;
   uint32_t cnt[8], local = 0;
 #pragma unroll
-  for (uint32_t i = 0; i < 8; ++i) {
-    cnt[i] = sh.hist[t][255 - lane * 8 - i];
-    local += cnt[i];
+  for (uint32_t i = 0; i < 8; ++i) cnt[i] = 0;
+  for (uint32_t k = 0; k < n_ranks; ++k) {
+    const uint32_t *h = in_rank(&sh.hist[buf][t][0], k);
+#pragma unroll
+    for (uint32_t i = 0; i < 8; ++i) cnt[i] += h[255 - lane * 8 - i];
   }
+#pragma unroll
+  for (uint32_t i = 0; i < 8; ++i) local += cnt[i];
   uint32_t incl = local;
 #pragma unroll
   for (uint32_t o = 1; o < 32; o <<= 1) {
@@ -268,11 +312,14 @@ __device__ void radix_pick(SelectShared &sh, uint32_t t, uint32_t shift) {
 }
 
 // Two radix selections at once, 8 bits a pass from the top: for target t
-// with k_t > 0, the k_t-th largest of key_t(c) over c < C. Keys of 0 are
-// never sought (every score's key is above 0: score_key), so a key function
-// leaves a cluster out by giving it 0. On return sh.prefix[t] is that key.
+// with k_t > 0, the k_t-th largest of key_t(c) over the run's c < C (this
+// CTA counting its slice). Keys of 0 are never sought (every score's key is
+// above 0: score_key), so a key function leaves a cluster out by giving it
+// 0. On return sh.prefix[t] is that key, in every CTA of the run. One
+// cluster barrier a pass: a pass fills the histograms of its parity, so
+// that clearing them two passes later cannot race a slower CTA's reads.
 template <typename K0, typename K1>
-__device__ void radix_select2(SelectShared &sh, uint32_t C, K0 key0, uint32_t k0, K1 key1, uint32_t k1) {
+__device__ void radix_select2(SelectShared &sh, const Slice &sl, K0 key0, uint32_t k0, K1 key1, uint32_t k1) {
   const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const bool want0 = k0 > 0, want1 = k1 > 0;
   if (tid == 0) {
@@ -283,48 +330,50 @@ __device__ void radix_select2(SelectShared &sh, uint32_t C, K0 key0, uint32_t k0
   for (uint32_t pass = 0; pass < 4; ++pass) {
     const uint32_t shift = 24 - 8 * pass;
     const uint32_t hmask = pass == 0 ? 0u : ~0u << (shift + 8);
-    for (uint32_t i = tid; i < 512; i += kSelectThreads) (&sh.hist[0][0])[i] = 0;
+    uint32_t(*hist)[256] = sh.hist[pass & 1];
+    for (uint32_t i = tid; i < 512; i += kSelectThreads) (&hist[0][0])[i] = 0;
     __syncthreads();
     const uint32_t p0 = sh.prefix[0], p1 = sh.prefix[1];
     // Scores crowd into few bins (all lanes hit one bin in the first
     // passes): lanes of a warp with equal bins add once, together.
-    for (uint32_t base = 0; base < C; base += kSelectThreads) {
+    for (uint32_t base = sl.lo; base < sl.hi; base += kSelectThreads) {
       const uint32_t c = base + tid;
-      const bool ok = c < C;
+      const bool ok = c < sl.hi;
       if (want0) {
         const uint32_t k = ok ? key0(c) : 0u;
         const uint32_t bin = (k >> shift) & 255u;
         const bool m = ok && (k & hmask) == p0;
         const uint32_t peers = __match_any_sync(kFull, m ? bin : 256u);
-        if (m && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[0][bin], __popc(peers));
+        if (m && lane == __ffs(peers) - 1) atomicAdd(&hist[0][bin], __popc(peers));
       }
       if (want1) {
         const uint32_t k = ok ? key1(c) : 0u;
         const uint32_t bin = (k >> shift) & 255u;
         const bool m = ok && (k & hmask) == p1;
         const uint32_t peers = __match_any_sync(kFull, m ? bin : 256u);
-        if (m && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[1][bin], __popc(peers));
+        if (m && lane == __ffs(peers) - 1) atomicAdd(&hist[1][bin], __popc(peers));
       }
     }
-    __syncthreads();
-    if (warp == 0 && want0) radix_pick(sh, 0, shift);
-    if (warp == 1 && want1) radix_pick(sh, 1, shift);
-    __syncthreads();
+    cluster_barrier();  // every CTA's histograms of this pass are complete
+    if (warp == 0 && want0) radix_pick(sh, pass & 1, 0, shift, sl.n);
+    if (warp == 1 && want1) radix_pick(sh, pass & 1, 1, shift, sl.n);
+    __syncthreads();  // prefix and krem for the next pass (and the caller)
   }
 }
 
 // Compaction of two selections in id order. Selection t holds the c with
 // key_t(c) > t_t, and the lowest ids of those with key_t(c) == t_t up to
-// k_t in all (t_t = 0xffffffff and k_t = 0: none). Warp w owns ids
-// [w seg, (w + 1) seg); the count of ids below c that selection t holds is
-// gt_t(<c) + min(eq_t(<c), need_t). emit(c, in_0, in_1, before_0,
-// before_1) runs for every c < C.
+// k_t in all (t_t = 0xffffffff and k_t = 0: none). The CTAs of the run own
+// consecutive slices and warp w of a CTA a consecutive part of its slice;
+// the count of ids below c that selection t holds is gt_t(<c) +
+// min(eq_t(<c), need_t). emit(c, in_0, in_1, before_0, before_1) runs for
+// every c of the slice.
 template <typename K0, typename K1, typename Emit>
-__device__ void compact2(SelectShared &sh, uint32_t C, K0 key0, uint32_t t0, uint32_t k0, K1 key1, uint32_t t1,
-                         uint32_t k1, Emit emit) {
+__device__ void compact2(SelectShared &sh, const Slice &sl, K0 key0, uint32_t t0, uint32_t k0, K1 key1,
+                         uint32_t t1, uint32_t k1, Emit emit) {
   const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const uint32_t seg = (C + kSelectThreads - 1) / kSelectThreads * 32;
-  const uint32_t lo = min(C, warp * seg), hi = min(C, lo + seg);
+  const uint32_t seg = (sl.hi - sl.lo + kSelectThreads - 1) / kSelectThreads * 32;
+  const uint32_t lo = min(sl.hi, sl.lo + warp * seg), hi = min(sl.hi, lo + seg);
   uint32_t cnt[4] = {0, 0, 0, 0};
   for (uint32_t base = lo; base < hi; base += 32) {
     const uint32_t c = base + lane;
@@ -349,13 +398,26 @@ __device__ void compact2(SelectShared &sh, uint32_t C, K0 key0, uint32_t t0, uin
         if (lane >= o) x += y;
       }
       sh.wcnt[lane][i] = x - v;
-      if (lane == 31) sh.tot[i] = x;
+      if (lane == 31) sh.loc_tot[i] = x;
     }
   }
+  cluster_barrier();  // every CTA's totals are complete
+  if (tid < 4) {
+    uint32_t before = 0, total = 0;
+    for (uint32_t k = 0; k < sl.n; ++k) {
+      const uint32_t v = in_rank(&sh.loc_tot[0], k)[tid];
+      if (k < sl.rank) before += v;
+      total += v;
+    }
+    sh.before[tid] = before;
+    sh.tot[tid] = total;
+  }
+  // (loc_tot is rewritten by the next compaction only after the radix
+  // selection between, whose barriers every CTA reaches after this read.)
   __syncthreads();
   const uint32_t need0 = k0 > 0 ? k0 - sh.tot[0] : 0u, need1 = k1 > 0 ? k1 - sh.tot[2] : 0u;
-  uint32_t gt0 = sh.wcnt[warp][0], eq0 = sh.wcnt[warp][1];
-  uint32_t gt1 = sh.wcnt[warp][2], eq1 = sh.wcnt[warp][3];
+  uint32_t gt0 = sh.before[0] + sh.wcnt[warp][0], eq0 = sh.before[1] + sh.wcnt[warp][1];
+  uint32_t gt1 = sh.before[2] + sh.wcnt[warp][2], eq1 = sh.before[3] + sh.wcnt[warp][3];
   const uint32_t lt = (1u << lane) - 1u;
   for (uint32_t base = lo; base < hi; base += 32) {
     const uint32_t c = base + lane;
@@ -379,29 +441,43 @@ __device__ void compact2(SelectShared &sh, uint32_t C, K0 key0, uint32_t t0, uin
   __syncthreads();
 }
 
-// scores (optional) is the global score scratch; keys_s (dynamic shared
-// memory) holds the keys of runs with clusters <= smem_cap.
+// CTA blockIdx.x % n of run blockIdx.x / n (n = the cluster's size, 1
+// without clusters) selects over its slice of the run's clusters. scores
+// (optional) is the global score scratch; dynamic shared memory holds the
+// keys of the slice when it has at most smem_cap clusters, and after them a
+// byte a cluster for the selection with clusters of one ranked apart (bit 0:
+// one member; bit 1: in the retrieval zone), so that no key the selection
+// evaluates again and again waits on global memory.
 __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun *__restrict__ runs,
                                                                  uint32_t G, DevLookup out,
-                                                                 float *scores, uint32_t smem_cap) {
+                                                                 float *scores, uint32_t smem_cap,
+                                                                 uint32_t n_split) {
   extern __shared__ uint32_t keys_s[];
   __shared__ SelectShared sh;
   wait_prior_grid();
-  const uint32_t r = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const uint32_t r = blockIdx.x / n_split, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const DevRun &run = runs[r];
   const uint32_t C = run.clusters;
+  const uint32_t share = (C + n_split - 1) / n_split;
+  Slice sl;
+  sl.rank = blockIdx.x % n_split;
+  sl.n = n_split;
+  sl.lo = min(C, sl.rank * share);
+  sl.hi = min(C, sl.lo + share);
   const Zones z = clamp_zones(run);
   const uint32_t n_ret = z.n_ret, n_sel = z.n_ret + z.n_est;
-  const bool use_smem = C <= smem_cap;
+  const bool use_smem = share <= smem_cap;  // the same in every CTA of the run
   float *sc = scores ? scores + run.scratch_off / G : nullptr;
   const uint32_t steady = run.sink_tokens + run.tail_tokens;
-  if (C == 0 || (!use_smem && !sc)) {
-    if (tid == 0) out.run_tokens[r] = steady;
+  if (C == 0 || (!use_smem && !sc)) {  // uniform over the run's CTAs
+    if (tid == 0 && sl.rank == 0) out.run_tokens[r] = steady;
     return;
   }
   const float *lg = out.logits + run.scratch_off;
+  uint8_t *cls_s = reinterpret_cast<uint8_t *>(keys_s + smem_cap);
 
-  // 2a. Per head: max and sum of exp over the clusters; 32 / G warps a head.
+  // 2a. Per head: max and sum of exp over the slice; 32 / G warps a head.
+  //     Then the run's, merged in rank order by every CTA.
   {
     const uint32_t wph = kSelectWarps / G, g = warp / wph, sub = warp % wph;
     float m = kNegInf, s = 0.f;
@@ -411,12 +487,12 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
       constexpr uint32_t kBatch = 8;
       const float *row = lg + static_cast<size_t>(g) * C;
       const uint32_t stride = wph * 32;
-      for (uint32_t base = sub * 32 + lane; base < C; base += kBatch * stride) {
+      for (uint32_t base = sl.lo + sub * 32 + lane; base < sl.hi; base += kBatch * stride) {
         float v[kBatch];
 #pragma unroll
         for (uint32_t k = 0; k < kBatch; ++k) {
           const uint32_t c = base + k * stride;
-          v[k] = c < C ? row[c] : kNegInf;
+          v[k] = c < sl.hi ? row[c] : kNegInf;
         }
         float bm = v[0];
 #pragma unroll
@@ -442,18 +518,28 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
     if (tid < G) {
       float hm = kNegInf, hs = 0.f;
       for (uint32_t w = tid * wph; w < (tid + 1) * wph; ++w) merge_ms(hm, hs, sh.red_m[w], sh.red_s[w]);
+      sh.loc_m[tid] = hm;
+      sh.loc_s[tid] = hs;
+    }
+    cluster_barrier();  // every CTA's statistics are complete
+    if (tid < G) {
+      float hm = kNegInf, hs = 0.f;
+      for (uint32_t k = 0; k < sl.n; ++k) merge_ms(hm, hs, in_rank(sh.loc_m, k)[tid], in_rank(sh.loc_s, k)[tid]);
       // A head with no finite logit adds nothing, as in score_clusters.
       sh.head_m[tid] = hm;
       sh.head_inv[tid] = hm == kNegInf ? 0.f : 1.f / hs;
     }
+    // (No CTA leaves before the others have read its statistics: every
+    // path reaches the cluster barriers at the end.)
     __syncthreads();
   }
 
-  // 2b. Scores, summed over heads in ascending order as score_clusters does.
+  // 2b. Scores of the slice, summed over heads in ascending order as
+  //     score_clusters does.
   {
     // kBatch clusters a thread at a time, so that their loads overlap.
     constexpr uint32_t kBatch = 4;
-    for (uint32_t base = tid; base < C; base += kBatch * kSelectThreads) {
+    for (uint32_t base = sl.lo + tid; base < sl.hi; base += kBatch * kSelectThreads) {
       float s[kBatch];
 #pragma unroll
       for (uint32_t k = 0; k < kBatch; ++k) s[k] = 0.f;
@@ -464,7 +550,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
 #pragma unroll
         for (uint32_t k = 0; k < kBatch; ++k) {
           const uint32_t c = base + k * kSelectThreads;
-          l[k] = c < C ? row[c] : 0.f;
+          l[k] = c < sl.hi ? row[c] : 0.f;
         }
         if (hm == kNegInf) continue;  // uniform over the block
 #pragma unroll
@@ -473,30 +559,40 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
 #pragma unroll
       for (uint32_t k = 0; k < kBatch; ++k) {
         const uint32_t c = base + k * kSelectThreads;
-        if (c >= C) break;
+        if (c >= sl.hi) break;
         if (sc) sc[c] = s[k];
-        if (use_smem) keys_s[c] = score_key(s[k]);
+        if (use_smem) {
+          keys_s[c - sl.lo] = score_key(s[k]);
+          if (z.n_one) cls_s[c - sl.lo] = run.size[c] == 1 ? 1 : 0;
+        }
       }
     }
   }
+  if (tid == 0) sh.ret_n = sh.ret_tokens = 0;
   __syncthreads();
-  auto key = [&](uint32_t c) { return use_smem ? keys_s[c] : score_key(sc[c]); };
+  auto key = [&](uint32_t c) { return use_smem ? keys_s[c - sl.lo] : score_key(sc[c]); };
 
   uint32_t *ret_ids = out.ret_ids + run.ret_off;
   uint32_t *est_ids = out.est_ids + run.est_off;
   uint8_t *zone = out.zones + run.scratch_off / G;
+  // This CTA's retrieval clusters and their members, for ret_pos.
+  auto count_ret = [&](uint32_t c) {
+    atomicAdd(&sh.ret_n, 1u);
+    atomicAdd(&sh.ret_tokens, run.size[c]);
+  };
   if (z.n_one == 0) {
     // 2c. The paper's zones: the n_sel-th and n_ret-th largest keys, then
     // ret = the top n_ret, est = the rest of the top n_sel.
     if (n_sel == 0) {
-      for (uint32_t c = tid; c < C; c += kSelectThreads) zone[c] = 0;
+      for (uint32_t c = sl.lo + tid; c < sl.hi; c += kSelectThreads) zone[c] = 0;
     } else {
-      radix_select2(sh, C, key, n_sel, key, n_ret);
+      radix_select2(sh, sl, key, n_sel, key, n_ret);
       const uint32_t t_sel = sh.prefix[0], t_ret = n_ret > 0 ? sh.prefix[1] : 0xffffffffu;
-      compact2(sh, C, key, t_sel, n_sel, key, t_ret, n_ret,
+      compact2(sh, sl, key, t_sel, n_sel, key, t_ret, n_ret,
                [&](uint32_t c, bool in_sel, bool in_ret, uint32_t sel_b, uint32_t ret_b) {
                  if (in_ret) {
                    ret_ids[ret_b] = c;
+                   count_ret(c);
                  } else if (in_sel) {
                    est_ids[sel_b - ret_b] = c;
                  }
@@ -507,20 +603,26 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
     // 2c'. Clusters of one ranked apart: the top n_ret - n_one of the
     // others and the top n_one of them, then the top n_est of the rest.
     const uint32_t n_reg = n_ret - z.n_one;
-    auto reg = [&](uint32_t c) { return run.size[c] != 1 ? key(c) : 0u; };
-    auto one = [&](uint32_t c) { return run.size[c] == 1 ? key(c) : 0u; };
-    radix_select2(sh, C, reg, n_reg, one, z.n_one);
+    auto is_one = [&](uint32_t c) { return use_smem ? (cls_s[c - sl.lo] & 1) != 0 : run.size[c] == 1; };
+    auto reg = [&](uint32_t c) { return is_one(c) ? 0u : key(c); };
+    auto one = [&](uint32_t c) { return is_one(c) ? key(c) : 0u; };
+    radix_select2(sh, sl, reg, n_reg, one, z.n_one);
     const uint32_t t_reg = n_reg > 0 ? sh.prefix[0] : 0xffffffffu, t_one = sh.prefix[1];
-    compact2(sh, C, reg, t_reg, n_reg, one, t_one, z.n_one,
+    compact2(sh, sl, reg, t_reg, n_reg, one, t_one, z.n_one,
              [&](uint32_t c, bool in_reg, bool in_one, uint32_t reg_b, uint32_t one_b) {
-               if (in_reg || in_one) ret_ids[reg_b + one_b] = c;
+               if (in_reg || in_one) {
+                 ret_ids[reg_b + one_b] = c;
+                 count_ret(c);
+                 if (use_smem) cls_s[c - sl.lo] |= 2;
+               }
                zone[c] = in_reg || in_one ? 1 : 0;
              });
-    __syncthreads();  // the zones written above are read below
+    __syncthreads();  // the zones of the slice written above are read below
     if (z.n_est > 0) {
-      auto rest = [&](uint32_t c) { return zone[c] ? 0u : key(c); };
-      radix_select2(sh, C, rest, z.n_est, rest, 0);
-      compact2(sh, C, rest, sh.prefix[0], z.n_est, rest, 0xffffffffu, 0,
+      auto in_ret = [&](uint32_t c) { return use_smem ? (cls_s[c - sl.lo] & 2) != 0 : zone[c] != 0; };
+      auto rest = [&](uint32_t c) { return in_ret(c) ? 0u : key(c); };
+      radix_select2(sh, sl, rest, z.n_est, rest, 0);
+      compact2(sh, sl, rest, sh.prefix[0], z.n_est, rest, 0xffffffffu, 0,
                [&](uint32_t c, bool in_est, bool, uint32_t est_b, uint32_t) {
                  if (in_est) {
                    est_ids[est_b] = c;
@@ -529,182 +631,281 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
                });
     }
   }
-  __syncthreads();  // ret_ids written above are read below
+  // ret_ids of the slice are written (read below); the CTAs' retrieval
+  // counts are complete.
+  cluster_barrier();
+  uint32_t ret_first = 0, ret_total = 0;  // this CTA's first entry; members of the CTAs before it
+  uint32_t run_total = 0;                 // members of the run's retrieval clusters
+  for (uint32_t k = 0; k < sl.n; ++k) {
+    const uint32_t n = *in_rank(&sh.ret_n, k), t = *in_rank(&sh.ret_tokens, k);
+    if (k < sl.rank) {
+      ret_first += n;
+      ret_total += t;
+    }
+    run_total += t;
+  }
+  const uint32_t ret_last = ret_first + sh.ret_n;
+  cluster_barrier();  // every CTA has read the counts: none leaves before
 
-  // 2e. ret_pos: exclusive prefix of the retrieval clusters' sizes.
-  uint32_t ret_total = 0;
+  // 2e. ret_pos: exclusive prefix of the retrieval clusters' sizes, over
+  //     this CTA's entries.
   uint32_t *ret_pos = out.ret_pos + run.ret_off;
-  for (uint32_t base = 0; base < n_ret; base += kSelectThreads) {
+  for (uint32_t base = ret_first; base < ret_last; base += kSelectThreads) {
     const uint32_t i = base + tid;
-    const uint32_t sz = i < n_ret ? run.size[ret_ids[i]] : 0u;
+    const uint32_t sz = i < ret_last ? run.size[ret_ids[i]] : 0u;
     uint32_t total;
     const uint32_t before = block_excl_scan<kSelectThreads>(sz, sh.tmp, &total);
-    if (i < n_ret) ret_pos[i] = ret_total + before;
+    if (i < ret_last) ret_pos[i] = ret_total + before;
     ret_total += total;
   }
-  if (tid == 0) out.run_tokens[r] = steady + ret_total;
+  if (tid == 0 && sl.rank == 0) out.run_tokens[r] = steady + run_total;
 }
 
 // 3. Estimate ----------------------------------------------------------------
 
-// Partial estimate of one CTA: its local max, denominator and numerator,
-// and the staging of one batch of estimation clusters.
-template <uint32_t D>
+// Partial estimates of one CTA for its GT heads: local maxima, denominators
+// and numerators, and the staging of one batch of estimation clusters.
+template <uint32_t D, uint32_t GT>
 struct EstShared {
   float4 red[kEstThreads];
-  float num[D];
-  float m, den;
-  float tmp[32];
+  float num[GT][D];
+  float m[GT], den[GT];
+  float tmp[kEstThreads / 32][GT];
   uint32_t c[kEstThreads];
-  float w[kEstThreads];
+  float w[GT][kEstThreads];
 };
 
-// CTA (rh, split) estimates head g of run r (rh = r * G + g) over its slice
-// of the estimation clusters, kEstThreads clusters a batch: the batch's ids,
-// logits and sizes are read once into shared memory (one thread a cluster),
-// the running max shift is raised to the batch's max, then the value sums
-// are read with 16-byte loads, several in flight a thread. With kSplits > 1
-// the kSplits CTAs of one (run, head) form a thread-block cluster and rank 0
-// merges their partials from distributed shared memory.
-template <uint32_t D, uint32_t kSplits>
+// Block-wide max (kMax) or sum of GT values at once; every thread gets the
+// results in x. One pair of barriers for all GT.
+template <uint32_t GT, bool kMax>
+__device__ void block_reduce_n(float (&x)[GT], float (*tmp)[GT]) {
+  constexpr uint32_t nw = kEstThreads / 32;
+  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (uint32_t j = 0; j < GT; ++j) {
+    x[j] = kMax ? warp_max(x[j]) : warp_sum(x[j]);
+    if (lane == 0) tmp[warp][j] = x[j];
+  }
+  __syncthreads();
+#pragma unroll
+  for (uint32_t j = 0; j < GT; ++j) {
+    float y = tmp[0][j];
+    for (uint32_t w = 1; w < nw; ++w) y = kMax ? fmaxf(y, tmp[w][j]) : y + tmp[w][j];
+    x[j] = y;
+  }
+  __syncthreads();
+}
+
+// CTA (hb, split) estimates heads g0 .. g0 + GT - 1 of run r (hb = r * G /
+// GT + g0 / GT) over its slice of the estimation clusters, kEstThreads
+// clusters a batch: the batch's ids, sizes and the GT heads' logits are
+// read once (one thread a cluster), each head's running max shift is raised
+// to the batch's max, then each value sum is read once, with 16-byte loads,
+// several in flight a thread, and weighted for every head (the heads of a
+// group share the clusters and their value sums; a CTA per head read them
+// GT times). With kSplits > 1 the kSplits CTAs of one (run, head group)
+// form a thread-block cluster and rank 0 merges their partials from
+// distributed shared memory.
+template <uint32_t D, uint32_t kSplits, uint32_t GT>
 __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__restrict__ runs,
                                                                uint32_t G, DevLookup out) {
-  __shared__ EstShared<D> sh;
+  __shared__ EstShared<D, GT> sh;
   wait_prior_grid();
-  const uint32_t rh = blockIdx.x / kSplits, split = blockIdx.x % kSplits;
-  const uint32_t r = rh / G, g = rh % G, tid = threadIdx.x;
+  const uint32_t hb = blockIdx.x / kSplits, split = blockIdx.x % kSplits;
+  const uint32_t groups = G / GT;
+  const uint32_t r = hb / groups, g0 = (hb % groups) * GT, tid = threadIdx.x;
   const DevRun &run = runs[r];
   const uint32_t C = run.clusters;
   const uint32_t n = clamp_zones(run).n_est;
   const uint32_t chunk = (n + kSplits - 1) / kSplits;
   const uint32_t i0 = min(n, split * chunk), i1 = min(n, i0 + chunk);
   const uint32_t *ids = out.est_ids + run.est_off;
-  const float *lg = out.logits + run.scratch_off + static_cast<size_t>(g) * C;
+  const float *lg = out.logits + run.scratch_off + static_cast<size_t>(g0) * C;  // head g0 + j at lg + j C
   const float4 *vs = reinterpret_cast<const float4 *>(run.value_sum);
 
   constexpr uint32_t kCols = D / 4, kRows = kEstThreads / kCols;
   const uint32_t col = tid % kCols, rl = tid / kCols;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float den = 0.f, m = kNegInf;
+  float4 acc[GT];
+  float den[GT], m[GT];
+#pragma unroll
+  for (uint32_t j = 0; j < GT; ++j) {
+    acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    den[j] = 0.f;
+    m[j] = kNegInf;
+  }
   for (uint32_t base = i0; base < i1; base += kEstThreads) {
     const uint32_t nb = min(kEstThreads, i1 - base);
     uint32_t c = 0;
-    float l = kNegInf, sz = 0.f;
+    float l[GT], bm[GT], sz = 0.f;
+#pragma unroll
+    for (uint32_t j = 0; j < GT; ++j) l[j] = kNegInf;
     if (tid < nb) {
       c = ids[base + tid];
-      l = lg[c];
       sz = static_cast<float>(run.size[c]);
+#pragma unroll
+      for (uint32_t j = 0; j < GT; ++j) l[j] = lg[static_cast<size_t>(j) * C + c];
     }
-    const float bm = block_max<kEstThreads>(l, sh.tmp);
-    const float m_new = fmaxf(m, bm);
-    if (m_new == kNegInf) continue;  // no weight yet; uniform over the CTA
-    const float alpha = m == kNegInf ? 0.f : expf(m - m_new);
-    const float w = l == kNegInf ? 0.f : expf(l - m_new);
-    if (tid < nb) {
-      sh.c[tid] = c;
-      sh.w[tid] = w;
+#pragma unroll
+    for (uint32_t j = 0; j < GT; ++j) bm[j] = l[j];
+    block_reduce_n<GT, true>(bm, sh.tmp);
+#pragma unroll
+    for (uint32_t j = 0; j < GT; ++j) {
+      // A head with no weight yet keeps it: alpha and w are 0.
+      const float m_new = fmaxf(m[j], bm[j]);
+      const float alpha = m[j] == kNegInf || m_new == kNegInf ? 0.f : expf(m[j] - m_new);
+      const float w = l[j] == kNegInf ? 0.f : expf(l[j] - m_new);
+      if (tid < nb) sh.w[j][tid] = w;
+      den[j] = den[j] * alpha + w * sz;  // per thread; summed at the end
+      acc[j].x *= alpha;
+      acc[j].y *= alpha;
+      acc[j].z *= alpha;
+      acc[j].w *= alpha;
+      m[j] = m_new;
     }
-    den = den * alpha + w * sz;  // per thread; summed at the end
-    acc.x *= alpha;
-    acc.y *= alpha;
-    acc.z *= alpha;
-    acc.w *= alpha;
-    m = m_new;
+    if (tid < nb) sh.c[tid] = c;
     __syncthreads();
     if (rl < kRows) {
 #pragma unroll 8
       for (uint32_t k = rl; k < nb; k += kRows) {
-        const float wk = sh.w[k];
         const float4 v = __ldg(vs + static_cast<size_t>(sh.c[k]) * kCols + col);
-        acc.x = fmaf(wk, v.x, acc.x);
-        acc.y = fmaf(wk, v.y, acc.y);
-        acc.z = fmaf(wk, v.z, acc.z);
-        acc.w = fmaf(wk, v.w, acc.w);
+#pragma unroll
+        for (uint32_t j = 0; j < GT; ++j) {
+          const float wk = sh.w[j][k];
+          acc[j].x = fmaf(wk, v.x, acc[j].x);
+          acc[j].y = fmaf(wk, v.y, acc[j].y);
+          acc[j].z = fmaf(wk, v.z, acc[j].z);
+          acc[j].w = fmaf(wk, v.w, acc[j].w);
+        }
       }
     }
     __syncthreads();  // sh.c and sh.w are rewritten next batch
   }
-  sh.red[tid] = acc;
-  den = block_sum<kEstThreads>(den, sh.tmp);  // its barrier also publishes red
-  if (tid < kCols) {
-    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (uint32_t k = 0; k < kRows; ++k) {
-      const float4 v = sh.red[k * kCols + tid];
-      s.x += v.x;
-      s.y += v.y;
-      s.z += v.z;
-      s.w += v.w;
+  block_reduce_n<GT, false>(den, sh.tmp);
+#pragma unroll
+  for (uint32_t j = 0; j < GT; ++j) {
+    sh.red[tid] = acc[j];
+    __syncthreads();
+    if (tid < kCols) {
+      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (uint32_t k = 0; k < kRows; ++k) {
+        const float4 v = sh.red[k * kCols + tid];
+        s.x += v.x;
+        s.y += v.y;
+        s.z += v.z;
+        s.w += v.w;
+      }
+      reinterpret_cast<float4 *>(sh.num[j])[tid] = s;
     }
-    reinterpret_cast<float4 *>(sh.num)[tid] = s;
+    if (tid == 0) {
+      sh.m[j] = m[j];
+      sh.den[j] = den[j];
+    }
+    __syncthreads();  // sh.red is rewritten for the next head
   }
-  if (tid == 0) {
-    sh.m = m;
-    sh.den = den;
-  }
-  __syncthreads();
 
   // The tail (value_mean given): this CTA's share of the clusters of neither
-  // zone, their value the head's mean, folded into (m, den, num).
+  // zone, their value the head's mean, folded into (m, den, num) of each head.
   if (run.value_mean) {
     const uint8_t *zone = out.zones + run.scratch_off / G;
     const uint32_t cchunk = (C + kSplits - 1) / kSplits;
     const uint32_t c0 = min(C, split * cchunk), c1 = min(C, c0 + cchunk);
-    float tm = kNegInf;
-    for (uint32_t c = c0 + tid; c < c1; c += kEstThreads)
-      if (zone[c] == 0) tm = fmaxf(tm, lg[c]);
-    tm = block_max<kEstThreads>(tm, sh.tmp);
-    float ts = 0.f;
-    if (tm > kNegInf)
-      for (uint32_t c = c0 + tid; c < c1; c += kEstThreads)
-        if (zone[c] == 0 && lg[c] > kNegInf) ts += static_cast<float>(run.size[c]) * expf(lg[c] - tm);
-    ts = block_sum<kEstThreads>(ts, sh.tmp);
-    if (tm > kNegInf && ts > 0.f) {  // uniform over the CTA
-      const float m0 = sh.m, mm = fmaxf(m0, tm);
-      const float a = m0 == kNegInf ? 0.f : expf(m0 - mm), b = expf(tm - mm) * ts;
-      __syncthreads();  // every thread has read sh.m
-      for (uint32_t i = tid; i < D; i += kEstThreads) sh.num[i] = sh.num[i] * a + b * run.value_mean[i];
+    // One pass, kBatch clusters a thread at a time with their loads in
+    // flight together: per thread a running (max, sum of size exp(x -
+    // max)) per head, merged over the block after.
+    constexpr uint32_t kBatch = 4;
+    float tm[GT], ts[GT];
+#pragma unroll
+    for (uint32_t j = 0; j < GT; ++j) tm[j] = kNegInf, ts[j] = 0.f;
+    for (uint32_t base = c0 + tid; base < c1; base += kBatch * kEstThreads) {
+      float sz[kBatch], x[kBatch][GT];
+#pragma unroll
+      for (uint32_t k = 0; k < kBatch; ++k) {
+        const uint32_t c = base + k * kEstThreads;
+        const bool in = c < c1 && zone[c] == 0;
+        sz[k] = in ? static_cast<float>(run.size[c]) : 0.f;
+#pragma unroll
+        for (uint32_t j = 0; j < GT; ++j) x[k][j] = in ? lg[static_cast<size_t>(j) * C + c] : kNegInf;
+      }
+#pragma unroll
+      for (uint32_t j = 0; j < GT; ++j) {
+        float bm = x[0][j];
+#pragma unroll
+        for (uint32_t k = 1; k < kBatch; ++k) bm = fmaxf(bm, x[k][j]);
+        if (bm == kNegInf) continue;
+        float bs = 0.f;
+#pragma unroll
+        for (uint32_t k = 0; k < kBatch; ++k) bs += x[k][j] > kNegInf ? sz[k] * expf(x[k][j] - bm) : 0.f;
+        merge_ms(tm[j], ts[j], bm, bs);
+      }
+    }
+    // The block's (max, sum) per head: the max first, then each thread's
+    // sum rescaled to it.
+    float bm[GT];
+#pragma unroll
+    for (uint32_t j = 0; j < GT; ++j) bm[j] = tm[j];
+    block_reduce_n<GT, true>(bm, sh.tmp);
+#pragma unroll
+    for (uint32_t j = 0; j < GT; ++j) {
+      ts[j] = tm[j] > kNegInf ? ts[j] * expf(tm[j] - bm[j]) : 0.f;
+      tm[j] = bm[j];
+    }
+    block_reduce_n<GT, false>(ts, sh.tmp);
+#pragma unroll
+    for (uint32_t j = 0; j < GT; ++j) {
+      if (!(tm[j] > kNegInf && ts[j] > 0.f)) continue;  // uniform over the CTA
+      const float m0 = sh.m[j], mm = fmaxf(m0, tm[j]);
+      const float a = m0 == kNegInf ? 0.f : expf(m0 - mm), b = expf(tm[j] - mm) * ts[j];
+      __syncthreads();  // every thread has read sh.m[j]
+      for (uint32_t i = tid; i < D; i += kEstThreads) sh.num[j][i] = sh.num[j][i] * a + b * run.value_mean[i];
       if (tid == 0) {
-        sh.m = mm;
-        sh.den = sh.den * a + b;
+        sh.m[j] = mm;
+        sh.den[j] = sh.den[j] * a + b;
       }
       __syncthreads();
     }
   }
 
-  float *est_out = out.est_out + static_cast<size_t>(rh) * D;
+  const size_t rh0 = static_cast<size_t>(r) * G + g0;  // the first head's (run, head) index
   if constexpr (kSplits == 1) {
-    const bool empty = !(sh.m > kNegInf) || !(sh.den > 0.f);
-    const float inv = empty ? 0.f : 1.f / sh.den;
-    for (uint32_t i = tid; i < D; i += kEstThreads) est_out[i] = empty ? 0.f : sh.num[i] * inv;
-    if (tid == 0) out.est_lse[rh] = empty ? kNegInf : sh.m + logf(sh.den);
+#pragma unroll
+    for (uint32_t j = 0; j < GT; ++j) {
+      const bool empty = !(sh.m[j] > kNegInf) || !(sh.den[j] > 0.f);
+      const float inv = empty ? 0.f : 1.f / sh.den[j];
+      float *est_out = out.est_out + (rh0 + j) * D;
+      for (uint32_t i = tid; i < D; i += kEstThreads) est_out[i] = empty ? 0.f : sh.num[j][i] * inv;
+      if (tid == 0) out.est_lse[rh0 + j] = empty ? kNegInf : sh.m[j] + logf(sh.den[j]);
+    }
   } else {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();
     if (cluster.block_rank() == 0) {
-      float mk[kSplits], ek[kSplits];
-      float M = kNegInf;
+      for (uint32_t j = 0; j < GT; ++j) {
+        float mk[kSplits], ek[kSplits];
+        float M = kNegInf;
 #pragma unroll
-      for (uint32_t k = 0; k < kSplits; ++k) {
-        mk[k] = *cluster.map_shared_rank(&sh.m, k);
-        M = fmaxf(M, mk[k]);
-      }
-      float dsum = 0.f;
+        for (uint32_t k = 0; k < kSplits; ++k) {
+          mk[k] = cluster.map_shared_rank(sh.m, k)[j];
+          M = fmaxf(M, mk[k]);
+        }
+        float dsum = 0.f;
 #pragma unroll
-      for (uint32_t k = 0; k < kSplits; ++k) {
-        ek[k] = mk[k] == kNegInf || M == kNegInf ? 0.f : expf(mk[k] - M);
-        dsum = fmaf(*cluster.map_shared_rank(&sh.den, k), ek[k], dsum);
-      }
-      const bool empty = !(M > kNegInf) || !(dsum > 0.f);
-      const float inv = empty ? 0.f : 1.f / dsum;
-      for (uint32_t i = tid; i < D; i += kEstThreads) {
-        float v = 0.f;
+        for (uint32_t k = 0; k < kSplits; ++k) {
+          ek[k] = mk[k] == kNegInf || M == kNegInf ? 0.f : expf(mk[k] - M);
+          dsum = fmaf(cluster.map_shared_rank(sh.den, k)[j], ek[k], dsum);
+        }
+        const bool empty = !(M > kNegInf) || !(dsum > 0.f);
+        const float inv = empty ? 0.f : 1.f / dsum;
+        float *est_out = out.est_out + (rh0 + j) * D;
+        for (uint32_t i = tid; i < D; i += kEstThreads) {
+          float v = 0.f;
 #pragma unroll
-        for (uint32_t k = 0; k < kSplits; ++k) v = fmaf(cluster.map_shared_rank(sh.num, k)[i], ek[k], v);
-        est_out[i] = empty ? 0.f : v * inv;
+          for (uint32_t k = 0; k < kSplits; ++k) v = fmaf(cluster.map_shared_rank(&sh.num[j][0], k)[i], ek[k], v);
+          est_out[i] = empty ? 0.f : v * inv;
+        }
+        if (tid == 0) out.est_lse[rh0 + j] = empty ? kNegInf : M + logf(dsum);
       }
-      if (tid == 0) out.est_lse[rh] = empty ? kNegInf : M + logf(dsum);
     }
     cluster.sync();  // keeps every CTA's shared memory alive until rank 0 is done
 #endif
@@ -730,16 +931,52 @@ __global__ void __launch_bounds__(kOffsetThreads) offsets_kernel(const uint32_t 
   signal_step_end(mark);
 }
 
-// Whether estimate_kernel<D, kEstSplits> was compiled for sm_90 or later
+// Whether estimate_kernel<D, kEstSplits, 1> was compiled for sm_90 or later
 // (not JIT-compiled from older PTX), so that clusters work in it.
 template <uint32_t D>
 bool cluster_estimate_usable() {
   cudaFuncAttributes fa{};
-  if (cudaFuncGetAttributes(&fa, estimate_kernel<D, kEstSplits>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&fa, estimate_kernel<D, kEstSplits, 1>) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
   return fa.ptxVersion >= 90;
+}
+
+// select_kernel's dynamic shared memory for slices of up to `cap` clusters:
+// a key and a class byte each.
+constexpr size_t select_smem(uint32_t cap) { return static_cast<size_t>(cap) * (sizeof(uint32_t) + 1); }
+
+// Whether select_kernel was compiled for sm_90 or later, so that a run's
+// selection can be split over a cluster of CTAs.
+bool select_clusters_usable() {
+  cudaFuncAttributes fa{};
+  if (cudaFuncGetAttributes(&fa, select_kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return fa.ptxVersion >= 90;
+}
+
+// The current device's multiprocessors (asked once per device).
+uint32_t multiprocessors() {
+  static std::atomic<uint32_t> known[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return 132;
+  }
+  uint32_t n = known[dev].load(std::memory_order_relaxed);
+  if (n == 0) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0) {
+      (void)cudaGetLastError();
+      v = 132;
+    }
+    n = static_cast<uint32_t>(v);
+    known[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 // Raises fn's dynamic shared memory limit to `bytes`, once per device
@@ -756,6 +993,57 @@ cudaError_t ensure_smem(const void *fn, size_t bytes, std::atomic<uint64_t> *don
 }
 
 
+// Whether fn may be launched in clusters of 16 CTAs on the current device
+// (asked once per device; the attribute belongs to its context).
+bool allow_wide_clusters(const void *fn, std::atomic<uint64_t> *done, std::atomic<uint64_t> *refused) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  const uint64_t bit = uint64_t(1) << dev;
+  if (done->load(std::memory_order_relaxed) & bit) return true;
+  if (refused->load(std::memory_order_relaxed) & bit) return false;
+  if (cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    refused->fetch_or(bit, std::memory_order_relaxed);
+    return false;
+  }
+  done->fetch_or(bit, std::memory_order_relaxed);
+  return true;
+}
+
+// The estimate: a CTA per (run, group of GT heads) and split, GT the
+// largest of 8, 4, 2, 1 that divides G; 16 splits where 8 would leave
+// multiprocessors idle (a long context and a small batch) and the device
+// allows clusters of 16.
+template <uint32_t D, uint32_t GT>
+cudaError_t launch_estimate_gt(const DevRun *runs, uint32_t R, uint32_t G, const DevLookup &out, bool clusters_ok,
+                               cudaStream_t s) {
+  static std::atomic<uint64_t> wide_set{0}, wide_refused{0};
+  const uint32_t blocks = R * (G / GT);
+  if (clusters_ok && blocks * kEstSplits < multiprocessors() &&
+      allow_wide_clusters(reinterpret_cast<const void *>(estimate_kernel<D, kEstWideSplits, GT>), &wide_set,
+                          &wide_refused)) {
+    const cudaError_t err = launch_pdl(estimate_kernel<D, kEstWideSplits, GT>, dim3(blocks * kEstWideSplits),
+                                       dim3(kEstThreads), 0, s, kEstWideSplits, runs, G, out);
+    if (err != cudaErrorInvalidClusterSize) return err;
+    (void)cudaGetLastError();  // no room for clusters of 16 (a shared device): clusters of 8
+  }
+  if (clusters_ok)
+    return launch_pdl(estimate_kernel<D, kEstSplits, GT>, dim3(blocks * kEstSplits), dim3(kEstThreads), 0, s,
+                      kEstSplits, runs, G, out);
+  return launch_pdl(estimate_kernel<D, 1, GT>, dim3(blocks), dim3(kEstThreads), 0, s, 1, runs, G, out);
+}
+template <uint32_t D>
+cudaError_t launch_estimate(const DevRun *runs, uint32_t R, uint32_t G, const DevLookup &out, bool clusters_ok,
+                            cudaStream_t s) {
+  if (G % 8 == 0) return launch_estimate_gt<D, 8>(runs, R, G, out, clusters_ok, s);
+  if (G % 4 == 0) return launch_estimate_gt<D, 4>(runs, R, G, out, clusters_ok, s);
+  if (G % 2 == 0) return launch_estimate_gt<D, 2>(runs, R, G, out, clusters_ok, s);
+  return launch_estimate_gt<D, 1>(runs, R, G, out, clusters_ok, s);
+}
+
 template <uint32_t D>
 cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
                    const DevLookup &out, float *scores, uint32_t max_clusters, const StepMark &mark, cudaStream_t s) {
@@ -769,21 +1057,26 @@ cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
                                    runs, G, scale, q, out.logits));
   }
   if (R > 0) {
-    // 2. Scores and selection.
-    const uint32_t cap = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
-    WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(select_kernel),
-                                    kLookupSmemClusters * sizeof(uint32_t), &select_smem_set));
-    WKV_CUDA_TRY(launch_pdl(select_kernel, dim3(R), dim3(kSelectThreads), cap * sizeof(uint32_t), s, 1,
-                                   runs, G, out, scores, cap));
+    // 2. Scores and selection: each run split over a cluster of CTAs while
+    //    that keeps slices of kSelectMinSlice clusters and the grid within
+    //    one wave (a CTA per multiprocessor).
+    static const bool split_ok = select_clusters_usable();
+    uint32_t split = 1;
+    if (split_ok) {
+      const uint32_t sms = multiprocessors();
+      while (split < kSelectMaxSplit && R * split * 2 <= sms && max_clusters / (2 * split) >= kSelectMinSlice)
+        split *= 2;
+    }
+    const uint32_t share = (max_clusters + split - 1) / split;
+    const uint32_t cap = share < kLookupSmemClusters ? share : kLookupSmemClusters;
+    WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(select_kernel), select_smem(kLookupSmemClusters),
+                                    &select_smem_set));
+    WKV_CUDA_TRY(launch_pdl(select_kernel, dim3(R * split), dim3(kSelectThreads), select_smem(cap), s, split,
+                                   runs, G, out, scores, cap, split));
 
     // 3. Estimate.
     static const bool clusters_ok = cluster_estimate_usable<D>();
-    if (clusters_ok) {
-      WKV_CUDA_TRY(launch_pdl(estimate_kernel<D, kEstSplits>, dim3(R * G * kEstSplits), dim3(kEstThreads),
-                                     0, s, kEstSplits, runs, G, out));
-    } else {
-      WKV_CUDA_TRY(launch_pdl(estimate_kernel<D, 1>, dim3(R * G), dim3(kEstThreads), 0, s, 1, runs, G, out));
-    }
+    WKV_CUDA_TRY(launch_estimate<D>(runs, R, G, out, clusters_ok, s));
   }
   // 4. Offsets.
   return launch_pdl(offsets_kernel, dim3(1), dim3(kOffsetThreads), 0, s, 1,

@@ -15,8 +15,11 @@
 
 namespace wkv::kernels {
 
-// Runs with at most this many clusters keep their scores in shared memory
-// (64 KiB); larger runs need the global `scores` scratch of lookup_zones.
+// A run's selection is split over up to 8 CTAs (a thread-block cluster on
+// sm_90); slices of at most this many clusters keep their scores in shared
+// memory (80 KiB with a class byte each); larger ones need the global
+// `scores` scratch of lookup_zones (required past this many clusters in a
+// run, whatever the split).
 constexpr uint32_t kLookupSmemClusters = 16384;
 // Query heads per KV head (G) that lookup_zones and attend_ragged accept.
 constexpr uint32_t kMaxGroup = 32;

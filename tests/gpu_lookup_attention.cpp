@@ -471,7 +471,8 @@ TEST(LookupZones, TheRefinementsSelectThroughTheGlobalScratch) {
   spec.seed = 9;
   spec.spread = spec.ones = spec.tail = true;
   spec.zones = Zones::kRandom;
-  spec.clusters = {kLookupSmemClusters + 1, 40000, 100};
+  // 140000 clusters: slices of 17500 even split over 8 CTAs.
+  spec.clusters = {kLookupSmemClusters + 1, 40000, 100, 140000};
   check_lookup(spec, true);
 }
 
@@ -511,8 +512,33 @@ TEST(LookupZones, LargeRunsSelectThroughTheGlobalScratch) {
   spec.G = 4;
   spec.seed = 5;
   spec.zones = Zones::kRandom;
-  spec.clusters = {kLookupSmemClusters + 1, 65536, 100, 40000, kLookupSmemClusters};
+  // Split over clusters of CTAs, only the slices of 140000 (17500 each)
+  // are past the shared memory's room.
+  spec.clusters = {kLookupSmemClusters + 1, 65536, 100, 40000, kLookupSmemClusters, 140000};
   check_lookup(spec, true);
+}
+
+// A large run splits every run's selection over a cluster of 8 CTAs (on
+// sm_90), slices of 2500 clusters each: small runs leave CTAs with empty
+// slices, ties cross slices, clusters of one are ranked apart across them.
+TEST(LookupZones, RunsSplitOverAClusterOfCtasMatchCpu) {
+  REQUIRE_GPU();
+  uint64_t seed = 900;
+  for (int m = 0; m < 4; ++m) {
+    LookupSpec spec;
+    spec.d = 128;
+    spec.G = m < 2 ? 4 : 8;
+    spec.seed = ++seed;
+    spec.ties = m & 1;
+    spec.ones = spec.tail = spec.spread = m & 2;
+    spec.clusters = {40000, 0, 1, 7, 3000, 9, 20000};
+    SCOPED_TRACE("ties " + std::to_string(spec.ties) + " refinements " + std::to_string(spec.ones));
+    for (Zones z : {Zones::kEngineRule, Zones::kRandom}) {
+      spec.zones = z;
+      check_lookup(spec, true);
+      if (HasFatalFailure()) return;
+    }
+  }
 }
 
 TEST(LookupZones, IsDeterministicAndNeedsNoScoresForSmallRuns) {
