@@ -1071,8 +1071,16 @@ cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
     const uint32_t cap = share < kLookupSmemClusters ? share : kLookupSmemClusters;
     WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(select_kernel), select_smem(kLookupSmemClusters),
                                     &select_smem_set));
-    WKV_CUDA_TRY(launch_pdl(select_kernel, dim3(R * split), dim3(kSelectThreads), select_smem(cap), s, split,
-                                   runs, G, out, scores, cap, split));
+    cudaError_t err = launch_pdl(select_kernel, dim3(R * split), dim3(kSelectThreads), select_smem(cap), s, split,
+                                 runs, G, out, scores, cap, split);
+    if (err == cudaErrorInvalidClusterSize && split > 1) {
+      // No room for the cluster (a device shared by limit): one CTA a run.
+      (void)cudaGetLastError();
+      const uint32_t cap1 = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
+      err = launch_pdl(select_kernel, dim3(R), dim3(kSelectThreads), select_smem(cap1), s, 1, runs, G, out, scores,
+                       cap1, 1u);
+    }
+    WKV_CUDA_TRY(err);
 
     // 3. Estimate.
     static const bool clusters_ok = cluster_estimate_usable<D>();

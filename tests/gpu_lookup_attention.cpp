@@ -519,7 +519,7 @@ TEST(LookupZones, LargeRunsSelectThroughTheGlobalScratch) {
 }
 
 // A large run splits every run's selection over a cluster of 8 CTAs (on
-// sm_90), slices of 2500 clusters each: small runs leave CTAs with empty
+// sm_90), slices of 5000 clusters of it: small runs leave CTAs with empty
 // slices, ties cross slices, clusters of one are ranked apart across them.
 TEST(LookupZones, RunsSplitOverAClusterOfCtasMatchCpu) {
   REQUIRE_GPU();

@@ -441,16 +441,15 @@ void BufferManager::evict() {
 }
 
 void BufferManager::release_quarantined(uint64_t oldest) {
-  size_t q = 0;
-  for (size_t i = 0; i < quarantine_.size(); ++i) {
-    if (quarantine_[i].stamp < oldest) {
-      free_units_.push_back(quarantine_[i].unit);
-      --quarantined_;
-    } else {
-      quarantine_[q++] = quarantine_[i];
-    }
+  // Stamps never decrease along the queue (only the manager's thread
+  // appends, each time with the epoch counter as it is then): the frames
+  // whose readers have ended are a prefix, and the decoding path pays for
+  // what it frees, not for what stays.
+  while (!quarantine_.empty() && quarantine_.front().stamp < oldest) {
+    free_units_.push_back(quarantine_.front().unit);
+    quarantine_.pop_front();
+    --quarantined_;
   }
-  quarantine_.resize(q);
 }
 
 bool BufferManager::release_ready() {

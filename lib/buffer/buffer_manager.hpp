@@ -243,7 +243,7 @@ class BufferManager {
   // Runs releases whose steps have ended. Pre: mu_ not held.
   bool release_ready();
   // Frees the quarantined frames stamped before `oldest` (the oldest epoch
-  // in flight). Pre: mu_ held.
+  // in flight), from the front of the queue. Pre: mu_ held.
   void release_quarantined(uint64_t oldest);
 
   Options opts_;
@@ -258,7 +258,7 @@ class BufferManager {
   std::vector<std::pair<uint64_t *, uint64_t *>> slab_offsets_;  // word slabs: host, device
   std::vector<Pending> pending_;
   std::vector<uint32_t> free_units_;
-  std::vector<Quarantined> quarantine_;  // frames given up, until their readers end
+  std::deque<Quarantined> quarantine_;  // frames given up, until their readers end (stamps in order)
   std::vector<HeadSlot> heads_;  // [0] unused
   std::vector<uint32_t> free_heads_;
   uint8_t *ring_ = nullptr, *ring_dev_ = nullptr;
@@ -276,8 +276,11 @@ class BufferManager {
   // have ended, so the frames ready when a burst of steps begins (a token's
   // layers, enqueued back to back) are all that burst can admit into: the
   // eviction keeps ready the misses of a record (recent records' mean)
-  // times the records open at once (a slowly decaying peak), with half as
-  // much again for the spread between steps, at most a quarter of the cache.
+  // times the records open at once (the peak since the manager's last pass,
+  // or seven eighths of the figure before if larger: a burst's peak is seen
+  // at its first record's take, when the eviction for the next burst
+  // begins), with half as much again for the spread between steps, at most
+  // a quarter of the cache.
   double record_missed_ = 0;
   double open_records_ = 1;
   size_t open_peak_ = 0;  // records open at once since the last pass (guarded by mu_)
