@@ -105,7 +105,10 @@ void ColdTier::run() {
 }
 
 void ColdTier::run_batch(std::vector<Job> &batch) {
-  ColdShared &owner = *batch.front().owner;
+  // The sequence may be destroyed meanwhile: its shared state lives while
+  // this runs, even once the disowned jobs (and their references) are gone.
+  const std::shared_ptr<ColdShared> hold = batch.front().owner;
+  ColdShared &owner = *hold;
   const bool write = batch.front().write;
   // Jobs of an older generation were disowned: dropped unseen.
   {
