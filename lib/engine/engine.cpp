@@ -60,6 +60,10 @@ void zone_sizes(const Config &cfg, uint32_t clusters, uint32_t ones, uint32_t *n
 Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
   Config cfg;
   WKV_RETURN_IF_ERROR(resolve_config(user, &cfg));
+  // The metadata allocator is loaded here (a dlopen, once a process), on
+  // the opening thread, before the engine's pool and the callers' threads
+  // append: not on the first append, where several threads may meet it.
+  (void)meta_allocator_name();
   std::shared_ptr<Engine> e(new Engine());
   e->cfg_ = cfg;
   HostArena::Options ao;
