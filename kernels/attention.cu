@@ -567,13 +567,10 @@ cudaError_t attend_impl(const int32_t *offsets, const void *xk, const void *xv, 
   // The shared memory limit, once per device (an attribute of the device's
   // context), and the CTAs that fill the device once, read once.
   static std::atomic<uint64_t> smem_set{0};
+  WKV_CUDA_TRY(set_func_attribute_once(reinterpret_cast<const void *>(kernel),
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem), &smem_set));
   int dev = 0;
   WKV_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (!bit || !(smem_set.load(std::memory_order_relaxed) & bit)) {
-    WKV_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    smem_set.fetch_or(bit, std::memory_order_relaxed);
-  }
   static const int fill = [&]() -> int {
     int sms = 0, per_sm = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||

@@ -10,6 +10,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
+
 #include "kernels/device_layout.hpp"
 #include "kernels/dtype.hpp"
 
@@ -28,6 +31,20 @@ namespace wkv::kernels {
 // After a launch: the launch error, if any (does not synchronize). Taken
 // with cudaGetLastError, so that it is not reported again by a later check.
 #define WKV_CUDA_CHECK_LAUNCH(name) WKV_CUDA_CHECK(cudaGetLastError())
+
+// Sets fn's attribute `attr` to `value` once per device: an attribute
+// belongs to the current device's context. `done` holds a bit per device
+// (ids past 63 set it at every call).
+inline cudaError_t set_func_attribute_once(const void *fn, cudaFuncAttribute attr, int value,
+                                           std::atomic<uint64_t> *done) {
+  int dev = 0;
+  WKV_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev >= 0 && dev < 64 ? uint64_t(1) << dev : 0;
+  if (bit && (done->load(std::memory_order_relaxed) & bit)) return cudaSuccess;
+  WKV_CUDA_CHECK(cudaFuncSetAttribute(fn, attr, value));
+  done->fetch_or(bit, std::memory_order_relaxed);
+  return cudaSuccess;
+}
 
 // Programmatic dependent launch: a kernel launched with launch_pdl() may
 // start while the grid before it on the stream finishes, so it calls

@@ -931,12 +931,11 @@ __global__ void __launch_bounds__(kOffsetThreads) offsets_kernel(const uint32_t 
   signal_step_end(mark);
 }
 
-// Whether estimate_kernel<D, kEstSplits, 1> was compiled for sm_90 or later
-// (not JIT-compiled from older PTX), so that clusters work in it.
-template <uint32_t D>
-bool cluster_estimate_usable() {
+// Whether fn was compiled for sm_90 or later (not JIT-compiled from older
+// PTX), so that thread-block clusters work in it.
+bool built_for_clusters(const void *fn) {
   cudaFuncAttributes fa{};
-  if (cudaFuncGetAttributes(&fa, estimate_kernel<D, kEstSplits, 1>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&fa, fn) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
@@ -946,17 +945,6 @@ bool cluster_estimate_usable() {
 // select_kernel's dynamic shared memory for slices of up to `cap` clusters:
 // a key and a class byte each.
 constexpr size_t select_smem(uint32_t cap) { return static_cast<size_t>(cap) * (sizeof(uint32_t) + 1); }
-
-// Whether select_kernel was compiled for sm_90 or later, so that a run's
-// selection can be split over a cluster of CTAs.
-bool select_clusters_usable() {
-  cudaFuncAttributes fa{};
-  if (cudaFuncGetAttributes(&fa, select_kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return fa.ptxVersion >= 90;
-}
 
 // The current device's multiprocessors (asked once per device).
 uint32_t multiprocessors() {
@@ -979,22 +967,14 @@ uint32_t multiprocessors() {
   return n;
 }
 
-// Raises fn's dynamic shared memory limit to `bytes`, once per device
-// (the attribute belongs to the current device's context).
+// Raises fn's dynamic shared memory limit to `bytes` (once per device).
 cudaError_t ensure_smem(const void *fn, size_t bytes, std::atomic<uint64_t> *done) {
   if (bytes <= 48 * 1024) return cudaSuccess;
-  int dev = 0;
-  WKV_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (bit && (done->load(std::memory_order_relaxed) & bit)) return cudaSuccess;
-  WKV_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  done->fetch_or(bit, std::memory_order_relaxed);
-  return cudaSuccess;
+  return set_func_attribute_once(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes), done);
 }
 
-
 // Whether fn may be launched in clusters of 16 CTAs on the current device
-// (asked once per device; the attribute belongs to its context).
+// (asked once per device; a refusal is remembered in `refused`).
 bool allow_wide_clusters(const void *fn, std::atomic<uint64_t> *done, std::atomic<uint64_t> *refused) {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
@@ -1002,15 +982,11 @@ bool allow_wide_clusters(const void *fn, std::atomic<uint64_t> *done, std::atomi
     return false;
   }
   const uint64_t bit = uint64_t(1) << dev;
-  if (done->load(std::memory_order_relaxed) & bit) return true;
   if (refused->load(std::memory_order_relaxed) & bit) return false;
-  if (cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-    (void)cudaGetLastError();
-    refused->fetch_or(bit, std::memory_order_relaxed);
-    return false;
-  }
-  done->fetch_or(bit, std::memory_order_relaxed);
-  return true;
+  if (set_func_attribute_once(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1, done) == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  refused->fetch_or(bit, std::memory_order_relaxed);
+  return false;
 }
 
 // The estimate: a CTA per (run, group of GT heads) and split, GT the
@@ -1060,7 +1036,7 @@ cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
     // 2. Scores and selection: each run split over a cluster of CTAs while
     //    that keeps slices of kSelectMinSlice clusters and the grid within
     //    one wave (a CTA per multiprocessor).
-    static const bool split_ok = select_clusters_usable();
+    static const bool split_ok = built_for_clusters(reinterpret_cast<const void *>(select_kernel));
     uint32_t split = 1;
     if (split_ok) {
       const uint32_t sms = multiprocessors();
@@ -1083,7 +1059,8 @@ cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
     WKV_CUDA_TRY(err);
 
     // 3. Estimate.
-    static const bool clusters_ok = cluster_estimate_usable<D>();
+    static const bool clusters_ok =
+        built_for_clusters(reinterpret_cast<const void *>(estimate_kernel<D, kEstSplits, 1>));
     WKV_CUDA_TRY(launch_estimate<D>(runs, R, G, out, clusters_ok, s));
   }
   // 4. Offsets.

@@ -327,8 +327,7 @@ bool BufferManager::take_records() {
       h = open_.front();
       if (!h->cancelled && h->tracker->done() < h->epoch) return any;
     }
-    if (!h->cancelled) record_missed_ = 0.75 * record_missed_ + 0.25 * take_record(*h);
-    else take_record(*h);
+    take_record(*h);
     any = true;
     std::lock_guard<std::mutex> lock(mu_);
     --const_cast<StepTracker *>(h->tracker)->records_;
@@ -337,7 +336,7 @@ bool BufferManager::take_records() {
   }
 }
 
-double BufferManager::take_record(const RecordHeader &hc) {
+void BufferManager::take_record(const RecordHeader &hc) {
   RecordHeader *h = const_cast<RecordHeader *>(&hc);
   RecordArrays a = arrays_of(h);
   const uint32_t used = std::min(h->used, h->n_given), hits = std::min(h->hits, h->hit_cap);
@@ -372,11 +371,12 @@ double BufferManager::take_record(const RecordHeader &hc) {
     }
   }
   admissions_ += admitted;
-  if (h->cancelled) return 0;
+  if (h->cancelled) return;
   // What the step missed (a gather that counts nothing reports at least
-  // what it admitted).
+  // what it admitted): its demand for free frames, whatever it was handed.
   const uint32_t missed = std::max(h->missed, used);
   missed_ += missed;
+  record_missed_ = 0.75 * record_missed_ + 0.25 * missed;
   given_ += h->n_given;
   // Handing out frames costs the decoding path a store each and the
   // manager a log entry: hand each step the share of its bound that steps
@@ -386,7 +386,6 @@ double BufferManager::take_record(const RecordHeader &hc) {
     miss_share_.store(0.75f * miss_share_.load(std::memory_order_relaxed) + 0.25f * share,
                       std::memory_order_relaxed);
   }
-  return missed;
 }
 
 void BufferManager::evict() {

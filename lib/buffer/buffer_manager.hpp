@@ -235,9 +235,8 @@ class BufferManager {
   uint64_t *device_word(uint64_t *host) const;
   // Takes the ended records at the ring's tail. Pre: mu_ not held.
   bool take_records();
-  // Applies one record; returns the units its step missed (its demand for
-  // free frames, whatever it was handed).
-  double take_record(const RecordHeader &h);
+  // Applies one record: recency, admissions, and what its step missed.
+  void take_record(const RecordHeader &h);
   // Evicts until the reserve is met. Pre: mu_ not held.
   void evict();
   // Runs releases whose steps have ended. Pre: mu_ not held.
