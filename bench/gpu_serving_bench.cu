@@ -224,8 +224,11 @@ struct Row {
   double hit = 0, miss_mb = 0, gpu_gib = 0, host_gib = 0, err_med = 0, err_p90 = 0;
   double append_us = 0, decode_us = 0;
   double admit_per_step = 0, evict_per_step = 0, miss_per_step = 0;  // units of page_tokens members
+  double given_per_step = 0;  // free frames the buffer manager handed to steps
+  uint64_t records_dropped = 0;  // steps that got no record (the manager's ring full)
   double split_us[5] = {0, 0, 0, 0, 0};  // append, lookup, assemble, attend, update
   double device_us[5] = {0, 0, 0, 0, 0};  // the same verbs' device time (events around each)
+  double device_mean_us[5] = {0, 0, 0, 0, 0};
   uint64_t growth_steps = 0;
 };
 
@@ -350,6 +353,8 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   row.miss_per_step = misses / (double(steps) * L);
   row.admit_per_step = double(st1.cache_admissions - st0.cache_admissions) / (double(steps) * L);
   row.evict_per_step = double(st1.cache_evictions - st0.cache_evictions) / (double(steps) * L);
+  row.given_per_step = double(st1.cache_frames_given - st0.cache_frames_given) / (double(steps) * L);
+  row.records_dropped = st1.cache_records_dropped - st0.cache_records_dropped;
   row.gpu_gib = double(free0 - free1) / (1ull << 30);
   row.host_gib = double(st1.host_bytes_reserved) / (1ull << 30);
 
@@ -402,6 +407,9 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
     for (int i = 0; i < 5; ++i) {
       row.split_us[i] = quantile(t[i], 0.5);
       row.device_us[i] = quantile(dt[i], 0.5);
+      double sum = 0;
+      for (double x : dt[i]) sum += x;
+      row.device_mean_us[i] = dt[i].empty() ? 0 : sum / double(dt[i].size());
     }
   }
 
@@ -501,14 +509,20 @@ int main(int argc, char **argv) {
                 r.host_med_us, r.host_p99_us, r.host_max_us, static_cast<unsigned long long>(r.growth_steps), r.hit,
                 r.miss_mb, r.gpu_gib, r.host_gib, r.err_med, r.err_p90,
                 ratio > 0 ? (std::to_string(ratio).substr(0, 5) + "x").c_str() : "-");
-    std::printf("      cache units per layer-step: %.0f missed, %.0f admitted, %.0f evicted\n", r.miss_per_step,
-                r.admit_per_step, r.evict_per_step);
+    std::printf("      cache units per layer-step: %.0f missed, %.0f frames given, %.0f admitted, %.0f evicted; "
+                "%llu steps without a record\n",
+                r.miss_per_step, r.given_per_step, r.admit_per_step, r.evict_per_step,
+                static_cast<unsigned long long>(r.records_dropped));
     std::printf("      host us (medians): wkv_append_batch %.1f, wkv_decode %.1f; split form: append %.1f, lookup %.1f, "
                 "assemble %.1f, attend %.1f, update %.1f\n",
                 r.append_us, r.decode_us, r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3], r.split_us[4]);
     std::printf("      device us (medians, split form): append %.1f, lookup %.1f, assemble %.1f, attend %.1f, "
                 "update %.1f\n",
                 r.device_us[0], r.device_us[1], r.device_us[2], r.device_us[3], r.device_us[4]);
+    std::printf("      device us (means, split form): append %.1f, lookup %.1f, assemble %.1f, attend %.1f, "
+                "update %.1f\n",
+                r.device_mean_us[0], r.device_mean_us[1], r.device_mean_us[2], r.device_mean_us[3],
+                r.device_mean_us[4]);
     std::fflush(stdout);
     if (tps > best_w) best_w = tps, best_wb = B;
   }

@@ -48,9 +48,15 @@ extern "C" WKV_API void wkv_stats_init_0_3(wkv_stats *stats) {
 }
 __asm__(".symver wkv_stats_init_0_3,wkv_stats_init@WAVEKV_0.3");
 
+// 0.4's and 0.5's ended after spill_write_errors.
 extern "C" WKV_API void wkv_stats_init_0_4(wkv_stats *stats) {
+  if (stats) write_prefix(stats, wkv_stats{}, offsetof(wkv_stats, cache_frames_given));
+}
+__asm__(".symver wkv_stats_init_0_4,wkv_stats_init@WAVEKV_0.4");
+
+extern "C" WKV_API void wkv_stats_init_0_6(wkv_stats *stats) {
   if (!stats) return;
   std::memset(stats, 0, sizeof *stats);
   stats->size = sizeof *stats;
 }
-__asm__(".symver wkv_stats_init_0_4,wkv_stats_init@@WAVEKV_0.4");
+__asm__(".symver wkv_stats_init_0_6,wkv_stats_init@@WAVEKV_0.6");

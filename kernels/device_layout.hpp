@@ -19,6 +19,11 @@ namespace wkv::kernels {
 //                      (WKV_METHOD_SPREAD off)
 //   value_mean[i]      the head's mean value; null: the clusters of neither
 //                      zone are dropped (WKV_METHOD_TAIL off)
+//   centroid16         the centroids' f16 copy that the logits read (engines
+//                      with a 16-bit storage dtype): kMeta16Header bytes, of
+//                      which the first word is nonzero once a centroid fell
+//                      outside f16's range (then the logits read the f32
+//                      centroids), then [clusters][d] f16. Null: f32 only.
 // Mapping-table mirror:
 //   first_slot[c]      token slot of the cluster's first member in the head's
 //                      page list: page first_slot / page_tokens, row
@@ -44,6 +49,7 @@ struct DevRun {
   const float *value_sum;
   const float *spread;
   const float *value_mean;
+  const uint8_t *centroid16;
   const uint32_t *size;
   const uint32_t *first_slot;
   const uint32_t *unit_begin;
@@ -61,6 +67,10 @@ struct DevRun {
   uint32_t est_off;      // this run's first entry in est_ids
   uint32_t scratch_off;  // this run's first float in the [G][clusters] logits scratch
 };
+
+// Bytes before the f16 centroids of DevRun::centroid16 (an overflow word,
+// then padding that keeps the rows 16-byte aligned).
+constexpr uint32_t kMeta16Header = 16;
 
 // Entries of a unit map chunk, and the entry of a unit no frame holds (the
 // engine's kUnitChunk and kNoFrame, lib/index/head.hpp).

@@ -46,6 +46,7 @@ constexpr uint32_t kLogitThreads = 256;
 constexpr uint32_t kSelectThreads = 1024;
 constexpr uint32_t kSelectWarps = kSelectThreads / 32;
 constexpr uint32_t kSelectMaxSplit = 8;     // CTAs a run's selection is split over, at most (one cluster)
+constexpr uint32_t kSelectWideSplit = 16;   // ... when the device allows clusters of 16 and has room for them
 constexpr uint32_t kSelectMinSlice = 2048;  // clusters a CTA's slice keeps, at least
 constexpr uint32_t kEstThreads = 256;
 constexpr uint32_t kEstSplits = 8;       // CTAs per (run, head group) on sm_90: one cluster
@@ -179,9 +180,35 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const DevRun *__r
   const uint32_t c0 = blockIdx.x * kTileC;
   if (c0 >= C) return;  // uniform over the CTA
   const uint32_t nc = min(kTileC, C - c0);
-  const float *cent = runs[r].centroid + static_cast<size_t>(c0) * D;
-  for (uint32_t i = tid; i < nc * V4; i += kLogitThreads)
-    cp_async16(tile + (i / V4) * kTileLd<D> + (i % V4) * 4, cent + i * 4);
+  // The f16 copy where the run has one and every centroid fits (half the
+  // bytes: the kernel is bandwidth-bound), else the f32 centroids.
+  const uint8_t *c16 = runs[r].centroid16;
+  if (c16 && *reinterpret_cast<const uint32_t *>(c16) == 0) {
+    constexpr uint32_t V8 = D / 8;
+    constexpr uint32_t kPer = (kTileC * V8 + kLogitThreads - 1) / kLogitThreads;
+    const uint4 *src = reinterpret_cast<const uint4 *>(c16 + kMeta16Header) + static_cast<size_t>(c0) * V8;
+    uint4 raw[kPer];
+#pragma unroll
+    for (uint32_t k = 0; k < kPer; ++k) {
+      const uint32_t i = tid + k * kLogitThreads;
+      if (i < nc * V8) raw[k] = __ldg(src + i);
+    }
+#pragma unroll
+    for (uint32_t k = 0; k < kPer; ++k) {
+      const uint32_t i = tid + k * kLogitThreads;
+      if (i >= nc * V8) continue;
+      const __half2 *h2 = reinterpret_cast<const __half2 *>(&raw[k]);
+      const float2 a = __half22float2(h2[0]), b = __half22float2(h2[1]);
+      const float2 c = __half22float2(h2[2]), e = __half22float2(h2[3]);
+      float *dst = tile + (i / V8) * kTileLd<D> + (i % V8) * 8;
+      *reinterpret_cast<float4 *>(dst) = make_float4(a.x, a.y, b.x, b.y);
+      *reinterpret_cast<float4 *>(dst + 4) = make_float4(c.x, c.y, e.x, e.y);
+    }
+  } else {
+    const float *cent = runs[r].centroid + static_cast<size_t>(c0) * D;
+    for (uint32_t i = tid; i < nc * V4; i += kLogitThreads)
+      cp_async16(tile + (i / V4) * kTileLd<D> + (i % V4) * 4, cent + i * 4);
+  }
   const float *qg = q + static_cast<size_t>(r) * G * D;
   for (uint32_t i = tid; i < G * V4; i += kLogitThreads) cp_async16(qs + i * 4, qg + i * 4);
   cp_async_wait_all();
@@ -989,6 +1016,39 @@ bool allow_wide_clusters(const void *fn, std::atomic<uint64_t> *done, std::atomi
   return false;
 }
 
+// How many clusters of `cluster` CTAs of `threads` threads and `smem` bytes
+// of dynamic shared memory the current device holds at once (asked once per
+// device: the caller passes the same shape every time; 0 when it cannot
+// tell).
+uint32_t resident_clusters(const void *fn, uint32_t cluster, uint32_t threads, size_t smem,
+                           std::atomic<uint32_t> (&known)[64]) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  uint32_t n = known[dev].load(std::memory_order_relaxed);
+  if (n > 0) return n - 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(cluster);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, fn, &cfg) != cudaSuccess || clusters < 0) {
+    (void)cudaGetLastError();
+    clusters = 0;
+  }
+  known[dev].store(static_cast<uint32_t>(clusters) + 1, std::memory_order_relaxed);
+  return static_cast<uint32_t>(clusters);
+}
+
 // The estimate: a CTA per (run, group of GT heads) and split, GT the
 // largest of 8, 4, 2, 1 that divides G; 16 splits where 8 would leave
 // multiprocessors idle (a long context and a small batch) and the device
@@ -1036,25 +1096,42 @@ cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
     // 2. Scores and selection: each run split over a cluster of CTAs while
     //    that keeps slices of kSelectMinSlice clusters and the grid within
     //    one wave (a CTA per multiprocessor).
-    static const bool split_ok = built_for_clusters(reinterpret_cast<const void *>(select_kernel));
+    //    Clusters of 16 (a non-portable size) where 8 would still leave
+    //    multiprocessors idle and the device holds a cluster of 16 for
+    //    every run at once (a long context, a small batch).
+    const void *select_fn = reinterpret_cast<const void *>(select_kernel);
+    static const bool split_ok = built_for_clusters(select_fn);
+    static std::atomic<uint64_t> wide_set{0}, wide_refused{0};
+    static std::atomic<uint32_t> wide_resident[64];
+    WKV_CUDA_TRY(ensure_smem(select_fn, select_smem(kLookupSmemClusters), &select_smem_set));
     uint32_t split = 1;
     if (split_ok) {
       const uint32_t sms = multiprocessors();
       while (split < kSelectMaxSplit && R * split * 2 <= sms && max_clusters / (2 * split) >= kSelectMinSlice)
         split *= 2;
+      if (split == kSelectMaxSplit && R * kSelectWideSplit <= sms &&
+          max_clusters / kSelectWideSplit >= kSelectMinSlice &&
+          allow_wide_clusters(select_fn, &wide_set, &wide_refused) &&
+          resident_clusters(select_fn, kSelectWideSplit, kSelectThreads, select_smem(kLookupSmemClusters),
+                            wide_resident) >= R)
+        split = kSelectWideSplit;
     }
-    const uint32_t share = (max_clusters + split - 1) / split;
-    const uint32_t cap = share < kLookupSmemClusters ? share : kLookupSmemClusters;
-    WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(select_kernel), select_smem(kLookupSmemClusters),
-                                    &select_smem_set));
-    cudaError_t err = launch_pdl(select_kernel, dim3(R * split), dim3(kSelectThreads), select_smem(cap), s, split,
-                                 runs, G, out, scores, cap, split);
-    if (err == cudaErrorInvalidClusterSize && split > 1) {
-      // No room for the cluster (a device shared by limit): one CTA a run.
+    auto launch_select = [&](uint32_t n) {
+      const uint32_t share = (max_clusters + n - 1) / n;
+      const uint32_t cap = share < kLookupSmemClusters ? share : kLookupSmemClusters;
+      return launch_pdl(select_kernel, dim3(R * n), dim3(kSelectThreads), select_smem(cap), s, n, runs, G, out,
+                        scores, cap, n);
+    };
+    cudaError_t err = launch_select(split);
+    // No room for the cluster (a device shared by limit): clusters of 8,
+    // then one CTA a run.
+    if (err == cudaErrorInvalidClusterSize && split > kSelectMaxSplit) {
       (void)cudaGetLastError();
-      const uint32_t cap1 = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
-      err = launch_pdl(select_kernel, dim3(R), dim3(kSelectThreads), select_smem(cap1), s, 1, runs, G, out, scores,
-                       cap1, 1u);
+      err = launch_select(split = kSelectMaxSplit);
+    }
+    if (err == cudaErrorInvalidClusterSize && split > 1) {
+      (void)cudaGetLastError();
+      err = launch_select(1);
     }
     WKV_CUDA_TRY(err);
 

@@ -6,7 +6,7 @@
 namespace wkv::kernels {
 namespace {
 
-constexpr uint32_t kRunsPerLaunch = 27;  // DevRun is 144 bytes
+constexpr uint32_t kRunsPerLaunch = 26;  // DevRun is 152 bytes
 constexpr uint32_t kWordsPerLaunch = 480;
 
 struct RunChunk {
@@ -89,6 +89,20 @@ __global__ void convert_q_kernel(const typename DevType<T>::type *src, int64_t s
   const typename DevType<T>::type *row = src + s * seq_stride + h * head_stride;
   float *out = dst + (static_cast<size_t>(s) * nq + h) * d;
   for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) out[i] = DevType<T>::to_f(row[i]);
+}
+
+// f32 to f16, round to nearest even; *overflow |= 1 where a value is
+// outside f16's range (NaN included), as the CPU engine's compact mirror
+// tests it.
+__global__ void narrow_f16_kernel(const float *__restrict__ src, uint64_t n, __half *__restrict__ dst,
+                                  uint32_t *overflow) {
+  bool bad = false;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
+    const float x = src[i];
+    bad |= !(fabsf(x) <= 65504.0f);
+    dst[i] = __float2half_rn(x);
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(overflow, 1u);
 }
 
 }  // namespace
@@ -193,6 +207,17 @@ cudaError_t convert_q(DType t, const void *src, int64_t seq_stride, int64_t head
     WKV_CUDA_CHECK_LAUNCH("convert_q");
     return cudaSuccess;
   });
+}
+
+cudaError_t narrow_f16(const float *src, uint64_t n, void *dst, uint32_t *overflow, void *stream) {
+  if (n == 0) return cudaSuccess;
+  if (!src || !dst || !overflow) return cudaErrorInvalidValue;
+  const uint32_t threads = 256;
+  const uint32_t blocks = static_cast<uint32_t>(std::min<uint64_t>((n + threads - 1) / threads, 1024));
+  narrow_f16_kernel<<<blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(src, n, static_cast<__half *>(dst),
+                                                                               overflow);
+  WKV_CUDA_CHECK_LAUNCH("narrow_f16");
+  return cudaSuccess;
 }
 
 }  // namespace wkv::kernels

@@ -49,4 +49,8 @@ cudaError_t store_words(const uint64_t *addrs, uint32_t n, uint32_t value, void 
 cudaError_t convert_q(DType t, const void *src, int64_t seq_stride, int64_t head_stride, uint32_t n_seqs,
                  uint32_t n_q_heads, uint32_t d, float *dst, void *stream);
 
+// dst[i] = f16(src[i]) for i < n (device arrays), round to nearest even;
+// sets *overflow (device) to nonzero when a value lies outside f16's range.
+cudaError_t narrow_f16(const float *src, uint64_t n, void *dst, uint32_t *overflow, void *stream);
+
 }  // namespace wkv::kernels

@@ -42,6 +42,14 @@ extern "C"
 #endif
 void wkv_stats_init_v0_3(wkv_stats *stats);
 
+/* ... and of a program built against 0.4 or 0.5 (its struct ended after
+ * spill_write_errors). */
+__asm__(".symver wkv_stats_init_v0_4,wkv_stats_init@WAVEKV_0.4");
+#ifdef __cplusplus
+extern "C"
+#endif
+void wkv_stats_init_v0_4(wkv_stats *stats);
+
 /* The model shape of every engine in this test. */
 #define NL 2          /* layers */
 #define NQ 4          /* query heads */
@@ -1301,6 +1309,8 @@ static void test_stats(void) {
   CHECK(st.host_bytes_reserved >= st.host_bytes_used, "reserved covers used");
   CHECK(st.host_budget_bytes == 0, "no budget on engine E");
   CHECK(st.steady_bytes > 0 && st.meta_bytes > 0, "steady and meta bytes counted");
+  CHECK(st.cache_frames_given == 0 && st.cache_records_dropped == 0,
+        "no device cache frames given nor access records dropped on a CPU engine");
 
   memset(raw, 0xee, sizeof raw);
   {
@@ -1326,6 +1336,8 @@ static void test_stats(void) {
   n = strlen(js);
   CHECK(n > 2 && js[0] == '{' && js[n - 1] == '}', "stats JSON is one object");
   CHECK(strstr(js, "\"tokens\"") != NULL, "stats JSON names \"tokens\"");
+  CHECK(strstr(js, "\"cache_frames_given\":0") != NULL && strstr(js, "\"cache_records_dropped\":0") != NULL,
+        "stats JSON has cache_frames_given and cache_records_dropped, 0 on a CPU engine");
   wkv_free(js);
   EXPECT_ERR(wkv_engine_stats_json(NULL, &js), WKV_ERR_INVALID_HANDLE);
   EXPECT_ERR(wkv_engine_stats_json(g_e, NULL), WKV_ERR_INVALID_ARGUMENT);
@@ -1436,10 +1448,11 @@ static void test_old_config(void) {
   wkv_engine_close(e);
 }
 
-/* A program built against wavekv 0.3 knows a shorter wkv_stats: its
- * wkv_stats_init writes no further, and wkv_engine_stats fills that prefix. */
-static void test_old_stats(void) {
-  const size_t old_size = offsetof(wkv_stats, spill_cold_pages);
+/* A program built against an older wavekv knows a shorter wkv_stats: its
+ * wkv_stats_init writes no further, and wkv_engine_stats fills that prefix
+ * (0.3's struct ended after evicted_sequences, 0.4's and 0.5's after
+ * spill_write_errors). */
+static void check_old_stats(void (*init)(wkv_stats *), size_t old_size, const char *version) {
   union {
     wkv_stats s;
     unsigned char raw[sizeof(wkv_stats) + 64];
@@ -1448,13 +1461,16 @@ static void test_old_stats(void) {
   wkv_engine *e = NULL;
   size_t i;
   int untouched = 1;
-  phase("old_stats");
+  char what[128];
   memset(&u, 0xab, sizeof u);
-  wkv_stats_init_v0_3(&u.s);
-  CHECK(u.s.size == old_size, "0.3's wkv_stats_init sets 0.3's size");
+  init(&u.s);
+  snprintf(what, sizeof what, "%s's wkv_stats_init sets %s's size", version, version);
+  CHECK(u.s.size == old_size, what);
   for (i = old_size; i < sizeof u.raw; ++i) untouched &= u.raw[i] == 0xab;
-  CHECK(untouched, "0.3's wkv_stats_init writes nothing past 0.3's struct");
-  CHECK(u.s.evicted_sequences == 0, "0.3's fields are zeroed");
+  snprintf(what, sizeof what, "%s's wkv_stats_init writes nothing past %s's struct", version, version);
+  CHECK(untouched, what);
+  snprintf(what, sizeof what, "%s's fields are zeroed", version);
+  CHECK(u.s.evicted_sequences == 0, what);
   wkv_config_init(&cfg);
   cfg.n_layers = NL;
   cfg.n_q_heads = NQ;
@@ -1464,8 +1480,15 @@ static void test_old_stats(void) {
   EXPECT_OK(wkv_engine_stats(e, &u.s));
   untouched = 1;
   for (i = old_size; i < sizeof u.raw; ++i) untouched &= u.raw[i] == 0xab;
-  CHECK(untouched && u.s.size == old_size, "wkv_engine_stats fills a 0.3 struct's prefix only");
+  snprintf(what, sizeof what, "wkv_engine_stats fills a %s struct's prefix only", version);
+  CHECK(untouched && u.s.size == old_size, what);
   wkv_engine_close(e);
+}
+
+static void test_old_stats(void) {
+  phase("old_stats");
+  check_old_stats(wkv_stats_init_v0_3, offsetof(wkv_stats, spill_cold_pages), "0.3");
+  check_old_stats(wkv_stats_init_v0_4, offsetof(wkv_stats, cache_frames_given), "0.4");
 }
 
 /* Flips one bit of a file. */

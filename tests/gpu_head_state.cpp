@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/device_layout.hpp"
+#include "kernels/dtype.hpp"
 #include "lib/engine/engine.hpp"
 #include "lib/engine/plan.hpp"
 #include "lib/engine/sequence.hpp"
@@ -197,6 +199,26 @@ std::map<std::vector<uint8_t>, std::vector<std::vector<uint8_t>>> clusters_of(co
 // The same input gives the same cuts, the same seeds and, but for near-ties
 // of f16 dot products summed in another order, the same clusters; decoding
 // agrees at the default budget. The measured agreement is printed.
+// The device's f16 copy of a head's centroids, which the logits read: its
+// overflow word clear and every row the f32 centroid rounded to f16.
+void expect_centroid16(const wkv::HeadState &hs) {
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const size_t n = size_t(hs.clusters()) * kD;
+  ASSERT_GT(n, 0u);
+  ASSERT_NE(hs.meta.centroid16.p, nullptr) << "a CUDA engine with f16 storage keeps the copy";
+  std::vector<uint8_t> raw(wkv::kernels::kMeta16Header + n * 2);
+  std::vector<float> f32(n);
+  ASSERT_EQ(cudaMemcpy(raw.data(), hs.meta.centroid16.p, raw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(f32.data(), hs.meta.centroid.p, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  uint32_t overflow;
+  std::memcpy(&overflow, raw.data(), 4);
+  EXPECT_EQ(overflow, 0u);
+  std::vector<uint16_t> want(n);
+  wkv::from_float(wkv::DType::kF16, f32.data(), want.data(), n);
+  EXPECT_EQ(std::memcmp(want.data(), raw.data() + wkv::kernels::kMeta16Header, n * 2), 0)
+      << "the copy holds every cluster's centroid";
+}
+
 TEST(GpuHeadState, CpuAndCudaEnginesBuildTheSameIndex) {
   REQUIRE_GPU();
   Engine cpu(WKV_DEVICE_CPU), gpu(WKV_DEVICE_CUDA);
@@ -214,6 +236,7 @@ TEST(GpuHeadState, CpuAndCudaEnginesBuildTheSameIndex) {
   cpu.append(*sc, k, v, 700);
   gpu.append(*sg, k, v, 700);
   const auto snap_c = cpu.snapshot(*sc), snap_g = gpu.snapshot(*sg);
+  for (uint32_t h = 0; h < kKV; ++h) expect_centroid16(sg->layer(0).heads[h]);
   size_t tokens = 0, same = 0;
   for (uint32_t h = 0; h < kKV; ++h) {
     const auto &a = snap_c[0].heads[h], &b = snap_g[0].heads[h];
@@ -278,6 +301,8 @@ TEST(GpuHeadState, ALayerMovesBetweenCpuAndCudaAndDecodesTheSame) {
       back.append(*sb, k, v, 300);
     }
     EXPECT_EQ(sg->layer(0).heads[0].segments.size(), sc->layer(0).heads[0].segments.size());
+    // Imported, then grown: the f16 copy holds the clusters of both.
+    for (uint32_t h = 0; h < kKV; ++h) expect_centroid16(sg->layer(0).heads[h]);
   }
 }
 

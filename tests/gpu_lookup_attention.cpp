@@ -141,6 +141,11 @@ struct LookupSpec {
   bool spread = false;   // runs have spreads (WKV_METHOD_SPREAD)
   bool ones = false;     // a fifth of the clusters have one member, ranked apart (WKV_METHOD_ONES)
   bool tail = false;     // runs have a value mean (WKV_METHOD_TAIL)
+  // The centroids' f16 copy (DevRun::centroid16): kF32Only none; kNarrow the
+  // copy, centroids drawn as f16 values and the f32 array poisoned, so that
+  // only the copy gives the right logits; kOverflowed the copy flagged out
+  // of range with its rows poisoned, so that only the f32 array does.
+  enum Meta16 { kF32Only, kNarrow, kOverflowed } meta16 = kF32Only;
   uint64_t seed = 1;
 };
 
@@ -236,10 +241,33 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   std::vector<float> q(static_cast<size_t>(R) * G * d);
   for (float &x : q) x = normal(rng);
 
+  // The f16 copy: per run kMeta16Header bytes (the overflow word first),
+  // then its rows.
+  std::vector<uint16_t> meta16;
+  std::vector<size_t> meta16_off(R);
+  if (spec.meta16 != LookupSpec::kF32Only) {
+    std::vector<f16> half(centroid.size());
+    from_float(DType::kF16, centroid.data(), half.data(), centroid.size());
+    if (spec.meta16 == LookupSpec::kNarrow) to_float(DType::kF16, half.data(), centroid.data(), centroid.size());
+    constexpr size_t kHead = kMeta16Header / 2;
+    for (uint32_t r = 0; r < R; ++r) {
+      meta16_off[r] = meta16.size();
+      meta16.resize(meta16.size() + kHead, 0);
+      if (spec.meta16 == LookupSpec::kOverflowed) meta16[meta16_off[r]] = 1;
+      for (size_t i = 0; i < size_t(hr[r].C) * d; ++i)
+        meta16.push_back(spec.meta16 == LookupSpec::kNarrow ? half[hr[r].meta_off + i].bits
+                                                             : uint16_t{0x7c01});  // a NaN
+    }
+  }
+  std::vector<float> poisoned;
+  if (spec.meta16 == LookupSpec::kNarrow) poisoned.assign(centroid.size(), std::numeric_limits<float>::quiet_NaN());
+
   // 2. Device copies.
   DevArray<float> d_centroid, d_value_sum, d_spread, d_value_mean, d_q;
+  DevArray<uint16_t> d_meta16;
   DevArray<uint32_t> d_sizes;
-  CUDA_OK(d_centroid.upload(centroid));
+  CUDA_OK(d_centroid.upload(spec.meta16 == LookupSpec::kNarrow ? poisoned : centroid));
+  CUDA_OK(d_meta16.upload(meta16));
   CUDA_OK(d_value_sum.upload(value_sum));
   CUDA_OK(d_spread.upload(spread));
   CUDA_OK(d_value_mean.upload(value_mean));
@@ -251,6 +279,7 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
     std::memset(&x, 0, sizeof x);
     x.centroid = d_centroid.get() + hr[r].meta_off;
     x.value_sum = d_value_sum.get() + hr[r].meta_off;
+    x.centroid16 = meta16.empty() ? nullptr : reinterpret_cast<const uint8_t *>(d_meta16.get() + meta16_off[r]);
     x.size = d_sizes.get() + hr[r].size_off;
     x.spread = spec.spread ? d_spread.get() + hr[r].size_off : nullptr;
     x.value_mean = spec.tail ? d_value_mean.get() + size_t(r) * d : nullptr;
@@ -476,6 +505,27 @@ TEST(LookupZones, TheRefinementsSelectThroughTheGlobalScratch) {
   check_lookup(spec, true);
 }
 
+// The logits read the centroids' f16 copy where a run has one and its
+// overflow word is clear, the f32 centroids where it is set (the other array
+// is poisoned in each case: reading it would fail every logit).
+TEST(LookupZones, TheF16CentroidCopyIsReadUnlessFlagged) {
+  REQUIRE_GPU();
+  uint64_t seed = 1300;
+  for (uint32_t d : kDims)
+    for (auto mode : {LookupSpec::kNarrow, LookupSpec::kOverflowed}) {
+      SCOPED_TRACE("d=" + std::to_string(d) + (mode == LookupSpec::kNarrow ? " f16 copy" : " flagged"));
+      LookupSpec spec;
+      spec.d = d;
+      spec.G = 4;
+      spec.seed = ++seed;
+      spec.spread = spec.ones = spec.tail = seed % 2;
+      spec.meta16 = mode;
+      spec.clusters = mixed_clusters(seed, 3);
+      check_lookup(spec, true);
+      if (HasFatalFailure()) return;
+    }
+}
+
 TEST(LookupZones, SmallRunsMatchCpu) {
   REQUIRE_GPU();
   for (Zones z : {Zones::kEngineRule, Zones::kRandom}) {
@@ -518,21 +568,27 @@ TEST(LookupZones, LargeRunsSelectThroughTheGlobalScratch) {
   check_lookup(spec, true);
 }
 
-// A large run splits every run's selection over a cluster of 8 CTAs (on
-// sm_90), slices of 5000 clusters of it: small runs leave CTAs with empty
-// slices, ties cross slices, clusters of one are ranked apart across them.
+// A large run splits every run's selection over a cluster of CTAs (on
+// sm_90): of 16 CTAs with 7 runs on a device of 112 multiprocessors or more
+// that holds 7 such clusters at once (slices of 2500 clusters), of 8 with 12
+// runs (slices of 5000); small runs leave CTAs with empty slices, ties cross
+// slices, clusters of one are ranked apart across them.
 TEST(LookupZones, RunsSplitOverAClusterOfCtasMatchCpu) {
   REQUIRE_GPU();
   uint64_t seed = 900;
-  for (int m = 0; m < 4; ++m) {
+  for (int m = 0; m < 8; ++m) {
     LookupSpec spec;
     spec.d = 128;
-    spec.G = m < 2 ? 4 : 8;
+    spec.G = m % 4 < 2 ? 4 : 8;
     spec.seed = ++seed;
     spec.ties = m & 1;
     spec.ones = spec.tail = spec.spread = m & 2;
-    spec.clusters = {40000, 0, 1, 7, 3000, 9, 20000};
-    SCOPED_TRACE("ties " + std::to_string(spec.ties) + " refinements " + std::to_string(spec.ones));
+    if (m < 4)
+      spec.clusters = {40000, 0, 1, 7, 3000, 9, 20000};
+    else
+      spec.clusters = {40000, 5, 20000, 1, 0, 3000, 17000, 9, 40000, 2, 8000, 100};
+    SCOPED_TRACE("runs " + std::to_string(spec.clusters.size()) + " ties " + std::to_string(spec.ties) +
+                 " refinements " + std::to_string(spec.ones));
     for (Zones z : {Zones::kEngineRule, Zones::kRandom}) {
       spec.zones = z;
       check_lookup(spec, true);

@@ -53,6 +53,8 @@ std::string stats_table(const wkv_stats &s) {
   t.row({"device cache", mib(s.device_cache_bytes)});
   t.row({"cache admissions / evictions",
          std::to_string(s.cache_admissions) + " / " + std::to_string(s.cache_evictions)});
+  t.row({"cache frames given / records dropped",
+         std::to_string(s.cache_frames_given) + " / " + std::to_string(s.cache_records_dropped)});
   t.row({"k-means time", fixed(s.kmeans_ns * 1e-9, 3) + " s"});
   return t.str();
 }

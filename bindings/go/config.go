@@ -220,6 +220,10 @@ type Stats struct {
 	SpillEstimated    uint64 // retrievals estimated because a page was on disk
 	SpillReadErrors   uint64
 	SpillWriteErrors  uint64
+
+	// The device cache's admissions (CUDA engines; 0 on the CPU).
+	CacheFramesGiven    uint64 // free device cache frames handed to steps for admissions
+	CacheRecordsDropped uint64 // steps with no access record (ring full): nothing admitted
 }
 
 func statsFromC(s *C.wkv_stats) Stats {
@@ -262,6 +266,9 @@ func statsFromC(s *C.wkv_stats) Stats {
 		SpillEstimated:    uint64(s.spill_estimated),
 		SpillReadErrors:   uint64(s.spill_read_errors),
 		SpillWriteErrors:  uint64(s.spill_write_errors),
+
+		CacheFramesGiven:    uint64(s.cache_frames_given),
+		CacheRecordsDropped: uint64(s.cache_records_dropped),
 	}
 }
 

@@ -21,8 +21,9 @@
  *   older header keeps working: when a struct grows, its *_init function
  *   keeps the old size under the old symbol version (wkv_config grew in 0.2
  *   and 0.3: wkv_config_init@WAVEKV_0.1 writes 0.1's struct; wkv_stats grew
- *   in 0.3 and 0.4: wkv_stats_init@WAVEKV_0.1 writes 0.2's, and
- *   wkv_stats_init@WAVEKV_0.3 writes 0.3's).
+ *   in 0.3, 0.4 and 0.6: wkv_stats_init@WAVEKV_0.1 writes 0.2's,
+ *   wkv_stats_init@WAVEKV_0.3 writes 0.3's, and wkv_stats_init@WAVEKV_0.4
+ *   writes 0.5's).
  * - Tensors are raw pointers in the engine's storage dtype (wkv_config.dtype),
  *   with explicit strides counted in elements, not bytes. On a CUDA engine
  *   they are device pointers and streams are cudaStream_t passed as void*
@@ -88,7 +89,7 @@ extern "C" {
 /* Versions ---------------------------------------------------------------- */
 
 #define WKV_VERSION_MAJOR 0
-#define WKV_VERSION_MINOR 5
+#define WKV_VERSION_MINOR 6
 #define WKV_VERSION_PATCH 0
 /* The version as one number: major * 10000 + minor * 100 + patch. */
 #define WKV_VERSION_NUMBER \
@@ -368,6 +369,16 @@ typedef struct wkv_stats {
                                   then on, and saving the sequence fails */
   uint64_t spill_write_errors; /* writes of cold pages that failed (the pages
                                   stayed in memory) */
+  /* 0.6: the device cache's admissions (CUDA engines; 0 on the CPU). */
+  uint64_t cache_frames_given; /* free device cache frames the buffer manager
+                                  handed to decoding steps for admissions,
+                                  since open (a step admits a missed unit into
+                                  one of its frames: misses beyond the frames
+                                  given go unadmitted) */
+  uint64_t cache_records_dropped; /* decoding steps that got no access record
+                                  because the manager's record ring was full:
+                                  their hits and misses are not applied (no
+                                  admissions, no recency) */
 } wkv_stats;
 
 /* Bits of wkv_stats.spill_io. */

@@ -107,6 +107,13 @@ class Backend {
   virtual Status mem_copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
                                size_t width, size_t rows, void *stream) = 0;
   virtual Status mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream) = 0;
+  // dst[i] = f16(src[i]) for i < n, engine memory both, in stream order;
+  // sets *overflow (engine memory) to nonzero if a value lies outside f16's
+  // range. Backends whose kernels read no f16 meta index need not have it.
+  virtual Status narrow_f16(const float *src, size_t n, void *dst, uint32_t *overflow, void *stream) {
+    (void)src, (void)n, (void)dst, (void)overflow, (void)stream;
+    return WKV_ERROR(WKV_ERR_INTERNAL, "narrow_f16: not on this backend");
+  }
   // The copies of an append (of one sequence or of a batch), in stream
   // order: k and v are device addresses (check_pointer's), every row
   // `width` bytes. CUDA: one launch per 96 copies, no driver copy calls.

@@ -165,8 +165,11 @@ void Engine::fill_stats(wkv_stats *out) {
   out->pages_used = a.pages_used;
   out->pages_free = a.pages_total - a.pages_used;
   out->steady_bytes = counters_.steady_rows.load() * 2ull * cfg_.row_bytes();
-  // Centroid and value sum (f32) plus the mapping table's three words.
-  out->meta_bytes = out->clusters * (2 * d * sizeof(float) + 3 * sizeof(uint32_t));
+  // Centroid and value sum (f32) plus the mapping table's three words, and
+  // with a 16-bit storage dtype the f16 copies the steps read: centroids and
+  // value means on a CPU engine (while they fit), centroids on a GPU.
+  const uint64_t copies16 = cfg_.dtype() == DType::kF32 ? 0 : backend_->host_memory() ? 2 : 1;
+  out->meta_bytes = out->clusters * (2 * d * sizeof(float) + 3 * sizeof(uint32_t) + copies16 * d * 2);
   out->lookups = counters_.lookups.load();
   out->retrieved_clusters = counters_.retrieved_clusters.load();
   out->estimated_clusters = counters_.estimated_clusters.load();
@@ -193,6 +196,8 @@ void Engine::fill_stats(wkv_stats *out) {
   out->cache_admissions = b.admissions;
   out->cache_evictions = b.evictions;
   out->manager_backlog = b.backlog;
+  out->cache_frames_given = b.given;
+  out->cache_records_dropped = b.dropped_records;
   out->pin_fallbacks = counters_.pin_fallbacks.load();
   backend_->fill_stats(out);
 }
@@ -267,6 +272,8 @@ std::string Engine::stats_json() {
       {"spill_estimated", s.spill_estimated},
       {"spill_read_errors", s.spill_read_errors},
       {"spill_write_errors", s.spill_write_errors},
+      {"cache_frames_given", s.cache_frames_given},
+      {"cache_records_dropped", s.cache_records_dropped},
   };
   const auto now = std::chrono::system_clock::now().time_since_epoch();
   nlohmann::ordered_json j = {

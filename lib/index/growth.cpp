@@ -233,6 +233,12 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
                                     size_t(hs.clusters()) * d * sizeof(float), stream));
     WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.spread, C1 * sizeof(float), size_t(hs.clusters()) * sizeof(float),
                                     stream));
+    if (keeps_centroid16(ix)) {
+      const bool fresh = hs.meta.centroid16.p == nullptr;
+      WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.centroid16, kernels::kMeta16Header + C1 * d * 2,
+                                      kernels::kMeta16Header + size_t(hs.clusters()) * d * 2, stream));
+      if (fresh) WKV_RETURN_IF_ERROR(ix.backend.mem_fill(hs.meta.centroid16.p, 0, kernels::kMeta16Header, stream));
+    }
     WKV_RETURN_IF_ERROR(grow_region(ix, &hs.values.mean, d * sizeof(float), 0, stream));
     WKV_RETURN_IF_ERROR(mirror_reserve(ix, hs, static_cast<uint32_t>(C1),
                                        static_cast<uint32_t>(hs.map.pages.size() + g.add_p),
@@ -257,6 +263,10 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
                                               out.value_sum + co * d, size_t(nc) * d * sizeof(float), stream));
       WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.spread.as<float>() + c, out.spread + co,
                                               size_t(nc) * sizeof(float), stream));
+      if (hs.meta.centroid16.p)
+        WKV_RETURN_IF_ERROR(ix.backend.narrow_f16(out.centroid + co * d, size_t(nc) * d,
+                                                  hs.meta.centroid16.p + kernels::kMeta16Header + size_t(c) * d * 2,
+                                                  hs.meta.centroid16.as<uint32_t>(), stream));
       PageWriteJob &w = writes[si];
       w.order = out.order + out.tok_off[si];
       w.k = hs.tail.k_at(first_row[si]);
@@ -337,6 +347,10 @@ uint64_t segment_seed(uint64_t seed, uint32_t layer, uint32_t head, uint64_t tok
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
+}
+
+bool keeps_centroid16(const IndexContext &ix) {
+  return !ix.backend.host_memory() && ix.cfg.dtype() != DType::kF32;
 }
 
 Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream) {
@@ -435,7 +449,7 @@ void init_layer(const IndexContext &ix, LayerState *L) {
 void release_layer(const IndexContext &ix, LayerState &L, bool counted) noexcept {
   for (HeadState &h : L.heads) {
     ix.backend.on_head_destroyed(h);
-    for (Region *r : {&h.sink.k, &h.sink.v, &h.tail.k, &h.tail.v, &h.meta.centroid, &h.meta.value_sum, &h.meta.spread, &h.values.mean,
+    for (Region *r : {&h.sink.k, &h.sink.v, &h.tail.k, &h.tail.v, &h.meta.centroid, &h.meta.value_sum, &h.meta.spread, &h.meta.centroid16, &h.values.mean,
                       &h.mirror.first_slot, &h.mirror.size, &h.mirror.unit_begin, &h.mirror.pages, &h.mirror.unit_dir})
       ix.backend.mem_free_deferred(r);
     for (Region &c : h.mirror.unit_chunks) ix.backend.mem_free_deferred(&c);

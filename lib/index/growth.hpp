@@ -115,6 +115,11 @@ Status mirror_fill_entries(const IndexContext &ix, HeadState &h, uint32_t c0, co
                            const PageId *pages, uint32_t n_pages, void *stream);
 Status mirror_fill(const IndexContext &ix, HeadState &h, uint32_t c0, uint32_t p0, void *stream);
 
+// Whether heads keep the f16 copy of their centroids that the device's
+// logits read (MetaIndex::centroid16): engines on a device backend with a
+// 16-bit storage dtype.
+bool keeps_centroid16(const IndexContext &ix);
+
 // Ensures r holds `bytes`, keeping its first `keep` bytes (geometric growth);
 // the replaced region is freed once no step in flight can read it.
 Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream);

@@ -87,6 +87,8 @@ int main(void) {
   FIELD(wkv_stats, spill_estimated);
   FIELD(wkv_stats, spill_read_errors);
   FIELD(wkv_stats, spill_write_errors);
+  FIELD(wkv_stats, cache_frames_given);
+  FIELD(wkv_stats, cache_records_dropped);
 
   STRUCT(wkv_seq_info);
   FIELD(wkv_seq_info, size);

@@ -21,9 +21,10 @@ __all__ = ["lib", "library_path", "check", "WkvConfig", "WkvStats", "WkvSeqInfo"
 
 # The library major version this binding speaks (WKV_VERSION_MAJOR).
 ABI_MAJOR = 0
-# The oldest minor version that has every function declared below
-# (wkv_append_batch: 0.5).
-ABI_MINOR = 5
+# The minor version of the header the declarations below mirror (wkv_stats
+# as of 0.6; wkv_append_batch: 0.5). A 0.5 library has every function and
+# leaves the stats' 0.6 fields 0 (its wkv_stats_init sets 0.5's size).
+ABI_MINOR = 6
 WKV_SAVE_NO_FSYNC = 1
 
 c_void_p = ctypes.c_void_p
@@ -114,6 +115,8 @@ class WkvStats(ctypes.Structure):
         ("spill_estimated", c_uint64),
         ("spill_read_errors", c_uint64),
         ("spill_write_errors", c_uint64),
+        ("cache_frames_given", c_uint64),
+        ("cache_records_dropped", c_uint64),
     ]
 
 

@@ -142,6 +142,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Status mem_copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width, size_t rows,
                        void *stream) override;
   Status mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream) override;
+  Status narrow_f16(const float *src, size_t n, void *dst, uint32_t *overflow, void *stream) override;
   Status copy_rows(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v, size_t src_pitch,
                    size_t width, void *stream) override;
   Status mem_sync(void *stream) override;
@@ -456,6 +457,12 @@ Status CudaBackend::mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream
   return Status::ok();
 }
 
+Status CudaBackend::narrow_f16(const float *src, size_t n, void *dst, uint32_t *overflow, void *stream) {
+  DeviceGuard guard(dev_);
+  WKV_CU(kernels::narrow_f16(src, n, dst, overflow, stream));
+  return Status::ok();
+}
+
 Status CudaBackend::copy_rows(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v,
                               size_t src_pitch, size_t width, void *stream) {
   if (n == 0) return Status::ok();
@@ -758,6 +765,7 @@ Status CudaBackend::lookup(Plan &plan) {
     dr.value_sum = hs.meta.value_sum.as<const float>();
     dr.spread = cfg.c.method & WKV_METHOD_SPREAD ? hs.meta.spread.as<const float>() : nullptr;
     dr.value_mean = cfg.c.method & WKV_METHOD_TAIL ? hs.values.mean.as<const float>() : nullptr;
+    dr.centroid16 = hs.meta.centroid16.p;
     dr.size = hs.mirror.size.as<const uint32_t>();
     dr.first_slot = hs.mirror.first_slot.as<const uint32_t>();
     dr.unit_begin = hs.mirror.unit_begin.as<const uint32_t>();

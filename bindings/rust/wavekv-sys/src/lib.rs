@@ -14,7 +14,7 @@ use std::os::raw::{c_char, c_void};
 // Versions
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
-pub const WKV_VERSION_MINOR: u32 = 5;
+pub const WKV_VERSION_MINOR: u32 = 6;
 pub const WKV_VERSION_PATCH: u32 = 0;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
@@ -150,6 +150,9 @@ pub struct wkv_stats {
     pub spill_estimated: u64,
     pub spill_read_errors: u64,
     pub spill_write_errors: u64,
+    // 0.6: the device cache's admissions.
+    pub cache_frames_given: u64,
+    pub cache_records_dropped: u64,
 }
 
 /// What one layer of a sequence holds; fill `size` with `wkv_seq_info_init`.

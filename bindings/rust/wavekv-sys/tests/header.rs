@@ -328,6 +328,8 @@ fn declarations_match_the_header() {
                 spill_estimated,
                 spill_read_errors,
                 spill_write_errors,
+                cache_frames_given,
+                cache_records_dropped,
             }
         ),
         layout!(
