@@ -3,7 +3,8 @@
 //
 // Four kernels, in stream order:
 //   1. logits_kernel    grid (cluster tiles, R): logits [G][clusters] of each
-//                       run into out.logits; reads every centroid once.
+//                       run into out.logits; reads every centroid once (the
+//                       f16 copy where the run has one).
 //   2. select_kernel    a cluster of CTAs per run on sm_90 (each a slice of
 //                       its clusters, meeting through distributed shared
 //                       memory; one CTA elsewhere or for small runs):
@@ -26,6 +27,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cuda_common.cuh"
 #include "kernels/lookup_cuda.hpp"
@@ -36,30 +38,24 @@ namespace {
 constexpr float kNegInf = -INFINITY;
 constexpr uint32_t kFull = 0xffffffffu;
 
-// Clusters per logits CTA, and the padded shared row (floats): an odd
-// number of 16-byte slots per row keeps the 16-byte reads of 8 consecutive
-// rows on distinct banks.
-constexpr uint32_t kTileC = 64;
-template <uint32_t D> constexpr uint32_t kTileLd = D + 4;
-
+// Logits: a CTA scores a tile of kLogitTile clusters of one run; the
+// kLogitParts lanes of a group share a cluster, each holding a slice of
+// D / kLogitParts dimensions of the query heads in registers, and sum their
+// partial dot products by shuffles. kLogitBatch clusters' loads are in
+// flight per group before the first is used.
 constexpr uint32_t kLogitThreads = 256;
+constexpr uint32_t kLogitParts = 8;
+constexpr uint32_t kLogitSlots = kLogitThreads / kLogitParts;  // clusters a CTA scores at once
+constexpr uint32_t kLogitTile = 256;
+constexpr uint32_t kLogitBatch = 2;
 constexpr uint32_t kSelectThreads = 1024;
 constexpr uint32_t kSelectWarps = kSelectThreads / 32;
 constexpr uint32_t kSelectMaxSplit = 8;     // CTAs a run's selection is split over, at most (one cluster)
-constexpr uint32_t kSelectWideSplit = 16;   // ... when the device allows clusters of 16 and has room for them
 constexpr uint32_t kSelectMinSlice = 2048;  // clusters a CTA's slice keeps, at least
 constexpr uint32_t kEstThreads = 256;
 constexpr uint32_t kEstSplits = 8;       // CTAs per (run, head group) on sm_90: one cluster
 constexpr uint32_t kEstWideSplits = 16;  // ... when that leaves multiprocessors idle (a non-portable cluster size)
 constexpr uint32_t kOffsetThreads = 1024;
-
-__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-}
 
 // Zone sizes of a run, clamped so that n_ret + n_est <= clusters and
 // n_one <= n_ret.
@@ -157,102 +153,125 @@ __device__ __forceinline__ void merge_ms(float &m, float &s, float m2, float s2)
 
 // 1. Logits ----------------------------------------------------------------
 
-// A CTA scores a tile of kTileC clusters of run blockIdx.y: the tile and q
-// come into shared memory by 16-byte asynchronous copies, then thread item
-// (c, hq) computes cluster c against heads 4 hq .. 4 hq + 3 (four heads share
-// each read of the centroid). Shared memory: tile [kTileC][D + 4], q [G][D].
-template <uint32_t D>
-constexpr size_t logits_smem(uint32_t G) {
-  return (static_cast<size_t>(kTileC) * kTileLd<D> + static_cast<size_t>(G) * D + G) * sizeof(float);
+// Loads BYTES bytes (a lane's slice of a centroid row) as 32-bit words, in
+// the widest loads the slice's size (and so its alignment) allows.
+__device__ __forceinline__ void put_words(uint32_t *o, uint4 v) {
+  o[0] = v.x;
+  o[1] = v.y;
+  o[2] = v.z;
+  o[3] = v.w;
+}
+__device__ __forceinline__ void put_words(uint32_t *o, uint2 v) {
+  o[0] = v.x;
+  o[1] = v.y;
+}
+__device__ __forceinline__ void put_words(uint32_t *o, uint32_t v) { o[0] = v; }
+template <uint32_t BYTES>
+__device__ __forceinline__ void load_slice(const uint8_t *p, uint32_t (&out)[BYTES / 4]) {
+  using W = std::conditional_t<BYTES % 16 == 0, uint4, std::conditional_t<BYTES % 8 == 0, uint2, uint32_t>>;
+  const W *src = reinterpret_cast<const W *>(p);
+#pragma unroll
+  for (uint32_t i = 0; i < BYTES / sizeof(W); ++i) put_words(out + i * (sizeof(W) / 4), __ldg(src + i));
 }
 
+// One CTA's tile: clusters [c0, c0 + kLogitTile) of a run, from `rows`
+// (f16 when kHalf, else f32; [clusters][D]). qs: the run's queries [G][D];
+// fs: the spread factors, read where spread is not null.
+template <uint32_t D, bool kHalf>
+__device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, uint32_t C, uint32_t c0, uint32_t G,
+                                            float scale, const float *qs, const float *fs,
+                                            const float *__restrict__ spread, float *__restrict__ lg) {
+  constexpr uint32_t S = D / kLogitParts;        // dimensions a lane holds
+  constexpr uint32_t EB = kHalf ? 2 : 4;         // bytes an element
+  constexpr uint32_t NW = S * EB / 4;            // 32-bit words a slice
+  constexpr uint32_t HP = D <= 128 ? 4 : 2;      // query heads a pass (registers)
+  const uint32_t part = threadIdx.x % kLogitParts, slot = threadIdx.x / kLogitParts;
+  for (uint32_t h0 = 0; h0 < G; h0 += HP) {
+    float qr[HP][S];
+#pragma unroll
+    for (uint32_t h = 0; h < HP; ++h)
+#pragma unroll
+      for (uint32_t j = 0; j < S; ++j) qr[h][j] = h0 + h < G ? qs[(h0 + h) * D + part * S + j] : 0.f;
+    for (uint32_t k = 0; k < kLogitTile / kLogitSlots; k += kLogitBatch) {
+      uint32_t raw[kLogitBatch][NW];
+#pragma unroll
+      for (uint32_t b = 0; b < kLogitBatch; ++b) {
+        const uint32_t c = c0 + slot + (k + b) * kLogitSlots;
+        if (c < C)
+          load_slice<S * EB>(rows + (static_cast<size_t>(c) * D + part * S) * EB, raw[b]);
+        else
+#pragma unroll
+          for (uint32_t w = 0; w < NW; ++w) raw[b][w] = 0u;
+      }
+#pragma unroll
+      for (uint32_t b = 0; b < kLogitBatch; ++b) {
+        float acc[HP];
+#pragma unroll
+        for (uint32_t h = 0; h < HP; ++h) acc[h] = 0.f;
+#pragma unroll
+        for (uint32_t w = 0; w < NW; ++w) {
+          if constexpr (kHalf) {
+            const float2 x = __half22float2(*reinterpret_cast<const __half2 *>(&raw[b][w]));
+#pragma unroll
+            for (uint32_t h = 0; h < HP; ++h) {
+              acc[h] = fmaf(qr[h][2 * w], x.x, acc[h]);
+              acc[h] = fmaf(qr[h][2 * w + 1], x.y, acc[h]);
+            }
+          } else {
+            const float x = __uint_as_float(raw[b][w]);
+#pragma unroll
+            for (uint32_t h = 0; h < HP; ++h) acc[h] = fmaf(qr[h][w], x, acc[h]);
+          }
+        }
+#pragma unroll
+        for (uint32_t o = kLogitParts / 2; o > 0; o >>= 1)
+#pragma unroll
+          for (uint32_t h = 0; h < HP; ++h) acc[h] += __shfl_xor_sync(kFull, acc[h], o);
+        // Lane `part` of the group writes head h0 + part.
+        const uint32_t c = c0 + slot + (k + b) * kLogitSlots, g = h0 + part;
+        if (c < C && part < HP && g < G) {
+          float v = acc[0];
+#pragma unroll
+          for (uint32_t h = 1; h < HP; ++h) v = part == h ? acc[h] : v;
+          lg[static_cast<size_t>(g) * C + c] = spread ? v * scale + fs[g] * spread[c] : v * scale;
+        }
+      }
+    }
+  }
+}
+
+// Grid (tiles of kLogitTile clusters, R): the logits [G][clusters] of each
+// run, from the centroids' f16 copy where the run has one and every
+// centroid fits (half the bytes), else from the f32 centroids.
 template <uint32_t D>
 __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const DevRun *__restrict__ runs, uint32_t G,
                                                                float scale, const float *__restrict__ q,
                                                                float *__restrict__ logits) {
-  extern __shared__ float4 smem4[];
-  float *tile = reinterpret_cast<float *>(smem4);
-  float *qs = tile + kTileC * kTileLd<D>;
-  constexpr uint32_t V4 = D / 4;
+  __shared__ float qs[kMaxGroup * D];
+  __shared__ float fs[kMaxGroup];
   wait_prior_grid();
   const uint32_t r = blockIdx.y, tid = threadIdx.x;
   const uint32_t C = runs[r].clusters;
-  const uint32_t c0 = blockIdx.x * kTileC;
+  const uint32_t c0 = blockIdx.x * kLogitTile;
   if (c0 >= C) return;  // uniform over the CTA
-  const uint32_t nc = min(kTileC, C - c0);
-  // The f16 copy where the run has one and every centroid fits (half the
-  // bytes: the kernel is bandwidth-bound), else the f32 centroids.
-  const uint8_t *c16 = runs[r].centroid16;
-  if (c16 && *reinterpret_cast<const uint32_t *>(c16) == 0) {
-    constexpr uint32_t V8 = D / 8;
-    constexpr uint32_t kPer = (kTileC * V8 + kLogitThreads - 1) / kLogitThreads;
-    const uint4 *src = reinterpret_cast<const uint4 *>(c16 + kMeta16Header) + static_cast<size_t>(c0) * V8;
-    uint4 raw[kPer];
-#pragma unroll
-    for (uint32_t k = 0; k < kPer; ++k) {
-      const uint32_t i = tid + k * kLogitThreads;
-      if (i < nc * V8) raw[k] = __ldg(src + i);
-    }
-#pragma unroll
-    for (uint32_t k = 0; k < kPer; ++k) {
-      const uint32_t i = tid + k * kLogitThreads;
-      if (i >= nc * V8) continue;
-      const __half2 *h2 = reinterpret_cast<const __half2 *>(&raw[k]);
-      const float2 a = __half22float2(h2[0]), b = __half22float2(h2[1]);
-      const float2 c = __half22float2(h2[2]), e = __half22float2(h2[3]);
-      float *dst = tile + (i / V8) * kTileLd<D> + (i % V8) * 8;
-      *reinterpret_cast<float4 *>(dst) = make_float4(a.x, a.y, b.x, b.y);
-      *reinterpret_cast<float4 *>(dst + 4) = make_float4(c.x, c.y, e.x, e.y);
-    }
-  } else {
-    const float *cent = runs[r].centroid + static_cast<size_t>(c0) * D;
-    for (uint32_t i = tid; i < nc * V4; i += kLogitThreads)
-      cp_async16(tile + (i / V4) * kTileLd<D> + (i % V4) * 4, cent + i * 4);
-  }
   const float *qg = q + static_cast<size_t>(r) * G * D;
-  for (uint32_t i = tid; i < G * V4; i += kLogitThreads) cp_async16(qs + i * 4, qg + i * 4);
-  cp_async_wait_all();
+  for (uint32_t i = tid; i < G * D; i += kLogitThreads) qs[i] = qg[i];
   __syncthreads();
   // With spreads, head g's logits gain f_g spread[c], f_g = 0.5 scale^2 |q_g|^2 / D
   // (spread_logits: |q_g|^2 summed in order, as the CPU sums it).
   const float *spread = runs[r].spread;
-  float *fs = qs + G * D;
   if (spread && tid < G) {
     float q2 = 0.f;
     for (uint32_t j = 0; j < D; ++j) q2 += qs[tid * D + j] * qs[tid * D + j];
     fs[tid] = 0.5f * scale * scale * q2 / static_cast<float>(D);
   }
   if (spread) __syncthreads();
-
   float *lg = logits + runs[r].scratch_off;
-  const uint32_t items = kTileC * ((G + 3) / 4);
-  for (uint32_t it = tid; it < items; it += kLogitThreads) {
-    const uint32_t c = it % kTileC, hq = it / kTileC;
-    if (c >= nc) continue;
-    const float *qh[4];
-#pragma unroll
-    for (uint32_t h = 0; h < 4; ++h) qh[h] = qs + min(hq * 4 + h, G - 1) * D;
-    const float *row = tile + c * kTileLd<D>;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-    for (uint32_t j = 0; j < D; j += 4) {
-      const float4 cv = *reinterpret_cast<const float4 *>(row + j);
-#pragma unroll
-      for (uint32_t h = 0; h < 4; ++h) {
-        const float4 qv = *reinterpret_cast<const float4 *>(qh[h] + j);
-        acc[h] = fmaf(qv.x, cv.x, acc[h]);
-        acc[h] = fmaf(qv.y, cv.y, acc[h]);
-        acc[h] = fmaf(qv.z, cv.z, acc[h]);
-        acc[h] = fmaf(qv.w, cv.w, acc[h]);
-      }
-    }
-    const float sp = spread ? spread[c0 + c] : 0.f;
-#pragma unroll
-    for (uint32_t h = 0; h < 4; ++h) {
-      const uint32_t g = hq * 4 + h;
-      if (g < G) lg[static_cast<size_t>(g) * C + c0 + c] = spread ? acc[h] * scale + fs[g] * sp : acc[h] * scale;
-    }
-  }
+  const uint8_t *c16 = runs[r].centroid16;
+  if (c16 && *reinterpret_cast<const uint32_t *>(c16) == 0)
+    logits_tile<D, true>(c16 + kMeta16Header, C, c0, G, scale, qs, fs, spread, lg);
+  else
+    logits_tile<D, false>(reinterpret_cast<const uint8_t *>(runs[r].centroid), C, c0, G, scale, qs, fs, spread, lg);
 }
 
 // 2. Scores, selection, ret_pos, run_tokens ---------------------------------
@@ -1016,39 +1035,6 @@ bool allow_wide_clusters(const void *fn, std::atomic<uint64_t> *done, std::atomi
   return false;
 }
 
-// How many clusters of `cluster` CTAs of `threads` threads and `smem` bytes
-// of dynamic shared memory the current device holds at once (asked once per
-// device: the caller passes the same shape every time; 0 when it cannot
-// tell).
-uint32_t resident_clusters(const void *fn, uint32_t cluster, uint32_t threads, size_t smem,
-                           std::atomic<uint32_t> (&known)[64]) {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  uint32_t n = known[dev].load(std::memory_order_relaxed);
-  if (n > 0) return n - 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(cluster);
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = cluster;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, fn, &cfg) != cudaSuccess || clusters < 0) {
-    (void)cudaGetLastError();
-    clusters = 0;
-  }
-  known[dev].store(static_cast<uint32_t>(clusters) + 1, std::memory_order_relaxed);
-  return static_cast<uint32_t>(clusters);
-}
-
 // The estimate: a CTA per (run, group of GT heads) and split, GT the
 // largest of 8, 4, 2, 1 that divides G; 16 splits where 8 would leave
 // multiprocessors idle (a long context and a small batch) and the device
@@ -1083,55 +1069,36 @@ cudaError_t launch_estimate(const DevRun *runs, uint32_t R, uint32_t G, const De
 template <uint32_t D>
 cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
                    const DevLookup &out, float *scores, uint32_t max_clusters, const StepMark &mark, cudaStream_t s) {
-  static std::atomic<uint64_t> logits_smem_set{0}, select_smem_set{0};
+  static std::atomic<uint64_t> select_smem_set{0};
   if (R > 0 && max_clusters > 0) {
     // 1. Logits.
-    const uint32_t tiles = (max_clusters + kTileC - 1) / kTileC;
-    WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(logits_kernel<D>), logits_smem<D>(kMaxGroup),
-                                    &logits_smem_set));
-    WKV_CUDA_TRY(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), logits_smem<D>(G), s, 1,
-                                   runs, G, scale, q, out.logits));
+    const uint32_t tiles = (max_clusters + kLogitTile - 1) / kLogitTile;
+    WKV_CUDA_TRY(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), 0, s, 1, runs, G, scale, q,
+                            out.logits));
   }
   if (R > 0) {
     // 2. Scores and selection: each run split over a cluster of CTAs while
     //    that keeps slices of kSelectMinSlice clusters and the grid within
     //    one wave (a CTA per multiprocessor).
-    //    Clusters of 16 (a non-portable size) where 8 would still leave
-    //    multiprocessors idle and the device holds a cluster of 16 for
-    //    every run at once (a long context, a small batch).
-    const void *select_fn = reinterpret_cast<const void *>(select_kernel);
-    static const bool split_ok = built_for_clusters(select_fn);
-    static std::atomic<uint64_t> wide_set{0}, wide_refused{0};
-    static std::atomic<uint32_t> wide_resident[64];
-    WKV_CUDA_TRY(ensure_smem(select_fn, select_smem(kLookupSmemClusters), &select_smem_set));
+    static const bool split_ok = built_for_clusters(reinterpret_cast<const void *>(select_kernel));
     uint32_t split = 1;
     if (split_ok) {
       const uint32_t sms = multiprocessors();
       while (split < kSelectMaxSplit && R * split * 2 <= sms && max_clusters / (2 * split) >= kSelectMinSlice)
         split *= 2;
-      if (split == kSelectMaxSplit && R * kSelectWideSplit <= sms &&
-          max_clusters / kSelectWideSplit >= kSelectMinSlice &&
-          allow_wide_clusters(select_fn, &wide_set, &wide_refused) &&
-          resident_clusters(select_fn, kSelectWideSplit, kSelectThreads, select_smem(kLookupSmemClusters),
-                            wide_resident) >= R)
-        split = kSelectWideSplit;
     }
-    auto launch_select = [&](uint32_t n) {
-      const uint32_t share = (max_clusters + n - 1) / n;
-      const uint32_t cap = share < kLookupSmemClusters ? share : kLookupSmemClusters;
-      return launch_pdl(select_kernel, dim3(R * n), dim3(kSelectThreads), select_smem(cap), s, n, runs, G, out,
-                        scores, cap, n);
-    };
-    cudaError_t err = launch_select(split);
-    // No room for the cluster (a device shared by limit): clusters of 8,
-    // then one CTA a run.
-    if (err == cudaErrorInvalidClusterSize && split > kSelectMaxSplit) {
-      (void)cudaGetLastError();
-      err = launch_select(split = kSelectMaxSplit);
-    }
+    const uint32_t share = (max_clusters + split - 1) / split;
+    const uint32_t cap = share < kLookupSmemClusters ? share : kLookupSmemClusters;
+    WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(select_kernel), select_smem(kLookupSmemClusters),
+                                    &select_smem_set));
+    cudaError_t err = launch_pdl(select_kernel, dim3(R * split), dim3(kSelectThreads), select_smem(cap), s, split,
+                                 runs, G, out, scores, cap, split);
     if (err == cudaErrorInvalidClusterSize && split > 1) {
+      // No room for the cluster (a device shared by limit): one CTA a run.
       (void)cudaGetLastError();
-      err = launch_select(1);
+      const uint32_t cap1 = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
+      err = launch_pdl(select_kernel, dim3(R), dim3(kSelectThreads), select_smem(cap1), s, 1, runs, G, out, scores,
+                       cap1, 1u);
     }
     WKV_CUDA_TRY(err);
 
