@@ -41,12 +41,13 @@ constexpr uint32_t kFull = 0xffffffffu;
 // Logits: a CTA scores a tile of kLogitTile clusters of one run; the
 // kLogitParts lanes of a group share a cluster, each holding a slice of
 // D / kLogitParts dimensions of the query heads in registers, and sum their
-// partial dot products by shuffles. kLogitBatch clusters' loads are in
-// flight per group before the first is used.
+// partial dot products by shuffles. Two batches of kLogitBatch clusters'
+// loads are in flight per group (the kernel waits on memory, not on
+// arithmetic).
 constexpr uint32_t kLogitThreads = 256;
 constexpr uint32_t kLogitParts = 8;
 constexpr uint32_t kLogitSlots = kLogitThreads / kLogitParts;  // clusters a CTA scores at once
-constexpr uint32_t kLogitTile = 256;
+constexpr uint32_t kLogitTile = 512;
 constexpr uint32_t kLogitBatch = 2;
 constexpr uint32_t kSelectThreads = 1024;
 constexpr uint32_t kSelectWarps = kSelectThreads / 32;
@@ -192,17 +193,30 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
     for (uint32_t h = 0; h < HP; ++h)
 #pragma unroll
       for (uint32_t j = 0; j < S; ++j) qr[h][j] = h0 + h < G ? qs[(h0 + h) * D + part * S + j] : 0.f;
-    for (uint32_t k = 0; k < kLogitTile / kLogitSlots; k += kLogitBatch) {
-      uint32_t raw[kLogitBatch][NW];
+    // The next batch's loads are issued before this one's arithmetic, so
+    // that 2 kLogitBatch rows a group are in flight.
+    constexpr uint32_t kRounds = kLogitTile / kLogitSlots;
+    auto load_batch = [&](uint32_t k, uint32_t (&raw)[kLogitBatch][NW]) {
 #pragma unroll
       for (uint32_t b = 0; b < kLogitBatch; ++b) {
         const uint32_t c = c0 + slot + (k + b) * kLogitSlots;
-        if (c < C)
+        if (c < C) {
           load_slice<S * EB>(rows + (static_cast<size_t>(c) * D + part * S) * EB, raw[b]);
-        else
+        } else {
 #pragma unroll
           for (uint32_t w = 0; w < NW; ++w) raw[b][w] = 0u;
+        }
       }
+    };
+    uint32_t next[kLogitBatch][NW];
+    load_batch(0, next);
+    for (uint32_t k = 0; k < kRounds; k += kLogitBatch) {
+      uint32_t raw[kLogitBatch][NW];
+#pragma unroll
+      for (uint32_t b = 0; b < kLogitBatch; ++b)
+#pragma unroll
+        for (uint32_t w = 0; w < NW; ++w) raw[b][w] = next[b][w];
+      if (k + kLogitBatch < kRounds) load_batch(k + kLogitBatch, next);
 #pragma unroll
       for (uint32_t b = 0; b < kLogitBatch; ++b) {
         float acc[HP];
@@ -244,7 +258,7 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
 // run, from the centroids' f16 copy where the run has one and every
 // centroid fits (half the bytes), else from the f32 centroids.
 template <uint32_t D>
-__global__ void __launch_bounds__(kLogitThreads) logits_kernel(const DevRun *__restrict__ runs, uint32_t G,
+__global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel(const DevRun *__restrict__ runs, uint32_t G,
                                                                float scale, const float *__restrict__ q,
                                                                float *__restrict__ logits) {
   __shared__ float qs[kMaxGroup * D];
