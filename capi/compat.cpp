@@ -60,3 +60,16 @@ extern "C" WKV_API void wkv_stats_init_0_6(wkv_stats *stats) {
   stats->size = sizeof *stats;
 }
 __asm__(".symver wkv_stats_init_0_6,wkv_stats_init@@WAVEKV_0.6");
+
+// wkv_seq_info of 0.1 to 0.5 ended after pages.
+extern "C" WKV_API void wkv_seq_info_init_0_1(wkv_seq_info *info) {
+  if (info) write_prefix(info, wkv_seq_info{}, offsetof(wkv_seq_info, evicted));
+}
+__asm__(".symver wkv_seq_info_init_0_1,wkv_seq_info_init@WAVEKV_0.1");
+
+extern "C" WKV_API void wkv_seq_info_init_0_6(wkv_seq_info *info) {
+  if (!info) return;
+  std::memset(info, 0, sizeof *info);
+  info->size = sizeof *info;
+}
+__asm__(".symver wkv_seq_info_init_0_6,wkv_seq_info_init@@WAVEKV_0.6");

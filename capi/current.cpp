@@ -15,3 +15,9 @@ extern "C" void wkv_stats_init(wkv_stats *stats) {
   std::memset(stats, 0, sizeof *stats);
   stats->size = sizeof *stats;
 }
+
+extern "C" void wkv_seq_info_init(wkv_seq_info *info) {
+  if (!info) return;
+  std::memset(info, 0, sizeof *info);
+  info->size = sizeof *info;
+}

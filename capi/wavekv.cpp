@@ -513,12 +513,6 @@ int wkv_seq_load_fd(wkv_engine *engine, int fd, wkv_seq **out) {
   });
 }
 
-void wkv_seq_info_init(wkv_seq_info *info) {
-  if (!info) return;
-  std::memset(info, 0, sizeof *info);
-  info->size = sizeof *info;
-}
-
 int wkv_seq_info_get(const wkv_seq *seq, uint32_t layer, wkv_seq_info *info) {
   return guarded("wkv_seq_info_get", [&] {
     const char *fn = "wkv_seq_info_get";
@@ -531,6 +525,7 @@ int wkv_seq_info_get(const wkv_seq *seq, uint32_t layer, wkv_seq_info *info) {
     wkv_seq_info full;
     wkv_seq_info_init(&full);
     full.generating = L.generating ? 1 : 0;
+    full.evicted = s->evicted() ? 1 : 0;
     full.tokens = L.tokens;
     if (!L.heads.empty()) {
       full.sink = L.heads[0].sink.n;
@@ -541,7 +536,11 @@ int wkv_seq_info_get(const wkv_seq *seq, uint32_t layer, wkv_seq_info *info) {
     for (const wkv::HeadState &h : L.heads) {
       full.clusters += h.clusters();
       full.pages += h.map.pages.size();
+      full.spilled_pages += h.cold.out;  // cold pages: on disk, being read back, or failed
     }
+    // Evicted, every page is in the spill file: the resident ones in the
+    // head's extent, the cold ones in their own (lib/engine/engine.cpp).
+    if (full.evicted) full.spilled_pages = full.pages;
     copy_prefix(info, full);
     return done(wkv::Status::ok());
   });

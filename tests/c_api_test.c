@@ -50,6 +50,14 @@ extern "C"
 #endif
 void wkv_stats_init_v0_4(wkv_stats *stats);
 
+/* ... and wkv_seq_info_init of a program built against 0.1 to 0.5 (its
+ * struct ended after pages). */
+__asm__(".symver wkv_seq_info_init_v0_1,wkv_seq_info_init@WAVEKV_0.1");
+#ifdef __cplusplus
+extern "C"
+#endif
+void wkv_seq_info_init_v0_1(wkv_seq_info *info);
+
 /* The model shape of every engine in this test. */
 #define NL 2          /* layers */
 #define NQ 4          /* query heads */
@@ -720,6 +728,8 @@ static void test_sequences(void) {
   CHECK(in.tokens == 0 && in.clustered == 0 && in.sink == 0 && in.tail == 0 && in.segments == 0 &&
             in.clusters == 0 && in.pages == 0 && in.generating == 0,
         "a new sequence is empty");
+  CHECK(in.evicted == 0 && in.reserved == 0 && in.spilled_pages == 0,
+        "a new sequence is not evicted and has no page in the spill file");
 
   /* The same tokens go to engine E (packed / head-major) and to engine X
    * (interleaved, head-major, padded with NaN gaps, packed). */
@@ -747,6 +757,8 @@ static void test_sequences(void) {
    * segment, per KV head. Each segment of 256 asks for 32 clusters. */
   CHECK(in.pages == 2 * NKV * 32, "pages: 32 per segment per KV head");
   CHECK(in.clusters >= 2 * NKV && in.clusters <= 2 * NKV * 32, "clusters: at most 32 per segment per head");
+  CHECK(in.evicted == 0 && in.reserved == 0 && in.spilled_pages == 0,
+        "without a spill file, no page is in one");
 
   /* A short wkv_seq_info: only the prefix its size covers is written. */
   {
@@ -1491,6 +1503,35 @@ static void test_old_stats(void) {
   check_old_stats(wkv_stats_init_v0_4, offsetof(wkv_stats, cache_frames_given), "0.4");
 }
 
+/* A program built against wavekv 0.1 to 0.5 knows a shorter wkv_seq_info
+ * (it ended after pages): its wkv_seq_info_init writes no further, and
+ * wkv_seq_info_get fills that prefix. */
+static void test_old_seq_info(void) {
+  const size_t old_size = offsetof(wkv_seq_info, evicted);
+  union {
+    wkv_seq_info s;
+    unsigned char raw[sizeof(wkv_seq_info) + 64];
+  } u;
+  wkv_seq_info now;
+  size_t i;
+  int untouched = 1;
+  phase("old_seq_info");
+  memset(&u, 0xab, sizeof u);
+  wkv_seq_info_init_v0_1(&u.s);
+  CHECK(u.s.size == old_size, "0.1's wkv_seq_info_init sets 0.5's size");
+  for (i = old_size; i < sizeof u.raw; ++i) untouched &= u.raw[i] == 0xab;
+  CHECK(untouched, "0.1's wkv_seq_info_init writes nothing past 0.5's struct");
+  CHECK(u.s.generating == 0 && u.s.tokens == 0 && u.s.pages == 0, "0.5's fields are zeroed");
+  wkv_seq_info_init(&now);
+  EXPECT_OK(wkv_seq_info_get(g_xa, 0, &now));
+  EXPECT_OK(wkv_seq_info_get(g_xa, 0, &u.s));
+  untouched = 1;
+  for (i = old_size; i < sizeof u.raw; ++i) untouched &= u.raw[i] == 0xab;
+  CHECK(untouched && u.s.size == old_size, "wkv_seq_info_get fills a 0.5 struct's prefix only");
+  CHECK(now.tokens > 0 && memcmp(u.raw + 4, (const unsigned char *)&now + 4, old_size - 4) == 0,
+        "a 0.5 struct gets the fields it knows, as the current struct has them");
+}
+
 /* Flips one bit of a file. */
 static void flip_bit(const char *path, long offset) {
   FILE *f = fopen(path, "r+b");
@@ -1595,6 +1636,7 @@ int main(void) {
   test_release_after_failed_lookup();
   test_old_config();
   test_old_stats();
+  test_old_seq_info();
   test_save_load();
 
   phase("teardown");

@@ -77,6 +77,22 @@ std::vector<uint8_t> decode_until_resident(const wavekv::Engine &e, wkv_seq *seq
   return out;
 }
 
+// The pages wkv_seq_info says are in the spill file, summed over layers:
+// each layer's at most its pages, and all of them while evicted.
+uint64_t spilled_pages(const wavekv::Sequence &seq, const Shape &s, bool evicted = false) {
+  uint64_t n = 0;
+  for (uint32_t l = 0; l < s.layers; ++l) {
+    const wkv_seq_info i = seq.info(l);
+    EXPECT_EQ(i.evicted, evicted ? 1u : 0u) << "layer " << l;
+    EXPECT_LE(i.spilled_pages, i.pages) << "layer " << l;
+    if (evicted) {
+      EXPECT_EQ(i.spilled_pages, i.pages) << "layer " << l;
+    }
+    n += i.spilled_pages;
+  }
+  return n;
+}
+
 }  // namespace
 
 // The budget holds a third of the KV: the prompt goes in, the pages beyond
@@ -108,6 +124,7 @@ TEST(ColdPages, AFullBudgetSpillsColdPagesAndDecodingGoesOnExactly) {
   EXPECT_EQ(st.pages_used + st.spill_cold_pages, pages);
   EXPECT_EQ(st.spill_bytes_used, st.spill_cold_pages * ((st.page_bytes + 4095) / 4096 * 4096));
   EXPECT_EQ(st.tokens, full.tokens);
+  EXPECT_EQ(spilled_pages(seq, s), st.spill_cold_pages) << "the sequence's info counts its cold pages";
 
   // Several queries, each until its pages are back.
   uint64_t estimated = 0;
@@ -121,6 +138,7 @@ TEST(ColdPages, AFullBudgetSpillsColdPagesAndDecodingGoesOnExactly) {
     const wkv_stats x = e.stats();
     EXPECT_LE(x.pages_used * x.page_bytes, budget);
     EXPECT_EQ(x.pages_used + x.spill_cold_pages, pages);
+    EXPECT_EQ(spilled_pages(seq, s), x.spill_cold_pages);
     estimated = x.spill_estimated;
   }
   const wkv_stats x = e.stats();
@@ -220,6 +238,7 @@ TEST(ColdPages, SaveEvictRestoreAndDestroyLoseNothing) {
       Context c2(s);
       prompt(seq, s, c2);
       ASSERT_GT(e.stats().spill_cold_pages, 0u);
+      EXPECT_EQ(spilled_pages(seq, s), e.stats().spill_cold_pages);
       const std::vector<uint8_t> q = c1.query();
       decode_all(e, seq.get(), s, q);  // reads in flight, maybe
       seq.save(dir.file("cold.wkv"));
@@ -234,10 +253,12 @@ TEST(ColdPages, SaveEvictRestoreAndDestroyLoseNothing) {
       ASSERT_TRUE(resident);
       seq.evict();
       EXPECT_EQ(e.stats().evicted_sequences, 1u);
+      EXPECT_EQ(spilled_pages(seq, s, true), pages) << "evicted, every page is in the spill file";
       const std::vector<uint8_t> after = decode_until_resident(e, seq.get(), s, q2, 200, &resident);
       ASSERT_TRUE(resident);
       EXPECT_TRUE(after == before);
       EXPECT_EQ(e.stats().evicted_sequences, 0u);
+      EXPECT_EQ(spilled_pages(seq, s), e.stats().spill_cold_pages) << "restored, its cold pages stay out";
     }
     const wkv_stats x = e.stats();
     EXPECT_EQ(x.spill_cold_pages, 0u);

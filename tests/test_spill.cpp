@@ -199,6 +199,18 @@ wkv_config spill_config(const Shape &s, const std::string &dir, uint64_t budget 
 
 wkv_stats stats_of(const wavekv::Engine &e) { return e.stats(); }
 
+// What wkv_seq_info says of every layer: evicted (every page in the spill
+// file) or in memory (none there, without cold pages).
+void expect_evicted(const wavekv::Sequence &seq, const Shape &s, bool evicted) {
+  for (uint32_t l = 0; l < s.layers; ++l) {
+    const wkv_seq_info i = seq.info(l);
+    EXPECT_GT(i.pages, 0u) << "layer " << l;
+    EXPECT_EQ(i.evicted, evicted ? 1u : 0u) << "layer " << l;
+    EXPECT_EQ(i.reserved, 0u) << "layer " << l;
+    EXPECT_EQ(i.spilled_pages, evicted ? i.pages : 0u) << "layer " << l;
+  }
+}
+
 }  // namespace
 
 TEST(Evict, WithoutASpillDirectoryIsRefused) {
@@ -233,8 +245,12 @@ TEST(Evict, ARestoredSequenceDecodesBitForBitAsBefore) {
       const wkv_stats s0 = stats_of(e);
       EXPECT_NE(s0.spill_io, 0u);
       EXPECT_EQ(s0.spill_io & WKV_SPILL_IO_URING, flags ? 0u : s0.spill_io & WKV_SPILL_IO_URING);
+      expect_evicted(seq, s, false);
       seq.evict();
+      expect_evicted(seq, s, true);
       seq.evict();  // again: nothing to do
+      expect_evicted(seq, s, true);
+      expect_evicted(other, s, false);
       const wkv_stats s1 = stats_of(e);
       EXPECT_EQ(s1.evicted_sequences, 1u);
       EXPECT_GT(s1.spill_bytes_used, 0u);
@@ -244,6 +260,7 @@ TEST(Evict, ARestoredSequenceDecodesBitForBitAsBefore) {
       EXPECT_TRUE(decode_all(e, other.get(), s, q) == other_before);
       // The next lookup restores.
       EXPECT_TRUE(decode_all(e, seq.get(), s, q) == before);
+      expect_evicted(seq, s, false);
       const wkv_stats s2 = stats_of(e);
       EXPECT_EQ(s2.evicted_sequences, 0u);
       EXPECT_EQ(s2.spill_bytes_used, 0u);
@@ -251,7 +268,9 @@ TEST(Evict, ARestoredSequenceDecodesBitForBitAsBefore) {
       EXPECT_EQ(s2.spill_bytes_read, s1.spill_bytes_used);
       // Explicitly, and then appends and saves of an evicted sequence.
       seq.evict();
+      expect_evicted(seq, s, true);
       seq.restore();
+      expect_evicted(seq, s, false);
       EXPECT_TRUE(decode_all(e, seq.get(), s, q) == before);
       seq.evict();
       seq.save(dir.file("saved.wkv"));
@@ -304,6 +323,7 @@ TEST(Evict, OverTheBudgetNothingIsLost) {
   EXPECT_EQ(s1.evicted_sequences, 0u);
   EXPECT_EQ(s1.spill_bytes_used, 0u);
   EXPECT_EQ(s1.pages_used, s0.pages_used);
+  expect_evicted(seq, s, false);
   EXPECT_TRUE(decode_all(e, seq.get(), s, q) == before);
 }
 
@@ -330,6 +350,7 @@ TEST(Evict, ACorruptExtentIsAnErrorForItsSequenceOnly) {
     if (HasFatalFailure()) return;
     EXPECT_EQ(wkv_seq_restore(seq.get()), WKV_ERR_CORRUPT);
     EXPECT_NE(std::string(wkv_last_error()).find("checksum"), std::string::npos) << wkv_last_error();
+    expect_evicted(seq, s, true);  // it stays evicted
     wkv_seq *sp = seq.get();
     wavekv::Plan plan(e);
     std::vector<uint8_t> out(q.size());

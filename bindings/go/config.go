@@ -282,6 +282,10 @@ type SeqInfo struct {
 	Segments   uint64 // clustered segments, per KV head
 	Clusters   uint64 // clusters summed over KV heads
 	Pages      uint64 // pages summed over KV heads
+
+	// The spill tier (0.6).
+	Evicted      bool   // the sequence is evicted (its pages in the spill file)
+	SpilledPages uint64 // pages in the spill file now: all while evicted, else its cold pages
 }
 
 func seqInfoFromC(i *C.wkv_seq_info) SeqInfo {
@@ -294,5 +298,8 @@ func seqInfoFromC(i *C.wkv_seq_info) SeqInfo {
 		Segments:   uint64(i.segments),
 		Clusters:   uint64(i.clusters),
 		Pages:      uint64(i.pages),
+
+		Evicted:      i.evicted != 0,
+		SpilledPages: uint64(i.spilled_pages),
 	}
 }

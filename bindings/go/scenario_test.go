@@ -792,10 +792,30 @@ func TestEvictedSequencesDecodeTheSameAfterTheirRestore(t *testing.T) {
 		}
 		return all
 	}
+	// Every layer's info: evicted with every page in the spill file, or
+	// in memory with none there.
+	spilled := func(evicted bool) {
+		t.Helper()
+		for l := uint32(0); l < nLayers; l++ {
+			info, err := seq.Info(l)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := uint64(0)
+			if evicted {
+				want = info.Pages
+			}
+			if info.Pages == 0 || info.Evicted != evicted || info.SpilledPages != want {
+				t.Fatalf("layer %d: info %+v, want evicted %v and %d spilled pages", l, info, evicted, want)
+			}
+		}
+	}
 	before := decodeAll()
+	spilled(false)
 	if err := seq.Evict(); err != nil {
 		t.Fatal(err)
 	}
+	spilled(true)
 	if st, err := engine.Stats(); err != nil || st.EvictedSequences != 1 || st.SpillBytesUsed == 0 || st.SpillIO == 0 {
 		t.Fatalf("stats after the eviction %+v, %v", st, err)
 	}
@@ -811,6 +831,7 @@ func TestEvictedSequencesDecodeTheSameAfterTheirRestore(t *testing.T) {
 	if err := seq.Restore(); err != nil {
 		t.Fatal(err)
 	}
+	spilled(false)
 	if st, err := engine.Stats(); err != nil || st.EvictedSequences != 0 || st.SpillBytesUsed != 0 {
 		t.Fatalf("stats after the restore %+v, %v", st, err)
 	}

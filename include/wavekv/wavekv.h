@@ -23,6 +23,7 @@
  *   and 0.3: wkv_config_init@WAVEKV_0.1 writes 0.1's struct; wkv_stats grew
  *   in 0.3, 0.4 and 0.6: wkv_stats_init@WAVEKV_0.1 writes 0.2's,
  *   wkv_stats_init@WAVEKV_0.3 writes 0.3's, and wkv_stats_init@WAVEKV_0.4
+ *   writes 0.5's; wkv_seq_info grew in 0.6: wkv_seq_info_init@WAVEKV_0.1
  *   writes 0.5's).
  * - Tensors are raw pointers in the engine's storage dtype (wkv_config.dtype),
  *   with explicit strides counted in elements, not bytes. On a CUDA engine
@@ -508,6 +509,14 @@ typedef struct wkv_seq_info {
   uint64_t segments;     /* clustered segments, per KV head */
   uint64_t clusters;     /* clusters summed over KV heads */
   uint64_t pages;        /* pages summed over KV heads */
+  /* 0.6 */
+  uint32_t evicted;      /* 1 while the sequence is evicted (its pages in
+                            the spill file; wkv_seq_restore or its next use
+                            brings them back), else 0 */
+  uint32_t reserved;     /* 0 (keeps spilled_pages 8-byte aligned) */
+  uint64_t spilled_pages; /* pages of this layer (summed over KV heads)
+                             whose bytes are in the spill file now: all of
+                             them while evicted, else its cold pages */
 } wkv_seq_info;
 
 /* Sets info->size and zeroes the rest. NULL is a no-op. */

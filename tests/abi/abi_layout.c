@@ -100,6 +100,9 @@ int main(void) {
   FIELD(wkv_seq_info, segments);
   FIELD(wkv_seq_info, clusters);
   FIELD(wkv_seq_info, pages);
+  FIELD(wkv_seq_info, evicted);
+  FIELD(wkv_seq_info, reserved);
+  FIELD(wkv_seq_info, spilled_pages);
 
   STRUCT(wkv_xbuf_view);
   FIELD(wkv_xbuf_view, size);

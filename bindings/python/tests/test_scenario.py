@@ -211,17 +211,28 @@ def test_evict_and_restore_a_sequence(np: Any, tmp_path: Any) -> None:
     for layer in range(LAYERS):
         seq.append(layer, k, v)
     q = ctx.q()[None]
+
+    def spilled(evicted: bool) -> None:
+        for layer in range(LAYERS):
+            info = seq.info(layer)
+            assert info.pages > 0 and info.evicted == evicted
+            assert info.spilled_pages == (info.pages if evicted else 0)
+
     with engine.plan() as plan:
         before = [plan.decode([seq], layer, q) for layer in range(LAYERS)]
+        spilled(False)
         seq.evict()
+        spilled(True)
         st = engine.stats()
         assert st.evicted_sequences == 1 and st.spill_bytes_used > 0 and st.spill_io != 0
         assert list(tmp_path.iterdir()) == []  # the spill file has no name
         after = [plan.decode([seq], layer, q) for layer in range(LAYERS)]  # restores
         assert all(np.array_equal(a, b) for a, b in zip(before, after))
         assert engine.stats().evicted_sequences == 0
+        spilled(False)
         seq.evict()
         seq.restore()
+        spilled(False)
         assert engine.stats().spill_bytes_used == 0
     plain = wavekv.Engine(n_layers=LAYERS, n_q_heads=HQ, n_kv_heads=HKV, head_dim=D, dtype="f32", threads=2)
     with pytest.raises(wavekv.StateError) as no_dir:

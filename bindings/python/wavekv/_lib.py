@@ -22,8 +22,9 @@ __all__ = ["lib", "library_path", "check", "WkvConfig", "WkvStats", "WkvSeqInfo"
 # The library major version this binding speaks (WKV_VERSION_MAJOR).
 ABI_MAJOR = 0
 # The minor version of the header the declarations below mirror (wkv_stats
-# as of 0.6; wkv_append_batch: 0.5). A 0.5 library has every function and
-# leaves the stats' 0.6 fields 0 (its wkv_stats_init sets 0.5's size).
+# and wkv_seq_info as of 0.6; wkv_append_batch: 0.5). A 0.5 library has
+# every function and leaves the 0.6 fields of both structs 0 (its
+# wkv_stats_init and wkv_seq_info_init set 0.5's sizes).
 ABI_MINOR = 6
 WKV_SAVE_NO_FSYNC = 1
 
@@ -133,6 +134,9 @@ class WkvSeqInfo(ctypes.Structure):
         ("segments", c_uint64),
         ("clusters", c_uint64),
         ("pages", c_uint64),
+        ("evicted", c_uint32),
+        ("reserved", c_uint32),
+        ("spilled_pages", c_uint64),
     ]
 
 

@@ -250,6 +250,8 @@ class SeqInfo:
     segments: int     # clustered segments, per KV head
     clusters: int     # clusters summed over KV heads
     pages: int        # pages summed over KV heads
+    evicted: bool     # the sequence is evicted (its pages in the spill file)
+    spilled_pages: int  # pages in the spill file now: all while evicted, else its cold pages
 
 
 _O = TypeVar("_O", bound="_Owner")
@@ -712,7 +714,7 @@ class Sequence(_Owner):
         return SeqInfo(
             generating=bool(info.generating), tokens=info.tokens, clustered=info.clustered,
             sink=info.sink, tail=info.tail, segments=info.segments, clusters=info.clusters,
-            pages=info.pages)
+            pages=info.pages, evicted=bool(info.evicted), spilled_pages=info.spilled_pages)
 
     def __repr__(self) -> str:
         return "<wavekv.Sequence %s>" % ("closed" if self.closed else "open")

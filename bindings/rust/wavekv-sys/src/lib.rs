@@ -168,6 +168,10 @@ pub struct wkv_seq_info {
     pub segments: u64,
     pub clusters: u64,
     pub pages: u64,
+    // 0.6: the spill tier.
+    pub evicted: u32,
+    pub reserved: u32,
+    pub spilled_pages: u64,
 }
 
 /// The plan's execution buffer; fill `size` with `wkv_xbuf_view_init`.

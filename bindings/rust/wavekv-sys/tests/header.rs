@@ -344,6 +344,9 @@ fn declarations_match_the_header() {
                 segments,
                 clusters,
                 pages,
+                evicted,
+                reserved,
+                spilled_pages,
             }
         ),
         layout!(

@@ -640,8 +640,21 @@ fn an_evicted_sequence_decodes_the_same_after_its_restore() {
         }
         all
     };
+    // Every layer's info: evicted with every page in the spill file, or in
+    // memory with none there.
+    fn spilled(seq: &Sequence, evicted: bool) {
+        for layer in 0..N_LAYERS {
+            let info = seq.info(layer).unwrap();
+            assert!(info.pages > 0, "layer {}: {:?}", layer, info);
+            assert_eq!(info.evicted, evicted as u32, "layer {}: {:?}", layer, info);
+            let want = if evicted { info.pages } else { 0 };
+            assert_eq!(info.spilled_pages, want, "layer {}: {:?}", layer, info);
+        }
+    }
     let before = decode_all(&seq);
+    spilled(&seq, false);
     seq.evict().unwrap();
+    spilled(&seq, true);
     let st = engine.stats().unwrap();
     assert_eq!(st.evicted_sequences, 1);
     assert!(st.spill_bytes_used > 0 && st.spill_io != 0);
@@ -651,6 +664,7 @@ fn an_evicted_sequence_decodes_the_same_after_its_restore() {
     );
     seq.evict().unwrap();
     seq.restore().unwrap();
+    spilled(&seq, false);
     assert_eq!(engine.stats().unwrap().spill_bytes_used, 0);
 
     let plain = Engine::open(&config(0.018, 0.232)).unwrap();
