@@ -46,7 +46,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "wavekv/wavekv.h"
@@ -233,6 +235,45 @@ struct Row {
   uint64_t growth_steps = 0;
 };
 
+// Per token: units missed, frames handed to the token's steps and units
+// admitted (deltas of wkv_stats, read once the manager is caught up), then
+// the tokens in quartiles by misses.
+struct TokenStats {
+  wkv_stats last;
+  std::vector<double> missed, given, admitted;
+  void take(wkv_engine *e) {
+    wkv_stats now;
+    for (int i = 0; i < 400; ++i) {  // up to 20 ms for the manager's passes
+      wkv_stats_init(&now);
+      CHECK(wkv_engine_stats(e, &now));
+      if (now.manager_backlog == 0) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    missed.push_back(double(now.cache_misses - last.cache_misses));
+    given.push_back(double(now.cache_frames_given - last.cache_frames_given));
+    admitted.push_back(double(now.cache_admissions - last.cache_admissions));
+    last = now;
+  }
+  void print(uint32_t L) const {
+    std::vector<size_t> order(missed.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return missed[a] < missed[b]; });
+    std::printf("      per token, by quartile of misses (units a layer-step: missed / given / admitted):");
+    for (int qt = 0; qt < 4; ++qt) {
+      const size_t lo = order.size() * qt / 4, hi = order.size() * (qt + 1) / 4;
+      double m = 0, g = 0, a = 0;
+      for (size_t i = lo; i < hi; ++i) {
+        m += missed[order[i]];
+        g += given[order[i]];
+        a += admitted[order[i]];
+      }
+      const double n = double(std::max<size_t>(hi - lo, 1)) * L;
+      std::printf(" q%d %.0f / %.0f / %.0f;", qt + 1, m / n, g / n, a / n);
+    }
+    std::printf("\n");
+  }
+};
+
 Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   Row row;
   row.batch = B;
@@ -315,6 +356,14 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   wkv_stats_init(&st0);
   CHECK(wkv_engine_stats(e, &st0));
 
+  // WKV_SERVING_TOKEN_STATS=1 (a diagnostic: timings then include it): the
+  // cache's figures token by token, once the buffer manager has taken the
+  // token's records.
+  std::unique_ptr<TokenStats> token_stats;
+  if (const char *ts = std::getenv("WKV_SERVING_TOKEN_STATS"); ts && std::atoi(ts) > 0) {
+    token_stats = std::make_unique<TokenStats>();
+    token_stats->last = st0;
+  }
   // The timed run: per token, append + decode for each layer, then one
   // synchronization. Layer 0's outputs are kept for the accuracy check.
   std::vector<double> host(steps), host_append(steps);
@@ -333,8 +382,10 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
     host[st] = us_since(a) / L;
     host_append[st] = app / L;
     CU(cudaStreamSynchronize(s));
+    if (token_stats) token_stats->take(e);
   }
   const double wall_us = us_since(t0) / L;
+  if (token_stats) token_stats->print(L);
   wkv_stats st1;
   wkv_stats_init(&st1);
   CHECK(wkv_engine_stats(e, &st1));
