@@ -85,11 +85,11 @@ struct Fixture {
     uint64_t epoch = 0;
     StepRecord rec;
   };
-  Step begin_step(StepTracker &t, uint32_t want, uint32_t hit_cap = 64) {
+  Step begin_step(StepTracker &t, uint32_t want, uint32_t hit_cap = 64, uint32_t key = 0) {
     Step s;
     s.epoch = bm.begin(t);
     const uint64_t h = head_word();
-    s.rec = bm.open_record(t, s.epoch, &h, 1, want, hit_cap);
+    s.rec = bm.open_record(t, s.epoch, &h, 1, want, hit_cap, key);
     return s;
   }
   // Admits units `units` (one per given frame, in order) and logs `hits`.
@@ -399,4 +399,51 @@ TEST(BufferManager, FreeFramesCoverABurstOfStepsEndingOneByOne) {
   ASSERT_TRUE(f.bm.quiesce(5000));
   const BufferManager::Stats st = f.bm.stats();
   EXPECT_EQ(st.missed, uint64_t{kRounds} * kLayers * kMiss);
+}
+
+// Layers miss unlike amounts under the same bound: a token's first layer
+// misses most of its bound, the others little. Handed a share of the bound
+// that follows the mean, the first layer admits a fraction of its misses;
+// handed what the same layer missed at the tokens before (the record's key),
+// it admits nearly all, and the others are handed little.
+TEST(BufferManager, StepsAreHandedWhatTheirLayerMissed) {
+  constexpr uint32_t kUnits = 65536, kLayers = 4, kWant = 4000, kRounds = 30;
+  constexpr uint32_t kMiss[kLayers] = {3000, 100, 100, 100};
+  for (bool keyed : {false, true}) {
+    SCOPED_TRACE(keyed ? "keyed by layer" : "no key");
+    Fixture f(kUnits);
+    f.unit_map.assign(1 << 17, kNoFrame);
+    auto t = f.tracker();
+    uint32_t next = 0;
+    uint64_t admitted_first = 0, missed_first = 0, given_others = 0, missed_others = 0;
+    for (uint32_t round = 0; round < kRounds; ++round) {
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        const Fixture::Step s = f.begin_step(*t, kWant, 64, keyed ? l + 1 : 0);
+        std::vector<uint32_t> units(kMiss[l]);
+        for (uint32_t &u : units) u = next++ % (1 << 17);
+        const uint32_t got = static_cast<uint32_t>(f.run_step(s, units, {}).size());
+        if (round >= kRounds / 2) {
+          if (l == 0) {
+            admitted_first += got;
+            missed_first += kMiss[l];
+          } else {
+            given_others += s.rec.n_given;
+            missed_others += kMiss[l];
+          }
+        }
+        f.end_step(*t, s);
+        ASSERT_TRUE(f.bm.quiesce(5000));  // the token's records taken before the next step
+      }
+    }
+    std::printf("%s: the first layer admitted %llu of %llu misses; the others were handed %llu frames for %llu\n",
+                keyed ? "keyed" : "no key", static_cast<unsigned long long>(admitted_first),
+                static_cast<unsigned long long>(missed_first), static_cast<unsigned long long>(given_others),
+                static_cast<unsigned long long>(missed_others));
+    if (keyed) {
+      EXPECT_GE(admitted_first, missed_first * 95 / 100);
+      EXPECT_LE(given_others, missed_others * 2 + uint64_t{kRounds / 2} * (kLayers - 1) * 64);
+    } else {
+      EXPECT_LT(admitted_first, missed_first * 3 / 4) << "the mean share was enough: the test shows nothing";
+    }
+  }
 }

@@ -134,6 +134,7 @@ uint64_t BufferManager::oldest_in_flight(std::unique_lock<std::mutex> &) {
     // in the ring names it.
     if (idle && t.use_count() == 1 && t->records_ == 0) {
       free_words_.push_back(t->done_);
+      for (uint32_t m : t->missed_by_key_) keyed_missed_ -= m ? m - 1 : 0;
       continue;
     }
     if (kept != i) trackers_[kept] = std::move(t);
@@ -179,14 +180,17 @@ void BufferManager::head_destroyed(uint32_t id) {
 }
 
 StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint64_t *heads, uint32_t n_runs,
-                                      uint32_t want, uint32_t hit_cap) {
+                                      uint32_t want, uint32_t hit_cap, uint32_t key) {
   StepRecord r;
   if (!ring_) return r;
-  // The share of its bound that steps miss, a quarter more, and at least
-  // min_given (until the first records tell, the whole bound).
-  const size_t hint =
-      static_cast<size_t>(1.25 * miss_share_.load(std::memory_order_relaxed) * want) + opts_.min_given;
+  if (key > kMaxRecordKey) key = 0;
+  // What the last step with this key missed, a quarter more; else the share
+  // of its bound that steps miss; at least min_given (until the first
+  // records tell, the whole bound).
+  size_t hint = static_cast<size_t>(1.25 * miss_share_.load(std::memory_order_relaxed) * want) + opts_.min_given;
   std::unique_lock<std::mutex> lock(mu_);
+  if (key != 0 && key < t.missed_by_key_.size() && t.missed_by_key_[key] != 0)
+    hint = static_cast<size_t>(1.25 * (t.missed_by_key_[key] - 1)) + opts_.min_given;
   // Frames whose readers ended since the manager's last pass are free now:
   // a burst that begins right after the steps before it ended (a runtime
   // that waits for a token, then enqueues the next) finds the frames its
@@ -223,6 +227,7 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   h->n_runs = n_runs;
   h->bytes = static_cast<uint32_t>(bytes);
   h->want = want;
+  h->key = key;
   RecordArrays a = arrays_of(h);
   for (uint32_t i = 0; i < n_given; ++i) {
     a.given[i] = free_units_.back();
@@ -376,6 +381,20 @@ void BufferManager::take_record(const RecordHeader &hc) {
   // what it admitted): its demand for free frames, whatever it was handed.
   const uint32_t missed = std::max(h->missed, used);
   missed_ += missed;
+  if (h->key != 0) {
+    // The tracker outlives its records (records_); only the manager's
+    // thread and open_record touch this, under mu_.
+    StepTracker *t = const_cast<StepTracker *>(h->tracker);
+    try {
+      if (t->missed_by_key_.size() <= h->key) t->missed_by_key_.resize(h->key + 1, 0);
+      uint32_t &m = t->missed_by_key_[h->key];
+      const uint32_t now = std::min<uint32_t>(missed, UINT32_MAX - 1);
+      keyed_missed_ = keyed_missed_ - (m ? m - 1 : 0) + now;
+      m = now + 1;
+    } catch (const std::bad_alloc &) {
+      // Without the figure, steps of this key are handed the overall share.
+    }
+  }
   record_missed_ = 0.75 * record_missed_ + 0.25 * missed;
   given_ += h->n_given;
   // Handing out frames costs the decoding path a store each and the
@@ -395,12 +414,15 @@ void BufferManager::evict() {
   // recent admissions let a shortage feed itself: steps admitted what they
   // were handed, and the next target followed that; twice a manager pass's
   // misses left three of four steps of a burst without frames.)
-  const size_t target =
-      std::min<size_t>(opts_.units / 4, static_cast<size_t>(1.5 * record_missed_ * open_records_) + 32);
+  // With keyed records, at least what the next steps of every key would
+  // miss were they to miss what the last ones did, a quarter more.
   std::vector<uint32_t> victims;
   std::vector<uint64_t> entries;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    const size_t keyed = static_cast<size_t>(1.25 * static_cast<double>(keyed_missed_));
+    const size_t target = std::min<size_t>(
+        opts_.units / 4, std::max(static_cast<size_t>(1.5 * record_missed_ * open_records_), keyed) + 32);
     const size_t have = free_units_.size() + quarantined_.load();
     if (have >= target) return;
     size_t need = target - have;

@@ -81,6 +81,9 @@ class StepTracker {
   uint64_t *done_ = nullptr;
   uint64_t *done_dev_ = nullptr;
   uint32_t records_ = 0;  // records in the ring that name it (guarded by the manager's mu_)
+  // Per record key: what the last record taken with that key missed, plus
+  // one (0: none yet). Guarded by the manager's mu_.
+  std::vector<uint32_t> missed_by_key_;
 };
 
 // One access record of a step, in the ring (pinned, mapped host memory).
@@ -102,7 +105,8 @@ struct RecordHeader {
   uint32_t bytes;   // the record's size in the ring
   uint32_t cancelled;  // its step was never enqueued
   uint32_t want;       // the most units the step could miss (its plan's bound)
-  uint32_t pad[3];
+  uint32_t key;        // which of its tracker's kinds of step (a layer + 1; 0: none)
+  uint32_t pad[2];
 };
 static_assert(sizeof(RecordHeader) == 64, "RecordHeader is one 64-byte line");
 static_assert(offsetof(RecordHeader, hits) == offsetof(RecordHeader, used) + 4 &&
@@ -193,9 +197,15 @@ class BufferManager {
 
   // Opens the access record of a step of `t` at `epoch` over n_runs runs
   // (heads[r] of each), handing it up to `want` free units and room for
-  // `hit_cap` hits. An empty record when the ring is full.
+  // `hit_cap` hits. An empty record when the ring is full. `key` (at most
+  // kMaxRecordKey; 0: none) names the kind of step, a layer + 1 for a
+  // decoding step: a step is handed what the last step of its tracker with
+  // the same key missed, a quarter more, where one has been taken (layers
+  // miss unlike amounts; the share of the bound that steps miss overall
+  // otherwise).
+  static constexpr uint32_t kMaxRecordKey = 4096;
   StepRecord open_record(StepTracker &t, uint64_t epoch, const uint64_t *heads, uint32_t n_runs,
-                         uint32_t want, uint32_t hit_cap);
+                         uint32_t want, uint32_t hit_cap, uint32_t key = 0);
   // The step of an open record will not be enqueued after all: its units go
   // back untouched.
   void cancel_record(const StepRecord &r);
@@ -281,6 +291,11 @@ class BufferManager {
   // begins), with half as much again for the spread between steps, at most
   // a quarter of the cache.
   double record_missed_ = 0;
+  // What the next step of every key of every live tracker would miss, were
+  // it to miss what the last one did: the sum of the trackers'
+  // missed_by_key_ (a runtime's next token; guarded by mu_). The reserve
+  // covers it too.
+  uint64_t keyed_missed_ = 0;
   double open_records_ = 1;
   size_t open_peak_ = 0;  // records open at once since the last pass (guarded by mu_)
   // The share of a record's bound (`want`) that steps miss (recent records):

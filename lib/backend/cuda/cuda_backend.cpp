@@ -848,11 +848,13 @@ Status CudaBackend::assemble(Plan &plan) {
   PlanDevice &pd = plan.dev;
   const uint32_t R = static_cast<uint32_t>(plan.runs.size());
   const uint64_t epoch = e_.buffers().begin(plan.tracker());
-  // The step's access record: free frames for its misses, room for its hits.
-  // Hits beyond the log's room refresh nothing (recency is a hint).
-  const StepRecord rec = frames_ ? e_.buffers().open_record(plan.tracker(), epoch, pd.run_heads.data(), R,
-                                                             pd.want_units, std::min<uint32_t>(pd.want_units, 16384))
-                                 : StepRecord{};
+  // The step's access record: free frames for its misses (as many as this
+  // plan's last step of the layer missed: the record's key), room for its
+  // hits. Hits beyond the log's room refresh nothing (recency is a hint).
+  const StepRecord rec =
+      frames_ ? e_.buffers().open_record(plan.tracker(), epoch, pd.run_heads.data(), R, pd.want_units,
+                                         std::min<uint32_t>(pd.want_units, 16384), plan.layer + 1)
+              : StepRecord{};
   kernels::GatherArgs a;
   a.runs = pd.runs.as<kernels::DevRun>();
   a.n_runs = R;
