@@ -55,9 +55,7 @@ extern "C" WKV_API void wkv_stats_init_0_4(wkv_stats *stats) {
 __asm__(".symver wkv_stats_init_0_4,wkv_stats_init@WAVEKV_0.4");
 
 extern "C" WKV_API void wkv_stats_init_0_6(wkv_stats *stats) {
-  if (!stats) return;
-  std::memset(stats, 0, sizeof *stats);
-  stats->size = sizeof *stats;
+  if (stats) write_prefix(stats, wkv_stats{}, sizeof *stats);
 }
 __asm__(".symver wkv_stats_init_0_6,wkv_stats_init@@WAVEKV_0.6");
 
@@ -68,8 +66,6 @@ extern "C" WKV_API void wkv_seq_info_init_0_1(wkv_seq_info *info) {
 __asm__(".symver wkv_seq_info_init_0_1,wkv_seq_info_init@WAVEKV_0.1");
 
 extern "C" WKV_API void wkv_seq_info_init_0_6(wkv_seq_info *info) {
-  if (!info) return;
-  std::memset(info, 0, sizeof *info);
-  info->size = sizeof *info;
+  if (info) write_prefix(info, wkv_seq_info{}, sizeof *info);
 }
 __asm__(".symver wkv_seq_info_init_0_6,wkv_seq_info_init@@WAVEKV_0.6");
