@@ -3,8 +3,9 @@
 //
 // Four kernels, in stream order:
 //   1. logits_kernel    grid (cluster tiles, R): logits [G][clusters] of each
-//                       run into out.logits; reads every centroid once (the
-//                       f16 copy where the run has one).
+//                       run into out.logits; reads every centroid once a
+//                       pass of four query heads (two at d=256), the f16
+//                       copy where the run has one.
 //   2. select_kernel    a cluster of CTAs per run on sm_90 (each a slice of
 //                       its clusters, meeting through distributed shared
 //                       memory; one CTA elsewhere or for small runs):
@@ -196,6 +197,7 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
     // The next batch's loads are issued before this one's arithmetic, so
     // that 2 kLogitBatch rows a group are in flight.
     constexpr uint32_t kRounds = kLogitTile / kLogitSlots;
+    static_assert(kRounds % kLogitBatch == 0, "a tile is whole batches");
     auto load_batch = [&](uint32_t k, uint32_t (&raw)[kLogitBatch][NW]) {
 #pragma unroll
       for (uint32_t b = 0; b < kLogitBatch; ++b) {

@@ -27,10 +27,11 @@ constexpr uint32_t kMaxGroup = 32;
 // Scores, selects and estimates R runs (one per (sequence, KV head),
 // r = s * H + h) in four kernels on `stream`; no host synchronization.
 //
-//   runs       [R] DevRun, device memory. Read: centroid, value_sum, spread,
-//              value_mean, size, clusters, n_ret, n_one, n_est, sink_tokens,
-//              tail_tokens, ret_off, est_off, scratch_off. centroid and
-//              value_sum 16-byte aligned.
+//   runs       [R] DevRun, device memory. Read: centroid, centroid16,
+//              value_sum, spread, value_mean, size, clusters, n_ret, n_one,
+//              n_est, sink_tokens, tail_tokens, ret_off, est_off,
+//              scratch_off. centroid, centroid16 and value_sum 16-byte
+//              aligned.
 //   q          [R][G][d] f32, device, 16-byte aligned: the query heads of each
 //              run's group.
 //   out        DevLookup: every field is written for every run (see

@@ -13,7 +13,7 @@
 namespace wkv::kernels {
 
 // Copies n DevRun structs from host memory into dst (device), in launches of
-// up to 32 runs passed by value.
+// up to 26 runs passed by value.
 cudaError_t upload_runs(const DevRun *host_runs, uint32_t n, DevRun *dst, void *stream);
 
 // Writes `epoch` to *done once the work enqueued on `stream` before it has
