@@ -233,12 +233,7 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
                                     size_t(hs.clusters()) * d * sizeof(float), stream));
     WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.spread, C1 * sizeof(float), size_t(hs.clusters()) * sizeof(float),
                                     stream));
-    if (keeps_centroid16(ix)) {
-      const bool fresh = hs.meta.centroid16.p == nullptr;
-      WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.centroid16, kernels::kMeta16Header + C1 * d * 2,
-                                      kernels::kMeta16Header + size_t(hs.clusters()) * d * 2, stream));
-      if (fresh) WKV_RETURN_IF_ERROR(ix.backend.mem_fill(hs.meta.centroid16.p, 0, kernels::kMeta16Header, stream));
-    }
+    WKV_RETURN_IF_ERROR(centroid16_reserve(ix, hs, C1, stream));
     WKV_RETURN_IF_ERROR(grow_region(ix, &hs.values.mean, d * sizeof(float), 0, stream));
     WKV_RETURN_IF_ERROR(mirror_reserve(ix, hs, static_cast<uint32_t>(C1),
                                        static_cast<uint32_t>(hs.map.pages.size() + g.add_p),
@@ -263,10 +258,7 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
                                               out.value_sum + co * d, size_t(nc) * d * sizeof(float), stream));
       WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.spread.as<float>() + c, out.spread + co,
                                               size_t(nc) * sizeof(float), stream));
-      if (hs.meta.centroid16.p)
-        WKV_RETURN_IF_ERROR(ix.backend.narrow_f16(out.centroid + co * d, size_t(nc) * d,
-                                                  hs.meta.centroid16.p + kernels::kMeta16Header + size_t(c) * d * 2,
-                                                  hs.meta.centroid16.as<uint32_t>(), stream));
+      WKV_RETURN_IF_ERROR(centroid16_write(ix, hs, c, out.centroid + co * d, nc, stream));
       PageWriteJob &w = writes[si];
       w.order = out.order + out.tok_off[si];
       w.k = hs.tail.k_at(first_row[si]);
@@ -351,6 +343,23 @@ uint64_t segment_seed(uint64_t seed, uint32_t layer, uint32_t head, uint64_t tok
 
 bool keeps_centroid16(const IndexContext &ix) {
   return !ix.backend.host_memory() && ix.cfg.dtype() != DType::kF32;
+}
+
+Status centroid16_reserve(const IndexContext &ix, HeadState &h, size_t clusters, void *stream) {
+  if (!keeps_centroid16(ix)) return Status::ok();
+  const size_t row = size_t(ix.cfg.c.head_dim) * 2;
+  Region &r = h.meta.centroid16;
+  const bool fresh = r.p == nullptr;
+  WKV_RETURN_IF_ERROR(grow_region(ix, &r, kernels::kMeta16Header + clusters * row,
+                                  kernels::kMeta16Header + size_t(h.clusters()) * row, stream));
+  return fresh ? ix.backend.mem_fill(r.p, 0, kernels::kMeta16Header, stream) : Status::ok();
+}
+
+Status centroid16_write(const IndexContext &ix, HeadState &h, size_t c0, const float *src, size_t n, void *stream) {
+  Region &r = h.meta.centroid16;
+  if (!r.p) return Status::ok();
+  const size_t d = ix.cfg.c.head_dim;
+  return ix.backend.narrow_f16(src, n * d, r.p + kernels::kMeta16Header + c0 * d * 2, r.as<uint32_t>(), stream);
 }
 
 Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream) {

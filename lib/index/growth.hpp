@@ -119,6 +119,14 @@ Status mirror_fill(const IndexContext &ix, HeadState &h, uint32_t c0, uint32_t p
 // logits read (MetaIndex::centroid16): engines on a device backend with a
 // 16-bit storage dtype.
 bool keeps_centroid16(const IndexContext &ix);
+// The copy's two operations, the one code path that knows its layout
+// (kernels::kMeta16Header bytes, then the rows). centroid16_reserve makes
+// room for `clusters` rows keeping the head's, and clears the overflow word
+// of a new copy (a no-op unless keeps_centroid16; may fail for memory and
+// then changes nothing a step reads); centroid16_write narrows n f32 rows
+// at `src` (engine memory) into rows c0 .. c0 + n (a no-op without a copy).
+Status centroid16_reserve(const IndexContext &ix, HeadState &h, size_t clusters, void *stream);
+Status centroid16_write(const IndexContext &ix, HeadState &h, size_t c0, const float *src, size_t n, void *stream);
 
 // Ensures r holds `bytes`, keeping its first `keep` bytes (geometric growth);
 // the replaced region is freed once no step in flight can read it.

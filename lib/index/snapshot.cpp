@@ -268,13 +268,8 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
       WKV_RETURN_IF_ERROR(
           ix.backend.mem_copy(hs.meta.spread.p, o.spread.empty() ? spread.data() : o.spread.data(), C * 4, stream));
       WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.values.mean.p, mean.data(), d * 4, stream));
-      if (keeps_centroid16(ix)) {
-        Region &c16 = hs.meta.centroid16;
-        WKV_RETURN_IF_ERROR(grow_region(ix, &c16, kernels::kMeta16Header + C * d * 2, 0, stream));
-        WKV_RETURN_IF_ERROR(ix.backend.mem_fill(c16.p, 0, kernels::kMeta16Header, stream));
-        WKV_RETURN_IF_ERROR(ix.backend.narrow_f16(hs.meta.centroid.as<float>(), C * d, c16.p + kernels::kMeta16Header,
-                                                  c16.as<uint32_t>(), stream));
-      }
+      WKV_RETURN_IF_ERROR(centroid16_reserve(ix, hs, C, stream));
+      WKV_RETURN_IF_ERROR(centroid16_write(ix, hs, 0, hs.meta.centroid.as<float>(), C, stream));
     }
     if (ix.backend.host_memory() && ix.cfg.dtype() != DType::kF32) {
       // The CPU engine's compact f16 mirror, rebuilt as its growths build it.
