@@ -134,7 +134,7 @@ uint64_t BufferManager::oldest_in_flight(std::unique_lock<std::mutex> &) {
     // in the ring names it.
     if (idle && t.use_count() == 1 && t->records_ == 0) {
       free_words_.push_back(t->done_);
-      for (uint32_t m : t->missed_by_key_) keyed_missed_ -= m ? m - 1 : 0;
+      for (uint32_t m : t->missed_by_key_) keyed_missed_ -= StepTracker::missed_of(m);
       continue;
     }
     if (kept != i) trackers_[kept] = std::move(t);
@@ -190,7 +190,7 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   size_t hint = static_cast<size_t>(1.25 * miss_share_.load(std::memory_order_relaxed) * want) + opts_.min_given;
   std::unique_lock<std::mutex> lock(mu_);
   if (key != 0 && key < t.missed_by_key_.size() && t.missed_by_key_[key] != 0)
-    hint = static_cast<size_t>(1.25 * (t.missed_by_key_[key] - 1)) + opts_.min_given;
+    hint = static_cast<size_t>(1.25 * StepTracker::missed_of(t.missed_by_key_[key])) + opts_.min_given;
   // Frames whose readers ended since the manager's last pass are free now:
   // a burst that begins right after the steps before it ended (a runtime
   // that waits for a token, then enqueues the next) finds the frames its
@@ -389,7 +389,7 @@ void BufferManager::take_record(const RecordHeader &hc) {
       if (t->missed_by_key_.size() <= h->key) t->missed_by_key_.resize(h->key + 1, 0);
       uint32_t &m = t->missed_by_key_[h->key];
       const uint32_t now = std::min<uint32_t>(missed, UINT32_MAX - 1);
-      keyed_missed_ = keyed_missed_ - (m ? m - 1 : 0) + now;
+      keyed_missed_ = keyed_missed_ - StepTracker::missed_of(m) + now;
       m = now + 1;
     } catch (const std::bad_alloc &) {
       // Without the figure, steps of this key are handed the overall share.

@@ -82,8 +82,9 @@ class StepTracker {
   uint64_t *done_dev_ = nullptr;
   uint32_t records_ = 0;  // records in the ring that name it (guarded by the manager's mu_)
   // Per record key: what the last record taken with that key missed, plus
-  // one (0: none yet). Guarded by the manager's mu_.
+  // one (0: none yet; missed_of decodes). Guarded by the manager's mu_.
   std::vector<uint32_t> missed_by_key_;
+  static uint32_t missed_of(uint32_t entry) { return entry ? entry - 1 : 0; }
 };
 
 // One access record of a step, in the ring (pinned, mapped host memory).
