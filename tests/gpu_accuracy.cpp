@@ -11,11 +11,11 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <memory>
 #include <string>
 
 #include "accuracy_support.hpp"
+#include "real_attention_data.hpp"
 #include "gpu_support.hpp"
 
 using namespace wkvtest;
@@ -87,18 +87,12 @@ TEST(GpuAccuracy, DiffuseHeadsAreEstimatedAsOnTheCpuEngine) {
 // copy of its centroids, the CPU engine its compact f16 mirror.
 TEST(GpuAccuracy, RealAttentionAsOnTheCpuEngine) {
   REQUIRE_GPU();
-  constexpr uint32_t kLayers = 6, kQ = 4, kKVr = 2, kDr = 128, kT = 8192, kQueries = 64;
-  const char *env = std::getenv("WKV_SHARED_DIR");
-  const std::string dir = std::string(env && *env ? env : "../shared") + "/data/real-attention";
-  const size_t kv_elems = size_t(kT) * kKVr * kDr, n = 2 * kv_elems + size_t(kQueries) * kQ * kDr;
-  auto read_layer = [&](uint32_t l, std::vector<uint16_t> *raw) {
-    std::ifstream f(dir + "/layer" + std::to_string(l) + ".f16", std::ios::binary);
-    raw->resize(n);
-    f.read(reinterpret_cast<char *>(raw->data()), static_cast<std::streamsize>(n * 2));
-    return f && static_cast<size_t>(f.gcount()) == n * 2;
-  };
+  namespace ra = wkvtest::real_attention;
+  constexpr uint32_t kLayers = ra::kLayers, kQ = ra::kQ, kKVr = ra::kKV, kDr = ra::kD, kT = ra::kT,
+                     kQueries = ra::kQueries;
+  const std::string dir = ra::data_dir();
   std::vector<uint16_t> raw;
-  if (!read_layer(0, &raw)) GTEST_SKIP() << "real attention data not found under " << dir << " (set WKV_SHARED_DIR)";
+  if (!ra::read_layer(0, &raw)) GTEST_SKIP() << "real attention data not found under " << dir << " (set WKV_SHARED_DIR)";
 
   struct Side {
     std::unique_ptr<Memory> mem;
@@ -125,16 +119,9 @@ TEST(GpuAccuracy, RealAttentionAsOnTheCpuEngine) {
   }
   const uint32_t prompt = kT - kQueries;
   for (uint32_t l = 0; l < kLayers; ++l) {
-    ASSERT_TRUE(read_layer(l, &raw)) << "layer " << l;
-    const uint16_t *K = raw.data(), *V = K + kv_elems, *Q = V + kv_elems;
-    std::vector<HeadRows> rows(kKVr);
-    for (uint32_t t = 0; t < kT; ++t)
-      for (uint32_t h = 0; h < kKVr; ++h)
-        for (uint32_t i = 0; i < kDr; ++i) {
-          const size_t off = (size_t(t) * kKVr + h) * kDr + i;
-          rows[h].k.push_back(wkv::f16_to_float(K[off]));
-          rows[h].v.push_back(wkv::f16_to_float(V[off]));
-        }
+    ASSERT_TRUE(ra::read_layer(l, &raw)) << "layer " << l;
+    const uint16_t *K = raw.data(), *V = K + ra::kKVElems, *Q = V + ra::kKVElems;
+    const std::vector<HeadRows> rows = ra::head_rows(K, V);
     for (Side &x : side)
       x.seq->append(l, x.mem->put(K, size_t(prompt) * kKVr * kDr * 2), x.mem->put(V, size_t(prompt) * kKVr * kDr * 2),
                     prompt);

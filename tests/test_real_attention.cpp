@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "real_attention_data.hpp"
 #include "support.hpp"
 #include "wavekv/wavekv.hpp"
 
@@ -21,7 +22,8 @@ using namespace wkvtest;
 
 namespace {
 
-constexpr uint32_t kLayers = 6, kQ = 4, kKV = 2, kD = 128, kT = 8192, kQueries = 64;
+using namespace wkvtest::real_attention;
+
 // Under the sanitizers, which look for memory and thread errors rather than
 // at the figures, the first layer alone (the index builds are most of the
 // test's time, and ten times slower there), with the per-layer checks.
@@ -31,27 +33,12 @@ constexpr uint32_t kLayersRun = 1;
 constexpr uint32_t kLayersRun = kLayers;
 #endif
 
-std::string data_dir() {
-  const char *env = std::getenv("WKV_SHARED_DIR");
-  std::string base = env && *env ? env : "../shared";
-  return base + "/data/real-attention";
-}
-
-bool read_layer(const std::string &path, std::vector<uint16_t> *raw) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return false;
-  size_t n = static_cast<size_t>(kT) * kKV * kD * 2 + static_cast<size_t>(kQueries) * kQ * kD;
-  raw->resize(n);
-  f.read(reinterpret_cast<char *>(raw->data()), static_cast<std::streamsize>(n * 2));
-  return static_cast<size_t>(f.gcount()) == n * 2;
-}
-
 }  // namespace
 
 TEST(RealAttention, DefaultBudgetIsAccurateOnEveryLayer) {
   std::string dir = data_dir();
   std::vector<uint16_t> raw;
-  if (!read_layer(dir + "/layer0.f16", &raw))
+  if (!read_layer(0, &raw))
     GTEST_SKIP() << "real attention data not found under " << dir << " (set WKV_SHARED_DIR)";
 
   // The paper's method and the default one side by side, over the same
@@ -83,16 +70,9 @@ TEST(RealAttention, DefaultBudgetIsAccurateOnEveryLayer) {
   const uint32_t prompt = kT - kQueries;
   if (kLayersRun < kLayers) std::printf("sanitizer build: layers 0 to %u of %u\n", kLayersRun - 1, kLayers);
   for (uint32_t l = 0; l < kLayersRun; ++l) {
-    ASSERT_TRUE(read_layer(dir + "/layer" + std::to_string(l) + ".f16", &raw)) << "layer " << l;
-    const uint16_t *K = raw.data(), *V = K + static_cast<size_t>(kT) * kKV * kD, *Q = V + static_cast<size_t>(kT) * kKV * kD;
-    std::vector<HeadRows> rows(kKV);
-    for (uint32_t t = 0; t < kT; ++t)
-      for (uint32_t h = 0; h < kKV; ++h)
-        for (uint32_t i = 0; i < kD; ++i) {
-          size_t off = (static_cast<size_t>(t) * kKV + h) * kD + i;
-          rows[h].k.push_back(wkv::f16_to_float(K[off]));
-          rows[h].v.push_back(wkv::f16_to_float(V[off]));
-        }
+    ASSERT_TRUE(read_layer(l, &raw)) << "layer " << l;
+    const uint16_t *K = raw.data(), *V = K + kKVElems, *Q = V + kKVElems;
+    const std::vector<HeadRows> rows = head_rows(K, V);
     // The prompt, then one generated token before each query: query j sees
     // tokens 0 .. prompt + j.
     for (Run &r : runs) r.seq->append(l, K, V, prompt);
