@@ -35,6 +35,11 @@
 //   WKV_STREAM_MS        full attention of one layer of T tokens, batch 1,
 //                        with the KV streamed from pinned host memory
 // and WKV_SERVING_CACHE_FRACTION sets the device cache (0.05 of the KV).
+// The spill tier (cold pages, docs/spill.md): WKV_SERVING_HOST_BUDGET_GIB
+// bounds the engine's host arena and WKV_SERVING_SPILL_DIR names the spill
+// file's directory; with both, the KV beyond the budget goes to disk and the
+// bench prints the prompt's ingest time, what was written, and per token
+// what was read back and how many retrievals were estimated for want of it.
 // Usage: gpu_serving_bench [tokens] [batches, comma-separated] [steps] [layers]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -233,6 +238,11 @@ struct Row {
   double device_us[5] = {0, 0, 0, 0, 0};  // the same verbs' device time (events around each)
   double device_mean_us[5] = {0, 0, 0, 0, 0};
   uint64_t growth_steps = 0;
+  // The spill tier (with a host budget and a spill directory).
+  double ingest_s = 0;                 // the prompts' appends and ends, wall time
+  uint64_t cold_pages = 0, page_bytes = 0, spill_bytes = 0, written_prompt = 0;
+  double read_per_token = 0, written_per_token = 0, estimated_per_token = 0;
+  uint64_t read_errors = 0, write_errors = 0;
 };
 
 // Per token: units missed, frames handed to the token's steps and units
@@ -329,9 +339,13 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   for (uint32_t i = 0; i < B; ++i) kv += uint64_t(len[i]) * tok * 2 * 2 * L;
   const char *frac = std::getenv("WKV_SERVING_CACHE_FRACTION");  // of the KV held; 0.05 by default
   c.device_cache_bytes = static_cast<uint64_t>(double(kv) * (frac ? std::atof(frac) : 0.05));
+  if (const char *b = std::getenv("WKV_SERVING_HOST_BUDGET_GIB"))
+    c.host_budget_bytes = static_cast<uint64_t>(std::atof(b) * double(1ull << 30));
+  c.spill_dir = std::getenv("WKV_SERVING_SPILL_DIR");
   wkv_engine *e;
   CHECK(wkv_engine_open(&c, &e));
   std::vector<wkv_seq *> seqs(B);
+  const auto ingest = Clock::now();
   for (uint32_t i = 0; i < B; ++i) {
     CHECK(wkv_seq_create(e, &seqs[i]));
     for (uint32_t l = 0; l < L; ++l) {
@@ -342,6 +356,14 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   wkv_plan *plan;
   CHECK(wkv_plan_create(e, &plan));
   CU(cudaStreamSynchronize(s));
+  row.ingest_s = us_since(ingest) / 1e6;
+  {
+    wkv_stats x;
+    wkv_stats_init(&x);
+    CHECK(wkv_engine_stats(e, &x));
+    row.written_prompt = x.spill_pages_written;
+    row.page_bytes = x.page_bytes;
+  }
 
   // Warm-up: 16 steps of the first queries (not timed), not appended, so
   // that the timed run starts from the same context: the cache warms.
@@ -409,6 +431,13 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   row.records_dropped = st1.cache_records_dropped - st0.cache_records_dropped;
   row.pin_fallbacks = st1.pin_fallbacks;
   row.gpu_gib = double(free0 - free1) / (1ull << 30);
+  row.cold_pages = st1.spill_cold_pages;
+  row.spill_bytes = st1.spill_bytes_used;
+  row.read_per_token = double(st1.spill_pages_read - st0.spill_pages_read) / steps;
+  row.written_per_token = double(st1.spill_pages_written - st0.spill_pages_written) / steps;
+  row.estimated_per_token = double(st1.spill_estimated - st0.spill_estimated) / steps;
+  row.read_errors = st1.spill_read_errors;
+  row.write_errors = st1.spill_write_errors;
   row.host_gib = double(st1.host_bytes_reserved) / (1ull << 30);
 
   // Host time of each verb (the split form of wkv_decode), per layer, 64
@@ -576,6 +605,16 @@ int main(int argc, char **argv) {
                 "update %.1f\n",
                 r.device_mean_us[0], r.device_mean_us[1], r.device_mean_us[2], r.device_mean_us[3],
                 r.device_mean_us[4]);
+    if (std::getenv("WKV_SERVING_SPILL_DIR")) {
+      const double pb = double(r.page_bytes);
+      std::printf("      spill: prompts ingested in %.1f s, %.2f GiB written out meanwhile; now %.2f GiB of KV on disk "
+                  "(%.2f GiB of spill file); per token (all %u layers): %.2f MB read back, %.2f MB written, %.1f "
+                  "retrievals estimated for want of a page; %llu read errors, %llu write errors\n",
+                  r.ingest_s, double(r.written_prompt) * pb / double(1ull << 30),
+                  double(r.cold_pages) * pb / double(1ull << 30), double(r.spill_bytes) / double(1ull << 30), L,
+                  r.read_per_token * pb / 1e6, r.written_per_token * pb / 1e6, r.estimated_per_token,
+                  static_cast<unsigned long long>(r.read_errors), static_cast<unsigned long long>(r.write_errors));
+    }
     std::fflush(stdout);
     if (tps > best_w) best_w = tps, best_wb = B;
   }

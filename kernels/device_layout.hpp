@@ -44,6 +44,19 @@ namespace wkv::kernels {
 // Steady zone (device rows, [tokens][d] in the storage dtype, contiguous):
 //   sink_k/sink_v      sink_tokens rows
 //   tail_k/tail_v      tail_tokens rows
+// Cold pages (engines with a host budget and a spill file; docs/spill.md):
+//   cold_pt            page_tokens where pages may be out (pages[p] null:
+//                      page p is in the spill file), 0 where none can be.
+//                      A retrieval-zone cluster with a page out is estimated
+//                      instead (its ret_ids entry carries kColdCluster, its
+//                      members are not gathered) and reported in `wants`.
+//   stamps[c]          (device, may be null) set to `stamp` for every
+//                      retrieval-zone cluster: the cold tier's recency
+//   wants              (mapped host memory, may be null) the retrieval-zone
+//                      clusters the step found out: wants[1] their count (all
+//                      of them), wants[2 + i], i < min(count, want_cap),
+//                      their ids, then wants[0] = stamp once the rest is
+//                      visible to the host
 struct DevRun {
   const float *centroid;
   const float *value_sum;
@@ -57,6 +70,8 @@ struct DevRun {
   uint32_t *const *unit_dir;
   const uint8_t *sink_k, *sink_v;
   const uint8_t *tail_k, *tail_v;
+  uint32_t *stamps;
+  uint32_t *wants;
   uint32_t clusters;
   uint32_t n_ret;        // retrieval-zone clusters to select
   uint32_t n_one;        // of them, clusters of one member (0: not ranked apart)
@@ -66,7 +81,14 @@ struct DevRun {
   uint32_t ret_off;      // this run's first entry in ret_ids / ret_pos
   uint32_t est_off;      // this run's first entry in est_ids
   uint32_t scratch_off;  // this run's first float in the [G][clusters] logits scratch
+  uint32_t cold_pt;
+  uint32_t stamp;
+  uint32_t want_cap;
 };
+
+// The bit a ret_ids entry carries when its cluster had a page out at the
+// lookup: estimated, not gathered.
+constexpr uint32_t kColdCluster = 0x80000000u;
 
 // Bytes before the f16 centroids of DevRun::centroid16 (an overflow word,
 // then padding that keeps the rows 16-byte aligned).
@@ -102,7 +124,12 @@ struct StepMark {
 //   ret_pos[ret_off + i]                exclusive prefix sum of their sizes:
 //                                       where cluster i's rows start in the
 //                                       run after the steady zone
-//   est_ids[est_off + i], i < n_est     estimation cluster ids, ascending
+//   est_ids[est_off + i], i < n_est     estimation cluster ids, ascending;
+//                                       then, where est_extra is not null,
+//                                       est_extra[r] retrieval-zone clusters
+//                                       found cold (DevRun::cold_pt), which
+//                                       the estimate covers too (est_ids
+//                                       holds n_est + n_ret entries a run)
 //   run_tokens[r]                       steady + retrieval tokens of run r
 //   est_out[(r * G + g) * d + i]        estimate of query head g of run r
 //   est_lse[r * G + g]                  its log-denominator (-inf if empty)
@@ -120,6 +147,7 @@ struct DevLookup {
   int32_t *offsets;
   float *logits;  // scratch: [G][clusters] per run at scratch_off
   uint8_t *zones;  // scratch: [clusters] per run at scratch_off / G
+  uint32_t *est_extra;  // [R] or null: no run has cold pages
 };
 
 }  // namespace wkv::kernels

@@ -97,6 +97,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
   uint32_t hits = 0, misses = 0;
   for (uint32_t i = blockIdx.y * kWarps + warp; i < n_ret; i += gridDim.y * kWarps) {
     const uint32_t id = a.lookup.ret_ids[ret_off + i];
+    if (id & kColdCluster) continue;  // a page out: estimated, no member gathered
     const uint32_t first = run.first_slot[id], n = run.size[id];
     const uint32_t dst_row = rbase + a.lookup.ret_pos[ret_off + i];
     const uint32_t ub = run.unit_dir ? run.unit_begin[id] : 0;

@@ -14,7 +14,10 @@
 //                       id order, ret_pos and run_tokens; with n_one > 0 two
 //                       rounds (the retrieval zone of both classes, then
 //                       the estimation zone of the rest); every cluster's
-//                       zone.
+//                       zone. Where pages may be out (DevRun::cold_pt), a
+//                       retrieval cluster with one is marked kColdCluster,
+//                       counts no member, goes after the run's estimation
+//                       clusters and into the run's report (DevRun::wants).
 //   3. estimate_kernel  (run, group of up to 8 heads) pairs, each split over
 //                       a cluster of 8 CTAs on sm_90 that merge through
 //                       distributed shared memory: est_out and est_lse,
@@ -302,6 +305,7 @@ struct SelectShared {
   uint32_t loc_tot[4];             // this CTA's totals of the four counts
   uint32_t tot[4], before[4];      // the run's totals; the CTAs' before this one
   uint32_t ret_n, ret_tokens;      // this CTA's retrieval clusters and their members
+  uint32_t cold_n;                 // of them, clusters with a page out (DevRun::cold_pt)
   uint32_t tmp[32];
 };
 
@@ -503,6 +507,16 @@ __device__ void compact2(SelectShared &sh, const Slice &sl, K0 key0, uint32_t t0
   __syncthreads();
 }
 
+// Whether a page of cluster c is out (in the spill file): its page table
+// entry is null.
+__device__ __forceinline__ bool cluster_out(const DevRun &run, uint32_t c) {
+  const uint32_t first = run.first_slot[c], n = run.size[c], pt = run.cold_pt;
+  if (n == 0) return false;
+  for (uint32_t p = first / pt; p <= (first + n - 1) / pt; ++p)
+    if (run.pages[p] == nullptr) return true;
+  return false;
+}
+
 // CTA blockIdx.x % n of run blockIdx.x / n (n = the cluster's size, 1
 // without clusters) selects over its slice of the run's clusters. scores
 // (optional) is the global score scratch; dynamic shared memory holds the
@@ -532,7 +546,10 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
   float *sc = scores ? scores + run.scratch_off / G : nullptr;
   const uint32_t steady = run.sink_tokens + run.tail_tokens;
   if (C == 0 || (!use_smem && !sc)) {  // uniform over the run's CTAs
-    if (tid == 0 && sl.rank == 0) out.run_tokens[r] = steady;
+    if (tid == 0 && sl.rank == 0) {
+      out.run_tokens[r] = steady;
+      if (out.est_extra) out.est_extra[r] = 0;
+    }
     return;
   }
   const float *lg = out.logits + run.scratch_off;
@@ -630,17 +647,25 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
       }
     }
   }
-  if (tid == 0) sh.ret_n = sh.ret_tokens = 0;
+  if (tid == 0) sh.ret_n = sh.ret_tokens = sh.cold_n = 0;
   __syncthreads();
   auto key = [&](uint32_t c) { return use_smem ? keys_s[c - sl.lo] : score_key(sc[c]); };
 
   uint32_t *ret_ids = out.ret_ids + run.ret_off;
   uint32_t *est_ids = out.est_ids + run.est_off;
   uint8_t *zone = out.zones + run.scratch_off / G;
-  // This CTA's retrieval clusters and their members, for ret_pos.
-  auto count_ret = [&](uint32_t c) {
+  // A retrieval cluster's ret_ids entry; counts this CTA's retrieval
+  // clusters and their members, for ret_pos. A cluster with a page out
+  // counts no member and is marked for the estimate.
+  auto take_ret = [&](uint32_t c) -> uint32_t {
+    if (run.stamps) run.stamps[c] = run.stamp;
     atomicAdd(&sh.ret_n, 1u);
+    if (run.cold_pt && cluster_out(run, c)) {
+      atomicAdd(&sh.cold_n, 1u);
+      return c | kColdCluster;
+    }
     atomicAdd(&sh.ret_tokens, run.size[c]);
+    return c;
   };
   if (z.n_one == 0) {
     // 2c. The paper's zones: the n_sel-th and n_ret-th largest keys, then
@@ -653,8 +678,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
       compact2(sh, sl, key, t_sel, n_sel, key, t_ret, n_ret,
                [&](uint32_t c, bool in_sel, bool in_ret, uint32_t sel_b, uint32_t ret_b) {
                  if (in_ret) {
-                   ret_ids[ret_b] = c;
-                   count_ret(c);
+                   ret_ids[ret_b] = take_ret(c);
                  } else if (in_sel) {
                    est_ids[sel_b - ret_b] = c;
                  }
@@ -673,8 +697,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
     compact2(sh, sl, reg, t_reg, n_reg, one, t_one, z.n_one,
              [&](uint32_t c, bool in_reg, bool in_one, uint32_t reg_b, uint32_t one_b) {
                if (in_reg || in_one) {
-                 ret_ids[reg_b + one_b] = c;
-                 count_ret(c);
+                 ret_ids[reg_b + one_b] = take_ret(c);
                  if (use_smem) cls_s[c - sl.lo] |= 2;
                }
                zone[c] = in_reg || in_one ? 1 : 0;
@@ -698,29 +721,60 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
   cluster_barrier();
   uint32_t ret_first = 0, ret_total = 0;  // this CTA's first entry; members of the CTAs before it
   uint32_t run_total = 0;                 // members of the run's retrieval clusters
+  uint32_t cold_first = 0, run_cold = 0;  // cold clusters of the CTAs before it; of the run
   for (uint32_t k = 0; k < sl.n; ++k) {
-    const uint32_t n = *in_rank(&sh.ret_n, k), t = *in_rank(&sh.ret_tokens, k);
+    const uint32_t n = *in_rank(&sh.ret_n, k), t = *in_rank(&sh.ret_tokens, k), o = *in_rank(&sh.cold_n, k);
     if (k < sl.rank) {
       ret_first += n;
       ret_total += t;
+      cold_first += o;
     }
     run_total += t;
+    run_cold += o;
   }
   const uint32_t ret_last = ret_first + sh.ret_n;
   cluster_barrier();  // every CTA has read the counts: none leaves before
 
   // 2e. ret_pos: exclusive prefix of the retrieval clusters' sizes, over
-  //     this CTA's entries.
+  //     this CTA's entries (a cold cluster's size counts 0). Cold clusters
+  //     go after the run's estimation clusters, and into the report.
   uint32_t *ret_pos = out.ret_pos + run.ret_off;
+  uint32_t *wants = run.wants;
   for (uint32_t base = ret_first; base < ret_last; base += kSelectThreads) {
     const uint32_t i = base + tid;
-    const uint32_t sz = i < ret_last ? run.size[ret_ids[i]] : 0u;
+    const uint32_t id = i < ret_last ? ret_ids[i] : 0u;
+    const bool cold = i < ret_last && (id & kColdCluster) != 0;
+    const uint32_t sz = i < ret_last && !cold ? run.size[id] : 0u;
     uint32_t total;
     const uint32_t before = block_excl_scan<kSelectThreads>(sz, sh.tmp, &total);
     if (i < ret_last) ret_pos[i] = ret_total + before;
     ret_total += total;
+    if (run.cold_pt) {  // uniform over the block
+      uint32_t n_cold;
+      const uint32_t at = cold_first + block_excl_scan<kSelectThreads>(cold ? 1u : 0u, sh.tmp, &n_cold);
+      if (cold) {
+        const uint32_t c = id & ~kColdCluster;
+        if (out.est_extra) est_ids[z.n_est + at] = c;
+        if (wants && at < run.want_cap) wants[2 + at] = c;
+      }
+      cold_first += n_cold;
+    }
   }
-  if (tid == 0 && sl.rank == 0) out.run_tokens[r] = steady + run_total;
+  if (tid == 0 && sl.rank == 0) {
+    out.run_tokens[r] = steady + run_total;
+    if (out.est_extra) out.est_extra[r] = run_cold;
+  }
+  if (wants) {  // uniform over the run's CTAs
+    // The ids reach the host before the count, the count before the
+    // stamp that tells the host the report is this step's.
+    __threadfence_system();
+    cluster_barrier();
+    if (tid == 0 && sl.rank == 0) {
+      wants[1] = run_cold;
+      __threadfence_system();
+      *reinterpret_cast<volatile uint32_t *>(wants) = run.stamp;
+    }
+  }
 }
 
 // 3. Estimate ----------------------------------------------------------------
@@ -778,7 +832,8 @@ __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__r
   const uint32_t r = hb / groups, g0 = (hb % groups) * GT, tid = threadIdx.x;
   const DevRun &run = runs[r];
   const uint32_t C = run.clusters;
-  const uint32_t n = clamp_zones(run).n_est;
+  // The estimation zone, then the retrieval clusters found cold.
+  const uint32_t n = clamp_zones(run).n_est + (out.est_extra ? out.est_extra[r] : 0u);
   const uint32_t chunk = (n + kSplits - 1) / kSplits;
   const uint32_t i0 = min(n, split * chunk), i1 = min(n, i0 + chunk);
   const uint32_t *ids = out.est_ids + run.est_off;

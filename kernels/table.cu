@@ -6,7 +6,7 @@
 namespace wkv::kernels {
 namespace {
 
-constexpr uint32_t kRunsPerLaunch = 26;  // DevRun is 152 bytes
+constexpr uint32_t kRunsPerLaunch = 21;  // DevRun is 184 bytes
 constexpr uint32_t kWordsPerLaunch = 480;
 
 struct RunChunk {
@@ -20,6 +20,15 @@ struct WordChunk {
   uint32_t n, value;
 };
 static_assert(sizeof(WordChunk) <= 4000, "kernel parameters are limited to 4 KiB");
+
+constexpr uint32_t kPairsPerLaunch = 240;
+
+struct PairChunk {
+  uint64_t addrs[kPairsPerLaunch];
+  uint64_t values[kPairsPerLaunch];
+  uint32_t n;
+};
+static_assert(sizeof(PairChunk) <= 4000, "kernel parameters are limited to 4 KiB");
 
 constexpr uint32_t kCopiesPerLaunch = 96;
 constexpr uint32_t kCopyRowsPerCta = 16;
@@ -67,6 +76,11 @@ __global__ void mark_many_kernel(const __grid_constant__ MarkChunk chunk) {
 __global__ void store_words_kernel(const WordChunk chunk) {
   for (uint32_t i = threadIdx.x; i < chunk.n; i += blockDim.x)
     *reinterpret_cast<volatile uint32_t *>(chunk.addrs[i]) = chunk.value;
+}
+
+__global__ void store_pairs_kernel(const PairChunk chunk) {
+  for (uint32_t i = threadIdx.x; i < chunk.n; i += blockDim.x)
+    *reinterpret_cast<volatile uint64_t *>(chunk.addrs[i]) = chunk.values[i];
 }
 
 __global__ void mark_kernel(unsigned long long *done, unsigned long long epoch) {
@@ -193,6 +207,22 @@ cudaError_t store_words(const uint64_t *addrs, uint32_t n, uint32_t value, void 
     for (uint32_t i = 0; i < c.n; ++i) c.addrs[i] = addrs[done + i];
     store_words_kernel<<<1, 256, 0, s>>>(c);
     WKV_CUDA_CHECK_LAUNCH("store_words");
+  }
+  return cudaSuccess;
+}
+
+cudaError_t store_pairs(const uint64_t *addrs, const uint64_t *values, uint32_t n, void *stream) {
+  if (n > 0 && (!addrs || !values)) return cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  for (uint32_t done = 0; done < n; done += kPairsPerLaunch) {
+    PairChunk c;
+    c.n = n - done < kPairsPerLaunch ? n - done : kPairsPerLaunch;
+    for (uint32_t i = 0; i < c.n; ++i) {
+      c.addrs[i] = addrs[done + i];
+      c.values[i] = values[done + i];
+    }
+    store_pairs_kernel<<<1, 256, 0, s>>>(c);
+    WKV_CUDA_CHECK_LAUNCH("store_pairs");
   }
   return cudaSuccess;
 }

@@ -13,7 +13,7 @@
 namespace wkv::kernels {
 
 // Copies n DevRun structs from host memory into dst (device), in launches of
-// up to 26 runs passed by value.
+// up to 21 runs passed by value.
 cudaError_t upload_runs(const DevRun *host_runs, uint32_t n, DevRun *dst, void *stream);
 
 // Writes `epoch` to *done once the work enqueued on `stream` before it has
@@ -43,6 +43,10 @@ cudaError_t mark_steps_end(unsigned long long *const *done, const unsigned long 
 // Stores `value` into n 4-byte words at the device addresses in addrs (a
 // host array), in launches of up to 480 addresses passed by value.
 cudaError_t store_words(const uint64_t *addrs, uint32_t n, uint32_t value, void *stream);
+
+// Stores values[i] into the 8-byte word at device address addrs[i] (host
+// arrays), i < n, in launches of up to 240 pairs passed by value.
+cudaError_t store_pairs(const uint64_t *addrs, const uint64_t *values, uint32_t n, void *stream);
 
 // Converts q [n_seqs][n_q_heads][d] of storage type t with strides in
 // elements into dst, f32 [n_seqs][n_q_heads][d] contiguous.

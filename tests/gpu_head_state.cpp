@@ -48,36 +48,6 @@ wkv_config config(uint32_t device, float retrieval = 0.018f, float estimation = 
   return c;
 }
 
-// Device (or host, for the CPU engine) copies of host bytes.
-struct Buf {
-  bool device;
-  void *p = nullptr;
-  size_t n = 0;
-  Buf(bool dev, const std::vector<uint8_t> &h) : device(dev), n(h.size()) {
-    if (device) {
-      EXPECT_EQ(cudaMalloc(&p, n), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(p, h.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
-    } else {
-      p = std::malloc(n);
-      std::memcpy(p, h.data(), n);
-    }
-  }
-  ~Buf() {
-    if (device)
-      cudaFree(p);
-    else
-      std::free(p);
-  }
-  std::vector<uint8_t> host() const {
-    std::vector<uint8_t> h(n);
-    if (device)
-      EXPECT_EQ(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
-    else
-      std::memcpy(h.data(), p, n);
-    return h;
-  }
-};
-
 struct Engine {
   std::shared_ptr<wkv::Engine> e;
   bool gpu;

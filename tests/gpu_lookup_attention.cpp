@@ -318,7 +318,7 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   for (auto *a : {&d_est_out, &d_est_lse, &d_logits, &d_scores}) CUDA_OK(a->poison());
   CUDA_OK(d_offsets.poison());
 
-  DevLookup out;
+  DevLookup out{};
   out.ret_ids = d_ret_ids.get();
   out.ret_pos = d_ret_pos.get();
   out.est_ids = d_est_ids.get();
@@ -644,6 +644,186 @@ TEST(LookupZones, RejectsBadArguments) {
   EXPECT_EQ(lookup_zones(nullptr, 0, 4, 72, 0.1f, q, out, nullptr, 0, nullptr), cudaErrorNotSupported);
   EXPECT_EQ(lookup_zones(nullptr, 0, 4, 128, 0.1f, q, out, nullptr, kLookupSmemClusters + 1, nullptr),
             cudaErrorInvalidValue);
+}
+
+// Cold pages: with every page out (a null page table), each retrieval
+// cluster is marked kColdCluster, counts no member, is estimated and
+// reported, and stamped; the estimate then equals that of a lookup whose
+// estimation zone takes the retrieval zone's place (the same clusters
+// estimated, the same tail), to f32 rounding of another summation order.
+// Runs of 2000 and 6000 clusters (the second split over a cluster of CTAs).
+TEST(LookupZones, ColdRetrievalClustersAreEstimatedAndReported) {
+  REQUIRE_GPU();
+  constexpr uint32_t d = 128, G = 4, pt = 8, cap = 1000;
+  const uint32_t Cs[] = {2000, 6000};
+  const uint32_t R = 2;
+  std::mt19937_64 rng(91);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_int_distribution<uint32_t> size_dist(1, 40);
+  std::vector<float> centroid, value_sum, value_mean, q(size_t(R) * G * d);
+  std::vector<uint32_t> sizes, first;
+  std::vector<size_t> meta_off(R), size_off(R), page_off(R);
+  size_t pages_total = 0;
+  for (uint32_t r = 0; r < R; ++r) {
+    meta_off[r] = centroid.size();
+    size_off[r] = sizes.size();
+    page_off[r] = pages_total;
+    std::vector<float> mean(d);
+    for (float &x : mean) x = 0.5f * normal(rng);
+    uint32_t slot = 0;
+    for (uint32_t c = 0; c < Cs[r]; ++c) {
+      const uint32_t n = size_dist(rng);
+      sizes.push_back(n);
+      first.push_back(slot);
+      slot += n;
+      for (uint32_t i = 0; i < d; ++i) centroid.push_back(mean[i] + normal(rng));
+      for (uint32_t i = 0; i < d; ++i) value_sum.push_back(8.f * normal(rng));
+    }
+    pages_total += (slot + pt - 1) / pt;
+    for (uint32_t i = 0; i < d; ++i) value_mean.push_back(normal(rng));
+  }
+  for (float &x : q) x = normal(rng);
+  DevArray<float> d_centroid, d_value_sum, d_value_mean, d_q;
+  DevArray<uint32_t> d_sizes, d_first, d_stamps, d_wants;
+  DevArray<uint64_t> d_pages;  // all null: every page is out
+  CUDA_OK(d_centroid.upload(centroid));
+  CUDA_OK(d_value_sum.upload(value_sum));
+  CUDA_OK(d_value_mean.upload(value_mean));
+  CUDA_OK(d_q.upload(q));
+  CUDA_OK(d_sizes.upload(sizes));
+  CUDA_OK(d_first.upload(first));
+  CUDA_OK(d_pages.upload(std::vector<uint64_t>(pages_total, 0)));
+  CUDA_OK(d_stamps.upload(std::vector<uint32_t>(sizes.size(), 0)));
+  CUDA_OK(d_wants.upload(std::vector<uint32_t>(size_t(R) * (cap + 2), 0)));
+
+  // Two lookups: `cold` with the engine's zones and every page out, `ref`
+  // with no retrieval zone and an estimation zone of both zones' size.
+  struct Out {
+    DevArray<uint32_t> ret_ids, ret_pos, est_ids, run_tokens, est_extra;
+    DevArray<float> est_out, est_lse, logits;
+    DevArray<int32_t> offsets;
+    DevArray<uint8_t> zones;
+  } o[2];
+  std::vector<uint32_t> n_ret(R), n_est(R);
+  for (int k = 0; k < 2; ++k) {
+    const bool cold = k == 0;
+    std::vector<DevRun> runs(R);
+    uint32_t ret = 0, est = 0, lg = 0;
+    for (uint32_t r = 0; r < R; ++r) {
+      uint32_t nr = 0, ne = 0;
+      zone_rule(Cs[r], &nr, &ne);
+      n_ret[r] = nr;
+      n_est[r] = ne;
+      DevRun &x = runs[r];
+      std::memset(&x, 0, sizeof x);
+      x.centroid = d_centroid.get() + meta_off[r];
+      x.value_sum = d_value_sum.get() + meta_off[r];
+      x.value_mean = d_value_mean.get() + size_t(r) * d;
+      x.size = d_sizes.get() + size_off[r];
+      x.first_slot = d_first.get() + size_off[r];
+      x.pages = reinterpret_cast<const uint8_t *const *>(d_pages.get() + page_off[r]);
+      x.clusters = Cs[r];
+      x.n_ret = cold ? nr : 0;
+      x.n_est = cold ? ne : nr + ne;
+      x.sink_tokens = 4;
+      x.tail_tokens = 16;
+      x.ret_off = ret;
+      x.est_off = est;
+      x.scratch_off = lg;
+      if (cold) {
+        x.cold_pt = pt;
+        x.stamp = 7 + r;
+        x.stamps = d_stamps.get() + size_off[r];
+        x.wants = d_wants.get() + size_t(r) * (cap + 2);
+        x.want_cap = cap;
+      }
+      ret += x.n_ret;
+      est += x.n_est + (cold ? x.n_ret : 0);
+      lg += G * Cs[r];
+    }
+    Out &w = o[k];
+    DevArray<DevRun> d_runs;
+    CUDA_OK(d_runs.upload(runs));
+    CUDA_OK(w.ret_ids.alloc(ret));
+    CUDA_OK(w.ret_pos.alloc(ret));
+    CUDA_OK(w.est_ids.alloc(est));
+    CUDA_OK(w.run_tokens.alloc(R));
+    CUDA_OK(w.est_extra.alloc(R));
+    CUDA_OK(w.est_out.alloc(size_t(R) * G * d));
+    CUDA_OK(w.est_lse.alloc(size_t(R) * G));
+    CUDA_OK(w.logits.alloc(size_t(lg) * 2));
+    CUDA_OK(w.offsets.alloc(R + 1));
+    CUDA_OK(w.zones.alloc(lg / G));
+    for (auto *a : {&w.ret_ids, &w.ret_pos, &w.est_ids, &w.run_tokens, &w.est_extra}) CUDA_OK(a->poison());
+    for (auto *a : {&w.est_out, &w.est_lse}) CUDA_OK(a->poison());
+    DevLookup out{};
+    out.ret_ids = w.ret_ids.get();
+    out.ret_pos = w.ret_pos.get();
+    out.est_ids = w.est_ids.get();
+    out.run_tokens = w.run_tokens.get();
+    out.est_out = w.est_out.get();
+    out.est_lse = w.est_lse.get();
+    out.offsets = w.offsets.get();
+    out.logits = w.logits.get();
+    out.zones = w.zones.get();
+    out.est_extra = cold ? w.est_extra.get() : nullptr;
+    STATUS_OK(lookup_zones(d_runs.get(), R, G, d, 1.f / std::sqrt(float(d)), d_q.get(), out,
+                           w.logits.get() + lg, 6000, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+  }
+  std::vector<uint32_t> ret_ids, ret_pos, est_ids, run_tokens, extra, ref_est, stamps, wants;
+  std::vector<float> est_out, ref_out, est_lse, ref_lse;
+  CUDA_OK(o[0].ret_ids.download(&ret_ids));
+  CUDA_OK(o[0].ret_pos.download(&ret_pos));
+  CUDA_OK(o[0].est_ids.download(&est_ids));
+  CUDA_OK(o[0].run_tokens.download(&run_tokens));
+  CUDA_OK(o[0].est_extra.download(&extra));
+  CUDA_OK(o[0].est_out.download(&est_out));
+  CUDA_OK(o[0].est_lse.download(&est_lse));
+  CUDA_OK(o[1].est_ids.download(&ref_est));
+  CUDA_OK(o[1].est_out.download(&ref_out));
+  CUDA_OK(o[1].est_lse.download(&ref_lse));
+  CUDA_OK(d_stamps.download(&stamps));
+  CUDA_OK(d_wants.download(&wants));
+  uint32_t ret_at = 0, est_at = 0, ref_at = 0;
+  for (uint32_t r = 0; r < R; ++r) {
+    SCOPED_TRACE("run " + std::to_string(r));
+    const uint32_t nr = n_ret[r], ne = n_est[r];
+    ASSERT_GT(nr, 0u);
+    EXPECT_EQ(run_tokens[r], 20u) << "a cold cluster counts no member";
+    EXPECT_EQ(extra[r], nr);
+    std::vector<uint32_t> cold_ids;
+    for (uint32_t i = 0; i < nr; ++i) {
+      const uint32_t e = ret_ids[ret_at + i];
+      ASSERT_NE(e & kColdCluster, 0u) << "ret_ids[" << i << "]";
+      EXPECT_EQ(ret_pos[ret_at + i], 0u);
+      cold_ids.push_back(e & ~kColdCluster);
+      EXPECT_EQ(stamps[size_off[r] + (e & ~kColdCluster)], 7 + r) << "stamped";
+    }
+    // Estimated: the estimation zone, then the cold clusters in id order.
+    std::vector<uint32_t> mine(est_ids.begin() + est_at, est_ids.begin() + est_at + ne + nr);
+    EXPECT_TRUE(std::equal(cold_ids.begin(), cold_ids.end(), mine.begin() + ne));
+    std::sort(mine.begin(), mine.end());
+    const std::vector<uint32_t> want(ref_est.begin() + ref_at, ref_est.begin() + ref_at + ne + nr);
+    EXPECT_EQ(mine, want) << "the same clusters estimated";
+    // The report: the count, the ids, the stamp.
+    const uint32_t *w = wants.data() + size_t(r) * (cap + 2);
+    EXPECT_EQ(w[0], 7 + r);
+    EXPECT_EQ(w[1], nr);
+    std::vector<uint32_t> reported(w + 2, w + 2 + std::min(nr, cap));
+    std::sort(reported.begin(), reported.end());
+    EXPECT_TRUE(std::equal(reported.begin(), reported.end(), cold_ids.begin()));
+    for (uint32_t g = 0; g < G; ++g) {
+      const size_t rh = size_t(r) * G + g;
+      EXPECT_NEAR(est_lse[rh], ref_lse[rh], 1e-4f * std::max(1.f, std::fabs(ref_lse[rh])));
+      for (uint32_t i = 0; i < d; ++i)
+        ASSERT_NEAR(est_out[rh * d + i], ref_out[rh * d + i], 1e-4f * std::max(1.f, std::fabs(ref_out[rh * d + i])))
+            << "head " << g << " dim " << i;
+    }
+    ret_at += nr;
+    est_at += ne + nr;
+    ref_at += ne + nr;
+  }
 }
 
 // Attention -------------------------------------------------------------------

@@ -10,8 +10,13 @@
 #                                  its PyTorch anchor, at 128K tokens over
 #                                  SERVING_BATCHES, 1,2,4,7, and at 1M tokens,
 #                                  batch 1, unless SERVING_1M=0)
-#                                  and profile (ncu: device time of each kernel
+#                                  profile (ncu: device time of each kernel
 #                                  of one k-means batch, summed by kernel)
+#                                  and spill (1M tokens, batch 1, 32 layers:
+#                                  128 GiB of bf16 KV under a host budget of
+#                                  SPILL_HOST_BUDGET_GIB, 96, the rest in a
+#                                  spill file in SPILL_DIR, /tmp/wkv-spill;
+#                                  SPILL_LAYERS, SPILL_STEPS)
 #
 # Environment: SANITIZER_TOOLS (memcheck racecheck), SANITIZER_TESTS (every
 # tests/gpu_*.cpp program), SANITIZER_ARGS (added to each test program's
@@ -117,6 +122,23 @@ if want serving; then
     step "gpu_serving_bench 1M" "rc=$?"
     tee -a "$LOG/summary.txt" < "$LOG/serving-1m.log" | tail -8
   fi
+fi
+if want spill; then
+  # The spill tier on the GPU: 1M tokens of Llama3-8B attention geometry
+  # over SPILL_LAYERS layers, more KV than the host budget holds.
+  sdir=${SPILL_DIR:-/tmp/wkv-spill}
+  mkdir -p "$sdir"
+  step "spill dir" "$(df -h "$sdir" | tail -1 | awk '{print $1, $2 " size,", $4 " free"}'), host $(free -g | awk '/Mem:/{print $2 " GiB, " $7 " GiB available"}')"
+  if [ -z "${WKV_STREAM_MS:-}" ]; then
+    python3 bench/gpu_full_attention.py 1048576 1 --stream > "$LOG/full-attention-1m.log" 2>&1
+    WKV_STREAM_MS=$(awk '/^stream_ms/{print $2}' "$LOG/full-attention-1m.log")
+  fi
+  export WKV_STREAM_MS
+  WKV_SERVING_HOST_BUDGET_GIB=${SPILL_HOST_BUDGET_GIB:-96} WKV_SERVING_SPILL_DIR="$sdir" \
+    timeout "${BENCH_TIMEOUT:-540}" build-gpu/bin/gpu_serving_bench 1048576 1 "${SPILL_STEPS:-256}" \
+    "${SPILL_LAYERS:-32}" > "$LOG/spill-1m.log" 2>&1
+  step "gpu_serving_bench 1M spill" "rc=$?"
+  tee -a "$LOG/summary.txt" < "$LOG/spill-1m.log" | tail -12
 fi
 if want profile && command -v ncu >/dev/null; then
   # Device time of each kernel of the k-means, summed by kernel: two calls of

@@ -91,7 +91,7 @@ extern "C" {
 
 #define WKV_VERSION_MAJOR 0
 #define WKV_VERSION_MINOR 6
-#define WKV_VERSION_PATCH 0
+#define WKV_VERSION_PATCH 1
 /* The version as one number: major * 10000 + minor * 100 + patch. */
 #define WKV_VERSION_NUMBER \
   (WKV_VERSION_MAJOR * 10000 + WKV_VERSION_MINOR * 100 + WKV_VERSION_PATCH)
@@ -226,7 +226,8 @@ enum {
  * says which (spill_io). A directory that cannot hold the file fails
  * wkv_engine_open with WKV_ERR_IO.
  *
- * Cold pages (0.4; CPU engines with both spill_dir and host_budget_bytes):
+ * Cold pages (0.4; engines with both spill_dir and host_budget_bytes, CUDA
+ * engines as well since 0.6.1):
  * a sequence may hold more KV than the budget. When a growth (an append or
  * the end of a prompt that clusters a segment) finds the budget full, the
  * sequence's coldest pages (those whose clusters were retrieved longest ago)
@@ -243,7 +244,17 @@ enum {
  * once than the budget holds (a segment of every KV head of a layer) fails
  * with WKV_ERR_BUDGET, as does one whose pages cannot leave because the
  * spill file is at spill_budget_bytes. wkv_stats counts all of it
- * (spill_cold_pages and after). A CUDA engine evicts whole sequences only.
+ * (spill_cold_pages and after).
+ *
+ * On a CUDA engine the device decides what a step retrieves: a page out has
+ * a null entry in the device's page table, the lookup estimates a
+ * retrieval-zone cluster that has one and reports it, and the layer's next
+ * lookup on the host asks for its pages (spill_estimated counts such a
+ * cluster then). A sequence's verbs must reach the device in the order they
+ * are called (one stream, or streams the caller orders), as for its
+ * growths. Pages of a layer looked up and not yet assembled are never
+ * written out; a growth that must write pages out first waits for the
+ * gathers in flight that read them.
  */
 typedef struct wkv_config {
   uint32_t size;            /* sizeof(wkv_config), set by wkv_config_init */
@@ -357,7 +368,7 @@ typedef struct wkv_stats {
   uint64_t spill_bytes_written;/* bytes written to it, since open */
   uint64_t spill_bytes_read;   /* bytes read back from it, since open */
   uint64_t evicted_sequences;  /* sequences whose pages are in the spill file */
-  /* 0.4: cold pages (CPU engines with a spill_dir and a host budget: pages
+  /* 0.4: cold pages (engines with a spill_dir and a host budget: pages
      of live sequences written to the spill file when the budget runs short,
      read back when a lookup wants them; see wkv_config.spill_dir). */
   uint64_t spill_cold_pages;   /* pages of live sequences in the spill file now */

@@ -146,8 +146,24 @@ class Backend {
   virtual void cluster_done(void *stream) = 0;
   // Writes clustered segments into host pages, in stream order.
   virtual Status write_pages(const PageWriteJob *jobs, uint32_t n, void *stream) = 0;
-  // The address a kernel reads host page `id` at (CUDA: mapped memory).
+  // The address a kernel reads host page `id` at (CUDA: mapped memory);
+  // null for kNoPage.
   virtual const uint8_t *page_address(PageId id) = 0;
+  // Cold pages (lib/engine/cold.hpp). Points the device page table entries
+  // of the head's pages[0..n) at their host pages (null where kNoPage), in
+  // stream order; nothing to do where steps read the host's table.
+  virtual Status point_pages(HeadState &hs, const uint32_t *pages, uint32_t n, void *stream) {
+    (void)hs, (void)pages, (void)n, (void)stream;
+    return Status::ok();
+  }
+  // Copies the head's device recency stamps (HeadMirror::stamps) of
+  // clusters [0, n) into dst, waiting for the copy only (steps in flight
+  // may be writing them: a stamp read is a hint). Unsupported where the
+  // host keeps the stamps itself.
+  virtual Status read_stamps(const HeadState &hs, uint32_t *dst, uint32_t n) {
+    (void)hs, (void)dst, (void)n;
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "the host keeps the recency stamps");
+  }
 
   // Marks the end of an append's or growth's device work on `stream` in the
   // sequence's tracker (the buffer manager frees a destroyed sequence's

@@ -33,6 +33,9 @@ struct Config {
     return (b + 63u) & ~63u;
   }
   float scale() const;
+  // Whether pages of live sequences may leave for the spill file: a spill
+  // directory and a host budget (lib/engine/cold.hpp).
+  bool cold_pages() const { return c.spill_dir != nullptr && c.host_budget_bytes > 0; }
 };
 
 // The defaults of every field (shape left zero).

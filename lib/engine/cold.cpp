@@ -1,8 +1,11 @@
 #include "lib/engine/cold.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <limits>
 #include <new>
+#include <thread>
 
 #include "lib/engine/sequence.hpp"
 #include "wavekv/wavekv.h"
@@ -46,8 +49,10 @@ bool cold_resident(HeadState &hs, uint32_t c, uint32_t pt) {
   return resident;
 }
 
-ColdTier::ColdTier(Options opts, SpillFile &spill, HostArena &arena, EngineCounters &counters)
-    : opts_(opts), spill_(spill), arena_(arena), counters_(counters) {
+ColdTier::ColdTier(Options opts, SpillFile &spill, HostArena &arena, EngineCounters &counters, Backend &backend,
+                   BufferManager &buffers)
+    : opts_(opts), spill_(spill), arena_(arena), counters_(counters), backend_(backend), buffers_(buffers) {
+  want_cap_ = static_cast<uint32_t>(arena_.page_bytes() / 4 - 2);
   // A 32nd of the budget, at least two batches: room for the reads of a few
   // steps and for a growth's pages before the next writes free more.
   reserve_ = std::max<uint64_t>(opts_.budget_pages / 32, 2 * uint64_t(opts_.batch));
@@ -182,8 +187,9 @@ void ColdTier::run_batch(std::vector<Job> &batch) {
   owner.cv.notify_all();
 }
 
-void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d) {
-  HeadState &hs = seq.layer(d.layer).heads[d.head];
+void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d, Changes &ch, bool now) {
+  LayerState &L = seq.layer(d.layer);
+  HeadState &hs = L.heads[d.head];
   ColdPages &cp = hs.cold;
   uint8_t &state = cp.state[d.page];
   if (d.write) {
@@ -195,6 +201,13 @@ void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d) {
       if (!d.st.is_ok()) counters_.spill_write_errors.fetch_add(1);
       return;
     }
+    if (opts_.device && layer_open(L)) {
+      // A plan may yet gather the page (its selection saw it resident):
+      // it stays, as if wanted again.
+      spill_.release(d.extent);
+      state = ColdPages::kResident;
+      return;
+    }
     const PageId id = hs.map.pages[d.page];
     cp.extent[d.page] = d.extent;
     state = ColdPages::kOnDisk;
@@ -203,8 +216,14 @@ void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d) {
     counters_.cold_pages.fetch_add(1);
     counters_.cold_pages_written.fetch_add(1);
     // A CPU engine's steps run inside their calls, and the layer's latest
-    // lookup never chose this page: nothing reads the slot now.
-    arena_.release(&id, 1);
+    // lookup never chose this page: nothing reads the slot now. A CUDA
+    // engine's page table entry goes null, and the slot back once the
+    // steps in flight have ended (or at once: `now`).
+    if (opts_.device) ch.point.emplace_back(&hs, d.page);
+    if (opts_.device && !now)
+      ch.freed.push_back(id);
+    else
+      arena_.release(&id, 1);
     return;
   }
   if (state != ColdPages::kReading) {  // cannot happen: reads are disowned first
@@ -215,6 +234,7 @@ void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d) {
     spill_.release(cp.extent[d.page]);
     cp.extent[d.page] = SpillExtent{};
     hs.map.pages[d.page] = d.id;
+    if (opts_.device) ch.point.emplace_back(&hs, d.page);
     state = ColdPages::kResident;
     cp.out--;
     counters_.cold_pages.fetch_sub(1);
@@ -236,7 +256,37 @@ void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d) {
   counters_.spill_read_errors.fetch_add(1);
 }
 
-void ColdTier::install(Sequence &seq) {
+void ColdTier::apply(Changes &ch, void *stream, bool now) {
+  // Grouped by head: one call per run of the same head.
+  std::vector<uint32_t> pages;
+  Status st = Status::ok();
+  for (size_t i = 0; i < ch.point.size();) {
+    HeadState *hs = ch.point[i].first;
+    pages.clear();
+    for (; i < ch.point.size() && ch.point[i].first == hs; ++i) pages.push_back(ch.point[i].second);
+    Status s = backend_.point_pages(*hs, pages.data(), static_cast<uint32_t>(pages.size()), stream);
+    if (st.is_ok()) st = s;
+  }
+  ch.point.clear();
+  if (!st.is_ok()) {
+    // An entry may still point at a slot given back: keep the slots (counted
+    // in use) rather than reuse them under a reader.
+    counters_.spill_write_errors.fetch_add(1);
+    ch.freed.clear();
+    return;
+  }
+  if (ch.freed.empty()) return;
+  if (now) {
+    arena_.release(ch.freed.data(), static_cast<uint32_t>(ch.freed.size()));
+  } else {
+    buffers_.defer([&arena = arena_, ids = std::move(ch.freed)] {
+      arena.release(ids.data(), static_cast<uint32_t>(ids.size()));
+    });
+  }
+  ch.freed.clear();
+}
+
+void ColdTier::install(Sequence &seq, void *stream) {
   ColdShared &sh = *seq.cold();
   std::vector<ColdShared::Done> done;
   {
@@ -244,29 +294,101 @@ void ColdTier::install(Sequence &seq) {
     if (sh.done.empty()) return;
     done.swap(sh.done);
   }
-  for (const ColdShared::Done &d : done) install_one(seq, d);
+  Changes ch;
+  for (const ColdShared::Done &d : done) install_one(seq, d, ch, false);
+  apply(ch, stream, false);
 }
 
-void ColdTier::begin_lookup(Sequence &seq, uint32_t layer) {
-  install(seq);
-  const uint64_t stamp = seq.next_stamp();
+void ColdTier::begin_lookup(Sequence &seq, uint32_t layer, void *stream) {
+  install(seq, stream);
   LayerState &L = seq.layer(layer);
+  const uint64_t before = L.last_lookup;
+  const uint64_t stamp = seq.next_stamp();
   L.last_lookup = stamp;
   // Clusters new since the last fit (a growth) rank as used just before
   // this lookup: recent, but not kept the way its retrievals are.
   for (HeadState &hs : L.heads) cold_fit(hs, stamp - 1);
+  if (opts_.device) take_reports(L, before);
+}
+
+void ColdTier::take_reports(LayerState &L, uint64_t before) {
+  const uint32_t pt = opts_.page_tokens;
+  uint64_t found = 0;
+  for (HeadState &hs : L.heads) {
+    ColdPages &cp = hs.cold;
+    if (cp.report == kNoPage) {
+      // The report's page, once: without room this step goes unreported.
+      PageId id = kNoPage;
+      if (arena_.allocate(1, &id).is_ok()) {
+        cp.report = id;
+        std::memset(arena_.page_ptr(id), 0, 8);
+      }
+      continue;
+    }
+    // Written by the device: the stamp last, after the rest is visible. A
+    // report of another lookup (the step not run yet, or none) is left.
+    uint32_t *w = reinterpret_cast<uint32_t *>(arena_.page_ptr(cp.report));
+    if (before == 0 || __atomic_load_n(&w[0], __ATOMIC_ACQUIRE) != cold_stamp(before)) continue;
+    const uint32_t count = __atomic_load_n(&w[1], __ATOMIC_RELAXED);
+    const uint32_t n = std::min(count, want_cap_), C = hs.clusters();
+    try {
+      for (uint32_t i = 0; i < n; ++i) {
+        const uint32_t c = w[2 + i];
+        if (c < C) (void)cold_resident(hs, c, pt);
+      }
+    } catch (const std::bad_alloc &) {
+      // No room to ask: the pages stay on disk, asked for again when a
+      // lookup finds them out.
+      for (uint32_t p : cp.want) cp.state[p] = ColdPages::kOnDisk;
+      cp.want.clear();
+    }
+    w[0] = 0;
+    found += count;
+  }
+  if (found > 0) {
+    counters_.cold_estimated.fetch_add(found);
+    counters_.retrieved_clusters.fetch_sub(found);
+    counters_.estimated_clusters.fetch_add(found);
+  }
+}
+
+void ColdTier::fill_run(const LayerState &L, const HeadState &hs, kernels::DevRun *run) const {
+  run->cold_pt = opts_.page_tokens;
+  run->stamp = cold_stamp(L.last_lookup);
+  run->stamps = hs.mirror.stamps.as<uint32_t>();
+  if (hs.cold.report != kNoPage) {
+    run->wants = reinterpret_cast<uint32_t *>(const_cast<uint8_t *>(backend_.page_address(hs.cold.report)));
+    run->want_cap = want_cap_;
+  }
+}
+
+void ColdTier::assembled(LayerState &L, uint64_t stamp, const std::shared_ptr<StepTracker> &tracker,
+                         uint64_t epoch) {
+  if (L.last_lookup == stamp) L.assembled = stamp;
+  L.reader = tracker;
+  L.read_epoch = epoch;
 }
 
 std::vector<ColdTier::Victim> ColdTier::choose(Sequence &seq, uint64_t n) {
   std::vector<Victim> cand;
   std::vector<uint32_t> hot;
-  const uint32_t pt = opts_.page_tokens;
+  std::vector<uint32_t> dev;
+  const uint32_t pt = opts_.page_tokens, now = cold_stamp(seq.stamp());
   for (uint32_t l = 0; l < seq.n_layers(); ++l) {
     LayerState &L = seq.layer(l);
+    if (opts_.device && layer_open(L)) continue;
     const uint32_t keep = L.last_lookup ? cold_stamp(L.last_lookup) : std::numeric_limits<uint32_t>::max();
     for (uint32_t h = 0; h < L.heads.size(); ++h) {
       HeadState &hs = L.heads[h];
       cold_fit(hs, seq.stamp() ? seq.stamp() - 1 : 0);
+      if (opts_.device && hs.clusters() > 0) {
+        // The device's stamps, where they are newer (a stamp from the
+        // future is a cluster the device has not written yet).
+        dev.resize(hs.clusters());
+        if (backend_.read_stamps(hs, dev.data(), hs.clusters()).is_ok())
+          for (uint32_t c = 0; c < hs.clusters(); ++c)
+            if (dev[c] <= now && dev[c] > hs.cold.last_used[c]) hs.cold.last_used[c] = dev[c];
+      }
       const uint32_t P = static_cast<uint32_t>(hs.map.pages.size());
       hot.assign(P, 0);
       for (uint32_t c = 0; c < hs.clusters(); ++c) {
@@ -357,18 +479,39 @@ void ColdTier::end_lookup(Sequence &seq, uint32_t layer) {
   }
 }
 
-Status ColdTier::relieve(Sequence &seq, uint64_t pages) {
+// Waits until the step of `t` at `epoch` has ended (polls, backing off).
+static void wait_for(const StepTracker &t, uint64_t epoch) {
+  for (int spins = 0; t.done() < epoch; ++spins) {
+    if (spins < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(spins < 1000 ? 10 : 100));
+  }
+}
+
+Status ColdTier::relieve(Sequence &seq, uint64_t pages, void *stream) {
   if (pages > opts_.budget_pages)
     return WKV_ERROR(WKV_ERR_BUDGET,
                      "a growth needs %llu pages at once, more than the host budget holds (%llu): the budget must "
                      "hold at least a segment of every KV head of a layer",
                      static_cast<unsigned long long>(pages), static_cast<unsigned long long>(opts_.budget_pages));
   try {
-    install(seq);
+    install(seq, stream);
     std::vector<Victim> v = choose(seq, pages + reserve_);
     if (v.empty())
       return WKV_ERROR(WKV_ERR_BUDGET, "the host budget is full and the sequence has no page that may leave");
+    if (opts_.device) {
+      // The slots go back at once: the gathers that may read them end
+      // first (none of an open layer's pages was chosen).
+      std::vector<uint8_t> seen(seq.n_layers(), 0);
+      for (const Victim &x : v) {
+        const LayerState &L = seq.layer(x.layer);
+        if (!seen[x.layer] && L.reader) wait_for(*L.reader, L.read_epoch);
+        seen[x.layer] = 1;
+      }
+    }
     const size_t page = arena_.page_bytes();
+    Changes ch;
     for (size_t b = 0; b < v.size(); b += opts_.batch) {
       const size_t n = std::min<size_t>(opts_.batch, v.size() - b);
       std::vector<const uint8_t *> src(n);
@@ -389,8 +532,9 @@ Status ColdTier::relieve(Sequence &seq, uint64_t pages) {
         d.page = v[b + i].page;
         d.extent = ext[i];
         seq.layer(d.layer).heads[d.head].cold.state[d.page] = ColdPages::kWriting;
-        install_one(seq, d);
+        install_one(seq, d, ch, true);
       }
+      apply(ch, stream, true);
     }
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory choosing pages to spill");
@@ -407,8 +551,17 @@ void ColdTier::settle(Sequence &seq) {
     sh.cv.wait(lock, [&] { return sh.busy == 0; });
     done.swap(sh.done);
   }
-  // What came back before the sequence disowned it is still its own.
-  for (const ColdShared::Done &d : done) install_one(seq, d);
+  // What came back before the sequence disowned it is still its own (on a
+  // CUDA engine, its page table entries on the I/O stream, waited for: no
+  // step the caller enqueues next may see them change).
+  Changes ch;
+  for (const ColdShared::Done &d : done) install_one(seq, d, ch, false);
+  if (!ch.point.empty() || !ch.freed.empty()) {
+    void *io = backend_.io_stream();
+    const bool pointed = !ch.point.empty();
+    apply(ch, io, false);
+    if (pointed) (void)backend_.mem_sync(io);
+  }
   for (uint32_t l = 0; l < seq.n_layers(); ++l)
     for (HeadState &hs : seq.layer(l).heads) {
       for (uint8_t &s : hs.cold.state) {
@@ -423,6 +576,15 @@ void ColdTier::release(Sequence &seq) noexcept {
   for (uint32_t l = 0; l < seq.n_layers(); ++l)
     for (HeadState &hs : seq.layer(l).heads) {
       ColdPages &cp = hs.cold;
+      if (cp.report != kNoPage) {
+        // A step in flight may still write it.
+        try {
+          buffers_.defer([&arena = arena_, id = cp.report] { arena.release(&id, 1); });
+        } catch (...) {
+          // No memory for the release: the page stays allocated.
+        }
+        cp.report = kNoPage;
+      }
       for (size_t p = 0; p < cp.state.size(); ++p)
         if (cp.state[p] == ColdPages::kOnDisk || cp.state[p] == ColdPages::kFailed) {
           spill_.release(cp.extent[p]);

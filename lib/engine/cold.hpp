@@ -32,6 +32,28 @@
 // A read back that fails (I/O or checksum) leaves its page on disk, marked
 // failed: its clusters are estimated from then on, and anything that needs
 // the page's bytes (save, restore) fails with the read's error.
+//
+// On a CUDA engine (Options::device) the steps run on the device after
+// their calls return, and the device decides which clusters are retrieved:
+//
+//   page table   a page out has a null entry in the device page table
+//                (HeadMirror::pages); the selection estimates a retrieval
+//                cluster with one (kernels::DevRun::cold_pt). Entries
+//                change in stream order, on the stream of the call that
+//                installs (Backend::point_pages).
+//   recency      the selection stamps each retrieval cluster in device
+//                memory (HeadMirror::stamps); choosing pages to write
+//                reads them back first (Backend::read_stamps).
+//   wants        the selection reports the clusters it found out in a host
+//                page of each head (ColdPages::report); the layer's next
+//                lookup asks for their pages.
+//   slots        a page written out gives its slot back once every step
+//                begun before has ended (BufferManager::defer). A layer
+//                looked up and not yet assembled is open: a plan may still
+//                gather what its selection chose, so none of its pages go.
+//                A growth that relieves the budget waits for the gathers
+//                that read the layers it takes pages from (LayerState::
+//                reader), then frees the slots at once.
 #pragma once
 
 #include <condition_variable>
@@ -42,6 +64,8 @@
 #include <thread>
 #include <vector>
 
+#include "lib/backend/backend.hpp"
+#include "lib/buffer/buffer_manager.hpp"
 #include "lib/common/counters.hpp"
 #include "lib/common/status.hpp"
 #include "lib/index/head.hpp"
@@ -77,8 +101,10 @@ class ColdTier {
     uint32_t page_tokens = 0;
     uint64_t segment_pages = 0;  // pages of one prompt segment of every KV head
     uint32_t batch = 64;        // pages one request of the pager moves at most
+    bool device = false;        // a CUDA engine's (see above)
   };
-  ColdTier(Options opts, SpillFile &spill, HostArena &arena, EngineCounters &counters);
+  ColdTier(Options opts, SpillFile &spill, HostArena &arena, EngineCounters &counters, Backend &backend,
+           BufferManager &buffers);
   ~ColdTier();  // joins the pager's thread; jobs left are dropped
   ColdTier(const ColdTier &) = delete;
   ColdTier &operator=(const ColdTier &) = delete;
@@ -89,16 +115,24 @@ class ColdTier {
   // within a quarter of the budget.
   uint32_t max_growth_segments() const { return max_growth_segments_; }
 
-  // Before a lookup of `layer`: installs finished work, stamps the layer
-  // and sizes the head's arrays.
-  void begin_lookup(Sequence &seq, uint32_t layer);
+  // Before a lookup of `layer` on `stream`: installs finished work, stamps
+  // the layer, sizes the head's arrays; on a CUDA engine, takes the layer's
+  // last report (its pages are asked for by end_lookup).
+  void begin_lookup(Sequence &seq, uint32_t layer, void *stream);
+  // The step of a CUDA engine's lookup: what the selection of `run` reads
+  // and writes for the cold tier (kernels::DevRun::cold_pt, stamps, wants).
+  void fill_run(const LayerState &L, const HeadState &hs, kernels::DevRun *run) const;
+  // After a CUDA engine's assemble of a plan that looked the layer up at
+  // `stamp`: the layer is no longer open, and its latest gather is the
+  // plan's step at `epoch`.
+  static void assembled(LayerState &L, uint64_t stamp, const std::shared_ptr<StepTracker> &tracker, uint64_t epoch);
   // After it: hands the pages it wants to the pager, and writes cold pages
   // out when the budget runs short.
   void end_lookup(Sequence &seq, uint32_t layer);
-  // A growth found the budget full: writes at least `pages` cold pages of
-  // the sequence (plus the reserve) synchronously and frees their slots.
-  // WKV_ERR_BUDGET when the sequence has none to give.
-  Status relieve(Sequence &seq, uint64_t pages);
+  // A growth on `stream` found the budget full: writes at least `pages`
+  // cold pages of the sequence (plus the reserve) synchronously and frees
+  // their slots. WKV_ERR_BUDGET when the sequence has none to give.
+  Status relieve(Sequence &seq, uint64_t pages, void *stream);
   // Disowns the sequence's jobs, waits for the one the pager may be doing,
   // and settles what came back: the sequence's pages are each resident or
   // on disk afterwards (for eviction, saving and destruction).
@@ -121,8 +155,19 @@ class ColdTier {
     uint32_t hot, page, layer, head;
   };
 
-  void install(Sequence &seq);
-  void install_one(Sequence &seq, const ColdShared::Done &d);
+  // What an install changes beyond the host's tables: device page table
+  // entries to point again, slots to give back.
+  struct Changes {
+    std::vector<std::pair<HeadState *, uint32_t>> point;  // (head, page)
+    std::vector<PageId> freed;
+  };
+  void install(Sequence &seq, void *stream);
+  // `now`: a freed slot goes back at once (no step in flight reads it).
+  void install_one(Sequence &seq, const ColdShared::Done &d, Changes &ch, bool now);
+  // Points the device's page table entries and gives the slots back.
+  void apply(Changes &ch, void *stream, bool now);
+  // Takes the reports of the lookup of L at stamp `before` (CUDA).
+  void take_reports(LayerState &L, uint64_t before);
   // The sequence's coldest pages that may go, at most n of them.
   std::vector<Victim> choose(Sequence &seq, uint64_t n);
   void submit(std::vector<Job> &jobs);
@@ -135,6 +180,9 @@ class ColdTier {
   SpillFile &spill_;
   HostArena &arena_;
   EngineCounters &counters_;
+  Backend &backend_;
+  BufferManager &buffers_;
+  uint32_t want_cap_ = 0;  // cluster ids a report holds
   std::mutex mu_;  // guards the queue
   std::condition_variable cv_;
   std::deque<Job> queue_;
@@ -147,6 +195,9 @@ uint32_t cold_stamp(uint64_t stamp);
 // Sizes a head's cold arrays to its pages and clusters (new clusters get
 // `stamp`).
 void cold_fit(HeadState &hs, uint64_t stamp);
+// Whether a CUDA engine's plan may still gather what the layer's latest
+// lookup chose (cold.hpp: slots).
+inline bool layer_open(const LayerState &L) { return L.last_lookup != 0 && L.assembled != L.last_lookup; }
 // Whether every page of cluster c is resident; a page being written is
 // kept (its write is disowned), a page on disk is added to hs.cold.want.
 bool cold_resident(HeadState &hs, uint32_t c, uint32_t page_tokens);

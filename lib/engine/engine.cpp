@@ -124,16 +124,16 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
     Status st = SpillFile::open(so, &e->spill_);
     if (!st.is_ok()) return WKV_ERROR(st.code(), "spill_dir: %s", st.message().c_str());
     // Cold pages of live sequences leave for the spill file under a host
-    // budget, on a CPU engine (a CUDA engine's gathers read host pages
-    // directly: it evicts whole sequences only).
-    if (device == WKV_DEVICE_CPU && cfg.c.host_budget_bytes > 0) {
+    // budget (lib/engine/cold.hpp).
+    if (e->cfg_.cold_pages()) {
       ColdTier::Options co;
+      co.device = device != WKV_DEVICE_CPU;
       co.budget_pages = cfg.c.host_budget_bytes / cfg.page_slot_bytes();
       co.page_tokens = cfg.page_tokens();
       co.segment_pages =
           uint64_t(cfg.c.n_kv_heads) * ((cfg.c.segment_tokens + cfg.page_tokens() - 1) / cfg.page_tokens());
       try {
-        e->cold_ = std::make_unique<ColdTier>(co, *e->spill_, *e->arena_, e->counters_);
+        e->cold_ = std::make_unique<ColdTier>(co, *e->spill_, *e->arena_, e->counters_, *e->backend_, *e->buffers_);
       } catch (const std::exception &) {
         return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of resources starting the spill tier's thread");
       }
@@ -516,7 +516,7 @@ Status Engine::append_batch(Sequence *const *seqs, uint32_t n_seqs, uint32_t lay
 IndexContext Engine::index_for(Sequence &seq) {
   IndexContext ix = index();
   if (cold_) {
-    ix.relieve = [this, &seq](uint64_t n) { return cold_->relieve(seq, n); };
+    ix.relieve = [this, &seq](uint64_t n, void *stream) { return cold_->relieve(seq, n, stream); };
     ix.read_cold = [this](const HeadState &hs, uint32_t p, uint8_t *dst) { return cold_->read_page(hs, p, dst); };
     ix.max_growth_segments = cold_->max_growth_segments();
   }
@@ -561,6 +561,7 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
     // 3. Hold the sequences, size the runs.
     plan.seqs.assign(seqs, seqs + n);
     plan.seq_versions.resize(n);
+    plan.seq_stamps.assign(n, 0);
     for (uint32_t i = 0; i < n; ++i) plan.seq_versions[i] = seqs[i]->layer(layer).version;
     plan.layer = layer;
     plan.n_seqs = n;
@@ -597,7 +598,10 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
   //    spill file is installed first, and what the step wanted is asked
   //    for after.
   if (cold_)
-    for (uint32_t i = 0; i < n; ++i) cold_->begin_lookup(*seqs[i], layer);
+    for (uint32_t i = 0; i < n; ++i) {
+      cold_->begin_lookup(*seqs[i], layer, stream);
+      plan.seq_stamps[i] = seqs[i]->layer(layer).last_lookup;
+    }
   Status st = backend_->lookup(plan);
   if (cold_)
     for (uint32_t i = 0; i < n; ++i) cold_->end_lookup(*seqs[i], layer);
@@ -615,6 +619,11 @@ Status Engine::assemble(Plan &plan, void *stream) {
   WKV_RETURN_IF_ERROR(plan.check_versions());
   WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_assemble"));
   WKV_RETURN_IF_ERROR(backend_->assemble(plan));
+  if (cold_ && !backend_->host_memory()) {
+    const uint64_t epoch = plan.tracker().issued();
+    for (uint32_t i = 0; i < plan.n_seqs; ++i)
+      ColdTier::assembled(plan.seqs[i]->layer(plan.layer), plan.seq_stamps[i], plan.tracker_ptr(), epoch);
+  }
   plan.stage = Plan::Stage::kAssembled;
   return Status::ok();
 }

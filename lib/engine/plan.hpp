@@ -35,6 +35,7 @@ struct RunPlan {
 // CUDA backend owns what they mean (lib/backend/cuda/cuda_backend.cpp).
 struct PlanDevice {
   Region runs, q, ret_ids, ret_pos, est_ids, run_tokens, est_out, est_lse, offsets, logits, zones;
+  Region est_extra;  // cold pages: per run, the retrieval clusters estimated (kernels::DevLookup)
   Region xk, xv, scratch;
   Region counters;  // the kernels' per-plan counters (kernels::StepCounters)
   std::vector<kernels::DevRun> host_runs;
@@ -58,6 +59,7 @@ class Plan {
   Engine &engine() const { return *engine_; }
   const std::shared_ptr<Engine> &engine_ptr() const { return engine_; }
   StepTracker &tracker() { return *tracker_; }
+  const std::shared_ptr<StepTracker> &tracker_ptr() const { return tracker_; }
 
   Stage stage = Stage::kEmpty;
   uint32_t layer = 0;
@@ -65,6 +67,7 @@ class Plan {
   void *stream = nullptr;                       // the caller's stream of the current verb
   std::vector<std::shared_ptr<Sequence>> seqs;  // held until the next lookup
   std::vector<uint64_t> seq_versions;           // layer versions at lookup
+  std::vector<uint64_t> seq_stamps;             // cold pages: the layer's lookup stamps (lib/engine/cold.hpp)
 
   const void *q_src = nullptr;  // the caller's q of the lookup (valid during it)
   int64_t q_seq_stride = 0, q_head_stride = 0;

@@ -162,7 +162,7 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
   }
   Status got = ix.arena.allocate(npages, ids.data());
   if (got.code() == WKV_ERR_BUDGET && ix.relieve) {
-    Status freed = ix.relieve(npages);
+    Status freed = ix.relieve(npages, stream);
     got = freed.is_ok() ? ix.arena.allocate(npages, ids.data()) : freed;
   }
   WKV_RETURN_IF_ERROR(got);
@@ -389,6 +389,13 @@ Status mirror_reserve(const IndexContext &ix, HeadState &h, uint32_t clusters, u
   WKV_RETURN_IF_ERROR(grow_region(ix, &m.unit_begin, (size_t(clusters) + 1) * 4, (size_t(C0) + 1) * 4, stream));
   if (first) WKV_RETURN_IF_ERROR(ix.backend.mem_fill(m.unit_begin.p, 0, 4, stream));  // unit_begin[0]
   WKV_RETURN_IF_ERROR(grow_region(ix, &m.pages, size_t(pages) * 8, size_t(P0) * 8, stream));
+  if (ix.cfg.cold_pages()) {
+    // Recency stamps: a new cluster's is 0 until a lookup retrieves it (the
+    // host's own stamp for it counts until then, lib/engine/cold.cpp).
+    WKV_RETURN_IF_ERROR(grow_region(ix, &m.stamps, size_t(clusters) * 4, size_t(C0) * 4, stream));
+    if (clusters > C0)
+      WKV_RETURN_IF_ERROR(ix.backend.mem_fill(m.stamps.p + size_t(C0) * 4, 0, size_t(clusters - C0) * 4, stream));
+  }
   // Unit map chunks: allocated, cleared and listed in the directory now;
   // no step reads past the head's units until the growth commits.
   const size_t chunks = (units + kUnitChunk - 1) / kUnitChunk, had = m.unit_chunks.size();
@@ -459,7 +466,8 @@ void release_layer(const IndexContext &ix, LayerState &L, bool counted) noexcept
   for (HeadState &h : L.heads) {
     ix.backend.on_head_destroyed(h);
     for (Region *r : {&h.sink.k, &h.sink.v, &h.tail.k, &h.tail.v, &h.meta.centroid, &h.meta.value_sum, &h.meta.spread, &h.meta.centroid16, &h.values.mean,
-                      &h.mirror.first_slot, &h.mirror.size, &h.mirror.unit_begin, &h.mirror.pages, &h.mirror.unit_dir})
+                      &h.mirror.first_slot, &h.mirror.size, &h.mirror.unit_begin, &h.mirror.pages, &h.mirror.unit_dir,
+                      &h.mirror.stamps})
       ix.backend.mem_free_deferred(r);
     for (Region &c : h.mirror.unit_chunks) ix.backend.mem_free_deferred(&c);
     // Pages too may be read by a step in flight (a CUDA gather).

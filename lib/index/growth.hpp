@@ -35,8 +35,8 @@ struct IndexContext {
   FaultInjector *faults = nullptr;  // kGrowth
   // When the arena refuses pages for the budget: frees at least n pages of
   // the growing sequence (lib/engine/cold.hpp), after which the growth
-  // allocates again. Empty: the refusal stands.
-  std::function<Status(uint64_t n)> relieve = nullptr;
+  // allocates again; `stream` is the growth's. Empty: the refusal stands.
+  std::function<Status(uint64_t n, void *stream)> relieve = nullptr;
   // With `relieve`: segments one growth clusters at most (0: no bound), so
   // that a long prompt's pages never need more of the budget at once than
   // the spill tier can free.

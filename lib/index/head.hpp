@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kernels/device_layout.hpp"
@@ -37,6 +38,8 @@
 #include "lib/store/spill.hpp"
 
 namespace wkv {
+
+class StepTracker;
 
 // A block of engine memory.
 struct Region {
@@ -107,8 +110,12 @@ constexpr uint32_t kNoFrame = kernels::kNoCacheFrame;
 // size and unit_begin as in MappingTable; pages[p] the device-accessible
 // address of page p; unit_dir[i] the device address of unit map chunk i,
 // whose entries are frames of the device cache or kNoFrame.
+// With cold pages (Config::cold_pages), stamps[c] is the lookup stamp of
+// cluster c's latest retrieval, written by the device's selection (the
+// cold tier's recency); pages[p] is null while page p is out.
 struct HeadMirror {
   Region first_slot, size, unit_begin, pages, unit_dir;
+  Region stamps;
   MetaVector<Region> unit_chunks;  // host list of the chunks unit_dir points at
   uint32_t cache_id = 0;           // the head's id in the buffer manager (0: none)
   uint32_t cache_gen = 0;
@@ -139,6 +146,9 @@ struct ColdPages {
   MetaVector<SpillExtent> extent;  // [pages]: valid unless kResident / kWriting
   MetaVector<uint32_t> want;       // pages the last lookup asks to read back
   uint32_t out = 0;                // pages not resident
+  // CUDA: a host page the device's selection reports the retrieval-zone
+  // clusters it found out in (kernels::DevRun::wants); kNoPage: none yet.
+  PageId report = kNoPage;
 };
 
 struct HeadState {
@@ -164,6 +174,12 @@ struct LayerState {
   bool generating = false;  // set when the prompt ends
   uint64_t version = 0;     // bumped by every change, checked by plans
   uint64_t last_lookup = 0; // the sequence's stamp of this layer's latest lookup
+  // CUDA with cold pages: the stamp of the latest lookup assembled (a layer
+  // whose latest lookup is not is open: a plan may yet gather what it
+  // chose), and the tracker and epoch of its latest gather.
+  uint64_t assembled = 0;
+  std::shared_ptr<StepTracker> reader;
+  uint64_t read_epoch = 0;
   std::vector<HeadState> heads;
 };
 

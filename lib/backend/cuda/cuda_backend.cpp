@@ -152,7 +152,9 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Status cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, void *stream) override;
   void cluster_done(void *stream) override;
   Status write_pages(const PageWriteJob *jobs, uint32_t n, void *stream) override;
-  const uint8_t *page_address(PageId id) override { return e_.arena().page_ptr(id); }
+  const uint8_t *page_address(PageId id) override { return id == kNoPage ? nullptr : e_.arena().page_ptr(id); }
+  Status point_pages(HeadState &hs, const uint32_t *pages, uint32_t n, void *stream) override;
+  Status read_stamps(const HeadState &hs, uint32_t *dst, uint32_t n) override;
   Status end_work(StepTracker &t, uint64_t epoch, void *stream) override;
   Status end_work_many(StepTracker *const *trackers, const uint64_t *epochs, uint32_t n, void *stream) override;
 
@@ -707,7 +709,43 @@ kernels::DevLookup lookup_view(const PlanDevice &pd) {
   lk.offsets = pd.offsets.as<int32_t>();
   lk.logits = pd.logits.as<float>();
   lk.zones = pd.zones.as<uint8_t>();
+  lk.est_extra = pd.est_extra.p ? pd.est_extra.as<uint32_t>() : nullptr;  // engines with cold pages only
   return lk;
+}
+
+Status CudaBackend::point_pages(HeadState &hs, const uint32_t *pages, uint32_t n, void *stream) {
+  if (n == 0 || !hs.mirror.pages.p) return Status::ok();
+  std::vector<uint64_t> addr, value;
+  try {
+    addr.resize(n);
+    value.resize(n);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %u page table entries", n);
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    addr[i] = reinterpret_cast<uint64_t>(hs.mirror.pages.p + size_t(pages[i]) * 8);
+    value[i] = reinterpret_cast<uint64_t>(page_address(hs.map.pages[pages[i]]));
+  }
+  DeviceGuard guard(dev_);
+  const cudaError_t err = kernels::store_pairs(addr.data(), value.data(), n, static_cast<cudaStream_t>(stream));
+  return err == cudaSuccess ? Status::ok() : kernel_status(err, "page table");
+}
+
+Status CudaBackend::read_stamps(const HeadState &hs, uint32_t *dst, uint32_t n) {
+  if (n == 0) return Status::ok();
+  if (!hs.mirror.stamps.p || hs.mirror.stamps.bytes < size_t(n) * 4)
+    return WKV_ERROR(WKV_ERR_STATE, "the head has no device stamps for %u clusters", n);
+  DeviceGuard guard(dev_);
+  std::lock_guard<std::mutex> lock(side_mu_);
+  // On the side stream, which synchronizes with no other: the copy waits for
+  // no step.
+  cudaError_t err = cudaMemcpyAsync(dst, hs.mirror.stamps.p, size_t(n) * 4, cudaMemcpyDeviceToHost, side_);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(side_);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return cuda_error(err, "reading recency stamps", __FILE__, __LINE__);
+  }
+  return Status::ok();
 }
 
 Status CudaBackend::plan_region(Region *r, size_t bytes, cudaStream_t s) {
@@ -722,7 +760,7 @@ Status CudaBackend::plan_region(Region *r, size_t bytes, cudaStream_t s) {
 void CudaBackend::release_plan(Plan &plan) {
   PlanDevice &pd = plan.dev;
   for (Region *r : {&pd.runs, &pd.q, &pd.ret_ids, &pd.ret_pos, &pd.est_ids, &pd.run_tokens, &pd.est_out, &pd.est_lse,
-                    &pd.offsets, &pd.logits, &pd.zones, &pd.xk, &pd.xv, &pd.scratch, &pd.counters})
+                    &pd.offsets, &pd.logits, &pd.zones, &pd.xk, &pd.xv, &pd.scratch, &pd.counters, &pd.est_extra})
     mem_free_deferred(r);
 }
 
@@ -752,9 +790,10 @@ Status CudaBackend::lookup(Plan &plan) {
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for a lookup of %u runs", R);
   }
+  const ColdTier *cold = e_.cold();
   uint64_t xbuf = 0, want = 0;
   uint32_t max_run = 0, max_clusters = 0;
-  size_t ret = 0, est = 0, lg = 0;
+  size_t ret = 0, est = 0, est_zone = 0, lg = 0;
   for (uint32_t r = 0; r < R; ++r) {
     const RunPlan &rp = plan.runs[r];
     const LayerState &L = plan.seqs[rp.seq]->layer(plan.layer);
@@ -784,9 +823,11 @@ Status CudaBackend::lookup(Plan &plan) {
     dr.ret_off = static_cast<uint32_t>(ret);
     dr.est_off = static_cast<uint32_t>(est);
     dr.scratch_off = static_cast<uint32_t>(lg);
+    if (cold) cold->fill_run(L, hs, &dr);
     pd.run_heads[r] = (static_cast<uint64_t>(hs.mirror.cache_id) << 32) | hs.mirror.cache_gen;
     ret += rp.n_ret;
-    est += rp.n_est;
+    est += rp.n_est + (cold ? rp.n_ret : 0);  // the retrieval clusters found cold go after
+    est_zone += rp.n_est;
     lg += static_cast<size_t>(G) * rp.clusters;
     max_clusters = std::max(max_clusters, rp.clusters);
     const uint64_t clustered = L.tail_begin - hs.sink.n;
@@ -816,6 +857,7 @@ Status CudaBackend::lookup(Plan &plan) {
   WKV_RETURN_IF_ERROR(plan_region(&pd.offsets, (R + 1) * sizeof(int32_t), s));
   WKV_RETURN_IF_ERROR(plan_region(&pd.logits, std::max<size_t>(lg, 1) * 2 * sizeof(float), s));
   WKV_RETURN_IF_ERROR(plan_region(&pd.zones, std::max<size_t>(lg / G, 1), s));
+  if (cold) WKV_RETURN_IF_ERROR(plan_region(&pd.est_extra, R * sizeof(uint32_t), s));
   WKV_RETURN_IF_ERROR(plan_region(&pd.xk, std::max<uint64_t>(xbuf, 1) * row, s));
   WKV_RETURN_IF_ERROR(plan_region(&pd.xv, std::max<uint64_t>(xbuf, 1) * row, s));
   if (!pd.counters.p) {
@@ -837,7 +879,7 @@ Status CudaBackend::lookup(Plan &plan) {
   if (err != cudaSuccess) st = kernel_status(err, "lookup");
   WKV_RETURN_IF_ERROR(finish(plan.tracker(), epoch, st, s));
   e_.counters().retrieved_clusters.fetch_add(ret);
-  e_.counters().estimated_clusters.fetch_add(est);
+  e_.counters().estimated_clusters.fetch_add(est_zone);
   return Status::ok();
 }
 

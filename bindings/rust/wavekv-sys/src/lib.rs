@@ -15,7 +15,7 @@ use std::os::raw::{c_char, c_void};
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
 pub const WKV_VERSION_MINOR: u32 = 6;
-pub const WKV_VERSION_PATCH: u32 = 0;
+pub const WKV_VERSION_PATCH: u32 = 1;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
     WKV_VERSION_MAJOR * 10000 + WKV_VERSION_MINOR * 100 + WKV_VERSION_PATCH;
