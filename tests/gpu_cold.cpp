@@ -356,3 +356,35 @@ TEST(GpuColdPages, SaveEvictRestoreAndDestroyLoseNothing) {
   }
   EXPECT_EQ(dir.names(), std::vector<std::string>{"cold.wkv"}) << "nothing left of the spill file";
 }
+
+// A flipped bit in every spilled page: each read back fails its checksum,
+// the page stays out (its device page table entry null: its clusters are
+// estimated from then on, decoding stays finite), the failures are counted,
+// and saving the sequence fails rather than writing bad KV.
+TEST(GpuColdPages, ACorruptSpilledPageIsAnErrorNeverData) {
+  REQUIRE_GPU();
+  wkv_stats full;
+  const uint64_t pages = pages_of(&full);
+  ScratchDir dir;
+  Gpu cold(config(dir.path(), pages / 3 * full.page_bytes));
+  wavekv::Sequence seq(cold.engine);
+  Context c1(kShape);
+  cold.prompt(seq, c1);
+  const wkv_stats st = cold.engine.stats();
+  ASSERT_GT(st.spill_cold_pages, 0u);
+  const int fd = reopen_spill_file(dir.path());
+  ASSERT_GE(fd, 0);
+  const uint64_t span = (st.page_bytes + 4095) / 4096 * 4096;
+  for (uint64_t at = 100; at < st.spill_file_bytes; at += span) flip_byte(fd, at);
+  ::close(fd);
+  Context q(kShape, 11);
+  for (int i = 0; i < 40 && cold.engine.stats().spill_read_errors == 0; ++i) {
+    for (float x : to_f32(cold.decode(seq, q.query()))) ASSERT_TRUE(std::isfinite(x));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const wkv_stats x = cold.engine.stats();
+  EXPECT_GT(x.spill_read_errors, 0u);
+  EXPECT_EQ(x.spill_pages_read, 0u) << "no corrupt page came back as data";
+  EXPECT_EQ(wkv_seq_save(seq.get(), dir.file("bad.wkv").c_str(), 0), WKV_ERR_CORRUPT);
+  for (float v : to_f32(cold.decode(seq, q.query()))) EXPECT_TRUE(std::isfinite(v));
+}

@@ -321,6 +321,7 @@ int run_bench_spill(const Options &o) {
 
   const double gb = bytes / 1e9, write_gbps = gb / evict_s, read_gbps = read / 1e9 / restore_s;
   const std::string io = std::string(s1.spill_io & WKV_SPILL_IO_URING ? "io_uring" : "pread/pwrite") +
+                         (e.spill()->registered_buffers() ? " (registered buffers)" : "") +
                          (s1.spill_io & WKV_SPILL_IO_DIRECT ? ", O_DIRECT" : ", page cache");
   if (o.json) {
     const nlohmann::ordered_json j = {

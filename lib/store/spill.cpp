@@ -15,6 +15,7 @@
 
 #if defined(WKV_WITH_URING)
 #include <liburing.h>
+#include <sys/uio.h>
 #endif
 
 #include "wavekv/wavekv.h"
@@ -22,11 +23,22 @@
 namespace wkv {
 
 // The io_uring of a spill file, one user at a time.
+// Its staging buffers (kQueueDepth of kStageBytes, aligned for O_DIRECT)
+// live as long as it does, registered with the kernel where it allows
+// (`fixed`: the reads and writes through them skip the page pinning of each
+// request). `broken`: a request could not be reaped, so the kernel may still
+// use a buffer: the ring is left alone from then on (pread/pwrite).
 struct SpillFile::Ring {
 #if defined(WKV_WITH_URING)
   io_uring ring{};
 #endif
   std::mutex mu;
+  std::vector<uint8_t *> bufs;
+  bool fixed = false;
+  bool broken = false;
+  ~Ring() {
+    for (uint8_t *b : bufs) std::free(b);
+  }
 };
 
 namespace {
@@ -97,7 +109,18 @@ Status SpillFile::open(const Options &opts, std::unique_ptr<SpillFile> *out) {
   // read and write through pread/pwrite.
   if (!opts.no_uring && !opts.io) {
     auto ring = std::make_unique<Ring>();
-    if (io_uring_queue_init(kQueueDepth, &ring->ring, 0) == 0) {
+    bool bufs = true;
+    for (uint32_t i = 0; i < kQueueDepth && bufs; ++i) {
+      void *p = std::aligned_alloc(kSpillBlock, kStageBytes);
+      bufs = p != nullptr;
+      if (p) ring->bufs.push_back(static_cast<uint8_t *>(p));
+    }
+    if (bufs && io_uring_queue_init(kRingEntries, &ring->ring, 0) == 0) {
+      // Registered where the locked-memory limit allows; plain requests
+      // through the same buffers otherwise.
+      iovec iov[kQueueDepth];
+      for (uint32_t i = 0; i < kQueueDepth; ++i) iov[i] = iovec{ring->bufs[i], kStageBytes};
+      ring->fixed = io_uring_register_buffers(&ring->ring, iov, kQueueDepth) == 0;
       f->ring_ = std::move(ring);
       f->bits_ |= WKV_SPILL_IO_URING;
     }
@@ -109,10 +132,12 @@ Status SpillFile::open(const Options &opts, std::unique_ptr<SpillFile> *out) {
 
 SpillFile::~SpillFile() {
 #if defined(WKV_WITH_URING)
-  if (ring_) io_uring_queue_exit(&ring_->ring);
+  if (ring_) io_uring_queue_exit(&ring_->ring);  // before its buffers go
 #endif
   if (fd_ >= 0) io_->close(fd_);
 }
+
+bool SpillFile::registered_buffers() const { return ring_ && ring_->fixed; }
 
 uint64_t SpillFile::bytes_used() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -209,11 +234,12 @@ Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
   const char *what = write ? "writing the spill file" : "reading the spill file";
   Stage stage;
 #if defined(WKV_WITH_URING)
-  if (ring_) {
+  std::unique_lock<std::mutex> lock;
+  if (ring_) lock = std::unique_lock<std::mutex>(ring_->mu);
+  if (ring_ && !ring_->broken) {
     const size_t depth = std::min<size_t>(kQueueDepth, n_ops);
-    WKV_RETURN_IF_ERROR(stage.make(depth, kStageBytes));
-    std::lock_guard<std::mutex> lock(ring_->mu);
     io_uring *ring = &ring_->ring;
+    const bool fixed = ring_->fixed;
     // Op i uses buffer i % depth; at most `depth` in flight, drained (for
     // reads) in order, so that checksums stream.
     std::vector<int> result(n_ops, 0);
@@ -224,12 +250,18 @@ Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
     auto submit = [&](size_t i) -> bool {
       io_uring_sqe *sqe = io_uring_get_sqe(ring);
       if (!sqe) return false;
-      uint8_t *buf = stage.bufs[i % depth];
+      const int b = static_cast<int>(i % depth);
+      uint8_t *buf = ring_->bufs[b];
       const Op &o = ops[i];
       if (write) {
         fill(i, buf, o.payload);
         if (o.payload < o.len) std::memset(buf + o.payload, 0, o.len - o.payload);
-        io_uring_prep_write(sqe, fd_, buf, o.len, o.offset);
+        if (fixed)
+          io_uring_prep_write_fixed(sqe, fd_, buf, o.len, o.offset, b);
+        else
+          io_uring_prep_write(sqe, fd_, buf, o.len, o.offset);
+      } else if (fixed) {
+        io_uring_prep_read_fixed(sqe, fd_, buf, o.len, o.offset, b);
       } else {
         io_uring_prep_read(sqe, fd_, buf, o.len, o.offset);
       }
@@ -276,20 +308,20 @@ Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
           failed_res = static_cast<size_t>(result[j]);
           break;
         }
-        if (!write) drain(j, stage.bufs[j % depth], ops[j].payload);
+        if (!write) drain(j, ring_->bufs[j % depth], ops[j].payload);
         ++next_drain;
       }
     }
-    // Nothing may still write a staging buffer once they are freed.
+    // Nothing may still use a staging buffer once the next call takes it.
     while (in_flight > 0) {
       io_uring_cqe *cqe = nullptr;
       const int w = io_uring_wait_cqe(ring, &cqe);
       if (w == -EINTR) continue;
-      if (w < 0) break;  // the ring is unusable; the buffers leak below
+      if (w < 0) break;  // the ring is unusable
       io_uring_cqe_seen(ring, cqe);
       --in_flight;
     }
-    if (in_flight > 0) stage.bufs.clear();  // kept: the kernel may still use them
+    if (in_flight > 0) ring_->broken = true;  // the buffers stay the kernel's
     if (failure == -EIO && failed_len)
       return WKV_ERROR(WKV_ERR_IO, "%s: %zu of %zu bytes moved (short I/O)", what, failed_res, failed_len);
     if (failure < 0) return io_status(failure, what);
@@ -443,7 +475,96 @@ Status SpillFile::write_many(const uint8_t *const *items, size_t n, size_t bytes
   return Status::ok();
 }
 
+bool SpillFile::read_direct(const SpillExtent *ext, uint8_t *const *dst, size_t n, Status *each, Status *st) {
+#if defined(WKV_WITH_URING)
+  if (!ring_ || n == 0) return false;
+  for (size_t k = 0; k < n; ++k)
+    if (reinterpret_cast<uintptr_t>(dst[k]) % kSpillBlock != 0 || ext[k].bytes % kSpillBlock != 0 ||
+        ext[k].bytes == 0 || ext[k].bytes > kStageBytes)
+      return false;
+  std::lock_guard<std::mutex> lock(ring_->mu);
+  if (ring_->broken) return false;
+  io_uring *ring = &ring_->ring;
+  size_t next = 0, in_flight = 0, done = 0;
+  int failure = 0;
+  size_t failed_len = 0, failed_res = 0;
+  uint64_t spans = 0;
+  while (done < n && failure == 0) {
+    size_t queued = 0;
+    while (next < n && in_flight + queued < kRingEntries) {
+      io_uring_sqe *sqe = io_uring_get_sqe(ring);
+      if (!sqe) break;
+      io_uring_prep_read(sqe, fd_, dst[next], static_cast<unsigned>(ext[next].bytes), ext[next].offset);
+      io_uring_sqe_set_data64(sqe, next);
+      ++next;
+      ++queued;
+    }
+    if (queued) {
+      const int r = io_uring_submit(ring);
+      if (r < 0) {
+        failure = r;
+        break;
+      }
+      in_flight += queued;
+    }
+    io_uring_cqe *cqe = nullptr;
+    const int w = io_uring_wait_cqe(ring, &cqe);
+    if (w < 0) {
+      if (w == -EINTR) continue;
+      failure = w;
+      break;
+    }
+    const size_t k = static_cast<size_t>(io_uring_cqe_get_data64(cqe));
+    const int res = cqe->res;
+    io_uring_cqe_seen(ring, cqe);
+    --in_flight;
+    ++done;
+    if (res < 0) {
+      failure = res;
+    } else if (static_cast<uint64_t>(res) != ext[k].bytes) {
+      failure = -EIO;
+      failed_len = ext[k].bytes;
+      failed_res = static_cast<size_t>(res);
+    } else {
+      spans += ext[k].span;
+      each[k] = XXH3_64bits(dst[k], ext[k].bytes) == ext[k].checksum
+                    ? Status::ok()
+                    : WKV_ERROR(WKV_ERR_CORRUPT, "a spilled extent (%llu bytes at offset %llu) fails its checksum",
+                                static_cast<unsigned long long>(ext[k].bytes),
+                                static_cast<unsigned long long>(ext[k].offset));
+    }
+  }
+  while (in_flight > 0) {  // nothing may still write a slot once this returns
+    io_uring_cqe *cqe = nullptr;
+    const int w = io_uring_wait_cqe(ring, &cqe);
+    if (w == -EINTR) continue;
+    if (w < 0) break;
+    io_uring_cqe_seen(ring, cqe);
+    --in_flight;
+  }
+  if (in_flight > 0) ring_->broken = true;
+  {
+    std::lock_guard<std::mutex> counters(mu_);
+    read_ += spans;
+  }
+  const char *what = "reading the spill file";
+  if (failure == -EIO && failed_len)
+    *st = WKV_ERROR(WKV_ERR_IO, "%s: %zu of %zu bytes moved (short I/O)", what, failed_res, failed_len);
+  else if (failure < 0)
+    *st = io_status(failure, what);
+  else
+    *st = Status::ok();
+  return true;
+#else
+  (void)ext, (void)dst, (void)n, (void)each, (void)st;
+  return false;
+#endif
+}
+
 Status SpillFile::read_many(const SpillExtent *ext, uint8_t *const *dst, size_t n, Status *each) {
+  for (size_t k = 0; k < n; ++k) each[k] = Status::ok();
+  Status direct;
+  if (read_direct(ext, dst, n, each, &direct)) return direct;
   std::vector<Op> ops;
   std::vector<std::pair<size_t, uint64_t>> where;  // per op: item, offset in it
   uint64_t spans = 0;

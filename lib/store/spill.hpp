@@ -6,8 +6,10 @@
 // included), each with an XXH3-64 checksum kept in memory and checked
 // before a byte read back is used.
 //
-// I/O: io_uring (liburing) with up to kQueueDepth requests in flight where
-// the kernel allows it, else pread/pwrite through the FileIO layer (which
+// I/O: io_uring (liburing) with up to kQueueDepth requests in flight through
+// staging buffers registered with the kernel where it allows it (reads of
+// page slots that are 4 KiB-aligned go straight into them, up to
+// kRingEntries in flight), else pread/pwrite through the FileIO layer (which
 // tests replace with a FaultyIO); O_DIRECT where the file system allows it
 // (not tmpfs), else the page cache. Chosen at open, reported by io_bits().
 //
@@ -81,6 +83,9 @@ class SpillFile {
   void release(const SpillExtent &e) noexcept;
 
   uint32_t io_bits() const { return bits_; }
+  // Whether the io_uring's staging buffers are registered with the kernel
+  // (the locked-memory limit allowing).
+  bool registered_buffers() const;
   uint64_t bytes_used() const;
   uint64_t file_bytes() const;
   uint64_t budget_bytes() const { return opts_.budget_bytes; }
@@ -89,8 +94,11 @@ class SpillFile {
   // The file's descriptor (tests corrupt extents through it).
   int fd() const { return fd_; }
 
-  static constexpr uint32_t kQueueDepth = 8;
+  static constexpr uint32_t kQueueDepth = 8;  // staged requests in flight
   static constexpr size_t kStageBytes = size_t(1) << 20;  // one request's bytes
+  // Requests in flight when pages are read straight into their slots
+  // (read_many): small random reads need a deeper queue than a stream.
+  static constexpr uint32_t kRingEntries = 64;
 
  private:
   struct Ring;
@@ -111,6 +119,10 @@ class SpillFile {
   Status transfer(bool write, const std::vector<Op> &ops,
                   const std::function<void(size_t, uint8_t *, size_t)> &fill,
                   const std::function<void(size_t, const uint8_t *, size_t)> &drain);
+  // read_many through io_uring straight into dst, without staging, up to
+  // kRingEntries requests in flight: where every dst is 4 KiB-aligned and
+  // every extent whole blocks. False where it does not apply (nothing done).
+  bool read_direct(const SpillExtent *ext, uint8_t *const *dst, size_t n, Status *each, Status *st);
 
   Options opts_;
   FileIO *io_ = nullptr;
