@@ -298,31 +298,29 @@ Status Engine::evict(Sequence &seq) {
   if (cold_) cold_->settle(seq);
   const uint32_t H = cfg_.c.n_kv_heads;
   const size_t page = arena_->page_bytes();
-  // 2. Every head's pages into an extent of their own. On a failure the
-  //    extents written go back and nothing else has changed.
+  // 2. Every head's pages into an extent of their own, all in one pass of
+  //    the spill file (no queue drained between heads). All or nothing.
+  const uint32_t N = seq.n_layers() * H;
   std::vector<SpillPiece> pieces;
-  auto undo = [&](uint32_t upto) {
-    for (uint32_t i = 0; i < upto; ++i) {
-      spill_->release(seq.spilled(i / H, i % H));
-      seq.spilled(i / H, i % H) = SpillExtent{};
-    }
-  };
-  for (uint32_t i = 0; i < seq.n_layers() * H; ++i) {
-    const HeadState &hs = seq.layer(i / H).heads[i % H];
-    Status st = Status::ok();
-    try {
-      pieces.clear();
-      for (PageId id : hs.map.pages)
+  std::vector<size_t> first;
+  std::vector<SpillExtent> ext;
+  try {
+    first.reserve(N + 1);
+    ext.resize(N);
+    for (uint32_t i = 0; i < N; ++i) {
+      first.push_back(pieces.size());
+      for (PageId id : seq.layer(i / H).heads[i % H].map.pages)
         if (id != kNoPage) pieces.push_back(SpillPiece{arena_->page_ptr(id), page});
-    } catch (const std::bad_alloc &) {
-      st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory evicting a sequence");
     }
-    if (st.is_ok()) st = spill_->write(pieces.data(), pieces.size(), &seq.spilled(i / H, i % H));
-    if (!st.is_ok()) {
-      undo(i);
-      return WKV_ERROR(st.code(), "evicting layer %u head %u: %s", i / H, i % H, st.message().c_str());
-    }
+    first.push_back(pieces.size());
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory evicting a sequence");
   }
+  {
+    Status st = spill_->write_extents(pieces.data(), first.data(), N, ext.data());
+    if (!st.is_ok()) return WKV_ERROR(st.code(), "evicting a sequence: %s", st.message().c_str());
+  }
+  for (uint32_t i = 0; i < N; ++i) seq.spilled(i / H, i % H) = ext[i];
   // 3. Commit: the pages go once no step in flight reads them; plans that
   //    looked the sequence up must look it up again. The page list keeps
   //    its length: kNoPage throughout, cold pages told apart by their
@@ -371,6 +369,14 @@ Status Engine::restore(Sequence &seq) {
   auto evicted_page = [](const HeadState &hs, size_t p) {
     return hs.cold.state.size() <= p || hs.cold.state[p] == ColdPages::kResident;
   };
+  std::vector<size_t> first;
+  std::vector<SpillExtent> ext;
+  try {
+    first.reserve(N + 1);
+    ext.resize(N);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory restoring a sequence");
+  }
   for (uint32_t i = 0; i < N; ++i) {
     const SpillExtent &x = seq.spilled(i / H, i % H);
     const HeadState &hs = seq.layer(i / H).heads[i % H];
@@ -379,11 +385,14 @@ Status Engine::restore(Sequence &seq) {
     uint32_t expect = 0;
     for (size_t p = 0; p < hs.map.pages.size(); ++p) expect += evicted_page(hs, p);
     if (expect != n)
-      return WKV_ERROR(WKV_ERR_INTERNAL, "layer %u head %u: %u pages evicted, %u in its extent", i / H, i % H,
-                       expect, n);
+      st = WKV_ERROR(WKV_ERR_INTERNAL, "layer %u head %u: %u pages evicted, %u in its extent", i / H, i % H, expect,
+                     n);
     try {
-      ids[i].resize(n);
-      pieces.resize(n);
+      if (st.is_ok()) {
+        ids[i].resize(n);
+        first.push_back(pieces.size());
+        ext[i] = x;
+      }
     } catch (const std::bad_alloc &) {
       st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory restoring a sequence");
     }
@@ -391,15 +400,38 @@ Status Engine::restore(Sequence &seq) {
       st = arena_->allocate(n, ids[i].data());
       if (!st.is_ok()) ids[i].clear();
     }
-    if (st.is_ok()) {
-      for (uint32_t p = 0; p < n; ++p) pieces[p] = SpillPiece{arena_->page_ptr(ids[i][p]), page};
-      st = spill_->read(x, pieces.data(), n);
+    try {
+      for (uint32_t p = 0; st.is_ok() && p < n; ++p) pieces.push_back(SpillPiece{arena_->page_ptr(ids[i][p]), page});
+    } catch (const std::bad_alloc &) {
+      st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory restoring a sequence");
     }
     if (!st.is_ok()) {
       undo();
       return WKV_ERROR(st.code(), "restoring layer %u head %u of an evicted sequence: %s", i / H, i % H,
                        st.message().c_str());
     }
+  }
+  // Every extent in one pass of the spill file, each checked.
+  {
+    std::vector<Status> each;
+    Status st = Status::ok();
+    try {
+      first.push_back(pieces.size());
+      each.resize(N);
+    } catch (const std::bad_alloc &) {
+      st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory restoring a sequence");
+    }
+    if (st.is_ok()) st = spill_->read_extents(ext.data(), pieces.data(), first.data(), N, each.data());
+    if (!st.is_ok()) {
+      undo();
+      return WKV_ERROR(st.code(), "restoring an evicted sequence: %s", st.message().c_str());
+    }
+    for (uint32_t i = 0; i < N; ++i)
+      if (!each[i].is_ok()) {
+        undo();
+        return WKV_ERROR(each[i].code(), "restoring layer %u head %u of an evicted sequence: %s", i / H, i % H,
+                         each[i].message().c_str());
+      }
   }
   // The page lists as they will be: each evicted page's new id in place.
   std::vector<MetaVector<PageId>> lists;

@@ -603,4 +603,129 @@ Status SpillFile::read_many(const SpillExtent *ext, uint8_t *const *dst, size_t 
   return Status::ok();
 }
 
+// Several extents in one pass: a cursor over each extent's pieces, in op
+// order (fill and drain see the ops in order).
+namespace {
+struct ExtentCursor {
+  ExtentCursor(const SpillPiece *p, const size_t *f) : pieces(p), first(f) {}
+  const SpillPiece *pieces;
+  const size_t *first;
+  size_t k = SIZE_MAX, piece = 0, at = 0;
+  XXH3_state_t h{};
+  // Moves to extent k (its first byte) when it is not there already.
+  bool enter(size_t next) {
+    if (next == k) return false;
+    k = next;
+    piece = first[k];
+    at = 0;
+    XXH3_64bits_reset(&h);
+    return true;
+  }
+  // Copies len bytes between the extent's pieces and buf (to buf when
+  // `out`), from where the cursor is.
+  void move(uint8_t *buf, size_t len, bool out) {
+    size_t done = 0;
+    while (done < len && piece < first[k + 1]) {
+      const size_t m = std::min(len - done, pieces[piece].n - at);
+      if (out)
+        std::memcpy(buf + done, pieces[piece].p + at, m);
+      else
+        std::memcpy(pieces[piece].p + at, buf + done, m);
+      done += m;
+      at += m;
+      if (at == pieces[piece].n) {
+        ++piece;
+        at = 0;
+      }
+    }
+  }
+};
+}  // namespace
+
+Status SpillFile::write_extents(const SpillPiece *pieces, const size_t *first, size_t n, SpillExtent *out) {
+  std::vector<Op> ops;
+  std::vector<size_t> owner;  // per op: its extent
+  std::vector<SpillExtent> ext(n);
+  SpillExtent all;
+  try {
+    uint64_t total = 0;
+    for (size_t k = 0; k < n; ++k) {
+      for (size_t i = first[k]; i < first[k + 1]; ++i) ext[k].bytes += pieces[i].n;
+      ext[k].span = round_block(ext[k].bytes);
+      total += ext[k].span;
+    }
+    if (total > 0) WKV_RETURN_IF_ERROR(allocate(total, &all));
+    uint64_t at = all.offset;
+    for (size_t k = 0; k < n; ++k) {
+      ext[k].offset = ext[k].bytes ? at : 0;
+      at += ext[k].span;
+      for (const Op &o : chunk_ops(ext[k].offset, ext[k].bytes)) {
+        ops.push_back(o);
+        owner.push_back(k);
+      }
+    }
+  } catch (const std::bad_alloc &) {
+    if (all.span) release(all);
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory writing the spill file");
+  }
+  ExtentCursor cur(pieces, first);
+  auto fill = [&](size_t i, uint8_t *buf, size_t len) {
+    const size_t k = owner[i];
+    if (cur.k != k && cur.k != SIZE_MAX) ext[cur.k].checksum = XXH3_64bits_digest(&cur.h);
+    cur.enter(k);
+    cur.move(buf, len, true);
+    XXH3_64bits_update(&cur.h, buf, len);
+  };
+  Status st = transfer(true, ops, fill, nullptr);
+  if (!st.is_ok()) {
+    if (all.span) release(all);
+    return st;
+  }
+  if (cur.k != SIZE_MAX) ext[cur.k].checksum = XXH3_64bits_digest(&cur.h);
+  for (size_t k = 0; k < n; ++k) {
+    if (ext[k].bytes == 0) ext[k] = SpillExtent{};
+    out[k] = ext[k];
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  written_ += all.span;
+  return Status::ok();
+}
+
+Status SpillFile::read_extents(const SpillExtent *ext, const SpillPiece *pieces, const size_t *first, size_t n,
+                               Status *each) {
+  std::vector<Op> ops;
+  std::vector<size_t> owner;
+  uint64_t spans = 0;
+  try {
+    for (size_t k = 0; k < n; ++k) {
+      each[k] = Status::ok();
+      for (const Op &o : chunk_ops(ext[k].offset, ext[k].bytes)) {
+        ops.push_back(o);
+        owner.push_back(k);
+      }
+      spans += ext[k].span;
+    }
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory reading the spill file");
+  }
+  ExtentCursor cur(pieces, first);
+  auto check = [&] {
+    if (cur.k != SIZE_MAX && XXH3_64bits_digest(&cur.h) != ext[cur.k].checksum)
+      each[cur.k] = WKV_ERROR(WKV_ERR_CORRUPT, "a spilled extent (%llu bytes at offset %llu) fails its checksum",
+                              static_cast<unsigned long long>(ext[cur.k].bytes),
+                              static_cast<unsigned long long>(ext[cur.k].offset));
+  };
+  auto drain = [&](size_t i, const uint8_t *buf, size_t len) {
+    if (cur.k != owner[i]) check();
+    cur.enter(owner[i]);
+    XXH3_64bits_update(&cur.h, buf, len);
+    cur.move(const_cast<uint8_t *>(buf), len, false);
+  };
+  WKV_RETURN_IF_ERROR(transfer(false, ops, nullptr, drain));
+  check();
+  std::lock_guard<std::mutex> lock(mu_);
+  read_ += spans;
+  return Status::ok();
+}
+
 }  // namespace wkv

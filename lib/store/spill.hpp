@@ -79,6 +79,15 @@ class SpillFile {
   // A failed read fails the call (WKV_ERR_IO); each[i] says whether extent
   // i passed its checksum (else WKV_ERR_CORRUPT: dst[i] must not be used).
   Status read_many(const SpillExtent *ext, uint8_t *const *dst, size_t n, Status *each);
+  // Writes n extents in one pass at full queue depth (one run of the file):
+  // extent k holds pieces [first[k], first[k + 1]) concatenated (first has
+  // n + 1 entries), out[k] its extent. All or nothing, as write.
+  Status write_extents(const SpillPiece *pieces, const size_t *first, size_t n, SpillExtent *out);
+  // Reads n extents into their pieces (as write_extents lays them out) in
+  // one pass at full queue depth. A failed read fails the call (WKV_ERR_IO);
+  // each[k] says whether extent k passed its checksum.
+  Status read_extents(const SpillExtent *ext, const SpillPiece *pieces, const size_t *first, size_t n,
+                      Status *each);
   // Gives an extent's blocks back. Never fails.
   void release(const SpillExtent &e) noexcept;
 
