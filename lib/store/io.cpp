@@ -59,6 +59,10 @@ int PosixIO::truncate(int fd, uint64_t bytes) {
   return sys([&] { return ::ftruncate(fd, static_cast<off_t>(bytes)); });
 }
 
+int PosixIO::allocate(int fd, uint64_t offset, uint64_t bytes) {
+  return sys([&] { return ::fallocate(fd, 0, static_cast<off_t>(offset), static_cast<off_t>(bytes)); });
+}
+
 int PosixIO::size(int fd, uint64_t *bytes) {
   struct stat st;
   const int r = sys([&] { return ::fstat(fd, &st); });
@@ -163,6 +167,8 @@ int FaultyIO::truncate(int fd, uint64_t bytes) {
   if (const Fault *f = hit(Op::kTruncate)) return -f->err;
   return base_.truncate(fd, bytes);
 }
+
+int FaultyIO::allocate(int fd, uint64_t offset, uint64_t bytes) { return base_.allocate(fd, offset, bytes); }
 
 int FaultyIO::size(int fd, uint64_t *bytes) {
   if (const Fault *f = hit(Op::kSize)) return -f->err;

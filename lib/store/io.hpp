@@ -12,6 +12,7 @@
 // renaming it over (replace_file).
 #pragma once
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -43,6 +44,13 @@ class FileIO {
   virtual int64_t pwrite(int fd, const void *buf, size_t n, uint64_t offset) = 0;
   virtual int fsync(int fd) = 0;
   virtual int truncate(int fd, uint64_t bytes) = 0;
+  // Allocates the file's blocks in [offset, offset + bytes), growing its
+  // size to cover them (fallocate mode 0); -EOPNOTSUPP where the file
+  // system or the layer has no such call.
+  virtual int allocate(int fd, uint64_t offset, uint64_t bytes) {
+    (void)fd, (void)offset, (void)bytes;
+    return -EOPNOTSUPP;
+  }
   // The size of a regular file (-EINVAL for anything else: a pipe has none).
   virtual int size(int fd, uint64_t *bytes) = 0;
   // Renames within one directory, replacing `to` atomically.
@@ -63,6 +71,7 @@ class PosixIO final : public FileIO {
   int64_t pwrite(int fd, const void *buf, size_t n, uint64_t offset) override;
   int fsync(int fd) override;
   int truncate(int fd, uint64_t bytes) override;
+  int allocate(int fd, uint64_t offset, uint64_t bytes) override;
   int size(int fd, uint64_t *bytes) override;
   int rename_at(int dirfd, const char *from, const char *to) override;
   int unlink_at(int dirfd, const char *name) override;
@@ -106,6 +115,7 @@ class FaultyIO final : public FileIO {
   int64_t pwrite(int fd, const void *buf, size_t n, uint64_t offset) override;
   int fsync(int fd) override;
   int truncate(int fd, uint64_t bytes) override;
+  int allocate(int fd, uint64_t offset, uint64_t bytes) override;  // no faults: passed through
   int size(int fd, uint64_t *bytes) override;
   int rename_at(int dirfd, const char *from, const char *to) override;
   int unlink_at(int dirfd, const char *name) override;

@@ -180,6 +180,16 @@ Status SpillFile::allocate(uint64_t span, SpillExtent *out) {
                      static_cast<unsigned long long>(new_end), static_cast<unsigned long long>(opts_.budget_bytes),
                      static_cast<unsigned long long>(used_));
   if (at != end_) free_.erase(last);
+  if (new_end > allocated_ && !no_allocate_) {
+    uint64_t target = (new_end + kAllocateStep - 1) / kAllocateStep * kAllocateStep;
+    if (opts_.budget_bytes) target = std::max(new_end, std::min(target, opts_.budget_bytes));
+    const int r = io_->allocate(fd_, allocated_, target - allocated_);
+    if (r == 0)
+      allocated_ = target;
+    else if (r == -EOPNOTSUPP || r == -ENOSYS)
+      no_allocate_ = true;  // the writes extend the file instead
+    // Other failures (ENOSPC): the write reports what the disk says.
+  }
   end_ = new_end;
   out->offset = at;
   out->span = span;

@@ -108,6 +108,10 @@ class SpillFile {
   // Requests in flight when pages are read straight into their slots
   // (read_many): small random reads need a deeper queue than a stream.
   static constexpr uint32_t kRingEntries = 64;
+  // The file's blocks are allocated ahead of its end in steps of this size
+  // (within the budget), so that writes land inside the file: O_DIRECT
+  // writes that extend a file are serialized by ext4 and xfs.
+  static constexpr uint64_t kAllocateStep = uint64_t(64) << 20;
 
  private:
   struct Ring;
@@ -141,7 +145,9 @@ class SpillFile {
 
   mutable std::mutex mu_;                 // guards what follows
   std::map<uint64_t, uint64_t> free_;     // offset -> span, coalesced
-  uint64_t end_ = 0;                      // the file's length
+  uint64_t end_ = 0;                      // the file's length in use
+  uint64_t allocated_ = 0;                // blocks allocated ahead (fallocate), >= end_ where it works
+  bool no_allocate_ = false;              // the file system has no fallocate
   uint64_t used_ = 0;
   uint64_t written_ = 0, read_ = 0;
 };
