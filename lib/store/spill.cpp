@@ -23,7 +23,7 @@
 namespace wkv {
 
 // The io_uring of a spill file, one user at a time.
-// Its staging buffers (kQueueDepth of kStageBytes, aligned for O_DIRECT)
+// Its staging buffers (kStageBuffers of kStageBytes, aligned for O_DIRECT)
 // live as long as it does, registered with the kernel where it allows
 // (`fixed`: the reads and writes through them skip the page pinning of each
 // request). `broken`: a request could not be reaped, so the kernel may still
@@ -110,7 +110,7 @@ Status SpillFile::open(const Options &opts, std::unique_ptr<SpillFile> *out) {
   if (!opts.no_uring && !opts.io) {
     auto ring = std::make_unique<Ring>();
     bool bufs = true;
-    for (uint32_t i = 0; i < kQueueDepth && bufs; ++i) {
+    for (uint32_t i = 0; i < kStageBuffers && bufs; ++i) {
       void *p = std::aligned_alloc(kSpillBlock, kStageBytes);
       bufs = p != nullptr;
       if (p) ring->bufs.push_back(static_cast<uint8_t *>(p));
@@ -118,9 +118,9 @@ Status SpillFile::open(const Options &opts, std::unique_ptr<SpillFile> *out) {
     if (bufs && io_uring_queue_init(kRingEntries, &ring->ring, 0) == 0) {
       // Registered where the locked-memory limit allows; plain requests
       // through the same buffers otherwise.
-      iovec iov[kQueueDepth];
-      for (uint32_t i = 0; i < kQueueDepth; ++i) iov[i] = iovec{ring->bufs[i], kStageBytes};
-      ring->fixed = io_uring_register_buffers(&ring->ring, iov, kQueueDepth) == 0;
+      iovec iov[kStageBuffers];
+      for (uint32_t i = 0; i < kStageBuffers; ++i) iov[i] = iovec{ring->bufs[i], kStageBytes};
+      ring->fixed = io_uring_register_buffers(&ring->ring, iov, kStageBuffers) == 0;
       f->ring_ = std::move(ring);
       f->bits_ |= WKV_SPILL_IO_URING;
     }
@@ -247,11 +247,12 @@ Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
   std::unique_lock<std::mutex> lock;
   if (ring_) lock = std::unique_lock<std::mutex>(ring_->mu);
   if (ring_ && !ring_->broken) {
-    const size_t depth = std::min<size_t>(kQueueDepth, n_ops);
+    const size_t depth = std::min<size_t>(kQueueDepth, n_ops), nbuf = kStageBuffers;
     io_uring *ring = &ring_->ring;
     const bool fixed = ring_->fixed;
-    // Op i uses buffer i % depth; at most `depth` in flight, drained (for
-    // reads) in order, so that checksums stream.
+    // Op i uses buffer i % nbuf; at most `depth` in flight, drained (for
+    // reads) in order, so that checksums stream; an op may go once the one
+    // that last used its buffer has been drained.
     std::vector<int> result(n_ops, 0);
     std::vector<char> done(n_ops, 0);
     size_t next_submit = 0, next_drain = 0, in_flight = 0;
@@ -260,7 +261,7 @@ Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
     auto submit = [&](size_t i) -> bool {
       io_uring_sqe *sqe = io_uring_get_sqe(ring);
       if (!sqe) return false;
-      const int b = static_cast<int>(i % depth);
+      const int b = static_cast<int>(i % nbuf);
       uint8_t *buf = ring_->bufs[b];
       const Op &o = ops[i];
       if (write) {
@@ -279,10 +280,11 @@ Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
       return true;
     };
     while (next_drain < n_ops && failure == 0) {
-      // Fill the queue: an op may go once the one that last used its
-      // buffer has been drained.
+      // Fill the queue: up to `depth` in flight, an op once the one that
+      // last used its buffer has been drained.
       size_t queued = 0;
-      while (next_submit < n_ops && next_submit < next_drain + depth && submit(next_submit)) {
+      while (next_submit < n_ops && in_flight + queued < depth && next_submit < next_drain + nbuf &&
+             submit(next_submit)) {
         ++next_submit;
         ++queued;
       }
@@ -318,7 +320,7 @@ Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
           failed_res = static_cast<size_t>(result[j]);
           break;
         }
-        if (!write) drain(j, ring_->bufs[j % depth], ops[j].payload);
+        if (!write) drain(j, ring_->bufs[j % nbuf], ops[j].payload);
         ++next_drain;
       }
     }

@@ -104,6 +104,9 @@ class SpillFile {
   int fd() const { return fd_; }
 
   static constexpr uint32_t kQueueDepth = 8;  // staged requests in flight
+  // Staging buffers: twice the depth, so that a request finishing late
+  // (they are taken in order, for the checksums) does not hold the queue.
+  static constexpr uint32_t kStageBuffers = 2 * kQueueDepth;
   static constexpr size_t kStageBytes = size_t(1) << 20;  // one request's bytes
   // Requests in flight when pages are read straight into their slots
   // (read_many): small random reads need a deeper queue than a stream.
