@@ -33,9 +33,10 @@ bool cold_resident(HeadState &hs, uint32_t c, uint32_t pt) {
   for (uint32_t p = first / pt; p <= (first + n - 1) / pt; ++p) {
     switch (cp.state[p]) {
       case ColdPages::kResident:
+      case ColdPages::kKept:
         break;
       case ColdPages::kWriting:
-        cp.state[p] = ColdPages::kResident;  // wanted again: its write is disowned
+        cp.state[p] = ColdPages::kKept;  // wanted again: its write is disowned
         break;
       case ColdPages::kOnDisk:
         cp.state[p] = ColdPages::kReading;
@@ -193,6 +194,12 @@ void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d, Changes &ch
   ColdPages &cp = hs.cold;
   uint8_t &state = cp.state[d.page];
   if (d.write) {
+    if (state == ColdPages::kKept) {
+      // Disowned when wanted again: the page stays, its slot free to go.
+      if (d.st.is_ok()) spill_.release(d.extent);
+      state = ColdPages::kResident;
+      return;
+    }
     if (state != ColdPages::kWriting || !d.st.is_ok()) {
       // Wanted again since (the lookup kept it), or the write failed: the
       // page stays; a later lookup tries again.
@@ -565,7 +572,7 @@ void ColdTier::settle(Sequence &seq) {
   for (uint32_t l = 0; l < seq.n_layers(); ++l)
     for (HeadState &hs : seq.layer(l).heads) {
       for (uint8_t &s : hs.cold.state) {
-        if (s == ColdPages::kWriting) s = ColdPages::kResident;
+        if (s == ColdPages::kWriting || s == ColdPages::kKept) s = ColdPages::kResident;
         if (s == ColdPages::kReading) s = ColdPages::kOnDisk;
       }
       hs.cold.want.clear();

@@ -367,7 +367,8 @@ Status Engine::restore(Sequence &seq) {
   };
   // Page p of a head was evicted unless it is a cold page (on disk before).
   auto evicted_page = [](const HeadState &hs, size_t p) {
-    return hs.cold.state.size() <= p || hs.cold.state[p] == ColdPages::kResident;
+    return hs.cold.state.size() <= p || hs.cold.state[p] == ColdPages::kResident ||
+           hs.cold.state[p] == ColdPages::kKept;
   };
   std::vector<size_t> first;
   std::vector<SpillExtent> ext;

@@ -140,7 +140,10 @@ struct ValueMean {
 // last_used[c] is the sequence's lookup stamp when cluster c was last
 // retrieved (or created): the replacement's recency. Empty until used.
 struct ColdPages {
-  enum State : uint8_t { kResident = 0, kOnDisk, kReading, kWriting, kFailed };
+  // kKept: resident, wanted again while being written; the disowned write
+  // still reads its slot, so the page may neither go again nor lose its
+  // slot until that write is done.
+  enum State : uint8_t { kResident = 0, kOnDisk, kReading, kWriting, kFailed, kKept };
   MetaVector<uint32_t> last_used;  // [clusters]
   MetaVector<uint8_t> state;       // [pages]
   MetaVector<SpillExtent> extent;  // [pages]: valid unless kResident / kWriting
