@@ -279,36 +279,52 @@ Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
       io_uring_sqe_set_data64(sqe, i);
       return true;
     };
-    while (next_drain < n_ops && failure == 0) {
-      // Fill the queue: up to `depth` in flight, an op once the one that
-      // last used its buffer has been drained.
+    // A completion's result, recorded for the in-order drain.
+    auto reap = [&](io_uring_cqe *cqe) {
+      const size_t i = static_cast<size_t>(io_uring_cqe_get_data64(cqe));
+      result[i] = cqe->res;
+      done[i] = 1;
+      io_uring_cqe_seen(ring, cqe);
+      --in_flight;
+    };
+    // Tops the queue up: the completions already there reaped, then up to
+    // `depth` in flight, an op once the one that last used its buffer has
+    // been drained. Called after every drained op, so that the disk never
+    // waits for the gather, the scatter or the checksum of a burst.
+    auto top_up = [&]() -> int {
+      io_uring_cqe *cqe = nullptr;
+      while (in_flight > 0 && io_uring_peek_cqe(ring, &cqe) == 0 && cqe) reap(cqe);
       size_t queued = 0;
       while (next_submit < n_ops && in_flight + queued < depth && next_submit < next_drain + nbuf &&
              submit(next_submit)) {
         ++next_submit;
         ++queued;
       }
-      if (queued) {
-        const int r = io_uring_submit(ring);
-        if (r < 0) {
-          failure = r;
-          break;
-        }
-        in_flight += queued;
+      if (!queued) return 0;
+      const int r = io_uring_submit(ring);
+      if (r < 0) {
+        ring_->broken = true;  // prepared requests left in the ring
+        return r;
       }
-      io_uring_cqe *cqe = nullptr;
-      const int w = io_uring_wait_cqe(ring, &cqe);
-      if (w < 0) {
-        if (w == -EINTR) continue;
-        failure = w;
+      in_flight += queued;
+      return 0;
+    };
+    while (next_drain < n_ops && failure == 0) {
+      if (const int r = top_up()) {
+        failure = r;
         break;
       }
-      const size_t i = static_cast<size_t>(io_uring_cqe_get_data64(cqe));
-      result[i] = cqe->res;
-      done[i] = 1;
-      io_uring_cqe_seen(ring, cqe);
-      --in_flight;
-      while (next_drain < n_ops && done[next_drain]) {
+      if (!done[next_drain]) {
+        io_uring_cqe *cqe = nullptr;
+        const int w = io_uring_wait_cqe(ring, &cqe);
+        if (w < 0) {
+          if (w == -EINTR) continue;
+          failure = w;
+          break;
+        }
+        reap(cqe);
+      }
+      while (next_drain < n_ops && done[next_drain] && failure == 0) {
         const size_t j = next_drain;
         if (result[j] < 0) {
           failure = result[j];
@@ -322,6 +338,7 @@ Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
         }
         if (!write) drain(j, ring_->bufs[j % nbuf], ops[j].payload);
         ++next_drain;
+        if (const int r = top_up()) failure = r;
       }
     }
     // Nothing may still use a staging buffer once the next call takes it.
