@@ -122,6 +122,34 @@ class Context {
   KeyGen gen_;
 };
 
+// The rows a sequence of a Context holds, per KV head in f32 as stored:
+// exact attention's reference. It follows a Context of its own with the
+// same seed through the same tokens.
+class StoredRows {
+ public:
+  explicit StoredRows(const Shape &s, uint64_t seed = 7) : s_(s), ctx_(s, seed), rows_(s.kv_heads) {}
+  // The next n tokens of the context.
+  void take(uint32_t n) {
+    std::vector<uint8_t> k, v;
+    ctx_.tokens(n, &k, &v);
+    const size_t count = size_t(n) * s_.kv_heads * s_.head_dim;
+    const std::vector<float> kf = unpack(s_.dtype, k, count), vf = unpack(s_.dtype, v, count);
+    const uint32_t H = s_.kv_heads, d = s_.head_dim;
+    for (uint32_t t = 0; t < n; ++t)
+      for (uint32_t h = 0; h < H; ++h) {
+        const size_t at = (size_t(t) * H + h) * d;
+        rows_[h].k.insert(rows_[h].k.end(), kf.begin() + at, kf.begin() + at + d);
+        rows_[h].v.insert(rows_[h].v.end(), vf.begin() + at, vf.begin() + at + d);
+      }
+  }
+  const HeadRows &head(uint32_t h) const { return rows_[h]; }
+
+ private:
+  Shape s_;
+  Context ctx_;
+  std::vector<HeadRows> rows_;
+};
+
 // Fills a sequence with every kind of content: layer 0 and the odd layers
 // end their prompt and generate past an update segment; other even layers
 // stay in their prompt (a clustered segment and an unclustered tail).

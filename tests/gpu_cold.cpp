@@ -214,25 +214,13 @@ TEST(GpuColdPages, GeneratingUnderAFullBudgetStaysAsAccurateAsInMemory) {
   mem.prompt(ref, c1);
   cold.prompt(seq, c2);
   const uint32_t d = kShape.head_dim, H = kShape.kv_heads, G = kShape.q_heads / kShape.kv_heads;
-  std::vector<HeadRows> rows(H);
-  Context c3(kShape);
-  auto keep_rows = [&](uint32_t n) {
-    std::vector<uint8_t> k, v;
-    c3.tokens(n, &k, &v);
-    const std::vector<float> kf = to_f32(k), vf = to_f32(v);
-    for (uint32_t t = 0; t < n; ++t)
-      for (uint32_t h = 0; h < H; ++h) {
-        const size_t at = (size_t(t) * H + h) * d;
-        rows[h].k.insert(rows[h].k.end(), kf.begin() + at, kf.begin() + at + d);
-        rows[h].v.insert(rows[h].v.end(), vf.begin() + at, vf.begin() + at + d);
-      }
-  };
-  keep_rows(kPrompt);
+  StoredRows rows(kShape);
+  rows.take(kPrompt);
   std::vector<double> err_mem, err_cold;
   std::vector<uint8_t> k, v;
   for (int step = 0; step < 120; ++step) {
     c1.tokens(1, &k, &v);
-    keep_rows(1);
+    rows.take(1);
     mem.append(ref, k, v, 1);
     cold.append(seq, k, v, 1);
     const std::vector<uint8_t> q = c1.query();
@@ -242,7 +230,7 @@ TEST(GpuColdPages, GeneratingUnderAFullBudgetStaysAsAccurateAsInMemory) {
       for (uint32_t g = 0; g < G; ++g) {
         const size_t at = (size_t(h) * G + g) * d;  // layer 0
         std::vector<double> exact;
-        exact_attention(qf.data() + at, rows[h], d, &exact);
+        exact_attention(qf.data() + at, rows.head(h), d, &exact);
         err_mem.push_back(rel_l2(a.data() + at, exact));
         err_cold.push_back(rel_l2(b.data() + at, exact));
       }

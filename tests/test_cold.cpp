@@ -168,25 +168,13 @@ TEST(ColdPages, GeneratingUnderAFullBudgetStaysAsAccurateAsInMemory) {
   prompt(seq, s, c2);
   // The rows as stored (f16), per KV head, for exact attention.
   const uint32_t d = s.head_dim, H = s.kv_heads, G = s.q_heads / s.kv_heads;
-  std::vector<HeadRows> rows(H);
-  Context c3(s);
-  auto keep_rows = [&](uint32_t n) {
-    std::vector<uint8_t> k, v;
-    c3.tokens(n, &k, &v);
-    const std::vector<float> kf = to_f32(s, k), vf = to_f32(s, v);
-    for (uint32_t t = 0; t < n; ++t)
-      for (uint32_t h = 0; h < H; ++h) {
-        const size_t at = (size_t(t) * H + h) * d;
-        rows[h].k.insert(rows[h].k.end(), kf.begin() + at, kf.begin() + at + d);
-        rows[h].v.insert(rows[h].v.end(), vf.begin() + at, vf.begin() + at + d);
-      }
-  };
-  keep_rows(kPrompt);
+  StoredRows rows(s);
+  rows.take(kPrompt);
   std::vector<double> err_mem, err_cold;
   std::vector<uint8_t> k, v;
   for (int step = 0; step < 150; ++step) {
     c1.tokens(1, &k, &v);
-    keep_rows(1);
+    rows.take(1);
     for (uint32_t l = 0; l < s.layers; ++l) {
       ref.append(l, k.data(), v.data(), 1);
       seq.append(l, k.data(), v.data(), 1);
@@ -199,7 +187,7 @@ TEST(ColdPages, GeneratingUnderAFullBudgetStaysAsAccurateAsInMemory) {
       for (uint32_t g = 0; g < G; ++g) {
         const size_t at = (size_t(h) * G + g) * d;  // layer 0
         std::vector<double> exact;
-        exact_attention(qf.data() + at, rows[h], d, &exact);
+        exact_attention(qf.data() + at, rows.head(h), d, &exact);
         err_mem.push_back(rel_l2(a.data() + at, exact));
         err_cold.push_back(rel_l2(b.data() + at, exact));
       }

@@ -45,6 +45,32 @@ namespace {
 
 size_t round_block(uint64_t n) { return static_cast<size_t>((n + kSpillBlock - 1) / kSpillBlock * kSpillBlock); }
 
+#if defined(WKV_WITH_URING)
+// Waits for the requests still in flight (after a failure), so that nothing
+// the kernel writes lands in memory given back. False where the ring could
+// not reap them all (the caller must leave the ring and its buffers alone).
+bool reap_all(io_uring *ring, size_t *in_flight) {
+  while (*in_flight > 0) {
+    io_uring_cqe *cqe = nullptr;
+    const int w = io_uring_wait_cqe(ring, &cqe);
+    if (w == -EINTR) continue;
+    if (w < 0) return false;
+    io_uring_cqe_seen(ring, cqe);
+    --*in_flight;
+  }
+  return true;
+}
+#endif
+
+// What a transfer's failure says: a short request (-EIO with its sizes), an
+// errno, or none.
+Status transfer_status(int failure, size_t failed_len, size_t failed_res, const char *what) {
+  if (failure == -EIO && failed_len)
+    return WKV_ERROR(WKV_ERR_IO, "%s: %zu of %zu bytes moved (short I/O)", what, failed_res, failed_len);
+  if (failure < 0) return io_status(failure, what);
+  return Status::ok();
+}
+
 // Staging buffers, aligned for O_DIRECT.
 struct Stage {
   std::vector<uint8_t *> bufs;
@@ -342,19 +368,8 @@ Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
       }
     }
     // Nothing may still use a staging buffer once the next call takes it.
-    while (in_flight > 0) {
-      io_uring_cqe *cqe = nullptr;
-      const int w = io_uring_wait_cqe(ring, &cqe);
-      if (w == -EINTR) continue;
-      if (w < 0) break;  // the ring is unusable
-      io_uring_cqe_seen(ring, cqe);
-      --in_flight;
-    }
-    if (in_flight > 0) ring_->broken = true;  // the buffers stay the kernel's
-    if (failure == -EIO && failed_len)
-      return WKV_ERROR(WKV_ERR_IO, "%s: %zu of %zu bytes moved (short I/O)", what, failed_res, failed_len);
-    if (failure < 0) return io_status(failure, what);
-    return Status::ok();
+    if (!reap_all(ring, &in_flight)) ring_->broken = true;  // the buffers stay the kernel's
+    return transfer_status(failure, failed_len, failed_res, what);
   }
 #endif
   size_t largest = 0;
@@ -531,6 +546,7 @@ bool SpillFile::read_direct(const SpillExtent *ext, uint8_t *const *dst, size_t 
     if (queued) {
       const int r = io_uring_submit(ring);
       if (r < 0) {
+        ring_->broken = true;  // prepared requests left in the ring
         failure = r;
         break;
       }
@@ -563,26 +579,12 @@ bool SpillFile::read_direct(const SpillExtent *ext, uint8_t *const *dst, size_t 
                                 static_cast<unsigned long long>(ext[k].offset));
     }
   }
-  while (in_flight > 0) {  // nothing may still write a slot once this returns
-    io_uring_cqe *cqe = nullptr;
-    const int w = io_uring_wait_cqe(ring, &cqe);
-    if (w == -EINTR) continue;
-    if (w < 0) break;
-    io_uring_cqe_seen(ring, cqe);
-    --in_flight;
-  }
-  if (in_flight > 0) ring_->broken = true;
+  if (!reap_all(ring, &in_flight)) ring_->broken = true;  // nothing may still write a slot
   {
     std::lock_guard<std::mutex> counters(mu_);
     read_ += spans;
   }
-  const char *what = "reading the spill file";
-  if (failure == -EIO && failed_len)
-    *st = WKV_ERROR(WKV_ERR_IO, "%s: %zu of %zu bytes moved (short I/O)", what, failed_res, failed_len);
-  else if (failure < 0)
-    *st = io_status(failure, what);
-  else
-    *st = Status::ok();
+  *st = transfer_status(failure, failed_len, failed_res, "reading the spill file");
   return true;
 #else
   (void)ext, (void)dst, (void)n, (void)each, (void)st;
