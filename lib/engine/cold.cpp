@@ -188,7 +188,7 @@ void ColdTier::run_batch(std::vector<Job> &batch) {
   owner.cv.notify_all();
 }
 
-void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d, Changes &ch, bool now) {
+void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d, Changes &ch) {
   LayerState &L = seq.layer(d.layer);
   HeadState &hs = L.heads[d.head];
   ColdPages &cp = hs.cold;
@@ -226,11 +226,15 @@ void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d, Changes &ch
     // lookup never chose this page: nothing reads the slot now. A CUDA
     // engine's page table entry goes null, and the slot back once the
     // steps in flight have ended (or at once: `now`).
-    if (opts_.device) ch.point.emplace_back(&hs, d.page);
-    if (opts_.device && !now)
+    // (On a CUDA engine the slot goes through `ch`: apply gives it back once
+    // the entry is pointed, at once or after the steps in flight; it is kept
+    // if the entry could not be pointed.)
+    if (opts_.device) {
+      ch.point.emplace_back(&hs, d.page);
       ch.freed.push_back(id);
-    else
+    } else {
       arena_.release(&id, 1);
+    }
     return;
   }
   if (state != ColdPages::kReading) {  // cannot happen: reads are disowned first
@@ -302,7 +306,7 @@ void ColdTier::install(Sequence &seq, void *stream) {
     done.swap(sh.done);
   }
   Changes ch;
-  for (const ColdShared::Done &d : done) install_one(seq, d, ch, false);
+  for (const ColdShared::Done &d : done) install_one(seq, d, ch);
   apply(ch, stream, false);
 }
 
@@ -383,7 +387,9 @@ std::vector<ColdTier::Victim> ColdTier::choose(Sequence &seq, uint64_t n) {
   const uint32_t pt = opts_.page_tokens, now = cold_stamp(seq.stamp());
   for (uint32_t l = 0; l < seq.n_layers(); ++l) {
     LayerState &L = seq.layer(l);
-    if (opts_.device && layer_open(L)) continue;
+    // A CUDA engine's layer that is open, or whose newest pages the device
+    // may not have written yet, gives none now.
+    if (opts_.device && (layer_open(L) || L.grown_epoch > seq.tracker().done())) continue;
     const uint32_t keep = L.last_lookup ? cold_stamp(L.last_lookup) : std::numeric_limits<uint32_t>::max();
     for (uint32_t h = 0; h < L.heads.size(); ++h) {
       HeadState &hs = L.heads[h];
@@ -539,7 +545,7 @@ Status ColdTier::relieve(Sequence &seq, uint64_t pages, void *stream) {
         d.page = v[b + i].page;
         d.extent = ext[i];
         seq.layer(d.layer).heads[d.head].cold.state[d.page] = ColdPages::kWriting;
-        install_one(seq, d, ch, true);
+        install_one(seq, d, ch);
       }
       apply(ch, stream, true);
     }
@@ -562,7 +568,7 @@ void ColdTier::settle(Sequence &seq) {
   // CUDA engine, its page table entries on the I/O stream, waited for: no
   // step the caller enqueues next may see them change).
   Changes ch;
-  for (const ColdShared::Done &d : done) install_one(seq, d, ch, false);
+  for (const ColdShared::Done &d : done) install_one(seq, d, ch);
   if (!ch.point.empty() || !ch.freed.empty()) {
     void *io = backend_.io_stream();
     const bool pointed = !ch.point.empty();

@@ -162,9 +162,10 @@ class ColdTier {
     std::vector<PageId> freed;
   };
   void install(Sequence &seq, void *stream);
-  // `now`: a freed slot goes back at once (no step in flight reads it).
-  void install_one(Sequence &seq, const ColdShared::Done &d, Changes &ch, bool now);
-  // Points the device's page table entries and gives the slots back.
+  void install_one(Sequence &seq, const ColdShared::Done &d, Changes &ch);
+  // Points the device's page table entries and gives the slots back: at
+  // once with `now` (no step in flight reads them), else after the steps
+  // in flight.
   void apply(Changes &ch, void *stream, bool now);
   // Takes the reports of the lookup of L at stamp `before` (CUDA).
   void take_reports(LayerState &L, uint64_t before);

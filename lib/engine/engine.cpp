@@ -536,7 +536,10 @@ Status Engine::append_batch(Sequence *const *seqs, uint32_t n_seqs, uint32_t lay
                                   static_cast<const uint8_t *>(dk), static_cast<const uint8_t *>(dv), token_pitch,
                                   cfg_.row_bytes(), stream);
   for (uint32_t i = 0; i < n_seqs && st.is_ok(); ++i) {
-    st = commit_append(index_for(*seqs[i]), seqs[i]->layer(layer), layer, staged[i], stream);
+    LayerState &L = seqs[i]->layer(layer);
+    const size_t pages = L.heads.empty() ? 0 : L.heads[0].map.pages.size();
+    st = commit_append(index_for(*seqs[i]), L, layer, staged[i], stream);
+    if (!L.heads.empty() && L.heads[0].map.pages.size() != pages) L.grown_epoch = epochs[i];
     if (!st.is_ok() && n_seqs > 1)
       st = Status(st.code(), format("sequence %u: %s (sequences before it hold the new tokens; it and those after "
                                     "it do not)",
@@ -560,7 +563,10 @@ Status Engine::end_prompt_locked(Sequence &seq, uint32_t layer, void *stream) {
   const LayerState &L = seq.layer(layer);
   if (L.generating || L.tokens == 0) return Status::ok();
   const uint64_t epoch = buffers_->begin(seq.tracker());
-  Status st = wkv::end_prompt(index_for(seq), seq.layer(layer), layer, stream);
+  LayerState &G = seq.layer(layer);
+  const size_t pages = G.heads.empty() ? 0 : G.heads[0].map.pages.size();
+  Status st = wkv::end_prompt(index_for(seq), G, layer, stream);
+  if (!G.heads.empty() && G.heads[0].map.pages.size() != pages) G.grown_epoch = epoch;
   Status marked = backend_->end_work(seq.tracker(), epoch, stream);
   return st.is_ok() ? marked : st;
 }

@@ -183,6 +183,10 @@ struct LayerState {
   uint64_t assembled = 0;
   std::shared_ptr<StepTracker> reader;
   uint64_t read_epoch = 0;
+  // The sequence's step whose growth last wrote pages of the layer (the
+  // device writes them after the call): none of them may be written out by
+  // the host before that step has ended.
+  uint64_t grown_epoch = 0;
   std::vector<HeadState> heads;
 };
 

@@ -328,11 +328,11 @@ Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
       }
       if (!queued) return 0;
       const int r = io_uring_submit(ring);
-      if (r < 0) {
+      if (r >= 0) in_flight += static_cast<size_t>(r);
+      if (r < 0 || static_cast<size_t>(r) != queued) {
         ring_->broken = true;  // prepared requests left in the ring
-        return r;
+        return r < 0 ? r : -EIO;
       }
-      in_flight += queued;
       return 0;
     };
     while (next_drain < n_ops && failure == 0) {
@@ -545,12 +545,12 @@ bool SpillFile::read_direct(const SpillExtent *ext, uint8_t *const *dst, size_t 
     }
     if (queued) {
       const int r = io_uring_submit(ring);
-      if (r < 0) {
+      if (r >= 0) in_flight += static_cast<size_t>(r);
+      if (r < 0 || static_cast<size_t>(r) != queued) {
         ring_->broken = true;  // prepared requests left in the ring
-        failure = r;
+        failure = r < 0 ? r : -EIO;
         break;
       }
-      in_flight += queued;
     }
     io_uring_cqe *cqe = nullptr;
     const int w = io_uring_wait_cqe(ring, &cqe);
