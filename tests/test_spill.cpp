@@ -38,6 +38,14 @@ std::vector<wkv::SpillPiece> as_pieces(std::vector<std::vector<uint8_t>> &v) {
   return out;
 }
 
+// A spill file in dir, through io_uring where it works or pread/pwrite.
+wkv::Status open_spill(const ScratchDir &dir, bool no_uring, std::unique_ptr<wkv::SpillFile> *out) {
+  wkv::SpillFile::Options o;
+  o.dir = dir.path();
+  o.no_uring = no_uring;
+  return wkv::SpillFile::open(o, out);
+}
+
 class SpillFileModes : public testing::TestWithParam<bool> {};
 
 }  // namespace
@@ -45,11 +53,8 @@ class SpillFileModes : public testing::TestWithParam<bool> {};
 // Extents round-trip on both I/O paths, checksummed; space is reused.
 TEST_P(SpillFileModes, ExtentsRoundTripAndTheirSpaceIsReused) {
   ScratchDir dir;
-  wkv::SpillFile::Options o;
-  o.dir = dir.path();
-  o.no_uring = GetParam();
   std::unique_ptr<wkv::SpillFile> f;
-  ASSERT_TRUE(wkv::SpillFile::open(o, &f).is_ok());
+  ASSERT_TRUE(open_spill(dir, GetParam(), &f).is_ok());
   std::printf("spill io bits 0x%x\n", f->io_bits());
   if (GetParam()) {
     EXPECT_EQ(f->io_bits() & WKV_SPILL_IO_URING, 0u);
@@ -87,11 +92,8 @@ TEST_P(SpillFileModes, ExtentsRoundTripAndTheirSpaceIsReused) {
 // A flipped bit is found: the read is an error, never data.
 TEST_P(SpillFileModes, AFlippedBitFailsTheChecksum) {
   ScratchDir dir;
-  wkv::SpillFile::Options o;
-  o.dir = dir.path();
-  o.no_uring = GetParam();
   std::unique_ptr<wkv::SpillFile> f;
-  ASSERT_TRUE(wkv::SpillFile::open(o, &f).is_ok());
+  ASSERT_TRUE(open_spill(dir, GetParam(), &f).is_ok());
   std::mt19937_64 rng(4);
   auto a = random_pieces(rng, 300, 4096);
   auto pa = as_pieces(a);
@@ -110,11 +112,8 @@ TEST_P(SpillFileModes, AFlippedBitFailsTheChecksum) {
 // than a queue's worth at once; a flipped bit fails its own page only.
 TEST_P(SpillFileModes, PagesWrittenInRunsReadBackScattered) {
   ScratchDir dir;
-  wkv::SpillFile::Options o;
-  o.dir = dir.path();
-  o.no_uring = GetParam();
   std::unique_ptr<wkv::SpillFile> f;
-  ASSERT_TRUE(wkv::SpillFile::open(o, &f).is_ok());
+  ASSERT_TRUE(open_spill(dir, GetParam(), &f).is_ok());
   std::mt19937_64 rng(9);
   for (const size_t bytes : {size_t(4096), size_t(3840)}) {
     SCOPED_TRACE(std::to_string(bytes) + "-byte pages");
@@ -160,11 +159,8 @@ TEST_P(SpillFileModes, PagesWrittenInRunsReadBackScattered) {
 // flipped bit fails its own extent only; each extent is released alone.
 TEST_P(SpillFileModes, ExtentsWrittenAndReadInOnePass) {
   ScratchDir dir;
-  wkv::SpillFile::Options o;
-  o.dir = dir.path();
-  o.no_uring = GetParam();
   std::unique_ptr<wkv::SpillFile> f;
-  ASSERT_TRUE(wkv::SpillFile::open(o, &f).is_ok());
+  ASSERT_TRUE(open_spill(dir, GetParam(), &f).is_ok());
   std::mt19937_64 rng(12);
   const size_t counts[] = {700, 0, 1, 333, 1200};  // pages of 3840 bytes per extent
   constexpr size_t n = 5;

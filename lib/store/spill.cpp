@@ -60,6 +60,16 @@ bool reap_all(io_uring *ring, size_t *in_flight) {
   }
   return true;
 }
+
+// Submits the `queued` requests prepared in the ring and counts those the
+// kernel took in *in_flight. 0, or an error when it took fewer: the rest
+// stay prepared in the ring, which the caller must then leave alone.
+int submit_prepared(io_uring *ring, size_t queued, size_t *in_flight) {
+  const int r = io_uring_submit(ring);
+  if (r >= 0) *in_flight += static_cast<size_t>(r);
+  if (r < 0) return r;
+  return static_cast<size_t>(r) == queued ? 0 : -EIO;
+}
 #endif
 
 // What a transfer's failure says: a short request (-EIO with its sizes), an
@@ -327,13 +337,9 @@ Status SpillFile::transfer(bool write, const std::vector<Op> &ops,
         ++queued;
       }
       if (!queued) return 0;
-      const int r = io_uring_submit(ring);
-      if (r >= 0) in_flight += static_cast<size_t>(r);
-      if (r < 0 || static_cast<size_t>(r) != queued) {
-        ring_->broken = true;  // prepared requests left in the ring
-        return r < 0 ? r : -EIO;
-      }
-      return 0;
+      const int r = submit_prepared(ring, queued, &in_flight);
+      if (r) ring_->broken = true;
+      return r;
     };
     while (next_drain < n_ops && failure == 0) {
       if (const int r = top_up()) {
@@ -544,11 +550,9 @@ bool SpillFile::read_direct(const SpillExtent *ext, uint8_t *const *dst, size_t 
       ++queued;
     }
     if (queued) {
-      const int r = io_uring_submit(ring);
-      if (r >= 0) in_flight += static_cast<size_t>(r);
-      if (r < 0 || static_cast<size_t>(r) != queued) {
-        ring_->broken = true;  // prepared requests left in the ring
-        failure = r < 0 ? r : -EIO;
+      if (const int r = submit_prepared(ring, queued, &in_flight)) {
+        ring_->broken = true;
+        failure = r;
         break;
       }
     }
