@@ -251,11 +251,12 @@ TEST(GpuColdPages, GeneratingUnderAFullBudgetStaysAsAccurateAsInMemory) {
 }
 
 // Two plans look layer 0 up (a query whose pages are back, and a new one);
-// before they assemble, growths of layer 1 find the budget full and write
-// pages out. The layer looked up is open: none of its pages goes, and the
-// plans gather what they chose (memcheck runs this).
-TEST(GpuColdPages, APlanBetweenLookupAndAssembleKeepsItsPages) {
-  REQUIRE_GPU();
+// before the first assembles, growths of layer 1 find the budget full and
+// write pages out. The layer looked up is open until both plans have
+// assembled (with `later_first`, the second plan assembles, attends and
+// updates before the growths): none of its pages goes, and the first plan
+// gathers what it chose (memcheck runs this).
+static void two_plans_keep_their_pages(bool later_first) {
   wkv_stats full;
   const uint64_t pages = pages_of(&full);
   ScratchDir dir;
@@ -278,6 +279,12 @@ TEST(GpuColdPages, APlanBetweenLookupAndAssembleKeepsItsPages) {
   wkv_seq *sp = seq.get();
   p.lookup(&sp, 1, 0, dq.p);
   p2.lookup(&sp, 1, 0, dq2.p);
+  auto second = [&] {
+    p2.assemble();
+    p2.attend(dout2.p);
+    p2.update();
+  };
+  if (later_first) second();
   std::vector<uint8_t> k, v;
   c1.tokens(3000, &k, &v);  // layer 1 only: growths under a full budget
   cold.append(seq, k, v, 3000, 1, 1);
@@ -285,9 +292,7 @@ TEST(GpuColdPages, APlanBetweenLookupAndAssembleKeepsItsPages) {
   p.assemble();
   p.attend(dout.p);
   p.update();
-  p2.assemble();
-  p2.attend(dout2.p);
-  p2.update();
+  if (!later_first) second();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   for (float x : to_f32(dout2.host())) ASSERT_TRUE(std::isfinite(x));
   // Layer 0 is as it was: its output is the in-memory engine's.
@@ -297,6 +302,54 @@ TEST(GpuColdPages, APlanBetweenLookupAndAssembleKeepsItsPages) {
   pm.decode(&rp, 1, 0, mq.p, mout.p);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(dout.host() == mout.host()) << "the plan gathered the pages it chose";
+}
+
+TEST(GpuColdPages, APlanBetweenLookupAndAssembleKeepsItsPages) {
+  REQUIRE_GPU();
+  two_plans_keep_their_pages(false);
+}
+
+// The later plan assembling first closes its own lookup, not the layer.
+TEST(GpuColdPages, AnEarlierPlanKeepsItsPagesWhenALaterOneAssemblesFirst) {
+  REQUIRE_GPU();
+  two_plans_keep_their_pages(true);
+}
+
+// A plan destroyed between its lookup and its assemble closes the lookup:
+// while it holds it, growths of layer 1 take none of layer 0's pages; once
+// it is gone they do again (ties of age go to the lower layer first).
+TEST(GpuColdPages, AnAbandonedLookupLetsTheLayersPagesGoAgain) {
+  REQUIRE_GPU();
+  wkv_stats full;
+  const uint64_t pages = pages_of(&full);
+  ScratchDir dir;
+  Gpu cold(config(dir.path(), pages / 3 * full.page_bytes));
+  wavekv::Sequence seq(cold.engine);
+  Context c1(kShape);
+  cold.prompt(seq, c1);
+  const std::vector<uint8_t> q = c1.query();
+  bool resident = false;
+  (void)cold.decode_until_resident(seq, q, 200, &resident);
+  ASSERT_TRUE(resident);
+  const uint64_t written = cold.engine.stats().spill_pages_written;
+  const uint64_t before = seq.info(0).spilled_pages;
+  std::vector<uint8_t> k, v;
+  uint64_t held;
+  {
+    wavekv::Plan p(cold.engine);
+    Buf dq(true, q);
+    wkv_seq *sp = seq.get();
+    p.lookup(&sp, 1, 0, dq.p);
+    c1.tokens(3000, &k, &v);
+    cold.append(seq, k, v, 3000, 1, 1);
+    ASSERT_GT(cold.engine.stats().spill_pages_written, written) << "the growths wrote pages out";
+    held = seq.info(0).spilled_pages;
+    EXPECT_LE(held, before) << "layer 0 is open: none of its pages went";
+  }
+  c1.tokens(3000, &k, &v);
+  cold.append(seq, k, v, 3000, 1, 1);
+  EXPECT_GT(seq.info(0).spilled_pages, held) << "the abandoned lookup was closed: layer 0 gives pages again";
+  for (float x : to_f32(cold.decode(seq, q))) ASSERT_TRUE(std::isfinite(x));
 }
 
 // Saved with cold pages, the file decodes in memory as the reference;

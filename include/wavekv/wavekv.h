@@ -252,9 +252,11 @@ enum {
  * lookup on the host asks for its pages (spill_estimated counts such a
  * cluster then). A sequence's verbs must reach the device in the order they
  * are called (one stream, or streams the caller orders), as for its
- * growths. Pages of a layer looked up and not yet assembled are never
- * written out; a growth that must write pages out first waits for the
- * gathers in flight that read them.
+ * growths. Pages of a layer that any plan has looked up and not yet
+ * assembled are never written out (a lookup no assemble follows holds them
+ * until the plan's next lookup or its destruction); a growth that must
+ * write pages out first waits for the gathers in flight that read them
+ * (WKV_ERR_DEVICE if the device fails meanwhile).
  */
 typedef struct wkv_config {
   uint32_t size;            /* sizeof(wkv_config), set by wkv_config_init */

@@ -208,7 +208,7 @@ void ColdTier::install_one(Sequence &seq, const ColdShared::Done &d, Changes &ch
       if (!d.st.is_ok()) counters_.spill_write_errors.fetch_add(1);
       return;
     }
-    if (opts_.device && layer_open(L)) {
+    if (opts_.device && seq.layer_open(d.layer)) {
       // A plan may yet gather the page (its selection saw it resident):
       // it stays, as if wanted again.
       spill_.release(d.extent);
@@ -373,9 +373,7 @@ void ColdTier::fill_run(const LayerState &L, const HeadState &hs, kernels::DevRu
   }
 }
 
-void ColdTier::assembled(LayerState &L, uint64_t stamp, const std::shared_ptr<StepTracker> &tracker,
-                         uint64_t epoch) {
-  if (L.last_lookup == stamp) L.assembled = stamp;
+void ColdTier::assembled(LayerState &L, const std::shared_ptr<StepTracker> &tracker, uint64_t epoch) {
   L.reader = tracker;
   L.read_epoch = epoch;
 }
@@ -389,7 +387,7 @@ std::vector<ColdTier::Victim> ColdTier::choose(Sequence &seq, uint64_t n) {
     LayerState &L = seq.layer(l);
     // A CUDA engine's layer that is open, or whose newest pages the device
     // may not have written yet, gives none now.
-    if (opts_.device && (layer_open(L) || L.grown_epoch > seq.tracker().done())) continue;
+    if (opts_.device && (seq.layer_open(l) || L.grown_epoch > seq.tracker().done())) continue;
     const uint32_t keep = L.last_lookup ? cold_stamp(L.last_lookup) : std::numeric_limits<uint32_t>::max();
     for (uint32_t h = 0; h < L.heads.size(); ++h) {
       HeadState &hs = L.heads[h];
@@ -493,13 +491,28 @@ void ColdTier::end_lookup(Sequence &seq, uint32_t layer) {
 }
 
 // Waits until the step of `t` at `epoch` has ended (polls, backing off).
-static void wait_for(const StepTracker &t, uint64_t epoch) {
+// A device that fails meanwhile never ends it: every 100 ms of waiting
+// the device is asked for its state (a sticky error shows on any stream),
+// and its error ends the wait. A step that is merely slow (held back by
+// the caller's events, say) is waited for, as a stream synchronization
+// would.
+Status ColdTier::wait_for(const StepTracker &t, uint64_t epoch) {
+  auto checked = std::chrono::steady_clock::now();
   for (int spins = 0; t.done() < epoch; ++spins) {
-    if (spins < 64)
+    if (spins < 64) {
       std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(spins < 1000 ? 10 : 100));
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 1000 ? 10 : 100));
+    const auto now = std::chrono::steady_clock::now();
+    if (now - checked < std::chrono::milliseconds(100)) continue;
+    checked = now;
+    Status st = backend_.mem_sync(backend_.io_stream());
+    if (!st.is_ok())
+      return WKV_ERROR(WKV_ERR_DEVICE, "waiting for the gathers that read pages to write out: %s",
+                       st.message().c_str());
   }
+  return Status::ok();
 }
 
 Status ColdTier::relieve(Sequence &seq, uint64_t pages, void *stream) {
@@ -519,7 +532,7 @@ Status ColdTier::relieve(Sequence &seq, uint64_t pages, void *stream) {
       std::vector<uint8_t> seen(seq.n_layers(), 0);
       for (const Victim &x : v) {
         const LayerState &L = seq.layer(x.layer);
-        if (!seen[x.layer] && L.reader) wait_for(*L.reader, L.read_epoch);
+        if (!seen[x.layer] && L.reader) WKV_RETURN_IF_ERROR(wait_for(*L.reader, L.read_epoch));
         seen[x.layer] = 1;
       }
     }

@@ -49,8 +49,10 @@
 //                lookup asks for their pages.
 //   slots        a page written out gives its slot back once every step
 //                begun before has ended (BufferManager::defer). A layer
-//                looked up and not yet assembled is open: a plan may still
-//                gather what its selection chose, so none of its pages go.
+//                that a plan has looked up and not yet assembled is open (a
+//                count of such lookups, as several plans may hold one:
+//                Sequence::open_lookups): a plan may still gather what its
+//                selection chose, so none of the layer's pages go.
 //                A growth that relieves the budget waits for the gathers
 //                that read the layers it takes pages from (LayerState::
 //                reader), then frees the slots at once.
@@ -122,10 +124,9 @@ class ColdTier {
   // The step of a CUDA engine's lookup: what the selection of `run` reads
   // and writes for the cold tier (kernels::DevRun::cold_pt, stamps, wants).
   void fill_run(const LayerState &L, const HeadState &hs, kernels::DevRun *run) const;
-  // After a CUDA engine's assemble of a plan that looked the layer up at
-  // `stamp`: the layer is no longer open, and its latest gather is the
-  // plan's step at `epoch`.
-  static void assembled(LayerState &L, uint64_t stamp, const std::shared_ptr<StepTracker> &tracker, uint64_t epoch);
+  // After a CUDA engine's assemble: the layer's latest gather is the
+  // plan's step at `epoch` (the plan then closes its lookup).
+  static void assembled(LayerState &L, const std::shared_ptr<StepTracker> &tracker, uint64_t epoch);
   // After it: hands the pages it wants to the pager, and writes cold pages
   // out when the budget runs short.
   void end_lookup(Sequence &seq, uint32_t layer);
@@ -171,6 +172,8 @@ class ColdTier {
   void take_reports(LayerState &L, uint64_t before);
   // The sequence's coldest pages that may go, at most n of them.
   std::vector<Victim> choose(Sequence &seq, uint64_t n);
+  // Waits for the step of `t` at `epoch` (a gather), or a device error.
+  Status wait_for(const StepTracker &t, uint64_t epoch);
   void submit(std::vector<Job> &jobs);
   void run();
   void run_batch(std::vector<Job> &batch);
@@ -196,9 +199,6 @@ uint32_t cold_stamp(uint64_t stamp);
 // Sizes a head's cold arrays to its pages and clusters (new clusters get
 // `stamp`).
 void cold_fit(HeadState &hs, uint64_t stamp);
-// Whether a CUDA engine's plan may still gather what the layer's latest
-// lookup chose (cold.hpp: slots).
-inline bool layer_open(const LayerState &L) { return L.last_lookup != 0 && L.assembled != L.last_lookup; }
 // Whether every page of cluster c is resident; a page being written is
 // kept (its write is disowned), a page on disk is added to hs.cold.want.
 bool cold_resident(HeadState &hs, uint32_t c, uint32_t page_tokens);

@@ -485,7 +485,16 @@ Status Plan::check_versions() const {
   return Status::ok();
 }
 
-Plan::~Plan() { engine_->backend().release_plan(*this); }
+Plan::~Plan() {
+  close_lookups();
+  engine_->backend().release_plan(*this);
+}
+
+void Plan::close_lookups() {
+  for (size_t i = 0; i < seq_open.size(); ++i)
+    if (seq_open[i]) seqs[i]->open_lookups(layer).fetch_sub(1, std::memory_order_acq_rel);
+  seq_open.clear();
+}
 
 Status Engine::append(Sequence &seq, uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
                       int64_t token_stride, int64_t head_stride, void *stream) {
@@ -583,6 +592,7 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
   const uint32_t H = c.n_kv_heads, G = cfg_.group();
   plan.stage = Plan::Stage::kEmpty;
   plan.stream = stream;
+  plan.close_lookups();  // the plan's last lookup, if not assembled, is abandoned
   // 1. Everything checked before anything changes: a refused lookup ends
   //    no prompt.
   WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_lookup"));
@@ -600,7 +610,6 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
     // 3. Hold the sequences, size the runs.
     plan.seqs.assign(seqs, seqs + n);
     plan.seq_versions.resize(n);
-    plan.seq_stamps.assign(n, 0);
     for (uint32_t i = 0; i < n; ++i) plan.seq_versions[i] = seqs[i]->layer(layer).version;
     plan.layer = layer;
     plan.n_seqs = n;
@@ -637,11 +646,18 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
   //    spill file is installed first, and what the step wanted is asked
   //    for after.
   if (cold_)
-    for (uint32_t i = 0; i < n; ++i) {
-      cold_->begin_lookup(*seqs[i], layer, stream);
-      plan.seq_stamps[i] = seqs[i]->layer(layer).last_lookup;
-    }
+    for (uint32_t i = 0; i < n; ++i) cold_->begin_lookup(*seqs[i], layer, stream);
   Status st = backend_->lookup(plan);
+  if (st.is_ok() && cold_ && !backend_->host_memory()) {
+    // Open until the plan assembles (or abandons the lookup): no page of
+    // the layer leaves meanwhile, this lookup's end included.
+    try {
+      plan.seq_open.assign(n, 1);
+      for (uint32_t i = 0; i < n; ++i) seqs[i]->open_lookups(layer).fetch_add(1, std::memory_order_acq_rel);
+    } catch (const std::bad_alloc &) {
+      st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory holding the plan's lookup");
+    }
+  }
   if (cold_)
     for (uint32_t i = 0; i < n; ++i) cold_->end_lookup(*seqs[i], layer);
   if (!st.is_ok()) return st;
@@ -655,14 +671,20 @@ Status Engine::assemble(Plan &plan, void *stream) {
   const Plan::Stage stage = plan.stage;
   plan.stage = Plan::Stage::kEmpty;
   if (stage == Plan::Stage::kEmpty) return WKV_ERROR(WKV_ERR_STATE, "assemble needs a lookup first");
-  WKV_RETURN_IF_ERROR(plan.check_versions());
-  WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_assemble"));
-  WKV_RETURN_IF_ERROR(backend_->assemble(plan));
-  if (cold_ && !backend_->host_memory()) {
-    const uint64_t epoch = plan.tracker().issued();
-    for (uint32_t i = 0; i < plan.n_seqs; ++i)
-      ColdTier::assembled(plan.seqs[i]->layer(plan.layer), plan.seq_stamps[i], plan.tracker_ptr(), epoch);
+  Status st = plan.check_versions();
+  if (st.is_ok()) st = backend_->check_stream(stream, "wkv_assemble");
+  if (st.is_ok()) {
+    st = backend_->assemble(plan);
+    // The gather (enqueued, or some of it, even if the assemble failed) is
+    // the layers' latest reader.
+    if (cold_ && !backend_->host_memory()) {
+      const uint64_t epoch = plan.tracker().issued();
+      for (uint32_t i = 0; i < plan.n_seqs; ++i)
+        ColdTier::assembled(plan.seqs[i]->layer(plan.layer), plan.tracker_ptr(), epoch);
+    }
   }
+  plan.close_lookups();
+  WKV_RETURN_IF_ERROR(st);
   plan.stage = Plan::Stage::kAssembled;
   return Status::ok();
 }

@@ -67,7 +67,9 @@ class Plan {
   void *stream = nullptr;                       // the caller's stream of the current verb
   std::vector<std::shared_ptr<Sequence>> seqs;  // held until the next lookup
   std::vector<uint64_t> seq_versions;           // layer versions at lookup
-  std::vector<uint64_t> seq_stamps;             // cold pages: the layer's lookup stamps (lib/engine/cold.hpp)
+  // Cold pages on a CUDA engine: whether the plan's lookup of sequence i is
+  // counted open (Sequence::open_lookups) until it assembles.
+  std::vector<uint8_t> seq_open;
 
   const void *q_src = nullptr;  // the caller's q of the lookup (valid during it)
   int64_t q_seq_stride = 0, q_head_stride = 0;
@@ -90,6 +92,8 @@ class Plan {
 
   // Checks that no sequence changed since the lookup.
   Status check_versions() const;
+  // Counts the plan's open lookups out: it assembled, or abandoned them.
+  void close_lookups();
 
  private:
   std::shared_ptr<Engine> engine_;

@@ -15,6 +15,7 @@ Status Sequence::create(std::shared_ptr<Engine> engine, std::shared_ptr<Sequence
     e.counters().sequences.fetch_add(1);  // the destructor takes it back
     WKV_RETURN_IF_ERROR(e.buffers().new_tracker(&s->tracker_));
     s->layers_.resize(e.config().c.n_layers);
+    s->open_.reset(new std::atomic<uint32_t>[s->layers_.size()]());
     s->heads_ = e.config().c.n_kv_heads;
     s->spilled_.resize(size_t(s->layers_.size()) * s->heads_);
     if (e.cold()) s->cold_ = std::make_shared<ColdShared>();

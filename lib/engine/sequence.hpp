@@ -4,6 +4,7 @@
 // that work, and every step in flight that reads it, has ended.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -44,6 +45,12 @@ class Sequence {
   uint64_t stamp() const { return stamp_; }
   uint64_t next_stamp() { return ++stamp_; }
   const std::shared_ptr<ColdShared> &cold() const { return cold_; }
+  // Cold pages on a CUDA engine: the lookups of layer l that plans hold
+  // and have not assembled (a plan may yet gather what their selections
+  // chose: lib/engine/cold.hpp, slots). Plans count themselves in and out,
+  // from any thread (a plan's destruction is not a verb of the sequence).
+  std::atomic<uint32_t> &open_lookups(uint32_t l) { return open_[l]; }
+  bool layer_open(uint32_t l) const { return open_[l].load(std::memory_order_acquire) > 0; }
 
  private:
   Sequence(std::shared_ptr<Engine> engine, uint64_t id) : engine_(std::move(engine)), id_(id) {}
@@ -57,6 +64,7 @@ class Sequence {
   std::vector<SpillExtent> spilled_;  // [layers][heads]
   uint64_t stamp_ = 0;
   std::shared_ptr<ColdShared> cold_;
+  std::unique_ptr<std::atomic<uint32_t>[]> open_;  // [layers]
 };
 
 }  // namespace wkv

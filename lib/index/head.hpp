@@ -177,10 +177,9 @@ struct LayerState {
   bool generating = false;  // set when the prompt ends
   uint64_t version = 0;     // bumped by every change, checked by plans
   uint64_t last_lookup = 0; // the sequence's stamp of this layer's latest lookup
-  // CUDA with cold pages: the stamp of the latest lookup assembled (a layer
-  // whose latest lookup is not is open: a plan may yet gather what it
-  // chose), and the tracker and epoch of its latest gather.
-  uint64_t assembled = 0;
+  // CUDA with cold pages: the tracker and epoch of the layer's latest
+  // gather (whether a lookup is open is the sequence's: Sequence::
+  // layer_open).
   std::shared_ptr<StepTracker> reader;
   uint64_t read_epoch = 0;
   // The sequence's step whose growth last wrote pages of the layer (the
