@@ -277,7 +277,9 @@ TEST(Cli, BenchSpillEvictsRestoresAndComparesWithFio) {
 // The demo's small version of a context beyond host memory: two layers
 // under a host budget of a fifth of their KV, with a spill directory. It
 // spills, keeps decoding, and reports the spill tier's figures beside the
-// accuracy ones (`wavekv demo --tokens 1048576 ...` is the full size).
+// accuracy ones (`wavekv demo --tokens 1048576 ...` is the full size); with
+// --compare-in-memory the same context first decodes with everything in
+// memory, in the same run, and both passes are reported.
 TEST(Cli, DemoSpillsAContextBeyondItsHostBudgetAndKeepsDecoding) {
   ScratchDir dir;
   // Segments of 1024 tokens (the environment overrides the config, and the
@@ -285,7 +287,7 @@ TEST(Cli, DemoSpillsAContextBeyondItsHostBudgetAndKeepsDecoding) {
   setenv("WKV_SEGMENT_TOKENS", "1024", 1);
   const Outcome r = run_cli({"demo", "--tokens", "8192", "--layers", "2", "--heads", "2", "--q-heads", "8",
                              "--head-dim", "64", "--steps", "6", "--repeat", "2", "--threads", "2", "--host-budget",
-                             "1536KiB", "--spill-dir", dir.path(), "--json"});
+                             "1536KiB", "--spill-dir", dir.path(), "--compare-in-memory", "--json"});
   unsetenv("WKV_SEGMENT_TOKENS");
   ASSERT_TRUE(r.exited) << r.out;
   ASSERT_EQ(r.status, 0) << r.out;
@@ -302,5 +304,16 @@ TEST(Cli, DemoSpillsAContextBeyondItsHostBudgetAndKeepsDecoding) {
   EXPECT_EQ(s["read_errors"].get<uint64_t>(), 0u);
   EXPECT_GT(s["retrievals_estimated_on_disk"].get<uint64_t>() + s["retrievals_exact"].get<uint64_t>(), 0u);
   EXPECT_LT(j["wavekv"]["rel_l2_median"].get<double>(), j["sink_window"]["rel_l2_median"].get<double>());
+  // The anchor: the same context and queries, nothing spilled.
+  const nlohmann::json &m = j["in_memory"];
+  ASSERT_TRUE(m.is_object()) << r.out;
+  EXPECT_EQ(m["spill"]["host_budget_bytes"].get<uint64_t>(), 0u);
+  EXPECT_EQ(m["spill"]["cold_pages"].get<uint64_t>(), 0u);
+  EXPECT_EQ(m["spill"]["bytes_written"].get<uint64_t>(), 0u);
+  EXPECT_EQ(m["spill"]["host_page_bytes"].get<uint64_t>(), m["spill"]["kv_page_bytes"].get<uint64_t>());
+  EXPECT_EQ(m["clusters_per_head"], j["clusters_per_head"]);
+  EXPECT_EQ(m["exact"]["rel_l2_median"], j["exact"]["rel_l2_median"]) << "the same context and queries";
+  EXPECT_EQ(m["sink_window"]["rel_l2_median"], j["sink_window"]["rel_l2_median"]);
+  EXPECT_LT(m["wavekv"]["rel_l2_median"].get<double>(), m["sink_window"]["rel_l2_median"].get<double>());
   EXPECT_TRUE(dir.names().empty()) << "the spill file leaves nothing behind";
 }

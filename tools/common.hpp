@@ -64,6 +64,7 @@ struct Options {
   uint64_t host_budget = 0;     // demo: wkv_config.host_budget_bytes (0: none)
   std::string spill_dir;        // demo: wkv_config.spill_dir (empty: none)
   uint64_t repeat = 1;          // demo: steps each query holds for
+  bool compare_in_memory = false;  // demo: a pass with everything in memory first
 
   uint32_t dtype_id() const;
   // threads, or the number of cores when 0.

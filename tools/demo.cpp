@@ -32,6 +32,9 @@ void declare_demo(CLI::App &cmd, Options *o) {
       ->check(CLI::Range(1, 1000))
       ->capture_default_str();
   cmd.add_option("--spill-dir", o->spill_dir, "directory of the engine's spill file (wkv_config.spill_dir)");
+  cmd.add_flag("--compare-in-memory", o->compare_in_memory,
+               "with --host-budget: first decode the same context and queries with everything in memory, in the same "
+               "run, and print both (the anchor's engine is closed before the budgeted one opens)");
   cmd.add_option("--save", o->save, "save the sequence to this file at the end (wkv_seq_save)");
   cmd.add_option("--workload", o->workload,
                  "needles: span queries and needle queries in turn; diffuse: span queries aimed so loosely that "
@@ -58,13 +61,47 @@ std::string hits(uint64_t hit, uint64_t of) { return std::to_string(hit) + "/" +
 
 }  // namespace
 
-int run_demo(const Options &o) {
-  validate(o, "demo");
-  const unsigned threads = o.resolved_threads();
+namespace {
+
+// What one pass of the demo measured: a context generated from the seed,
+// ingested into a fresh engine and decoded.
+struct Pass {
+  Options o;  // the pass's flags (host budget and spill directory)
+  uint32_t method = 0, sink = 0, window = 0;
+  uint32_t documents = 0, topics = 0;
+  wkv_stats built{}, fin{};
+  double append_s = 0, finish_s = 0, total_s = 0;
+  uint64_t final_tokens = 0;
+  std::vector<double> wkv_ms, exact_ms, err_wkv, err_sw, err_exact, err_wkv_needle, err_sw_needle;
+  std::vector<double> needle_share, sink_share, top_share, err_oracle, err_oracle_needle;
+  uint64_t needle_queries = 0, wkv_hits = 0, sw_hits = 0, oracle_hits = 0;
+
+  bool spills() const { return !o.spill_dir.empty() || o.host_budget; }
+  double lookups() const { return static_cast<double>(fin.lookups - built.lookups); }
+  double per_head(uint64_t a, uint64_t b) const { return (a - b) / lookups() / o.heads; }
+  double attended_per_head() const { return per_head(fin.attended_tokens, built.attended_tokens); }
+  double retrieved_per_head() const { return per_head(fin.retrieved_clusters, built.retrieved_clusters); }
+  double estimated_per_head() const { return per_head(fin.estimated_clusters, built.estimated_clusters); }
+  uint64_t clusters_per_head() const { return built.clusters / o.heads / o.layers; }
+  double decode_s() const { return std::accumulate(wkv_ms.begin(), wkv_ms.end(), 0.0) * 1e-3; }
+  uint64_t read_back() const { return fin.spill_bytes_read - built.spill_bytes_read; }
+  uint64_t kv_bytes() const { return (fin.pages_used + fin.spill_cold_pages) * fin.page_bytes; }
+  uint64_t retrievals() const { return fin.retrieved_clusters - built.retrieved_clusters; }
+  uint64_t estimated_on_disk() const { return fin.spill_estimated - built.spill_estimated; }
+  double build_s() const { return append_s + finish_s; }
+  double speedup() const { return median(exact_ms) / median(wkv_ms); }
+  std::string label() const {
+    if (!spills()) return o.compare_in_memory ? "wavekv, in memory" : "wavekv";
+    return "wavekv, budget " + (o.host_budget ? fixed(o.host_budget / 1048576.0, 0) + " MiB" : std::string("none"));
+  }
+};
+
+Pass run_pass(const Options &o, unsigned threads, WorkerPool &pool) {
+  Pass r;
+  r.o = o;
   const uint32_t H = static_cast<uint32_t>(o.heads), Q = static_cast<uint32_t>(o.q_heads);
   const uint32_t d = static_cast<uint32_t>(o.head_dim), dt = o.dtype_id();
   const size_t row_bytes = static_cast<size_t>(d) * dtype_size(dt);
-  WorkerPool pool(threads);
   const auto t_start = Clock::now();
 
   // 1. The context.
@@ -95,7 +132,7 @@ int run_demo(const Options &o) {
   //    so it belongs to the index build.
   Session s(o, threads, parse_method(o.method, "demo: --method"));
   const uint32_t L = static_cast<uint32_t>(o.layers);
-  const double append_s = ingest_layers(s, ctx, L, 0, o.tokens, "ingesting");
+  r.append_s = ingest_layers(s, ctx, L, 0, o.tokens, "ingesting");
   std::vector<uint8_t> q_store;
   std::vector<float> q32;
   std::vector<int> needle_of;
@@ -103,9 +140,13 @@ int run_demo(const Options &o) {
   auto t0 = Clock::now();
   for (uint32_t l = 0; l < L; ++l)
     check(wkv_lookup(s.plan, &s.seq, 1, l, q_store.data(), 0, 0, nullptr), "wkv_lookup");
-  const double finish_s = seconds_since(t0);
-  const wkv_stats built = s.stats();
-  const uint32_t sink = s.config.sink_tokens, window = s.config.window_tokens;
+  r.finish_s = seconds_since(t0);
+  r.built = s.stats();
+  r.method = s.config.method;
+  r.sink = s.config.sink_tokens;
+  r.window = s.config.window_tokens;
+  r.documents = ctx.documents();
+  r.topics = spec.topics;
 
   // 3. Decode.
   ExactAttention exact(pool, dt, H, Q, d);
@@ -113,11 +154,7 @@ int run_demo(const Options &o) {
   std::vector<float> out_wkv(static_cast<size_t>(Q) * d), out_exact(static_cast<size_t>(Q) * d);
   std::vector<double> ref(static_cast<size_t>(Q) * d), sw(static_cast<size_t>(Q) * d);
   std::vector<float> sw_f(static_cast<size_t>(Q) * d);
-  std::vector<double> wkv_ms, exact_ms, err_wkv, err_sw, err_exact, err_wkv_needle, err_sw_needle;
-  std::vector<double> needle_share, sink_share, top_share;
-  uint64_t needle_queries = 0, wkv_hits = 0, sw_hits = 0, oracle_hits = 0;
-  uint64_t prev_attended = built.attended_tokens;
-  std::vector<double> err_oracle, err_oracle_needle;
+  uint64_t prev_attended = r.built.attended_tokens;
   std::vector<float> oracle_f(static_cast<size_t>(Q) * d);
   Progress prog("decoding", o.steps);
   for (uint32_t step = 0; step < o.steps; ++step) {
@@ -143,13 +180,13 @@ int run_demo(const Options &o) {
     if (!needle_step) {
       check(wkv_decode(s.plan, &s.seq, 1, 0, q_store.data(), 0, 0, out_store.data(), 0, 0, nullptr),
             "wkv_decode");
-      wkv_ms.push_back(seconds_since(t0) * 1e3);
+      r.wkv_ms.push_back(seconds_since(t0) * 1e3);
     } else {
       check(wkv_lookup(s.plan, &s.seq, 1, 0, q_store.data(), 0, 0, nullptr), "wkv_lookup");
       check(wkv_assemble(s.plan, nullptr), "wkv_assemble");
       check(wkv_attend(s.plan, out_store.data(), 0, 0, nullptr, nullptr), "wkv_attend");
       check(wkv_update(s.plan, nullptr), "wkv_update");
-      wkv_ms.push_back(seconds_since(t0) * 1e3);
+      r.wkv_ms.push_back(seconds_since(t0) * 1e3);
       wkv_xbuf_view x;
       wkv_xbuf_view_init(&x);
       check(wkv_plan_xbuf(s.plan, &x), "wkv_plan_xbuf");
@@ -171,7 +208,7 @@ int run_demo(const Options &o) {
         out_layers.emplace_back(out_wkv.size());
         from_storage(dt, other.data(), out_layers.back().data(), out_wkv.size());
       }
-      wkv_ms.back() += seconds_since(t0) * 1e3;
+      r.wkv_ms.back() += seconds_since(t0) * 1e3;
     }
     from_storage(dt, out_store.data(), out_wkv.data(), out_wkv.size());
     // Tokens this step attended exactly, per KV head: the oracle's budget.
@@ -182,19 +219,19 @@ int run_demo(const Options &o) {
     // The exact baseline, timed.
     t0 = Clock::now();
     exact.run(ctx.k_store(0, 0), ctx.v_store(0, 0), ctx.head_stride(), n, q32.data(), out_exact.data());
-    exact_ms.push_back(seconds_since(t0) * 1e3 * L);  // every layer is this one's size
+    r.exact_ms.push_back(seconds_since(t0) * 1e3 * L);  // every layer is this one's size
 
     // References in double: all tokens, and sink + window only.
     Probe probe;
-    probe.sink_tokens = sink;
+    probe.sink_tokens = r.sink;
     probe.oracle_budget = std::max<uint64_t>(budget, 1);
     probe.probe_pos.assign(Q, -1);
     for (uint32_t j = 0; j < Q; ++j)
       if (needle_of[j] >= 0) probe.probe_pos[j] = static_cast<int64_t>(ctx.needles()[needle_of[j]].pos);
     attend_f64(pool, ctx.k32(0, 0), ctx.v32(0, 0), ctx.head_stride(), {{0, n}}, H, Q, d, q32.data(),
                ref.data(), &probe);
-    const uint64_t w0 = n > window ? std::max<uint64_t>(n - window, sink) : sink;
-    std::vector<Range> sw_ranges{{0, std::min<uint64_t>(sink, n)}};
+    const uint64_t w0 = n > r.window ? std::max<uint64_t>(n - r.window, r.sink) : r.sink;
+    std::vector<Range> sw_ranges{{0, std::min<uint64_t>(r.sink, n)}};
     if (w0 < n) sw_ranges.push_back({w0, n});
     attend_f64(pool, ctx.k32(0, 0), ctx.v32(0, 0), ctx.head_stride(), sw_ranges, H, Q, d, q32.data(),
                sw.data(), nullptr);
@@ -203,109 +240,170 @@ int run_demo(const Options &o) {
 
     for (uint32_t j = 0; j < Q; ++j) {
       const size_t off = static_cast<size_t>(j) * d;
-      for (const std::vector<float> &ol : out_layers) err_wkv.push_back(rel_l2(&ol[off], &ref[off], d));
+      for (const std::vector<float> &ol : out_layers) r.err_wkv.push_back(rel_l2(&ol[off], &ref[off], d));
       const double ew = rel_l2(&out_wkv[off], &ref[off], d);
       const double es = rel_l2(&sw_f[off], &ref[off], d);
-      err_wkv.push_back(ew);
-      err_sw.push_back(es);
+      r.err_wkv.push_back(ew);
+      r.err_sw.push_back(es);
       const double eo = rel_l2(&oracle_f[off], &ref[off], d);
-      err_exact.push_back(rel_l2(&out_exact[off], &ref[off], d));
-      err_oracle.push_back(eo);
+      r.err_exact.push_back(rel_l2(&out_exact[off], &ref[off], d));
+      r.err_oracle.push_back(eo);
       if (needle_of[j] >= 0) {
-        err_oracle_needle.push_back(eo);
-        oracle_hits += probe.probe_in_oracle[j];
+        r.err_oracle_needle.push_back(eo);
+        r.oracle_hits += probe.probe_in_oracle[j];
         const Needle &nd = ctx.needles()[needle_of[j]];
-        ++needle_queries;
-        wkv_hits += in_xbuf[j];
-        sw_hits += nd.pos < sink || nd.pos >= w0;
-        needle_share.push_back(probe.probe_share[j]);
-        err_wkv_needle.push_back(ew);
-        err_sw_needle.push_back(es);
+        ++r.needle_queries;
+        r.wkv_hits += in_xbuf[j];
+        r.sw_hits += nd.pos < r.sink || nd.pos >= w0;
+        r.needle_share.push_back(probe.probe_share[j]);
+        r.err_wkv_needle.push_back(ew);
+        r.err_sw_needle.push_back(es);
       } else {
-        sink_share.push_back(probe.sink_share[j]);
-        top_share.push_back(probe.top_share[j]);
+        r.sink_share.push_back(probe.sink_share[j]);
+        r.top_share.push_back(probe.top_share[j]);
       }
     }
     prog.update(step + 1);
   }
   prog.finish();
-  const wkv_stats fin = s.stats();
+  r.fin = s.stats();
   if (!o.save.empty()) save_sequence(s, o.save);
-  const double lookups = static_cast<double>(fin.lookups - built.lookups);
-  const double att_per_head = (fin.attended_tokens - built.attended_tokens) / lookups / H;
-  const double ret_per_head = (fin.retrieved_clusters - built.retrieved_clusters) / lookups / H;
-  const double est_per_head = (fin.estimated_clusters - built.estimated_clusters) / lookups / H;
-  const uint64_t clusters_per_head = built.clusters / H / L;
-  // The spill tier while decoding: what the steps read back and estimated.
-  const double decode_s = std::accumulate(wkv_ms.begin(), wkv_ms.end(), 0.0) * 1e-3;
-  const uint64_t read_back = fin.spill_bytes_read - built.spill_bytes_read;
-  const uint64_t kv_bytes = (fin.pages_used + fin.spill_cold_pages) * fin.page_bytes;
-  const uint64_t retrievals = fin.retrieved_clusters - built.retrieved_clusters;
-  const uint64_t estimated_on_disk = fin.spill_estimated - built.spill_estimated;
-  const double build_s = append_s + finish_s;
-  const double kmeans_s = built.kmeans_ns * 1e-9;
-  const double w_med = median(wkv_ms), e_med = median(exact_ms);
-  const double speedup = e_med / w_med;
-  const double total_s = seconds_since(t_start);
-  const uint64_t final_tokens = ctx.tokens();
+  r.final_tokens = ctx.tokens();
+  r.total_s = seconds_since(t_start);
+  return r;
+}
 
-  // 4. Report.
+nlohmann::ordered_json json_of(const Pass &r) {
+  const Options &o = r.o;
+  const uint64_t sw_tokens = std::min<uint64_t>(r.final_tokens, r.sink + r.window);
+  const wkv_stats &fin = r.fin;
+  const double decode_s = r.decode_s();
+  return {{"command", "demo"}, {"tokens", o.tokens}, {"generated", r.final_tokens - o.tokens}, {"kv_heads", o.heads}, {"q_heads", o.q_heads}, {"head_dim", o.head_dim}, {"dtype", o.dtype}, {"threads", o.resolved_threads()}, {"steps", o.steps}, {"seed", o.seed}, {"workload", o.workload}, {"repeat", o.repeat}, {"method", method_name(r.method)}, {"documents", r.documents}, {"topics", r.topics}, {"segments_per_head", r.built.segments / o.heads}, {"clusters_per_head", r.clusters_per_head()}, {"index_build_s", r.build_s()}, {"append_s", r.append_s}, {"prompt_finish_s", r.finish_s}, {"kmeans_s", r.built.kmeans_ns * 1e-9}, {"wavekv", {{"step_ms_median", median(r.wkv_ms)}, {"step_ms_p90", quantile(r.wkv_ms, 0.9)}, {"rel_l2_median", median(r.err_wkv)}, {"rel_l2_p90", quantile(r.err_wkv, 0.9)}, {"rel_l2_needle_median", median(r.err_wkv_needle)}, {"needle_hits", r.wkv_hits}, {"needle_queries", r.needle_queries}, {"attended_tokens_per_head", r.attended_per_head()}, {"retrieved_clusters_per_head", r.retrieved_per_head()}, {"estimated_clusters_per_head", r.estimated_per_head()}}}, {"sink_window", {{"rel_l2_median", median(r.err_sw)}, {"rel_l2_p90", quantile(r.err_sw, 0.9)}, {"rel_l2_needle_median", median(r.err_sw_needle)}, {"needle_hits", r.sw_hits}, {"needle_queries", r.needle_queries}, {"attended_tokens_per_head", sw_tokens}}}, {"exact", {{"step_ms_median", median(r.exact_ms)}, {"step_ms_p90", quantile(r.exact_ms, 0.9)}, {"rel_l2_median", median(r.err_exact)}, {"rel_l2_p90", quantile(r.err_exact, 0.9)}, {"needle_share_median", median(r.needle_share)}, {"sink_share_median", median(r.sink_share)}, {"top_share_median", median(r.top_share)}, {"attended_tokens_per_head", r.final_tokens}}}, {"oracle_top_k", {{"rel_l2_median", median(r.err_oracle)}, {"rel_l2_p90", quantile(r.err_oracle, 0.9)}, {"rel_l2_needle_median", median(r.err_oracle_needle)}, {"needle_hits", r.oracle_hits}, {"needle_queries", r.needle_queries}}}, {"speedup", r.speedup()}, {"total_s", r.total_s}, {"layers", o.layers}, {"spill", {{"host_budget_bytes", o.host_budget}, {"kv_page_bytes", r.kv_bytes()}, {"host_page_bytes", fin.pages_used * fin.page_bytes}, {"cold_pages", fin.spill_cold_pages}, {"bytes_written", fin.spill_bytes_written}, {"bytes_read", fin.spill_bytes_read}, {"bytes_read_decoding", r.read_back()}, {"read_mb_per_s_decoding", decode_s > 0 ? r.read_back() / decode_s / 1e6 : 0.0}, {"retrievals_estimated_on_disk", r.estimated_on_disk()}, {"retrievals_exact", r.retrievals()}, {"read_errors", fin.spill_read_errors}, {"io", fin.spill_io}}}};
+}
+
+// The report's table: one wavekv column per pass (the same context each
+// time), then the baselines of the last pass.
+std::string table_of(const std::vector<Pass> &passes) {
+  const Pass &r = passes.back();
+  const Options &o = r.o;
+  const uint32_t L = static_cast<uint32_t>(o.layers);
+  const uint64_t sw_tokens = std::min<uint64_t>(r.final_tokens, r.sink + r.window);
+  // A row: the metric, each pass's value, then the baselines.
+  auto row = [&](Table &t, const std::string &metric, auto value, std::vector<std::string> rest = {}) {
+    std::vector<std::string> cells{metric};
+    for (const Pass &p : passes) cells.push_back(value(p));
+    cells.insert(cells.end(), rest.begin(), rest.end());
+    t.row(cells);
+  };
+  Table t;
+  row(t, "metric", [](const Pass &p) { return p.label(); }, {"sink+window", "exact", "oracle top-k"});
+  t.row({"tokens", std::to_string(o.tokens) + " + " + std::to_string(r.final_tokens - o.tokens) + " generated"});
+  t.row({"shape", std::to_string(L) + " layer" + (L > 1 ? "s, " : ", ") + std::to_string(o.heads) + " kv heads, " +
+                      std::to_string(o.q_heads) + " q heads, d=" + std::to_string(o.head_dim) + ", " + o.dtype + ", " +
+                      std::to_string(o.resolved_threads()) + " threads"});
+  t.row({"workload / method", o.workload + " / " + method_name(r.method) +
+                                   (o.repeat > 1 ? ", each query for " + std::to_string(o.repeat) + " steps" : "")});
+  t.row({"documents / topics", std::to_string(r.documents) + " / " + std::to_string(r.topics)});
+  row(t, "clusters (per kv head)", [](const Pass &p) { return std::to_string(p.clusters_per_head()); });
+  row(t, "index build (s)",
+      [](const Pass &p) { return fixed(p.build_s(), 2) + " (k-means " + fixed(p.built.kmeans_ns * 1e-9, 2) + ")"; });
+  row(t, "attended tokens (per kv head)", [](const Pass &p) { return fixed(p.attended_per_head(), 0); },
+      {std::to_string(sw_tokens), std::to_string(r.final_tokens), fixed(r.attended_per_head(), 0) + " per q head"});
+  row(t, "  retrieved / estimated clusters",
+      [](const Pass &p) { return fixed(p.retrieved_per_head(), 0) + " / " + fixed(p.estimated_per_head(), 0); });
+  row(t, "step time (ms, median)", [](const Pass &p) { return fixed(median(p.wkv_ms), 2); },
+      {"-", fixed(median(r.exact_ms), 2)});
+  row(t, "step time (ms, p90)", [](const Pass &p) { return fixed(quantile(p.wkv_ms, 0.9), 2); },
+      {"-", fixed(quantile(r.exact_ms, 0.9), 2)});
+  row(t, "rel. L2 error (median)", [](const Pass &p) { return fixed(median(p.err_wkv), 4); },
+      {fixed(median(r.err_sw), 4), fixed(median(r.err_exact), 6), fixed(median(r.err_oracle), 4)});
+  row(t, "rel. L2 error (p90)", [](const Pass &p) { return fixed(quantile(p.err_wkv, 0.9), 4); },
+      {fixed(quantile(r.err_sw, 0.9), 4), fixed(quantile(r.err_exact, 0.9), 6), fixed(quantile(r.err_oracle, 0.9), 4)});
+  row(t, "rel. L2 error, needle queries", [](const Pass &p) { return fixed(median(p.err_wkv_needle), 4); },
+      {fixed(median(r.err_sw_needle), 4), "-", fixed(median(r.err_oracle_needle), 4)});
+  row(t, "needle hit rate", [](const Pass &p) { return hits(p.wkv_hits, p.needle_queries); },
+      {hits(r.sw_hits, r.needle_queries), hits(r.needle_queries, r.needle_queries),
+       hits(r.oracle_hits, r.needle_queries)});
+  t.row({"needle share of attention", "", "", fixed(median(r.needle_share), 3)});
+  t.row({"sink share of attention", "", "", fixed(median(r.sink_share), 3)});
+  t.row({"top 1.8% share of attention", "", "", fixed(median(r.top_share), 3)});
+  bool any_spill = false;
+  for (const Pass &p : passes) any_spill |= p.spills();
+  if (any_spill) {
+    const double mb = 1e6;
+    row(t, "host pages / KV (MB)", [&](const Pass &p) {
+      std::string s = fixed(p.fin.pages_used * p.fin.page_bytes / mb, 0) + " / " + fixed(p.kv_bytes() / mb, 0);
+      if (p.o.host_budget) s += " (budget " + fixed(p.o.host_budget / mb, 0) + ")";
+      return s;
+    });
+    row(t, "cold pages on disk", [&](const Pass &p) {
+      if (!p.spills()) return std::string("-");
+      return std::to_string(p.fin.spill_cold_pages) + " (" + fixed(p.fin.spill_cold_pages * p.fin.page_bytes / mb, 0) +
+             " MB, io " + (p.fin.spill_io & WKV_SPILL_IO_URING ? "io_uring" : "pread") +
+             (p.fin.spill_io & WKV_SPILL_IO_DIRECT ? "+direct" : "") + ")";
+    });
+    row(t, "spill written / read (MB)", [&](const Pass &p) {
+      if (!p.spills()) return std::string("-");
+      return fixed(p.fin.spill_bytes_written / mb, 0) + " / " + fixed(p.fin.spill_bytes_read / mb, 0);
+    });
+    row(t, "read back while decoding", [&](const Pass &p) {
+      if (!p.spills()) return std::string("-");
+      const double s = p.decode_s();
+      return fixed(p.read_back() / mb, 1) + " MB, " + fixed(s > 0 ? p.read_back() / s / mb : 0, 1) +
+             " MB/s over the steps' time";
+    });
+    row(t, "retrievals estimated: on disk", [&](const Pass &p) {
+      if (!p.spills()) return std::string("-");
+      return std::to_string(p.estimated_on_disk()) + " of " + std::to_string(p.estimated_on_disk() + p.retrievals()) +
+             " (" + std::to_string(p.fin.spill_read_errors) + " read errors)";
+    });
+  }
+  return t.str();
+}
+
+}  // namespace
+
+int run_demo(const Options &o) {
+  validate(o, "demo");
+  if (o.compare_in_memory && o.spill_dir.empty() && !o.host_budget)
+    throw UsageError("demo: --compare-in-memory needs --host-budget (the pass it is compared with)");
+  const unsigned threads = o.resolved_threads();
+  WorkerPool pool(threads);
+  const auto t_start = Clock::now();
+  std::vector<Pass> passes;
+  if (o.compare_in_memory) {
+    // The anchor first, its engine gone before the budgeted one is made:
+    // the same seed gives the same context and queries.
+    Options mem = o;
+    mem.host_budget = 0;
+    mem.spill_dir.clear();
+    mem.save.clear();
+    std::fprintf(stderr, "pass 1 of 2: everything in memory\n");
+    passes.push_back(run_pass(mem, threads, pool));
+    std::fprintf(stderr, "pass 2 of 2: host budget %.0f MiB\n", o.host_budget / 1048576.0);
+  }
+  passes.push_back(run_pass(o, threads, pool));
+  const Pass &r = passes.back();
+  const double total_s = seconds_since(t_start);
+
   if (o.json) {
-    const nlohmann::ordered_json j = {{"command", "demo"}, {"tokens", o.tokens}, {"generated", final_tokens - o.tokens}, {"kv_heads", H}, {"q_heads", Q}, {"head_dim", d}, {"dtype", o.dtype}, {"threads", threads}, {"steps", o.steps}, {"seed", o.seed}, {"workload", o.workload}, {"repeat", o.repeat}, {"method", method_name(s.config.method)}, {"documents", ctx.documents()}, {"topics", spec.topics}, {"segments_per_head", built.segments / H}, {"clusters_per_head", clusters_per_head}, {"index_build_s", build_s}, {"append_s", append_s}, {"prompt_finish_s", finish_s}, {"kmeans_s", kmeans_s}, {"wavekv", {{"step_ms_median", w_med}, {"step_ms_p90", quantile(wkv_ms, 0.9)}, {"rel_l2_median", median(err_wkv)}, {"rel_l2_p90", quantile(err_wkv, 0.9)}, {"rel_l2_needle_median", median(err_wkv_needle)}, {"needle_hits", wkv_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", att_per_head}, {"retrieved_clusters_per_head", ret_per_head}, {"estimated_clusters_per_head", est_per_head}}}, {"sink_window", {{"rel_l2_median", median(err_sw)}, {"rel_l2_p90", quantile(err_sw, 0.9)}, {"rel_l2_needle_median", median(err_sw_needle)}, {"needle_hits", sw_hits}, {"needle_queries", needle_queries}, {"attended_tokens_per_head", std::min<uint64_t>(final_tokens, sink + window)}}}, {"exact", {{"step_ms_median", e_med}, {"step_ms_p90", quantile(exact_ms, 0.9)}, {"rel_l2_median", median(err_exact)}, {"rel_l2_p90", quantile(err_exact, 0.9)}, {"needle_share_median", median(needle_share)}, {"sink_share_median", median(sink_share)}, {"top_share_median", median(top_share)}, {"attended_tokens_per_head", final_tokens}}}, {"oracle_top_k", {{"rel_l2_median", median(err_oracle)}, {"rel_l2_p90", quantile(err_oracle, 0.9)}, {"rel_l2_needle_median", median(err_oracle_needle)}, {"needle_hits", oracle_hits}, {"needle_queries", needle_queries}}}, {"speedup", speedup}, {"total_s", total_s}, {"layers", L}, {"spill", {{"host_budget_bytes", o.host_budget}, {"kv_page_bytes", kv_bytes}, {"host_page_bytes", fin.pages_used * fin.page_bytes}, {"cold_pages", fin.spill_cold_pages}, {"bytes_written", fin.spill_bytes_written}, {"bytes_read", fin.spill_bytes_read}, {"bytes_read_decoding", read_back}, {"read_mb_per_s_decoding", decode_s > 0 ? read_back / decode_s / 1e6 : 0.0}, {"retrievals_estimated_on_disk", estimated_on_disk}, {"retrievals_exact", retrievals}, {"read_errors", fin.spill_read_errors}, {"io", fin.spill_io}}}};
+    nlohmann::ordered_json j = json_of(r);
+    j["total_s"] = total_s;
+    if (passes.size() > 1) j["in_memory"] = json_of(passes.front());
     std::cout << j.dump() << std::endl;
     return 0;
   }
-  Table t;
-  t.row({"metric", "wavekv", "sink+window", "exact", "oracle top-k"});
-  t.row({"tokens", std::to_string(o.tokens) + " + " + std::to_string(final_tokens - o.tokens) + " generated"});
-  t.row({"shape", std::to_string(L) + " layer" + (L > 1 ? "s, " : ", ") + std::to_string(H) + " kv heads, " + std::to_string(Q) + " q heads, d=" + std::to_string(d) +
-                      ", " + o.dtype + ", " + std::to_string(threads) + " threads"});
-  t.row({"workload / method", o.workload + " / " + method_name(s.config.method) +
-                                   (o.repeat > 1 ? ", each query for " + std::to_string(o.repeat) + " steps" : "")});
-  t.row({"documents / topics", std::to_string(ctx.documents()) + " / " + std::to_string(spec.topics)});
-  t.row({"clusters (per kv head)", std::to_string(clusters_per_head)});
-  t.row({"index build (s)", fixed(build_s, 2) + " (k-means " + fixed(kmeans_s, 2) + ")"});
-  t.row({"attended tokens (per kv head)", fixed(att_per_head, 0),
-         std::to_string(std::min<uint64_t>(final_tokens, sink + window)), std::to_string(final_tokens),
-         fixed(att_per_head, 0) + " per q head"});
-  t.row({"  retrieved / estimated clusters", fixed(ret_per_head, 0) + " / " + fixed(est_per_head, 0)});
-  t.row({"step time (ms, median)", fixed(w_med, 2), "-", fixed(e_med, 2)});
-  t.row({"step time (ms, p90)", fixed(quantile(wkv_ms, 0.9), 2), "-", fixed(quantile(exact_ms, 0.9), 2)});
-  t.row({"rel. L2 error (median)", fixed(median(err_wkv), 4), fixed(median(err_sw), 4),
-         fixed(median(err_exact), 6), fixed(median(err_oracle), 4)});
-  t.row({"rel. L2 error (p90)", fixed(quantile(err_wkv, 0.9), 4), fixed(quantile(err_sw, 0.9), 4),
-         fixed(quantile(err_exact, 0.9), 6), fixed(quantile(err_oracle, 0.9), 4)});
-  t.row({"rel. L2 error, needle queries", fixed(median(err_wkv_needle), 4), fixed(median(err_sw_needle), 4),
-         "-", fixed(median(err_oracle_needle), 4)});
-  t.row({"needle hit rate", hits(wkv_hits, needle_queries), hits(sw_hits, needle_queries),
-         hits(needle_queries, needle_queries), hits(oracle_hits, needle_queries)});
-  t.row({"needle share of attention", "", "", fixed(median(needle_share), 3)});
-  t.row({"sink share of attention", "", "", fixed(median(sink_share), 3)});
-  t.row({"top 1.8% share of attention", "", "", fixed(median(top_share), 3)});
-  if (!o.spill_dir.empty() || o.host_budget) {
-    const double mb = 1e6;
-    t.row({"host pages / KV (MB)", fixed(fin.pages_used * fin.page_bytes / mb, 0) + " / " + fixed(kv_bytes / mb, 0) +
-                                       " (budget " + fixed(o.host_budget / mb, 0) + ")"});
-    t.row({"cold pages on disk", std::to_string(fin.spill_cold_pages) + " (" +
-                                     fixed(fin.spill_cold_pages * fin.page_bytes / mb, 0) + " MB, io " +
-                                     (fin.spill_io & WKV_SPILL_IO_URING ? "io_uring" : "pread") +
-                                     (fin.spill_io & WKV_SPILL_IO_DIRECT ? "+direct" : "") + ")"});
-    t.row({"spill written / read (MB)", fixed(fin.spill_bytes_written / mb, 0) + " / " +
-                                            fixed(fin.spill_bytes_read / mb, 0)});
-    t.row({"read back while decoding", fixed(read_back / mb, 1) + " MB, " +
-                                           fixed(decode_s > 0 ? read_back / decode_s / mb : 0, 1) +
-                                           " MB/s over the steps' time"});
-    t.row({"retrievals estimated: on disk", std::to_string(estimated_on_disk) + " of " +
-                                                std::to_string(estimated_on_disk + retrievals) + " (" +
-                                                std::to_string(fin.spill_read_errors) + " read errors)"});
-  }
-  std::cout << t.str();
+  std::cout << table_of(passes);
   std::printf("errors: relative L2 against exact attention in f64, per (step, q head): %zu of them; exact = the\n"
               "f32 CPU baseline (timed on layer 0, times the layers); oracle top-k = exact attention over the tokens with the highest logits for each\n"
               "q head, as many as wavekv attended exactly per kv head (the best any selection that size can do)\n",
-              err_wkv.size());
+              r.err_wkv.size());
+  if (passes.size() > 1)
+    std::printf("the same context and queries (seed %llu) twice in this run: first with everything in memory, then under the budget\n",
+                static_cast<unsigned long long>(o.seed));
   std::printf("demo took %.1f s\n", total_s);
-  std::printf("speedup vs exact: %.1fx\n", speedup);
+  for (const Pass &p : passes)
+    std::printf("speedup vs exact%s: %.1fx\n", passes.size() > 1 ? (", " + p.label()).c_str() : "", p.speedup());
   return 0;
 }
 
