@@ -7,6 +7,7 @@
 // new records without blocking; a failed unit map store withholds frames.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "lib/buffer/buffer_manager.hpp"
+#include "lib/buffer/replacement.hpp"
 #include "lib/index/head.hpp"
 
 using namespace wkv;
@@ -452,4 +454,87 @@ TEST(BufferManager, StepsAreHandedWhatTheirLayerMissed) {
       EXPECT_LT(admitted_first, missed_first * 3 / 4) << "the mean share was enough: the test shows nothing";
     }
   }
+}
+
+// The replacement policies alone (lib/buffer/replacement.hpp): what each
+// gives up first, and that none gives up a frame that is not resident.
+namespace {
+
+// Victims until none is left, each erased as the manager does.
+std::vector<uint32_t> drain(ReplacementPolicy &p) {
+  std::vector<uint32_t> out;
+  for (int64_t v; (v = p.victim()) >= 0;) {
+    out.push_back(static_cast<uint32_t>(v));
+    p.on_erase(static_cast<uint32_t>(v));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(Replacement, EveryPolicyGivesUpEachResidentFrameOnceAndNoOther) {
+  for (const char *name : {"lru", "clock", "slru"}) {
+    SCOPED_TRACE(name);
+    auto p = make_policy(name, 16);
+    ASSERT_NE(p, nullptr);
+    EXPECT_EQ(p->victim(), -1) << "nothing resident";
+    for (uint32_t f = 0; f < 16; f += 2) p->on_insert(f);  // the even frames
+    for (uint32_t f = 0; f < 16; f += 4) p->on_access(f);
+    p->on_access(3);  // not resident: ignored
+    p->on_erase(6);
+    p->on_erase(5);  // not resident: ignored
+    std::vector<uint32_t> got = drain(*p);
+    std::sort(got.begin(), got.end());
+    EXPECT_EQ(got, (std::vector<uint32_t>{0, 2, 4, 8, 10, 12, 14}));
+    EXPECT_EQ(p->victim(), -1);
+  }
+  EXPECT_EQ(make_policy("fifo", 4), nullptr);
+}
+
+TEST(Replacement, LruGivesUpTheLeastRecentlyRead) {
+  auto p = make_policy("lru", 4);
+  for (uint32_t f = 0; f < 4; ++f) p->on_insert(f);
+  p->on_access(0);
+  p->on_access(2);
+  EXPECT_EQ(drain(*p), (std::vector<uint32_t>{1, 3, 0, 2}));
+}
+
+TEST(Replacement, ClockKeepsFramesReadOftenThroughASweep) {
+  auto p = make_policy("clock", 8);
+  for (uint32_t f = 0; f < 8; ++f) p->on_insert(f);
+  for (int i = 0; i < 3; ++i) p->on_access(5);  // count 3: four sweeps to go
+  p->on_access(2);                              // count 2
+  const std::vector<uint32_t> got = drain(*p);
+  ASSERT_EQ(got.size(), 8u);
+  EXPECT_EQ(got[6], 2u);
+  EXPECT_EQ(got[7], 5u);
+}
+
+TEST(Replacement, SlruKeepsFramesReadAgainThroughABurstOfNewOnes) {
+  // Frames 0..3 read twice (protected), then a burst of 12 frames read once:
+  // victims come from the burst; the protected frames go last.
+  auto p = make_policy("slru", 16);
+  for (uint32_t f = 0; f < 4; ++f) p->on_insert(f);
+  for (uint32_t f = 0; f < 4; ++f) p->on_access(f);
+  for (uint32_t f = 4; f < 16; ++f) p->on_insert(f);
+  const std::vector<uint32_t> got = drain(*p);
+  ASSERT_EQ(got.size(), 16u);
+  for (size_t i = 0; i < 12; ++i) EXPECT_GE(got[i], 4u) << i;
+  // LRU would have given up 0..3 first.
+  auto lru = make_policy("lru", 16);
+  for (uint32_t f = 0; f < 4; ++f) lru->on_insert(f);
+  for (uint32_t f = 0; f < 4; ++f) lru->on_access(f);
+  for (uint32_t f = 4; f < 16; ++f) lru->on_insert(f);
+  EXPECT_EQ(drain(*lru).front(), 0u);
+}
+
+TEST(Replacement, SlruProtectsAtMostItsShare) {
+  // Every frame read twice: the protected list holds 80% (12 of 16); the
+  // oldest go back to probation and are given up first.
+  auto p = make_policy("slru", 16);
+  for (uint32_t f = 0; f < 16; ++f) p->on_insert(f);
+  for (uint32_t f = 0; f < 16; ++f) p->on_access(f);
+  const std::vector<uint32_t> got = drain(*p);
+  ASSERT_EQ(got.size(), 16u);
+  EXPECT_EQ(std::set<uint32_t>(got.begin(), got.begin() + 4), (std::set<uint32_t>{0, 1, 2, 3}));
 }

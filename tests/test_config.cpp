@@ -19,7 +19,7 @@ const char *const kVariables[] = {
     "WKV_CLUSTER_TOKENS",  "WKV_KMEANS_ITERS",      "WKV_SINK_TOKENS",
     "WKV_WINDOW_TOKENS",   "WKV_RETRIEVAL_FRAC",    "WKV_ESTIMATION_FRAC",
     "WKV_HOST_BUDGET_BYTES", "WKV_HOST_CHUNK_BYTES", "WKV_DEVICE_CACHE_BYTES",
-    "WKV_METHOD",
+    "WKV_METHOD",          "WKV_CACHE_POLICY",
 };
 const char *const kFractions[] = {"WKV_RETRIEVAL_FRAC", "WKV_ESTIMATION_FRAC"};
 
@@ -299,6 +299,21 @@ TEST_F(ResolveConfig, RejectsEveryMalformedValueOfEveryVariable) {
       EXPECT_EQ(open(minimal_config()), WKV_ERR_INVALID_ARGUMENT) << var << "='" << v << "'";
       EXPECT_TRUE(contains(error(), std::string(var) + "='" + v + "'")) << error();
     }
+}
+
+// WKV_CACHE_POLICY names the device cache's replacement policy (no config
+// field): a known name opens, another fails the open saying which names are.
+TEST_F(ResolveConfig, CachePolicyVariableTakesKnownNamesOnly) {
+  for (const char *name : {"lru", "clock", "slru"}) {
+    EnvGuard g("WKV_CACHE_POLICY", name);
+    EXPECT_EQ(open(minimal_config()), WKV_OK) << name << ": " << error();
+  }
+  for (const char *bad : {"", "LRU", "fifo", "lru "}) {
+    EnvGuard g("WKV_CACHE_POLICY", bad);
+    EXPECT_EQ(open(minimal_config()), WKV_ERR_INVALID_ARGUMENT) << "'" << bad << "'";
+    EXPECT_TRUE(contains(error(), "WKV_CACHE_POLICY")) << error();
+    EXPECT_TRUE(contains(error(), "lru, clock or slru")) << error();
+  }
 }
 
 TEST_F(ResolveConfig, RejectsHostChunkBytesOfUint64Max) {

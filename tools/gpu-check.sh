@@ -22,6 +22,11 @@
 #                                  heads, d=128, f16: first with everything in
 #                                  memory, then under DEMO_BUDGET, 4GiB, with
 #                                  the rest in SPILL_DIR: --compare-in-memory)
+#                                  policies (the device cache's replacement
+#                                  policies against each other: the serving
+#                                  bench at 128K, batch POLICY_BATCHES, 7,
+#                                  once per policy of POLICIES, lru clock
+#                                  slru, for POLICY_ROUNDS rounds, 2)
 #
 # Environment: SANITIZER_TOOLS (memcheck racecheck), SANITIZER_TESTS (every
 # tests/gpu_*.cpp program), SANITIZER_ARGS (added to each test program's
@@ -161,6 +166,17 @@ if want demo; then
   cp "$LOG/demo.log" "$OUT/" 2>/dev/null
   grep -v -E "ing: |ing:.*done" "$LOG/demo.log" | grep -E -v "^\s+(Page|Volun|Invol|Swaps|File sys|Socket|Signals|Average|Exit|Minor|Major|Percent|System time|User time|Command)" \
     | tee -a "$LOG/summary.txt" | tail -40
+fi
+if want policies; then
+  # Interleaved rounds: the machine's drift falls on every policy alike.
+  for round in $(seq 1 "${POLICY_ROUNDS:-2}"); do
+    for p in ${POLICIES:-lru clock slru}; do
+      WKV_CACHE_POLICY=$p timeout "${BENCH_TIMEOUT:-240}" build-gpu/bin/gpu_serving_bench 131072 \
+        "${POLICY_BATCHES:-7}" > "$LOG/policy-$p-$round.log" 2>&1
+      step "cache policy $p, round $round" "rc=$?"
+      grep -E "^ +[0-9]+ +[0-9.]+ |cache units per layer-step" "$LOG/policy-$p-$round.log" | tee -a "$LOG/summary.txt"
+    done
+  done
 fi
 if want profile && command -v ncu >/dev/null; then
   # Device time of each kernel of the k-means, summed by kernel: two calls of

@@ -193,7 +193,9 @@ enum {
  * rebuild: WKV_THREADS, WKV_SEGMENT_TOKENS, WKV_UPDATE_SEGMENT_TOKENS,
  * WKV_CLUSTER_TOKENS, WKV_KMEANS_ITERS, WKV_SINK_TOKENS, WKV_WINDOW_TOKENS,
  * WKV_RETRIEVAL_FRAC, WKV_ESTIMATION_FRAC, WKV_HOST_BUDGET_BYTES,
- * WKV_HOST_CHUNK_BYTES, WKV_DEVICE_CACHE_BYTES, WKV_METHOD. Values are plain numbers:
+ * WKV_HOST_CHUNK_BYTES, WKV_DEVICE_CACHE_BYTES, WKV_METHOD. WKV_CACHE_POLICY
+ * (no field) picks the device cache's replacement policy: lru (the
+ * default), clock or slru. Other values are plain numbers:
  * integers in decimal or 0x hexadecimal that fit the field (32 or 64 bits),
  * fractions in decimal (0.05, 5e-2); no sign, spaces, size suffixes ("64M")
  * or anything after the number. A variable that is set but empty or

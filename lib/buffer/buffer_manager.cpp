@@ -41,7 +41,8 @@ RecordArrays arrays_of(RecordHeader *h) {
 BufferManager::BufferManager(Options opts, Device *device) : opts_(opts), dev_(device) {
   heads_.resize(1);
   if (opts_.units > 0) {
-    policy_ = std::make_unique<LruPolicy>(opts_.units);
+    policy_ = make_policy(opts_.policy, opts_.units);
+    if (!policy_) policy_ = std::make_unique<LruPolicy>(opts_.units);  // Engine::open checks the name
     owner_.resize(opts_.units);
     free_units_.reserve(opts_.units);
     for (uint32_t u = opts_.units; u-- > 0;) free_units_.push_back(u);

@@ -50,6 +50,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -150,6 +151,7 @@ class BufferManager {
     size_t ring_bytes = 32u << 20;
     uint32_t max_given = 16384;  // free units handed to one step at most
     uint32_t min_given = 64;    // ... and at least, while free units last
+    std::string policy = "lru";  // the replacement policy (make_policy)
   };
 
   struct Stats {

@@ -1,9 +1,15 @@
 // Replacement policies of the device block cache: which resident frame to
-// give up next. One small interface, so that CLOCK or a score-aware policy
-// can replace LRU.
+// give up next. One small interface; the engine takes LRU unless
+// WKV_CACHE_POLICY names another (make_policy), and bench/RESULTS.md has
+// them measured against each other on the serving benchmark.
+//
+// Calls come from the buffer manager's thread only (under its lock or
+// not): no policy is thread-safe on its own.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
 namespace wkv {
@@ -38,5 +44,48 @@ class LruPolicy final : public ReplacementPolicy {
   std::vector<char> linked_;
   uint32_t head_ = kNil, tail_ = kNil;  // head = most recent
 };
+
+// CLOCK with a two-bit use count (GCLOCK): a frame enters at 1, an access
+// raises its count (to 3 at most), the hand lowers the counts it passes and
+// gives up the first frame at zero. A frame read on several steps survives as many
+// sweeps; one read once goes on the next.
+class ClockPolicy final : public ReplacementPolicy {
+ public:
+  explicit ClockPolicy(uint32_t frames);
+  void on_insert(uint32_t frame) override;
+  void on_access(uint32_t frame) override;
+  void on_erase(uint32_t frame) override;
+  int64_t victim() override;
+
+ private:
+  static constexpr uint8_t kOut = 0xff;  // not resident
+  std::vector<uint8_t> count_;
+  uint32_t hand_ = 0, resident_ = 0;
+};
+
+// Segmented LRU: a frame enters a probation list and moves to a protected
+// one when it is read again; the protected list holds at most
+// `protected_frac` of the frames (its oldest go back to probation), and
+// victims come from probation first. A burst of frames read once (a new
+// query's clusters) then displaces frames read once before it, not those
+// the steps keep coming back to.
+class SlruPolicy final : public ReplacementPolicy {
+ public:
+  explicit SlruPolicy(uint32_t frames, float protected_frac = 0.8f);
+  void on_insert(uint32_t frame) override;
+  void on_access(uint32_t frame) override;
+  void on_erase(uint32_t frame) override;
+  int64_t victim() override;
+
+ private:
+  enum : uint8_t { kNone, kProbation, kProtected };
+  LruPolicy probation_, protected_;
+  std::vector<uint8_t> where_;
+  uint32_t protected_n_ = 0, protected_cap_ = 0;
+};
+
+// The policy named `name` ("lru", "clock", "slru") over `frames` frames, or
+// null for another name.
+std::unique_ptr<ReplacementPolicy> make_policy(const std::string &name, uint32_t frames);
 
 }  // namespace wkv

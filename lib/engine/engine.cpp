@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "lib/buffer/replacement.hpp"
 #include "lib/engine/plan.hpp"
 #include "lib/engine/sequence.hpp"
 
@@ -60,6 +61,13 @@ void zone_sizes(const Config &cfg, uint32_t clusters, uint32_t ones, uint32_t *n
 Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
   Config cfg;
   WKV_RETURN_IF_ERROR(resolve_config(user, &cfg));
+  // The device cache's replacement policy (lib/buffer/replacement.hpp).
+  const char *policy = std::getenv("WKV_CACHE_POLICY");
+  if (!policy) policy = "lru";
+  if (!make_policy(policy, 1))
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
+                     "environment variable WKV_CACHE_POLICY='%s' is not a replacement policy (lru, clock or slru)",
+                     policy);
   // The metadata allocator is loaded here (a dlopen, once a process), on
   // the opening thread, before the engine's pool and the callers' threads
   // append: not on the first append, where several threads may meet it.
@@ -89,6 +97,7 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
     if (device == WKV_DEVICE_CPU) e->backend_ = make_cpu_backend(*e);
     BufferManager::Options bo;
     bo.units = e->backend_->cache_units();
+    bo.policy = policy;
     e->buffers_ = std::make_unique<BufferManager>(bo, e->backend_->buffer_device());
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory opening an engine");
