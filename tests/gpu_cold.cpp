@@ -134,6 +134,18 @@ void settle_pages(const wavekv::Engine &e, uint64_t want) {
   }
 }
 
+// A cold engine whose budget holds a third of a kPrompt-token sequence's
+// pages, and that sequence with its prompt in (the rest on disk).
+struct ThirdInMemory {
+  wkv_stats full{};
+  uint64_t pages = pages_of(&full);
+  ScratchDir dir;
+  Gpu cold{config(dir.path(), pages / 3 * full.page_bytes)};
+  wavekv::Sequence seq{cold.engine};
+  Context ctx{kShape};
+  ThirdInMemory() { cold.prompt(seq, ctx); }
+};
+
 }  // namespace
 
 // The budget holds a third of the KV: the prompt goes in with the rest on
@@ -320,13 +332,10 @@ TEST(GpuColdPages, AnEarlierPlanKeepsItsPagesWhenALaterOneAssemblesFirst) {
 // it is gone they do again (ties of age go to the lower layer first).
 TEST(GpuColdPages, AnAbandonedLookupLetsTheLayersPagesGoAgain) {
   REQUIRE_GPU();
-  wkv_stats full;
-  const uint64_t pages = pages_of(&full);
-  ScratchDir dir;
-  Gpu cold(config(dir.path(), pages / 3 * full.page_bytes));
-  wavekv::Sequence seq(cold.engine);
-  Context c1(kShape);
-  cold.prompt(seq, c1);
+  ThirdInMemory t;
+  Gpu &cold = t.cold;
+  wavekv::Sequence &seq = t.seq;
+  Context &c1 = t.ctx;
   const std::vector<uint8_t> q = c1.query();
   bool resident = false;
   (void)cold.decode_until_resident(seq, q, 200, &resident);
@@ -404,13 +413,10 @@ TEST(GpuColdPages, SaveEvictRestoreAndDestroyLoseNothing) {
 // and saving the sequence fails rather than writing bad KV.
 TEST(GpuColdPages, ACorruptSpilledPageIsAnErrorNeverData) {
   REQUIRE_GPU();
-  wkv_stats full;
-  const uint64_t pages = pages_of(&full);
-  ScratchDir dir;
-  Gpu cold(config(dir.path(), pages / 3 * full.page_bytes));
-  wavekv::Sequence seq(cold.engine);
-  Context c1(kShape);
-  cold.prompt(seq, c1);
+  ThirdInMemory t;
+  Gpu &cold = t.cold;
+  wavekv::Sequence &seq = t.seq;
+  const ScratchDir &dir = t.dir;
   const wkv_stats st = cold.engine.stats();
   ASSERT_GT(st.spill_cold_pages, 0u);
   const int fd = reopen_spill_file(dir.path());
