@@ -352,30 +352,47 @@ void BufferManager::take_record(const RecordHeader &hc) {
     if (u < opts_.units && owner_[u].entry != 0) policy_->on_access(u);
   }
   // 2. Admissions become resident frames of live heads; the rest go back.
+  //    The lock (which the decoding path's open_record waits for) is held
+  //    only to read which of the record's runs have live heads and to hand
+  //    the frames back; owner_ and the policy are this thread's own.
   const uint64_t stamp = epoch_.load(std::memory_order_seq_cst);
   uint32_t admitted = 0;
-  std::lock_guard<std::mutex> lock(mu_);
+  scratch_live_.assign(h->n_runs, 0);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (uint32_t r = 0; r < h->n_runs; ++r) {
+      const uint32_t id = static_cast<uint32_t>(a.heads[r] >> 32), gen = static_cast<uint32_t>(a.heads[r]);
+      scratch_live_[r] = id != 0 && id < heads_.size() && heads_[id].alive && heads_[id].gen == gen;
+    }
+  }
+  // A head that dies after this check leaves its frames owned by a dead
+  // head, as one that dies after they became resident does: the eviction
+  // quarantines them without clearing entries.
+  scratch_free_.clear();
+  scratch_quarantine_.clear();
   for (uint32_t i = 0; i < h->n_given; ++i) {
     const uint32_t u = a.given[i];
     const AdmitEntry e = i < used ? a.admits[i] : AdmitEntry{0, u, 0};
     // The frame is given[i] whatever the log says.
     if (e.entry == 0) {
-      free_units_.push_back(u);  // never mapped: nothing can read it
+      scratch_free_.push_back(u);  // never mapped: nothing can read it
       continue;
     }
-    const uint64_t head = e.run < h->n_runs ? a.heads[e.run] : 0;
-    const uint32_t id = static_cast<uint32_t>(head >> 32), gen = static_cast<uint32_t>(head);
-    if (id != 0 && id < heads_.size() && heads_[id].alive && heads_[id].gen == gen) {
-      owner_[u] = Owner{id, gen, e.entry};
+    if (e.run < h->n_runs && scratch_live_[e.run]) {
+      const uint64_t head = a.heads[e.run];
+      owner_[u] = Owner{static_cast<uint32_t>(head >> 32), static_cast<uint32_t>(head), e.entry};
       policy_->on_insert(u);
       ++resident_;
       ++admitted;
     } else {
       // Mapped in a head that is gone: steps in flight may still read it.
-      quarantine_.push_back({stamp, u});
-      ++quarantined_;
+      scratch_quarantine_.push_back(u);
     }
   }
+  std::lock_guard<std::mutex> lock(mu_);
+  free_units_.insert(free_units_.end(), scratch_free_.begin(), scratch_free_.end());
+  for (uint32_t u : scratch_quarantine_) quarantine_.push_back({stamp, u});
+  quarantined_ += scratch_quarantine_.size();
   admissions_ += admitted;
   if (h->cancelled) return;
   // What the step missed (a gather that counts nothing reports at least
@@ -419,6 +436,7 @@ void BufferManager::evict() {
   // miss were they to miss what the last ones did, a quarter more.
   std::vector<uint32_t> victims;
   std::vector<uint64_t> entries;
+  size_t need;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const size_t keyed = static_cast<size_t>(1.25 * static_cast<double>(keyed_missed_));
@@ -426,20 +444,27 @@ void BufferManager::evict() {
         opts_.units / 4, std::max(static_cast<size_t>(1.5 * record_missed_ * open_records_), keyed) + 32);
     const size_t have = free_units_.size() + quarantined_.load();
     if (have >= target) return;
-    size_t need = target - have;
-    while (need-- > 0) {
-      const int64_t v = policy_->victim();
-      if (v < 0) break;
-      const uint32_t u = static_cast<uint32_t>(v);
-      policy_->on_erase(u);
-      const Owner o = owner_[u];
-      owner_[u] = Owner{};
-      --resident_;
-      victims.push_back(u);
-      // A dead head's unit map is not written again (it is freed once the
-      // steps in flight have ended).
+    need = target - have;
+  }
+  // The victims from this thread's own state, without the lock; whose
+  // entries to clear (live heads only: a dead head's unit map is not
+  // written again, it is freed once the steps in flight have ended) under
+  // it, briefly.
+  std::vector<Owner> owners;
+  while (need-- > 0) {
+    const int64_t v = policy_->victim();
+    if (v < 0) break;
+    const uint32_t u = static_cast<uint32_t>(v);
+    policy_->on_erase(u);
+    owners.push_back(owner_[u]);
+    owner_[u] = Owner{};
+    --resident_;
+    victims.push_back(u);
+  }
+  if (!victims.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Owner &o : owners)
       if (o.head < heads_.size() && heads_[o.head].alive && heads_[o.head].gen == o.gen) entries.push_back(o.entry);
-    }
   }
   if (victims.empty()) return;
   // 1. Clear the unit map entries and wait: steps that begin after this

@@ -283,6 +283,8 @@ class BufferManager {
   // The manager thread's own state (no lock).
   std::unique_ptr<ReplacementPolicy> policy_;
   std::vector<Owner> owner_;  // [units]
+  std::vector<uint8_t> scratch_live_;  // take_record: whether each run's head is live
+  std::vector<uint32_t> scratch_free_, scratch_quarantine_;  // take_record: frames handed back
   // What steps miss, and how many begin before the manager can act on it.
   // A frame evicted while steps are in flight is free again only once they
   // have ended, so the frames ready when a burst of steps begins (a token's
