@@ -58,6 +58,11 @@ void zone_sizes(const Config &cfg, uint32_t clusters, uint32_t ones, uint32_t *n
   *n_est = static_cast<uint32_t>(std::min<double>(e, clusters - nr));
 }
 
+// A layer's pages (every head has as many): a call that changes the count
+// grew the layer, whose newest pages the device writes after the call
+// (LayerState::grown_epoch).
+static size_t layer_pages(const LayerState &L) { return L.heads.empty() ? 0 : L.heads[0].map.pages.size(); }
+
 Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
   Config cfg;
   WKV_RETURN_IF_ERROR(resolve_config(user, &cfg));
@@ -500,9 +505,9 @@ Plan::~Plan() {
 }
 
 void Plan::close_lookups() {
-  for (size_t i = 0; i < seq_open.size(); ++i)
-    if (seq_open[i]) seqs[i]->open_lookups(layer).fetch_sub(1, std::memory_order_acq_rel);
-  seq_open.clear();
+  if (!lookups_open) return;
+  for (uint32_t i = 0; i < n_seqs; ++i) seqs[i]->open_lookups(layer).fetch_sub(1, std::memory_order_acq_rel);
+  lookups_open = false;
 }
 
 Status Engine::append(Sequence &seq, uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
@@ -555,9 +560,9 @@ Status Engine::append_batch(Sequence *const *seqs, uint32_t n_seqs, uint32_t lay
                                   cfg_.row_bytes(), stream);
   for (uint32_t i = 0; i < n_seqs && st.is_ok(); ++i) {
     LayerState &L = seqs[i]->layer(layer);
-    const size_t pages = L.heads.empty() ? 0 : L.heads[0].map.pages.size();
+    const size_t pages = layer_pages(L);
     st = commit_append(index_for(*seqs[i]), L, layer, staged[i], stream);
-    if (!L.heads.empty() && L.heads[0].map.pages.size() != pages) L.grown_epoch = epochs[i];
+    if (layer_pages(L) != pages) L.grown_epoch = epochs[i];
     if (!st.is_ok() && n_seqs > 1)
       st = Status(st.code(), format("sequence %u: %s (sequences before it hold the new tokens; it and those after "
                                     "it do not)",
@@ -582,9 +587,9 @@ Status Engine::end_prompt_locked(Sequence &seq, uint32_t layer, void *stream) {
   if (L.generating || L.tokens == 0) return Status::ok();
   const uint64_t epoch = buffers_->begin(seq.tracker());
   LayerState &G = seq.layer(layer);
-  const size_t pages = G.heads.empty() ? 0 : G.heads[0].map.pages.size();
+  const size_t pages = layer_pages(G);
   Status st = wkv::end_prompt(index_for(seq), G, layer, stream);
-  if (!G.heads.empty() && G.heads[0].map.pages.size() != pages) G.grown_epoch = epoch;
+  if (layer_pages(G) != pages) G.grown_epoch = epoch;
   Status marked = backend_->end_work(seq.tracker(), epoch, stream);
   return st.is_ok() ? marked : st;
 }
@@ -660,12 +665,8 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
   if (st.is_ok() && cold_ && !backend_->host_memory()) {
     // Open until the plan assembles (or abandons the lookup): no page of
     // the layer leaves meanwhile, this lookup's end included.
-    try {
-      plan.seq_open.assign(n, 1);
-      for (uint32_t i = 0; i < n; ++i) seqs[i]->open_lookups(layer).fetch_add(1, std::memory_order_acq_rel);
-    } catch (const std::bad_alloc &) {
-      st = WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory holding the plan's lookup");
-    }
+    for (uint32_t i = 0; i < n; ++i) seqs[i]->open_lookups(layer).fetch_add(1, std::memory_order_acq_rel);
+    plan.lookups_open = true;
   }
   if (cold_)
     for (uint32_t i = 0; i < n; ++i) cold_->end_lookup(*seqs[i], layer);

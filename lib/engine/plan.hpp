@@ -67,9 +67,9 @@ class Plan {
   void *stream = nullptr;                       // the caller's stream of the current verb
   std::vector<std::shared_ptr<Sequence>> seqs;  // held until the next lookup
   std::vector<uint64_t> seq_versions;           // layer versions at lookup
-  // Cold pages on a CUDA engine: whether the plan's lookup of sequence i is
-  // counted open (Sequence::open_lookups) until it assembles.
-  std::vector<uint8_t> seq_open;
+  // Cold pages on a CUDA engine: whether the plan's lookup is counted open
+  // in each of its sequences (Sequence::open_lookups) until it assembles.
+  bool lookups_open = false;
 
   const void *q_src = nullptr;  // the caller's q of the lookup (valid during it)
   int64_t q_seq_stride = 0, q_head_stride = 0;
