@@ -99,13 +99,36 @@ constexpr uint32_t kMeta16Header = 16;
 constexpr uint32_t kUnitMapChunk = 4096;
 constexpr uint32_t kNoCacheFrame = 0xffffffffu;
 
-// What a gather did with the i-th frame it was given for admissions: mapped
-// unit map entry `entry` (a device address) to `frame`, or nothing (entry 0:
-// another step admitted the unit first). `run` is the run of the unit.
+// What a gather did with its i-th miss that could be admitted: took `frame`
+// from the pool and mapped unit map entry `entry` (a device address) to it,
+// or took it and mapped nothing (entry 0: another step admitted the unit
+// first), or found the pool empty (frame kNoCacheFrame). `run` is the run
+// of the unit.
 struct AdmitEntry {
   uint64_t entry;
   uint32_t frame;
   uint32_t run;
+};
+
+// The device cache's free frames, one pool for every step (the buffer
+// manager's; lib/buffer/buffer_manager.hpp). The host copies frame ids to
+// the next positions of `slots` (device memory; position i at
+// slots[i % cap]) and then adds their number to `avail`, in stream order.
+// A gather reserves a frame by taking one from `avail` (giving it back
+// when there was none) and then takes the next position from `taken`:
+// every reservation that succeeded was published, so every position taken
+// holds a frame, and no two takers share one. Plain atomic adds and an L2
+// read: no retry loop, nothing over PCIe. (Slots in mapped host memory,
+// read uncached over PCIe at every miss, made the gather two to three
+// times slower on the H100.) The host writes a slot again only once every
+// step that could have taken its position has ended. A step's last CTA
+// copies `taken` to `seen` (mapped) for the host's count of free frames.
+struct FramePool {
+  const uint32_t *slots = nullptr;       // [cap], device memory
+  unsigned long long *avail = nullptr;   // device word: frames published, not yet reserved (signed)
+  unsigned long long *taken = nullptr;   // device word: positions taken
+  unsigned long long *seen = nullptr;    // mapped host word
+  uint32_t cap = 0;                      // 0: no pool
 };
 
 // Where a step's last kernel reports that the step has ended: it writes

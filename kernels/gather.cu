@@ -26,6 +26,18 @@ namespace {
 constexpr int kWarps = 8;   // warps per CTA
 constexpr int kUnroll = 4;  // 16-byte pieces of K (and of V) in flight per lane
 
+// Takes a frame from the pool (FramePool, device_layout.hpp), or returns
+// kNoCacheFrame when it is empty.
+__device__ uint32_t take_frame(const FramePool &p) {
+  const long long before = static_cast<long long>(atomicAdd(p.avail, ~0ull));  // minus one
+  if (before <= 0) {
+    atomicAdd(p.avail, 1ull);  // none was published: give the reservation back
+    return kNoCacheFrame;
+  }
+  const unsigned long long t = atomicAdd(p.taken, 1ull);
+  return __ldcg(p.slots + t % p.cap);  // L2: another CTA's L1 may hold the line from before the copy
+}
+
 __device__ __forceinline__ int4 load_row_piece(const uint8_t *p) {
   return __ldcs(reinterpret_cast<const int4 *>(p));  // streamed: read once
 }
@@ -95,6 +107,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
   const uint32_t n_ret = run.n_ret, ret_off = run.ret_off;
   const uint32_t rbase = base + sink + tail;
   uint32_t hits = 0, misses = 0;
+  const bool admitting = a.pool.cap != 0 && a.admits != nullptr;
   for (uint32_t i = blockIdx.y * kWarps + warp; i < n_ret; i += gridDim.y * kWarps) {
     const uint32_t id = a.lookup.ret_ids[ret_off + i];
     if (id & kColdCluster) continue;  // a page out: estimated, no member gathered
@@ -116,8 +129,8 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
           ++misses;
       }
       // 2. The rows, kUnroll pieces of K and of V per lane in flight. A
-      //    missed unit takes the next given frame, if any is left, while the
-      //    first loads are in flight (the frame id is a read over PCIe).
+      //    missed unit takes a frame from the pool, if it has one, while
+      //    the first loads are in flight (the frame id is a read over PCIe).
       const uint32_t total = rows * cpr;
       uint32_t g = 0xffffffffu, af = kNone;
       for (uint32_t q0 = 0; q0 < total; q0 += 32 * kUnroll) {
@@ -136,10 +149,10 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
         if (q0 == 0) {
           if (lane == 0) {
             // Every miss of a mapped unit is counted (the record's demand),
-            // whether or not a given frame is left for it.
+            // whether or not a frame is left for it.
             if (!hit && entry && a.record_counts) {
               g = atomicAdd(&a.work[0], 1u);
-              if (a.given && g < a.n_given) af = a.given[g];
+              if (admitting && g < a.admit_cap) af = take_frame(a.pool);
             }
             if (hit && a.hits) {
               const uint32_t h = atomicAdd(&a.work[1], 1u);
@@ -174,9 +187,8 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
           const uint32_t old = atomicCAS(entry, kNone, af);
           a.admits[g] = AdmitEntry{old == kNone ? reinterpret_cast<uint64_t>(entry) : 0ull, af, r};
         }
-      } else if (lane == 0 && g < a.n_given) {
-        // Given but not usable (an unaligned frame count): reported unused.
-        a.admits[g] = AdmitEntry{0ull, a.given[g], r};
+      } else if (lane == 0 && admitting && g < a.admit_cap) {
+        a.admits[g] = AdmitEntry{0ull, kNone, r};  // the pool was empty
       }
     }
   }
@@ -200,10 +212,11 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
   if (atomicAdd(&a.work[2], 1u) != gridDim.x * gridDim.y - 1) return;
   const uint32_t taken = atomicAdd(&a.work[0], 0u), logged = atomicAdd(&a.work[1], 0u);
   if (a.record_counts) {
-    a.record_counts[0] = min(taken, a.n_given);
+    a.record_counts[0] = admitting ? min(taken, a.admit_cap) : 0u;
     a.record_counts[1] = min(logged, a.hit_cap);
     a.record_counts[2] = taken;
   }
+  if (a.pool.seen) *reinterpret_cast<volatile unsigned long long *>(a.pool.seen) = atomicAdd(a.pool.taken, 0ull);
   a.work[0] = a.work[1] = a.work[2] = 0;  // for the next launch (stream order)
   __threadfence_system();
   if (a.mark.done) *reinterpret_cast<volatile unsigned long long *>(a.mark.done) = a.mark.epoch;
@@ -221,8 +234,8 @@ cudaError_t gather_cuda(const GatherArgs &a, cudaStream_t stream) {
   if (a.row_bytes == 0 || a.row_bytes % 16 != 0 || a.page_tokens == 0) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a.xk) % 16 != 0 || reinterpret_cast<uintptr_t>(a.xv) % 16 != 0)
     return cudaErrorInvalidValue;
-  if ((a.given || a.hits || a.mark.done) && !a.work) return cudaErrorInvalidValue;
-  if (a.given && (!a.admits || !a.cache)) return cudaErrorInvalidValue;
+  if ((a.admits || a.hits || a.mark.done) && !a.work) return cudaErrorInvalidValue;
+  if (a.pool.cap && (!a.pool.slots || !a.pool.avail || !a.pool.taken || !a.cache)) return cudaErrorInvalidValue;
   if (a.record_counts && !a.work) return cudaErrorInvalidValue;
   if (a.frames > 0 && (!a.cache || a.frame_bytes < size_t(2) * a.page_tokens * a.row_bytes ||
                        a.frame_bytes % 16 != 0))

@@ -30,16 +30,20 @@ namespace wkv::kernels {
 // holds a frame f for u, the member is read from the cache instead: frame f
 // at cache + f * frame_bytes, row m % page_tokens, laid out like a page.
 //
-// Admission (when `given` is set): a unit missed in the cache is also
-// written into the next given frame and mapped there with a compare-and-swap
-// of its unit map entry from kNoCacheFrame, after the frame's rows; a frame
-// whose swap loses (another step mapped the unit first) is left unused.
-// Given frame i is reported in admits[i] (AdmitEntry), every unit read from
-// the cache in hits[] (its frame), and the last CTA writes the number of
-// given frames taken and of hits logged to record_counts[0] and [1] (at most
-// n_given and hit_cap), and the units missed that have a unit map entry
-// (what the step could have admitted, given frames or not) to
-// record_counts[2], before it reports the step's end in `mark`.
+// Admission (when `pool` and `admits` are set): a unit missed in the cache
+// that has a unit map entry is counted; the first `admit_cap` of them take
+// a frame from the pool (FramePool, device_layout.hpp) while it has one,
+// are written into it as they are laid out in the execution buffer, and
+// are mapped there with a compare-and-swap of the unit map entry from
+// kNoCacheFrame, after the frame's rows; a frame whose swap loses (another
+// step mapped the unit first) is reported with entry 0 so that the host
+// puts it back. The i-th counted miss below admit_cap is reported in
+// admits[i] (AdmitEntry), every unit read from the cache in hits[] (its
+// frame), and the last CTA writes the number of admission entries and of
+// hits logged to record_counts[0] and [1] (at most admit_cap and hit_cap),
+// and the units missed that have a unit map entry (what the step could
+// have admitted) to record_counts[2], and the pool's taken count to
+// pool.seen, before it reports the step's end in `mark`.
 struct GatherArgs {
   const DevRun *runs = nullptr;  // device [n_runs]
   uint32_t n_runs = 0;
@@ -55,15 +59,16 @@ struct GatherArgs {
   uint32_t frames = 0;
   // Admissions and the access log, in memory the host reads after the step
   // (mapped); all null for none.
-  const uint32_t *given = nullptr;  // [n_given] free frames
-  uint32_t n_given = 0;
-  AdmitEntry *admits = nullptr;     // [n_given]
+  FramePool pool{};                 // the free frames (pool.cap 0: none)
+  uint32_t admit_cap = 0;
+  AdmitEntry *admits = nullptr;     // [admit_cap]
   uint32_t *hits = nullptr;         // [hit_cap]
   uint32_t hit_cap = 0;
-  uint32_t *record_counts = nullptr;  // [3]: given frames taken, hits logged, units missed
+  uint32_t *record_counts = nullptr;  // [3]: admission entries, hits logged, units missed
   // Device counters of the gather, zero between launches (the last CTA
-  // resets them): [0] units missed (given frames taken up to n_given), [1]
-  // hits, [2] CTAs done. Required with `record_counts`, `given` or `mark`.
+  // resets them): [0] units missed (admission entries up to admit_cap),
+  // [1] hits, [2] CTAs done. Required with `record_counts`, `admits` or
+  // `mark`.
   uint32_t *work = nullptr;
   // Device counters: stats[0] += hits, stats[1] += misses (in units),
   // stats[2] += the tokens gathered (offsets[n_runs]). May be null.

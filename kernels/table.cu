@@ -198,6 +198,15 @@ cudaError_t mark_steps_end(unsigned long long *const *done, const unsigned long 
   return cudaSuccess;
 }
 
+__global__ void add_to_word_kernel(unsigned long long *word, unsigned long long n) { atomicAdd(word, n); }
+
+cudaError_t add_to_word(unsigned long long *word, unsigned long long n, void *stream) {
+  if (!word) return cudaErrorInvalidValue;
+  add_to_word_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(word, n);
+  WKV_CUDA_CHECK_LAUNCH("add_to_word");
+  return cudaSuccess;
+}
+
 cudaError_t store_words(const uint64_t *addrs, uint32_t n, uint32_t value, void *stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   for (uint32_t done = 0; done < n; done += kWordsPerLaunch) {

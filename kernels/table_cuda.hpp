@@ -40,6 +40,9 @@ cudaError_t copy_rows(const RowCopyDesc *copies, uint32_t n, const uint8_t *k, c
 cudaError_t mark_steps_end(unsigned long long *const *done, const unsigned long long *epochs, uint32_t n,
                            void *stream);
 
+// Adds n to the 8-byte word at device address `word` (in stream order).
+cudaError_t add_to_word(unsigned long long *word, unsigned long long n, void *stream);
+
 // Stores `value` into n 4-byte words at the device addresses in addrs (a
 // host array), in launches of up to 480 addresses passed by value.
 cudaError_t store_words(const uint64_t *addrs, uint32_t n, uint32_t value, void *stream);

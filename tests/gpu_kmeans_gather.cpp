@@ -800,8 +800,9 @@ uint32_t units_of(uint32_t n, uint32_t pt) { return (n + pt - 1) / pt; }
 
 // The assembly reads every unit of a retrieval cluster from its cache frame
 // when the unit map names one, from its host pages otherwise; a missed unit
-// is admitted into the next given frame and mapped there; hits, admissions
-// and their counts are reported, and the step's end last.
+// is admitted into a frame taken from the pool while it has one and mapped
+// there; hits, admissions and their counts are reported, and the step's end
+// last.
 TEST(GatherCuda, AssemblesUnitsFromFramesAndPagesAndAdmitsMisses) {
   REQUIRE_GPU();
   struct Case { uint32_t row_bytes, page_tokens; };
@@ -847,7 +848,7 @@ TEST(GatherCuda, AssemblesUnitsFromFramesAndPagesAndAdmitsMisses) {
     }
     // Pages in mapped host memory, in a shuffled order; a cache of frames
     // with their own bytes, a third of the units mapped to one, and as many
-    // free frames given for admissions as half the misses.
+    // free frames in the pool as half the misses.
     HostBuf host(size_t(total_pages) * frame_bytes);
     ASSERT_NE(host.p, nullptr);
     {
@@ -886,8 +887,9 @@ TEST(GatherCuda, AssemblesUnitsFromFramesAndPagesAndAdmitsMisses) {
         }
     ASSERT_GT(want_hits, 0u);
     ASSERT_GT(want_misses, 1u);
-    const uint32_t n_given = static_cast<uint32_t>(want_misses / 2);
-    std::vector<uint32_t> given(free_frames.end() - n_given, free_frames.end());
+    // The pool holds frames for half of the misses.
+    const uint32_t n_pool = static_cast<uint32_t>(want_misses / 2);
+    std::vector<uint32_t> pooled(free_frames.end() - n_pool, free_frames.end());
 
     // Device images of the runs, their unit maps (one chunk each) and the
     // lookup.
@@ -932,25 +934,33 @@ TEST(GatherCuda, AssemblesUnitsFromFramesAndPagesAndAdmitsMisses) {
     }
     const uint32_t rows = static_cast<uint32_t>(offsets[R]);
     const uint32_t guard = 64;  // rows past the end that must stay untouched
-    DevBuf xk(size_t(rows + guard) * rb), xv(size_t(rows + guard) * rb), stats(16), work(16);
+    // stats: hits, misses, tokens gathered (the kernel writes all three).
+    DevBuf xk(size_t(rows + guard) * rb), xv(size_t(rows + guard) * rb), stats(24), work(16);
     ASSERT_CUDA(cudaMemset(xk.p, 0xee, xk.n));
     ASSERT_CUDA(cudaMemset(xv.p, 0xee, xv.n));
-    ASSERT_CUDA(cudaMemset(stats.p, 0, 16));
+    ASSERT_CUDA(cudaMemset(stats.p, 0, 24));
     ASSERT_CUDA(cudaMemset(work.p, 0, 16));
-    // The step's record in mapped host memory: given frames, admissions,
-    // hits, counts, and the end mark.
-    const uint32_t hit_cap = static_cast<uint32_t>(want_hits);
-    HostBuf rec(4 * n_given + sizeof(AdmitEntry) * n_given + 4 * hit_cap + 64);
+    // The step's record in mapped host memory: admissions, hits, counts,
+    // the end mark; and the pool: its seen count (mapped), its slots and
+    // counts of frames published and positions taken (device). Room to log
+    // every miss.
+    const uint32_t hit_cap = static_cast<uint32_t>(want_hits), admit_cap = static_cast<uint32_t>(want_misses);
+    const size_t rec_bytes = 128 + sizeof(AdmitEntry) * admit_cap + 4 * hit_cap;
+    HostBuf rec(rec_bytes);
     ASSERT_NE(rec.p, nullptr);
-    std::memset(rec.p, 0, 4 * n_given + sizeof(AdmitEntry) * n_given + 4 * hit_cap + 64);
+    std::memset(rec.p, 0, rec_bytes);
     uint8_t *rh = rec.bytes(), *rd = rec.device();
     auto *counts_h = reinterpret_cast<uint32_t *>(rh);
     auto *done_h = reinterpret_cast<unsigned long long *>(rh + 16);
-    auto *admits_h = reinterpret_cast<AdmitEntry *>(rh + 64);
-    auto *given_h = reinterpret_cast<uint32_t *>(rh + 64 + sizeof(AdmitEntry) * n_given);
-    auto *hits_h = given_h + n_given;
-    std::copy(given.begin(), given.end(), given_h);
+    auto *seen_h = reinterpret_cast<unsigned long long *>(rh + 72);
+    auto *admits_h = reinterpret_cast<AdmitEntry *>(rh + 128);
+    auto *hits_h = reinterpret_cast<uint32_t *>(rh + 128 + sizeof(AdmitEntry) * admit_cap);
+    DevBuf slots(4 * n_pool);
+    upload(slots, pooled);
     auto to_dev = [&](void *hp) { return rd + (static_cast<uint8_t *>(hp) - rh); };
+    DevBuf counts(16);  // published (n_pool), taken (0)
+    const unsigned long long counts_init[2] = {n_pool, 0};
+    ASSERT_CUDA(cudaMemcpy(counts.p, counts_init, 16, cudaMemcpyHostToDevice));
 
     GatherArgs a;
     a.runs = static_cast<const DevRun *>(dev(druns));
@@ -967,8 +977,12 @@ TEST(GatherCuda, AssemblesUnitsFromFramesAndPagesAndAdmitsMisses) {
     a.cache = cache.as<uint8_t>();
     a.frame_bytes = frame_bytes;
     a.frames = frames;
-    a.given = reinterpret_cast<const uint32_t *>(to_dev(given_h));
-    a.n_given = n_given;
+    a.pool.slots = slots.as<const uint32_t>();
+    a.pool.seen = reinterpret_cast<unsigned long long *>(to_dev(seen_h));
+    a.pool.avail = counts.as<unsigned long long>();
+    a.pool.taken = counts.as<unsigned long long>() + 1;
+    a.pool.cap = n_pool;
+    a.admit_cap = admit_cap;
     a.admits = reinterpret_cast<AdmitEntry *>(to_dev(admits_h));
     a.hits = reinterpret_cast<uint32_t *>(to_dev(hits_h));
     a.hit_cap = hit_cap;
@@ -1026,10 +1040,16 @@ TEST(GatherCuda, AssemblesUnitsFromFramesAndPagesAndAdmitsMisses) {
     download(&cnt, stats.p, 2);
     EXPECT_EQ(cnt[0], want_hits);
     EXPECT_EQ(cnt[1], want_misses);
-    // The record: every given frame taken, every hit logged, the end last.
-    EXPECT_EQ(counts_h[0], n_given);
+    // The record: every miss logged, every hit logged, the pool emptied,
+    // the end last.
+    EXPECT_EQ(counts_h[0], admit_cap);
     EXPECT_EQ(counts_h[1], hit_cap);
-    EXPECT_EQ(counts_h[2], want_misses) << "every miss counted, given frames or not";
+    EXPECT_EQ(counts_h[2], want_misses) << "every miss counted, frames or not";
+    EXPECT_EQ(*seen_h, n_pool) << "the pool's taken count, published";
+    std::vector<unsigned long long> counts_after;
+    download(&counts_after, counts.p, 2);
+    EXPECT_EQ(counts_after[0], 0u) << "nothing left, every reservation that failed given back";
+    EXPECT_EQ(counts_after[1], n_pool);
     EXPECT_EQ(*done_h, 77u);
     std::vector<uint32_t> work_after;
     download(&work_after, work.p, 4);
@@ -1045,11 +1065,16 @@ TEST(GatherCuda, AssemblesUnitsFromFramesAndPagesAndAdmitsMisses) {
     std::vector<uint8_t> cache_after;
     download(&cache_after, cache.p, cache.n);
     std::set<uint32_t> used;
-    for (uint32_t i = 0; i < n_given; ++i) {
+    uint32_t empty = 0;
+    for (uint32_t i = 0; i < admit_cap; ++i) {
       const AdmitEntry e = admits_h[i];
-      ASSERT_NE(e.entry, 0u) << "admission " << i << " (no other step competes)";
-      EXPECT_EQ(e.frame, given[i]);
       ASSERT_LT(e.run, R);
+      if (e.frame == kNoCacheFrame) {
+        EXPECT_EQ(e.entry, 0u);
+        ++empty;
+        continue;
+      }
+      ASSERT_NE(e.entry, 0u) << "admission " << i << " (no other step competes)";
       const HostRun &h = runs[e.run];
       const uint64_t at = e.entry - reinterpret_cast<uint64_t>(chunk_of[e.run]);
       ASSERT_EQ(at % 4, 0u);
@@ -1072,14 +1097,16 @@ TEST(GatherCuda, AssemblesUnitsFromFramesAndPagesAndAdmitsMisses) {
       EXPECT_EQ(entry[0], e.frame);
       runs[e.run].unit_map[u] = e.frame;  // for the second pass
     }
+    EXPECT_EQ(empty, admit_cap - n_pool) << "the misses after the pool ran dry";
+    EXPECT_EQ(used, std::set<uint32_t>(pooled.begin(), pooled.end())) << "every pooled frame taken once";
 
     // A second pass without admissions reads the admitted units from their
     // frames: the same bytes, more hits.
     ASSERT_CUDA(cudaMemset(xk.p, 0xee, xk.n));
-    ASSERT_CUDA(cudaMemset(stats.p, 0, 16));
+    ASSERT_CUDA(cudaMemset(stats.p, 0, 24));
     GatherArgs b = a;
-    b.given = nullptr;
-    b.n_given = 0;
+    b.pool = FramePool{};
+    b.admit_cap = 0;
     b.admits = nullptr;
     b.hits = nullptr;
     b.record_counts = nullptr;
@@ -1089,8 +1116,8 @@ TEST(GatherCuda, AssemblesUnitsFromFramesAndPagesAndAdmitsMisses) {
     download(&gk, xk.p, xk.n);
     EXPECT_EQ(gk, wk);
     download(&cnt, stats.p, 2);
-    EXPECT_EQ(cnt[0], want_hits + n_given);
-    EXPECT_EQ(cnt[1], want_misses - n_given);
+    EXPECT_EQ(cnt[0], want_hits + n_pool);
+    EXPECT_EQ(cnt[1], want_misses - n_pool);
   }
 }
 

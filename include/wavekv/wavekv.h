@@ -386,11 +386,11 @@ typedef struct wkv_stats {
   uint64_t spill_write_errors; /* writes of cold pages that failed (the pages
                                   stayed in memory) */
   /* 0.6: the device cache's admissions (CUDA engines; 0 on the CPU). */
-  uint64_t cache_frames_given; /* free device cache frames the buffer manager
-                                  handed to decoding steps for admissions,
-                                  since open (a step admits a missed unit into
-                                  one of its frames: misses beyond the frames
-                                  given go unadmitted) */
+  uint64_t cache_frames_given; /* free device cache frames decoding steps
+                                  took from the buffer manager's pool for
+                                  admissions, since open (a step takes one
+                                  for each unit it misses while the pool has
+                                  frames: misses beyond go unadmitted) */
   uint64_t cache_records_dropped; /* decoding steps that got no access record
                                   because the manager's record ring was full:
                                   their hits and misses are not applied (no

@@ -12,27 +12,25 @@ namespace {
 constexpr size_t kWordsPerSlab = 4096;
 constexpr size_t kRecordAlign = 64;
 
-size_t record_bytes(uint32_t n_given, uint32_t hit_cap, uint32_t n_runs) {
-  size_t b = sizeof(RecordHeader) + 4ull * n_given + 4ull * hit_cap;
+size_t record_bytes(uint32_t admit_cap, uint32_t hit_cap, uint32_t n_runs) {
+  size_t b = sizeof(RecordHeader) + 4ull * hit_cap;
   b = (b + 15) & ~size_t{15};
-  b += sizeof(AdmitEntry) * n_given + 8ull * n_runs;
+  b += sizeof(AdmitEntry) * admit_cap + 8ull * n_runs;
   return (b + kRecordAlign - 1) & ~(kRecordAlign - 1);
 }
 
 // The arrays of a record at h (host addresses).
 struct RecordArrays {
-  uint32_t *given, *hits;
+  uint32_t *hits;
   AdmitEntry *admits;
   uint64_t *heads;
 };
 RecordArrays arrays_of(RecordHeader *h) {
-  uint8_t *p = reinterpret_cast<uint8_t *>(h) + sizeof(RecordHeader);
   RecordArrays a;
-  a.given = reinterpret_cast<uint32_t *>(p);
-  a.hits = a.given + h->n_given;
-  size_t off = (sizeof(RecordHeader) + 4ull * h->n_given + 4ull * h->hit_cap + 15) & ~size_t{15};
+  a.hits = reinterpret_cast<uint32_t *>(reinterpret_cast<uint8_t *>(h) + sizeof(RecordHeader));
+  size_t off = (sizeof(RecordHeader) + 4ull * h->hit_cap + 15) & ~size_t{15};
   a.admits = reinterpret_cast<AdmitEntry *>(reinterpret_cast<uint8_t *>(h) + off);
-  a.heads = reinterpret_cast<uint64_t *>(a.admits + h->n_given);
+  a.heads = reinterpret_cast<uint64_t *>(a.admits + h->admit_cap);
   return a;
 }
 
@@ -44,14 +42,39 @@ BufferManager::BufferManager(Options opts, Device *device) : opts_(opts), dev_(d
     policy_ = make_policy(opts_.policy, opts_.units);
     if (!policy_) policy_ = std::make_unique<LruPolicy>(opts_.units);  // Engine::open checks the name
     owner_.resize(opts_.units);
-    free_units_.reserve(opts_.units);
-    for (uint32_t u = opts_.units; u-- > 0;) free_units_.push_back(u);
+    held_.reserve(opts_.units);  // every frame at most once: no allocation under the lock
   }
 }
 
 Status BufferManager::start() {
   if (opts_.units > 0) {
     WKV_RETURN_IF_ERROR(dev_->alloc_ring(opts_.ring_bytes, &ring_, &ring_dev_));
+    // The pool: its slots (two per frame: a slot is rewritten only once
+    // its last taker has ended, and up to a cache of frames may be taken
+    // meanwhile) on the device, their host copy and the seen word in one
+    // block of pinned, mapped memory; its counts on the device.
+    const uint64_t cap = 2ull * opts_.units;
+    if (cap > UINT32_MAX) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "too many device cache frames");
+    const size_t slot_bytes = (4 * cap + 63) & ~size_t{63};
+    uint8_t *host = nullptr, *dev = nullptr;
+    WKV_RETURN_IF_ERROR(dev_->alloc_ring(slot_bytes + 64, &host, &dev));
+    void *slots = nullptr, *counts = nullptr;
+    WKV_RETURN_IF_ERROR(dev_->alloc_device(4 * cap, &slots));
+    WKV_RETURN_IF_ERROR(dev_->alloc_device(2 * sizeof(uint64_t), &counts));
+    pool_slots_ = reinterpret_cast<uint32_t *>(host);
+    pool_seen_ = reinterpret_cast<uint64_t *>(host + slot_bytes);
+    pool_dev_.slots = static_cast<const uint32_t *>(slots);
+    pool_dev_.seen = reinterpret_cast<unsigned long long *>(dev + slot_bytes);
+    pool_dev_.avail = static_cast<unsigned long long *>(counts);
+    pool_dev_.taken = pool_dev_.avail + 1;
+    pool_dev_.cap = static_cast<uint32_t>(cap);
+    std::vector<uint32_t> all(opts_.units);
+    for (uint32_t u = 0; u < opts_.units; ++u) all[u] = opts_.units - 1 - u;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      put_free(all.data(), all.size());
+    }
+    publish();
   }
   thread_ = std::thread([this] { run(); });
   return Status::ok();
@@ -185,22 +208,15 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   StepRecord r;
   if (!ring_) return r;
   if (key > kMaxRecordKey) key = 0;
-  // What the last step with this key missed, a quarter more; else the share
-  // of its bound that steps miss; at least min_given (until the first
-  // records tell, the whole bound).
-  size_t hint = static_cast<size_t>(1.25 * miss_share_.load(std::memory_order_relaxed) * want) + opts_.min_given;
+  const uint32_t admit_cap = std::min(want, opts_.max_admits);
   std::unique_lock<std::mutex> lock(mu_);
-  if (key != 0 && key < t.missed_by_key_.size() && t.missed_by_key_[key] != 0)
-    hint = static_cast<size_t>(1.25 * StepTracker::missed_of(t.missed_by_key_[key])) + opts_.min_given;
   // Frames whose readers ended since the manager's last pass are free now:
   // a burst that begins right after the steps before it ended (a runtime
   // that waits for a token, then enqueues the next) finds the frames its
   // predecessors' evictions made ready.
-  if (free_units_.size() < std::min<size_t>(want, hint) && !quarantine_.empty())
-    release_quarantined(oldest_in_flight(lock));
-  const uint32_t n_given = static_cast<uint32_t>(
-      std::min<size_t>({static_cast<size_t>(want), free_units_.size(), opts_.max_given, hint}));
-  const size_t bytes = record_bytes(n_given, hit_cap, n_runs);
+  const bool release = !quarantine_.empty() && pool_free() < admit_cap;
+  if (release) release_quarantined(oldest_in_flight(lock));
+  const size_t bytes = record_bytes(admit_cap, hit_cap, n_runs);
   // 1. Room in the ring: after the newest record, else from the start.
   size_t at = SIZE_MAX;
   if (open_.empty()) {
@@ -216,6 +232,8 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   }
   if (at == SIZE_MAX) {
     ++dropped_;
+    lock.unlock();
+    if (release) publish(false);
     return r;
   }
   // 2. The header and the units it may admit into.
@@ -223,32 +241,28 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   std::memset(h, 0, sizeof *h);
   h->epoch = epoch;
   h->tracker = &t;
-  h->n_given = n_given;
+  h->admit_cap = admit_cap;
   h->hit_cap = hit_cap;
   h->n_runs = n_runs;
   h->bytes = static_cast<uint32_t>(bytes);
   h->want = want;
   h->key = key;
   RecordArrays a = arrays_of(h);
-  for (uint32_t i = 0; i < n_given; ++i) {
-    a.given[i] = free_units_.back();
-    free_units_.pop_back();
-  }
   std::memcpy(a.heads, heads, 8ull * n_runs);
   open_.push_back(h);
   open_peak_ = std::max(open_peak_, open_.size());
   ++t.records_;
   ring_head_ = at + bytes;
   lock.unlock();
+  if (release) publish(false);
   cv_.notify_one();
 
   const ptrdiff_t dev = ring_dev_ - ring_;
   r.header = reinterpret_cast<RecordHeader *>(reinterpret_cast<uint8_t *>(h) + dev);
-  r.given = reinterpret_cast<const uint32_t *>(reinterpret_cast<uint8_t *>(a.given) + dev);
   r.hits = reinterpret_cast<uint32_t *>(reinterpret_cast<uint8_t *>(a.hits) + dev);
   r.admits = reinterpret_cast<AdmitEntry *>(reinterpret_cast<uint8_t *>(a.admits) + dev);
   r.heads = reinterpret_cast<uint64_t *>(reinterpret_cast<uint8_t *>(a.heads) + dev);
-  r.n_given = n_given;
+  r.admit_cap = admit_cap;
   r.hit_cap = hit_cap;
   return r;
 }
@@ -273,7 +287,7 @@ BufferManager::Stats BufferManager::stats() {
   s.lost = lost_.load();
   s.backlog = open_.size() + (busy_.load() ? 1 : 0);
   s.dropped_records = dropped_;
-  s.free = free_units_.size();
+  s.free = pool_free();
   s.quarantined = quarantined_.load();
   s.resident = resident_.load();
   return s;
@@ -312,6 +326,7 @@ void BufferManager::run() {
     take_records();
     evict();
     release_ready();
+    publish();
     busy_.store(false);
   }
 }
@@ -345,16 +360,17 @@ bool BufferManager::take_records() {
 void BufferManager::take_record(const RecordHeader &hc) {
   RecordHeader *h = const_cast<RecordHeader *>(&hc);
   RecordArrays a = arrays_of(h);
-  const uint32_t used = std::min(h->used, h->n_given), hits = std::min(h->hits, h->hit_cap);
+  const uint32_t used = std::min(h->used, h->admit_cap), hits = std::min(h->hits, h->hit_cap);
   // 1. Recency: every unit the step read from the cache.
   for (uint32_t i = 0; i < hits; ++i) {
     const uint32_t u = a.hits[i];
     if (u < opts_.units && owner_[u].entry != 0) policy_->on_access(u);
   }
-  // 2. Admissions become resident frames of live heads; the rest go back.
-  //    The lock (which the decoding path's open_record waits for) is held
-  //    only to read which of the record's runs have live heads and to hand
-  //    the frames back; owner_ and the policy are this thread's own.
+  // 2. Admissions become resident frames of live heads; frames taken but
+  //    not mapped go back to the pool. The lock (which the decoding path's
+  //    open_record waits for) is held only to read which of the record's
+  //    runs have live heads and to put frames back; owner_ and the policy
+  //    are this thread's own.
   const uint64_t stamp = epoch_.load(std::memory_order_seq_cst);
   uint32_t admitted = 0;
   scratch_live_.assign(h->n_runs, 0);
@@ -370,10 +386,12 @@ void BufferManager::take_record(const RecordHeader &hc) {
   // quarantines them without clearing entries.
   scratch_free_.clear();
   scratch_quarantine_.clear();
-  for (uint32_t i = 0; i < h->n_given; ++i) {
-    const uint32_t u = a.given[i];
-    const AdmitEntry e = i < used ? a.admits[i] : AdmitEntry{0, u, 0};
-    // The frame is given[i] whatever the log says.
+  uint32_t taken = 0;
+  for (uint32_t i = 0; i < used; ++i) {
+    const AdmitEntry e = a.admits[i];
+    const uint32_t u = e.frame;
+    if (u >= opts_.units) continue;  // the pool was empty
+    ++taken;
     if (e.entry == 0) {
       scratch_free_.push_back(u);  // never mapped: nothing can read it
       continue;
@@ -390,7 +408,8 @@ void BufferManager::take_record(const RecordHeader &hc) {
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
-  free_units_.insert(free_units_.end(), scratch_free_.begin(), scratch_free_.end());
+  taken_known_ += taken;
+  put_free(scratch_free_.data(), scratch_free_.size());
   for (uint32_t u : scratch_quarantine_) quarantine_.push_back({stamp, u});
   quarantined_ += scratch_quarantine_.size();
   admissions_ += admitted;
@@ -409,20 +428,13 @@ void BufferManager::take_record(const RecordHeader &hc) {
       const uint32_t now = std::min<uint32_t>(missed, UINT32_MAX - 1);
       keyed_missed_ = keyed_missed_ - StepTracker::missed_of(m) + now;
       m = now + 1;
+      keyed_peak_ = std::max(static_cast<double>(keyed_missed_), 0.995 * keyed_peak_);
     } catch (const std::bad_alloc &) {
       // Without the figure, steps of this key are handed the overall share.
     }
   }
   record_missed_ = 0.75 * record_missed_ + 0.25 * missed;
-  given_ += h->n_given;
-  // Handing out frames costs the decoding path a store each and the
-  // manager a log entry: hand each step the share of its bound that steps
-  // miss (recent records).
-  if (h->want > 0) {
-    const float share = std::min(1.0f, static_cast<float>(missed) / static_cast<float>(h->want));
-    miss_share_.store(0.75f * miss_share_.load(std::memory_order_relaxed) + 0.25f * share,
-                      std::memory_order_relaxed);
-  }
+  given_ += taken;
 }
 
 void BufferManager::evict() {
@@ -439,10 +451,10 @@ void BufferManager::evict() {
   size_t need;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const size_t keyed = static_cast<size_t>(1.25 * static_cast<double>(keyed_missed_));
+    const size_t keyed = static_cast<size_t>(1.25 * std::max(static_cast<double>(keyed_missed_), keyed_peak_));
     const size_t target = std::min<size_t>(
         opts_.units / 4, std::max(static_cast<size_t>(1.5 * record_missed_ * open_records_), keyed) + 32);
-    const size_t have = free_units_.size() + quarantined_.load();
+    const size_t have = pool_free() + quarantined_.load();  // pool_free counts held frames
     if (have >= target) return;
     need = target - have;
   }
@@ -493,10 +505,75 @@ void BufferManager::release_quarantined(uint64_t oldest) {
   // whose readers have ended are a prefix, and the decoding path pays for
   // what it frees, not for what stays.
   while (!quarantine_.empty() && quarantine_.front().stamp < oldest) {
-    free_units_.push_back(quarantine_.front().unit);
+    const uint32_t u = quarantine_.front().unit;
     quarantine_.pop_front();
     --quarantined_;
+    put_free(&u, 1);
   }
+}
+
+void BufferManager::put_free(const uint32_t *units, size_t n) {
+  const uint64_t cap = pool_dev_.cap;
+  for (size_t i = 0; i < n; ++i) {
+    // Position p reuses the slot of p - cap: only once its taker has ended.
+    if (!held_.empty() || produced_ >= read_mark_ + cap) {
+      held_.push_back(units[i]);
+      continue;
+    }
+    pool_slots_[produced_++ % cap] = units[i];
+  }
+}
+
+void BufferManager::publish(bool wait) {
+  std::unique_lock<std::mutex> order(publish_mu_, std::defer_lock);
+  if (wait)
+    order.lock();
+  else if (!order.try_lock())
+    return;  // the manager's thread is publishing; its next pass takes the rest
+  uint64_t first, n;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    first = published_;
+    n = produced_ - published_;
+    published_ = produced_;
+  }
+  if (n == 0) return;
+  // The host copy of these slots is not written again before their takers
+  // have ended (put_free), so the copy reads them as they are now.
+  if (!dev_->publish_frames(pool_slots_, const_cast<uint32_t *>(pool_dev_.slots), first, n, pool_dev_.cap,
+                            reinterpret_cast<uint64_t *>(pool_dev_.avail))
+           .is_ok())
+    lost_ += n;
+}
+
+void BufferManager::advance_pool(uint64_t oldest) {
+  if (!pool_slots_) return;
+  // A checkpoint: every position below `seen` was taken by a step begun by
+  // now (its epoch at most this stamp); once the steps in flight now have
+  // ended, their takers have read those slots.
+  const uint64_t seen = __atomic_load_n(pool_seen_, __ATOMIC_ACQUIRE);
+  if ((checkpoints_.empty() ? read_mark_ : checkpoints_.back().seen) < seen && checkpoints_.size() < 4096) {
+    try {
+      checkpoints_.push_back({epoch_.load(std::memory_order_seq_cst), seen});
+    } catch (const std::bad_alloc &) {
+      // A later pass checkpoints again; the mark only waits longer.
+    }
+  }
+  while (!checkpoints_.empty() && checkpoints_.front().stamp < oldest) {
+    read_mark_ = std::max(read_mark_, checkpoints_.front().seen);
+    checkpoints_.pop_front();
+  }
+  const uint64_t cap = pool_dev_.cap;
+  size_t i = 0;
+  for (; i < held_.size() && produced_ < read_mark_ + cap; ++i) pool_slots_[produced_++ % cap] = held_[i];
+  if (i > 0) held_.erase(held_.begin(), held_.begin() + static_cast<ptrdiff_t>(i));
+}
+
+size_t BufferManager::pool_free() const {
+  if (!pool_slots_) return 0;
+  const uint64_t seen = __atomic_load_n(pool_seen_, __ATOMIC_ACQUIRE);
+  const uint64_t taken = std::max(taken_known_, seen);
+  return (produced_ > taken ? static_cast<size_t>(produced_ - taken) : 0) + held_.size();
 }
 
 bool BufferManager::release_ready() {
@@ -514,6 +591,7 @@ bool BufferManager::release_ready() {
     }
     pending_.resize(kept);
     // Quarantined frames whose readers have ended are free again.
+    advance_pool(oldest);
     release_quarantined(oldest);
   }
   for (Pending &p : ready) p.release();

@@ -21,16 +21,26 @@
 // arrays) is released only once the oldest epoch in flight is past S:
 // every step that could have seen it has ended.
 //
-// The device cache (CUDA engines). A step's assemble opens an access record
-// in a ring of pinned, mapped host memory allocated at open, and is handed
-// free units in it; its gather kernel copies each missed unit into one of
-// them as it lays it out in the execution buffer (a miss crosses PCIe once),
+// The device cache (CUDA engines). Free frames sit in one pool for every
+// step (kernels/device_layout.hpp, FramePool: a ring of frame ids in
+// pinned, mapped host memory that the host fills and publishes, and a
+// device counter that gathers advance). A step's assemble opens an access
+// record in a ring of the same memory, allocated at open; its gather kernel
+// takes a frame from the pool for each unit it misses, copies the unit into
+// it as it lays it out in the execution buffer (a miss crosses PCIe once),
 // maps it in the head's unit map with a compare-and-swap, and logs the
-// admission and every unit it found in the cache. The manager's thread
-// takes records once their step has ended: hits refresh recency, admissions
-// become resident frames, units the step did not use go back. It keeps a
-// reserve of free units by evicting the policy's victims: clear the unit
-// map entries (a kernel on its own stream, which it waits for), quarantine.
+// admission and every unit it found in the cache. A step takes what it
+// misses, while the pool lasts: nothing is set aside for a step that would
+// then sit unused while the steps after it, in the same burst, miss.
+// (Handing each step a list of frames when it opened, sized by what its
+// layer missed last, left about half of the misses at batch 7 unadmitted on
+// the H100: the first layers of a token were handed more than they missed,
+// the later ones less, and the frames handed to a step came back only when
+// it ended.) The manager's thread takes records once their step has ended:
+// hits refresh recency, admissions become resident frames, frames taken but
+// not mapped go back to the pool. It keeps a reserve of free frames by
+// evicting the policy's victims: clear the unit map entries (a kernel on
+// its own stream, which it waits for), quarantine, then back to the pool.
 // When the ring is full, a step gets no record: it admits nothing and its
 // hits refresh nothing (recency is a hint; the decoding path never blocks
 // or allocates for it). Dropping an older record instead would lose the
@@ -89,19 +99,18 @@ class StepTracker {
 };
 
 // One access record of a step, in the ring (pinned, mapped host memory).
-// The host fills the header and `given` before the step's gather is
+// The host fills the header and `heads` before the step's gather is
 // enqueued; the gather writes the rest; the manager reads it after the step.
 //
 //   RecordHeader
-//   uint32_t   given[n_given]      free units the step may admit into
 //   uint32_t   hits[hit_cap]       units it read from the cache
-//   AdmitEntry admits[n_given]     what it did with given[i], i < used
+//   AdmitEntry admits[admit_cap]   what it did with its i-th miss, i < used
 //   uint64_t   heads[n_runs]       the run's head: cache id << 32 | generation
 struct RecordHeader {
   uint64_t epoch;
   const StepTracker *tracker;
-  uint32_t n_given, hit_cap, n_runs;
-  uint32_t used;    // written by the device: given units taken (<= n_given)
+  uint32_t admit_cap, hit_cap, n_runs;
+  uint32_t used;    // written by the device: admission entries (<= admit_cap)
   uint32_t hits;    // written by the device, right after used: hit log entries (<= hit_cap)
   uint32_t missed;  // written by the device, right after hits: units missed (what it could admit)
   uint32_t bytes;   // the record's size in the ring
@@ -115,18 +124,18 @@ static_assert(offsetof(RecordHeader, hits) == offsetof(RecordHeader, used) + 4 &
                   offsetof(RecordHeader, missed) == offsetof(RecordHeader, used) + 8,
               "the gather writes used, hits, missed");
 
-// What a gather did with given unit i (kernels/device_layout.hpp).
+// What a gather did with a miss (kernels/device_layout.hpp).
 using kernels::AdmitEntry;
+using kernels::FramePool;
 static_assert(sizeof(AdmitEntry) == 16, "AdmitEntry is 16 bytes");
 
 // A record as the step's kernels see it (device addresses of mapped memory).
 struct StepRecord {
   RecordHeader *header = nullptr;  // nullptr: no record (nothing admitted or logged)
-  const uint32_t *given = nullptr;
   uint32_t *hits = nullptr;
   AdmitEntry *admits = nullptr;
   uint64_t *heads = nullptr;
-  uint32_t n_given = 0, hit_cap = 0;
+  uint32_t admit_cap = 0, hit_cap = 0;
 };
 
 class BufferManager {
@@ -141,6 +150,15 @@ class BufferManager {
     // Ring memory for the access records (pinned, mapped on CUDA); *dev its
     // device address. Freed at close.
     virtual Status alloc_ring(size_t bytes, uint8_t **host, uint8_t **dev) = 0;
+    // `bytes` of zeroed device memory (the pool's slots and counts). Freed
+    // at close.
+    virtual Status alloc_device(size_t bytes, void **dev) = 0;
+    // Publishes n frames to the pool: copies host_slots[i % cap] to
+    // dev_slots[i % cap] for i in [first, first + n), then adds n to
+    // *avail, in that order, with work enqueued now (no wait). Calls are
+    // serialized by the caller.
+    virtual Status publish_frames(const uint32_t *host_slots, uint32_t *dev_slots, uint64_t first, uint64_t n,
+                                  uint32_t cap, uint64_t *avail) = 0;
     // Stores kNoFrame at n unit map entries (device addresses) and waits for
     // the stores: afterwards no step that begins reads those frames.
     virtual Status clear_entries(const uint64_t *entries, uint32_t n) = 0;
@@ -149,14 +167,13 @@ class BufferManager {
   struct Options {
     uint32_t units = 0;         // device cache frames (0: no cache)
     size_t ring_bytes = 32u << 20;
-    uint32_t max_given = 16384;  // free units handed to one step at most
-    uint32_t min_given = 64;    // ... and at least, while free units last
+    uint32_t max_admits = 16384;  // units one step admits at most
     std::string policy = "lru";  // the replacement policy (make_policy)
   };
 
   struct Stats {
     uint64_t admissions = 0, evictions = 0;
-    uint64_t missed = 0, given = 0;  // units the records' steps missed; free units handed to them
+    uint64_t missed = 0, given = 0;  // units the records' steps missed; frames they took from the pool
     uint64_t lost = 0;             // frames withheld after a failed unit map store
     uint64_t backlog = 0;          // records not yet taken
     uint64_t dropped_records = 0;  // steps that got no record (ring full)
@@ -199,21 +216,23 @@ class BufferManager {
   void head_destroyed(uint32_t id);
 
   // Opens the access record of a step of `t` at `epoch` over n_runs runs
-  // (heads[r] of each), handing it up to `want` free units and room for
-  // `hit_cap` hits. An empty record when the ring is full. `key` (at most
-  // kMaxRecordKey; 0: none) names the kind of step, a layer + 1 for a
-  // decoding step: a step is handed what the last step of its tracker with
-  // the same key missed, a quarter more, where one has been taken (layers
-  // miss unlike amounts; the share of the bound that steps miss overall
-  // otherwise).
+  // (heads[r] of each), with room to admit up to `want` units (at most
+  // max_admits) and to log `hit_cap` hits. An empty record when the ring
+  // is full. `key` (at most kMaxRecordKey; 0: none) names the kind of step,
+  // a layer + 1 for a decoding step: the reserve of free frames covers what
+  // the next step of every key would miss, were it to miss what the last
+  // one did.
   static constexpr uint32_t kMaxRecordKey = 4096;
   StepRecord open_record(StepTracker &t, uint64_t epoch, const uint64_t *heads, uint32_t n_runs,
                          uint32_t want, uint32_t hit_cap, uint32_t key = 0);
-  // The step of an open record will not be enqueued after all: its units go
-  // back untouched.
+  // The step of an open record will not be enqueued after all (it took
+  // nothing from the pool).
   void cancel_record(const StepRecord &r);
 
   Stats stats();
+  // The pool of free frames as the device sees it (cap 0 without a cache).
+  FramePool pool() const { return pool_dev_; }
+
   // Waits (up to `timeout_ms`) until every record of an ended step has been
   // taken and every release that can run has run. For tests and stats.
   bool quiesce(int timeout_ms);
@@ -257,6 +276,20 @@ class BufferManager {
   // Frees the quarantined frames stamped before `oldest` (the oldest epoch
   // in flight), from the front of the queue. Pre: mu_ held.
   void release_quarantined(uint64_t oldest);
+  // Writes frames into the pool's next slots (or holds them while their
+  // slots may still be read) for publish(). Pre: mu_ held.
+  void put_free(const uint32_t *units, size_t n);
+  // Publishes the frames written since the last call to the device. The
+  // decoding path leaves it to the manager's thread when that is
+  // publishing (`wait` false). Pre: mu_ not held.
+  void publish(bool wait = true);
+  // Moves the pool's read mark on (positions whose takers have ended) and
+  // writes held frames that now have room. Pre: mu_ held; `oldest` the
+  // oldest epoch in flight.
+  void advance_pool(uint64_t oldest);
+  // Frames in the pool not yet taken, as far as the host knows (steps in
+  // flight may have taken more), and frames held. Pre: mu_ held.
+  size_t pool_free() const;
 
   Options opts_;
   Device *dev_;
@@ -269,7 +302,25 @@ class BufferManager {
   std::vector<uint64_t *> free_words_;  // done words of dropped trackers
   std::vector<std::pair<uint64_t *, uint64_t *>> slab_offsets_;  // word slabs: host, device
   std::vector<Pending> pending_;
-  std::vector<uint32_t> free_units_;
+  // The pool (FramePool): 2 x units slots on the device (and their host
+  // copy), its counts on the device. `produced_` positions written so far,
+  // `published_` of them copied and counted on the device; `taken_known_` the frames
+  // that taken records took, `pool_seen_` the positions taken as the last
+  // gather to end saw them. A slot is written again only when its last
+  // position is below `read_mark_`: positions whose takers have ended,
+  // known from checkpoints (the seen count, and the epoch then) once the
+  // steps in flight at the checkpoint have ended. Frames without a slot
+  // wait in `held_`.
+  struct PoolCheckpoint {
+    uint64_t stamp, seen;
+  };
+  FramePool pool_dev_;
+  uint32_t *pool_slots_ = nullptr;  // host copy of the slots (pinned), written under mu_
+  uint64_t *pool_seen_ = nullptr;
+  uint64_t produced_ = 0, published_ = 0, taken_known_ = 0, read_mark_ = 0;
+  std::mutex publish_mu_;  // serializes publish(): ranges reach the device in order (before mu_)
+  std::deque<PoolCheckpoint> checkpoints_;
+  std::vector<uint32_t> held_;
   std::deque<Quarantined> quarantine_;  // frames given up, until their readers end (stamps in order)
   std::vector<HeadSlot> heads_;  // [0] unused
   std::vector<uint32_t> free_heads_;
@@ -284,7 +335,7 @@ class BufferManager {
   std::unique_ptr<ReplacementPolicy> policy_;
   std::vector<Owner> owner_;  // [units]
   std::vector<uint8_t> scratch_live_;  // take_record: whether each run's head is live
-  std::vector<uint32_t> scratch_free_, scratch_quarantine_;  // take_record: frames handed back
+  std::vector<uint32_t> scratch_free_, scratch_quarantine_;  // take_record: frames taken back
   // What steps miss, and how many begin before the manager can act on it.
   // A frame evicted while steps are in flight is free again only once they
   // have ended, so the frames ready when a burst of steps begins (a token's
@@ -301,12 +352,16 @@ class BufferManager {
   // missed_by_key_ (a runtime's next token; guarded by mu_). The reserve
   // covers it too.
   uint64_t keyed_missed_ = 0;
+  // Its peak, decaying by half a percent a keyed record taken (about 35
+  // tokens of four layers to halve): the reserve covers a change of topic
+  // (a token that misses several times what the tokens before it did)
+  // rather than the token before. (Following the last token alone, the
+  // tokens after a run of quiet ones found a reserve sized for those and
+  // admitted a fifth of their misses; with the peak, hit ratio 0.67 ->
+  // 0.75 at batch 1 and 0.58-0.60 -> 0.63-0.66 at batch 7 on the H100.)
+  double keyed_peak_ = 0;
   double open_records_ = 1;
   size_t open_peak_ = 0;  // records open at once since the last pass (guarded by mu_)
-  // The share of a record's bound (`want`) that steps miss (recent records):
-  // a step is handed that share of its bound, and a quarter more (written
-  // by the manager's thread, read when a record opens).
-  std::atomic<float> miss_share_{1.0f};
   std::thread thread_;
   std::atomic<bool> busy_{false};
 };

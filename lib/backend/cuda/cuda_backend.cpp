@@ -166,6 +166,9 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // The buffer manager's device.
   Status alloc_words(size_t n, uint64_t **host, uint64_t **dev) override;
   Status alloc_ring(size_t bytes, uint8_t **host, uint8_t **dev) override;
+  Status alloc_device(size_t bytes, void **dev) override;
+  Status publish_frames(const uint32_t *host_slots, uint32_t *dev_slots, uint64_t first, uint64_t n, uint32_t cap,
+                        uint64_t *avail) override;
   Status clear_entries(const uint64_t *entries, uint32_t n) override;
 
   void xbuf(const Plan &plan, wkv_xbuf_view *view) override;
@@ -196,6 +199,10 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   size_t frame_bytes_ = 0;
   uint32_t frames_ = 0;
   unsigned long long *d_stats_ = nullptr;  // [0] hits, [1] misses (units), [2] tokens gathered
+  std::vector<void *> d_blocks_;            // the buffer manager's device memory
+  // The buffer manager's publications to its pool (copies of slots and
+  // additions to its count): a stream of their own (side_ is waited on).
+  cudaStream_t pool_stream_ = nullptr;
   PinnedBlocks pinned_;
 
   // The k-means of growths (one at a time: the engine's growth lock).
@@ -267,6 +274,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
   }
   WKV_CU(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
   WKV_CU(cudaStreamCreateWithFlags(&io_, cudaStreamNonBlocking));
+  WKV_CU(cudaStreamCreateWithFlags(&pool_stream_, cudaStreamNonBlocking));
   WKV_CU(cudaMalloc(&d_stats_, 3 * sizeof(unsigned long long)));
   WKV_CU(cudaMemsetAsync(d_stats_, 0, 3 * sizeof(unsigned long long), side_));
   WKV_CU(cudaStreamSynchronize(side_));
@@ -294,7 +302,7 @@ CudaBackend::~CudaBackend() {
   DeviceGuard guard(dev_);
   for (Region *r : {&km_ws_, &km_n_, &km_begin_, &km_order_, &km_size_, &km_cent_, &km_vsum_, &km_spread_, &km_vtot_})
     if (r->p) cudaFree(r->p);
-  for (cudaStream_t s : {side_, io_}) {
+  for (cudaStream_t s : {side_, io_, pool_stream_}) {
     if (!s) continue;
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
@@ -303,6 +311,7 @@ CudaBackend::~CudaBackend() {
     if (ev) cudaEventDestroy(ev);
   if (cache_) cudaFree(cache_);
   if (d_stats_) cudaFree(d_stats_);
+  for (void *p : d_blocks_) cudaFree(p);
   (void)cudaGetLastError();
 }
 
@@ -552,6 +561,38 @@ Status CudaBackend::alloc_ring(size_t bytes, uint8_t **host, uint8_t **dev) {
   WKV_RETURN_IF_ERROR(pinned_.alloc(bytes, &h, &d));
   *host = static_cast<uint8_t *>(h);
   *dev = static_cast<uint8_t *>(d);
+  return Status::ok();
+}
+
+Status CudaBackend::alloc_device(size_t bytes, void **dev) {
+  DeviceGuard guard(dev_);
+  try {
+    d_blocks_.reserve(d_blocks_.size() + 1);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the buffer manager's device blocks");
+  }
+  void *d = nullptr;
+  WKV_CU(cudaMalloc(&d, bytes));
+  if (cudaMemset(d, 0, bytes) != cudaSuccess) {
+    cudaFree(d);
+    return WKV_ERROR(WKV_ERR_DEVICE, "cudaMemset of the buffer manager's device memory failed");
+  }
+  d_blocks_.push_back(d);
+  *dev = d;
+  return Status::ok();
+}
+
+Status CudaBackend::publish_frames(const uint32_t *host_slots, uint32_t *dev_slots, uint64_t first, uint64_t n,
+                                   uint32_t cap, uint64_t *avail) {
+  DeviceGuard guard(dev_);
+  // One copy, or two where the range wraps; then the count, in stream order.
+  for (uint64_t done = 0; done < n;) {
+    const uint64_t at = (first + done) % cap, len = std::min<uint64_t>(n - done, cap - at);
+    WKV_CU(cudaMemcpyAsync(dev_slots + at, host_slots + at, len * sizeof(uint32_t), cudaMemcpyHostToDevice,
+                           pool_stream_));
+    done += len;
+  }
+  WKV_KERNEL(kernels::add_to_word(reinterpret_cast<unsigned long long *>(avail), n, pool_stream_));
   return Status::ok();
 }
 
@@ -890,9 +931,9 @@ Status CudaBackend::assemble(Plan &plan) {
   PlanDevice &pd = plan.dev;
   const uint32_t R = static_cast<uint32_t>(plan.runs.size());
   const uint64_t epoch = e_.buffers().begin(plan.tracker());
-  // The step's access record: free frames for its misses (as many as this
-  // plan's last step of the layer missed: the record's key), room for its
-  // hits. Hits beyond the log's room refresh nothing (recency is a hint).
+  // The step's access record: room to log the admissions of its misses
+  // (frames it takes from the buffer manager's pool) and its hits. Hits
+  // beyond the log's room refresh nothing (recency is a hint).
   const StepRecord rec =
       frames_ ? e_.buffers().open_record(plan.tracker(), epoch, pd.run_heads.data(), R, pd.want_units,
                                          std::min<uint32_t>(pd.want_units, 16384), plan.layer + 1)
@@ -910,8 +951,8 @@ Status CudaBackend::assemble(Plan &plan) {
   a.frame_bytes = frame_bytes_;
   a.frames = frames_;
   if (rec.header) {
-    a.given = rec.n_given ? rec.given : nullptr;
-    a.n_given = rec.n_given;
+    a.pool = e_.buffers().pool();
+    a.admit_cap = rec.admit_cap;
     a.admits = rec.admits;
     a.hits = rec.hits;
     a.hit_cap = rec.hit_cap;
