@@ -222,7 +222,7 @@ type Stats struct {
 	SpillWriteErrors  uint64
 
 	// The device cache's admissions (CUDA engines; 0 on the CPU).
-	CacheFramesGiven    uint64 // free device cache frames handed to steps for admissions
+	CacheFramesGiven    uint64 // free device cache frames steps took from the pool for admissions
 	CacheRecordsDropped uint64 // steps with no access record (ring full): nothing admitted
 }
 

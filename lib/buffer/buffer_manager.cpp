@@ -415,12 +415,12 @@ void BufferManager::take_record(const RecordHeader &hc) {
   admissions_ += admitted;
   if (h->cancelled) return;
   // What the step missed (a gather that counts nothing reports at least
-  // what it admitted): its demand for free frames, whatever it was handed.
+  // what it logged): its demand for free frames, whatever it could take.
   const uint32_t missed = std::max(h->missed, used);
   missed_ += missed;
   if (h->key != 0) {
     // The tracker outlives its records (records_); only the manager's
-    // thread and open_record touch this, under mu_.
+    // thread touches this, under mu_.
     StepTracker *t = const_cast<StepTracker *>(h->tracker);
     try {
       if (t->missed_by_key_.size() <= h->key) t->missed_by_key_.resize(h->key + 1, 0);
@@ -430,7 +430,7 @@ void BufferManager::take_record(const RecordHeader &hc) {
       m = now + 1;
       keyed_peak_ = std::max(static_cast<double>(keyed_missed_), 0.995 * keyed_peak_);
     } catch (const std::bad_alloc &) {
-      // Without the figure, steps of this key are handed the overall share.
+      // Without the figure, the reserve follows the records' mean alone.
     }
   }
   record_missed_ = 0.75 * record_missed_ + 0.25 * missed;

@@ -22,21 +22,20 @@
 // every step that could have seen it has ended.
 //
 // The device cache (CUDA engines). Free frames sit in one pool for every
-// step (kernels/device_layout.hpp, FramePool: a ring of frame ids in
-// pinned, mapped host memory that the host fills and publishes, and a
-// device counter that gathers advance). A step's assemble opens an access
-// record in a ring of the same memory, allocated at open; its gather kernel
+// step (kernels/device_layout.hpp, FramePool: a ring of frame ids in device
+// memory that the host fills from its copy and publishes, and device counts
+// that gathers advance). A step's assemble opens an access record in a ring
+// of pinned, mapped host memory, allocated at open; its gather kernel
 // takes a frame from the pool for each unit it misses, copies the unit into
 // it as it lays it out in the execution buffer (a miss crosses PCIe once),
 // maps it in the head's unit map with a compare-and-swap, and logs the
 // admission and every unit it found in the cache. A step takes what it
 // misses, while the pool lasts: nothing is set aside for a step that would
 // then sit unused while the steps after it, in the same burst, miss.
-// (Handing each step a list of frames when it opened, sized by what its
-// layer missed last, left about half of the misses at batch 7 unadmitted on
-// the H100: the first layers of a token were handed more than they missed,
-// the later ones less, and the frames handed to a step came back only when
-// it ended.) The manager's thread takes records once their step has ended:
+// (Each step used to be handed a list of frames when its record opened,
+// sized by what its layer missed last, copied under the lock and back only
+// when the step ended; bench/RESULTS.md, "one pool of free frames".) The
+// manager's thread takes records once their step has ended:
 // hits refresh recency, admissions become resident frames, frames taken but
 // not mapped go back to the pool. It keeps a reserve of free frames by
 // evicting the policy's victims: clear the unit map entries (a kernel on

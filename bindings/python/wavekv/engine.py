@@ -234,7 +234,7 @@ class Stats:
     spill_estimated: int      # retrievals estimated because a page was on disk
     spill_read_errors: int
     spill_write_errors: int
-    cache_frames_given: int     # free device cache frames handed to steps for admissions (CUDA)
+    cache_frames_given: int     # free device cache frames steps took from the pool for admissions (CUDA)
     cache_records_dropped: int  # steps with no access record (ring full): nothing admitted (CUDA)
 
 
