@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
       }
       // 2. The rows, kUnroll pieces of K and of V per lane in flight. A
       //    missed unit takes a frame from the pool, if it has one, while
-      //    the first loads are in flight (the frame id is a read over PCIe).
+      //    the first loads are in flight (two atomics and a read from L2).
       const uint32_t total = rows * cpr;
       uint32_t g = 0xffffffffu, af = kNone;
       for (uint32_t q0 = 0; q0 < total; q0 += 32 * kUnroll) {

@@ -57,8 +57,9 @@ struct GatherArgs {
   uint8_t *cache = nullptr;
   size_t frame_bytes = 0;
   uint32_t frames = 0;
-  // Admissions and the access log, in memory the host reads after the step
-  // (mapped); all null for none.
+  // Admissions and the access log: the pool (device memory, its seen word
+  // mapped), and the log in memory the host reads after the step (mapped);
+  // all null for none.
   FramePool pool{};                 // the free frames (pool.cap 0: none)
   uint32_t admit_cap = 0;
   AdmitEntry *admits = nullptr;     // [admit_cap]

@@ -245,7 +245,6 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   h->hit_cap = hit_cap;
   h->n_runs = n_runs;
   h->bytes = static_cast<uint32_t>(bytes);
-  h->want = want;
   h->key = key;
   RecordArrays a = arrays_of(h);
   std::memcpy(a.heads, heads, 8ull * n_runs);

@@ -114,9 +114,8 @@ struct RecordHeader {
   uint32_t missed;  // written by the device, right after hits: units missed (what it could admit)
   uint32_t bytes;   // the record's size in the ring
   uint32_t cancelled;  // its step was never enqueued
-  uint32_t want;       // the most units the step could miss (its plan's bound)
   uint32_t key;        // which of its tracker's kinds of step (a layer + 1; 0: none)
-  uint32_t pad[2];
+  uint32_t pad[3];
 };
 static_assert(sizeof(RecordHeader) == 64, "RecordHeader is one 64-byte line");
 static_assert(offsetof(RecordHeader, hits) == offsetof(RecordHeader, used) + 4 &&
