@@ -7,8 +7,13 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "gpu_support.hpp"
@@ -49,13 +54,13 @@ struct Dev {
 // kN contexts, each appended to a sequence of the batched engine and one of
 // the single engine.
 struct Pair {
-  wavekv::Engine batched{config()}, single{config()};
+  wavekv::Engine batched, single;
   std::vector<wavekv::Sequence> bs, ss;
   std::vector<wkv_seq *> bh, sh;
   std::vector<HeadRows> rows[kN];
   std::vector<KeyGen> gens;
   cudaStream_t stream = nullptr;
-  Pair() {
+  explicit Pair(const wkv_config &c = config()) : batched(c), single(c) {
     for (uint32_t i = 0; i < kN; ++i) {
       bs.emplace_back(batched);
       ss.emplace_back(single);
@@ -205,4 +210,152 @@ TEST(GpuBatch, AppendsLandWhereSingleAppendsDoAcrossGrowths) {
   }
   EXPECT_LT(worst, 5e-3) << "full retrieval must match exact attention";
   EXPECT_LT(apart, 5e-3) << "the batched and the single engine must agree";
+}
+
+namespace {
+
+// A gate on a stream: the work enqueued after close() waits until open()
+// (a host function that blocks the stream, not the caller). A watchdog
+// opens it after `limit` should the caller itself wait for the stream.
+class Gate {
+ public:
+  void close(cudaStream_t s) { ASSERT_EQ(cudaLaunchHostFunc(s, &Gate::wait, this), cudaSuccess); }
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  // Runs body with the gate closed on s; true if body returned before the
+  // watchdog had to open the gate.
+  template <typename Fn> bool run_closed(cudaStream_t s, Fn &&body, std::chrono::seconds limit) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = false;
+    }
+    close(s);
+    std::atomic<bool> done{false}, forced{false};
+    std::thread watchdog([&] {
+      const auto until = std::chrono::steady_clock::now() + limit;
+      while (!done.load() && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      if (!done.load()) forced = true;
+      open();
+    });
+    body();
+    done = true;
+    watchdog.join();
+    return !forced.load();
+  }
+
+ private:
+  static void CUDART_CB wait(void *p) {
+    Gate *g = static_cast<Gate *>(p);
+    std::unique_lock<std::mutex> lock(g->mu_);
+    g->cv_.wait(lock, [g] { return g->open_; });
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = true;
+};
+
+}  // namespace
+
+// The issue's "zero host synchronizations in a decode loop that crosses
+// index growths": a runtime's loop (one wkv_append_batch and one wkv_decode
+// a token) is enqueued behind a gate that holds the stream. Were any call
+// to wait for the stream, the loop could not finish before the watchdog
+// opened the gate. First the tokens that complete an update segment in
+// every sequence (its growth begins: the k-means is enqueued on the
+// engine's growth stream, behind the gate too), then, the k-means done,
+// the tokens up to the growth's commit (32 tokens later) and beyond. Every
+// step's output is then checked against exact attention over the tokens
+// appended so far (full retrieval: a row missing or misplaced shows).
+TEST(GpuBatch, ADecodeLoopAcrossGrowthsNeverWaitsForTheStream) {
+  REQUIRE_GPU();
+  wkv_config c = config();
+  c.update_segment_tokens = 32;
+  c.window_tokens = 16;
+  Pair p(c);
+  for (int part = 0; part < 2; ++part) p.append(1025, 1025 * kKV * kD, kKV * kD, kD);
+  for (uint32_t i = 0; i < kN; ++i) p.bs[i].end_prompt(0, p.stream);
+  ASSERT_EQ(cudaStreamSynchronize(p.stream), cudaSuccess);
+  std::vector<uint32_t> segments0(kN);
+  for (uint32_t i = 0; i < kN; ++i) segments0[i] = p.bs[i].info(0).segments;
+
+  // Inputs staged ahead: a token and a query per sequence and step.
+  constexpr uint32_t kSteps = 40;
+  const size_t tok_elems = size_t(kN) * kKV * kD, q_elems = size_t(kN) * kQ * kD;
+  Dev dk(2 * kSteps * tok_elems * 2), dv(2 * kSteps * tok_elems * 2);
+  Dev dq(2 * kSteps * q_elems * 2), dout(2 * kSteps * q_elems * 2);
+  std::vector<std::vector<float>> qs;
+  std::vector<std::vector<size_t>> lens;  // rows of each sequence at each step
+  KeyGen qgen(kKV, kD, 11);
+  for (uint32_t st = 0; st < 2 * kSteps; ++st) {
+    std::vector<uint16_t> vh;
+    const std::vector<uint16_t> kh = p.draw(1, kKV * kD, 0, kD, tok_elems, &vh);
+    ASSERT_EQ(cudaMemcpy(static_cast<uint16_t *>(dk.p) + st * tok_elems, kh.data(), tok_elems * 2,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(static_cast<uint16_t *>(dv.p) + st * tok_elems, vh.data(), tok_elems * 2,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    std::vector<float> q;
+    for (uint32_t i = 0; i < kN; ++i)
+      for (uint32_t h = 0; h < kKV; ++h) qgen.query(h, kQ / kKV, &q);
+    for (float &x : q) x = round_to(kDT, x);
+    const std::vector<uint8_t> qb = pack(kDT, q);
+    ASSERT_EQ(cudaMemcpy(static_cast<uint8_t *>(dq.p) + st * q_elems * 2, qb.data(), qb.size(),
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    qs.push_back(q);
+    std::vector<size_t> n(kN);
+    for (uint32_t i = 0; i < kN; ++i) n[i] = p.rows[i][0].tokens(kD);
+    lens.push_back(n);
+  }
+
+  wavekv::Plan plan(p.batched);
+  Gate gate;
+  auto steps = [&](uint32_t first, uint32_t count) {
+    for (uint32_t st = first; st < first + count; ++st) {
+      wavekv::append_batch(p.bh.data(), kN, 0, static_cast<uint16_t *>(dk.p) + st * tok_elems,
+                           static_cast<uint16_t *>(dv.p) + st * tok_elems, 1, kKV * kD, 0, kD, p.stream);
+      plan.decode(p.bh.data(), kN, 0, static_cast<uint8_t *>(dq.p) + st * q_elems * 2,
+                  static_cast<uint8_t *>(dout.p) + st * q_elems * 2, p.stream);
+    }
+  };
+  // 1. Every sequence completes an update segment: growths begin.
+  EXPECT_TRUE(gate.run_closed(p.stream, [&] { steps(0, kSteps); }, std::chrono::seconds(30)))
+      << "a call waited for the stream while growths began";
+  ASSERT_EQ(cudaStreamSynchronize(p.stream), cudaSuccess);
+  for (uint32_t i = 0; i < kN; ++i)
+    EXPECT_EQ(p.bs[i].info(0).segments, segments0[i]) << "a growth committed before its lag";
+  // 2. Past the lag: the growths commit (and the next ones begin).
+  EXPECT_TRUE(gate.run_closed(p.stream, [&] { steps(kSteps, kSteps); }, std::chrono::seconds(30)))
+      << "a call waited for the stream while growths committed";
+  ASSERT_EQ(cudaStreamSynchronize(p.stream), cudaSuccess);
+  for (uint32_t i = 0; i < kN; ++i) {
+    const wkv_seq_info in = p.bs[i].info(0);
+    EXPECT_GE(in.segments, segments0[i] + 1) << "sequence " << i << ": no growth committed";
+    EXPECT_EQ(in.tokens, p.rows[i][0].tokens(kD));
+  }
+
+  std::vector<uint8_t> out(2 * kSteps * q_elems * 2);
+  ASSERT_EQ(cudaMemcpy(out.data(), dout.p, out.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  double worst = 0;
+  for (uint32_t st = 0; st < 2 * kSteps; ++st) {
+    const std::vector<uint8_t> ob(out.begin() + st * q_elems * 2, out.begin() + (st + 1) * q_elems * 2);
+    const std::vector<float> o = unpack(kDT, ob, q_elems);
+    for (uint32_t i = 0; i < kN; ++i)
+      for (uint32_t h = 0; h < kQ; ++h) {
+        HeadRows prefix;
+        const HeadRows &all = p.rows[i][h / (kQ / kKV)];
+        prefix.k.assign(all.k.begin(), all.k.begin() + lens[st][i] * kD);
+        prefix.v.assign(all.v.begin(), all.v.begin() + lens[st][i] * kD);
+        std::vector<double> ref;
+        const size_t at = (size_t(i) * kQ + h) * kD;
+        exact_attention(&qs[st][at], prefix, kD, &ref);
+        worst = std::max(worst, rel_l2(&o[at], ref));
+      }
+  }
+  EXPECT_LT(worst, 5e-3) << "every step exact at full retrieval, across the growths";
 }

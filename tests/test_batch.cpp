@@ -7,6 +7,7 @@
 // none) and the engine goes on.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -437,4 +438,122 @@ TEST(AppendBatchFaults, AFailedBatchThatMovedRowsInvalidatesEarlierPlans) {
   // Looked up again, the step reads the new region.
   ASSERT_TRUE(e->lookup(plan, &a, 1, 0, q.data(), kQ * kD, kD, nullptr).is_ok());
   EXPECT_TRUE(e->assemble(plan, nullptr).is_ok());
+}
+
+namespace {
+
+// One decoding step of layer 0 of `seq` for the query q (f32 engines).
+std::vector<float> decode_one(const std::shared_ptr<wkv::Engine> &e, std::shared_ptr<wkv::Sequence> &seq,
+                              const std::vector<float> &q) {
+  std::shared_ptr<wkv::StepTracker> t;
+  EXPECT_TRUE(e->buffers().new_tracker(&t).is_ok());
+  wkv::Plan plan(e, t);
+  std::vector<float> out(q.size());
+  wkv::Status st = e->lookup(plan, &seq, 1, 0, q.data(), kQ * kD, kD, nullptr);
+  if (st.is_ok()) st = e->assemble(plan, nullptr);
+  if (st.is_ok()) st = e->attend(plan, out.data(), kQ * kD, kD, nullptr, nullptr);
+  EXPECT_TRUE(st.is_ok()) << st.message();
+  return out;
+}
+
+}  // namespace
+
+// A generated segment's growth committed growth_lag tokens after the
+// append that completes it (as on a device, whose k-means runs beside the
+// decoding steps): until then the segment stays in the steady zone and
+// decoding is exact over it; once it commits, the index and every decoding
+// output are those of an engine that committed at once, bit for bit. A
+// commit that fails fails its append (nothing appended, the growth
+// dropped); the growth begins again and commits with the same clusters. A
+// sequence destroyed with a growth pending frees everything (ASan).
+TEST(GrowthLag, CommitsLaterWithTheSameClustersAndExactDecodingMeanwhile) {
+  wkv_config c = batch_config(WKV_DTYPE_F32);
+  c.n_layers = 1;
+  constexpr uint32_t kLag = 5;
+  std::shared_ptr<wkv::Engine> now, later;
+  ASSERT_TRUE(wkv::Engine::open(&c, &now).is_ok());
+  ASSERT_TRUE(wkv::Engine::open(&c, &later).is_ok());
+  later->set_growth_lag(kLag);
+  std::shared_ptr<wkv::Sequence> a, b, dropped;
+  ASSERT_TRUE(wkv::Sequence::create(now, &a).is_ok());
+  ASSERT_TRUE(wkv::Sequence::create(later, &b).is_ok());
+  ASSERT_TRUE(wkv::Sequence::create(later, &dropped).is_ok());
+  KeyGen gen(kKV, kD, 77), qgen(kKV, kD, 78);
+  std::vector<HeadRows> rows(kKV);
+  bool fail_next_commit = true;
+  uint32_t deferred = 0, failed = 0;
+  auto append = [&](uint32_t T) {
+    std::vector<float> k, v;
+    gen.next(T, &k, &v);
+    const auto *kp = reinterpret_cast<const uint8_t *>(k.data());
+    const auto *vp = reinterpret_cast<const uint8_t *>(v.data());
+    ASSERT_TRUE(now->append(*a, 0, kp, vp, T, kKV * kD, kD, nullptr).is_ok());
+    ASSERT_TRUE(later->append(*dropped, 0, kp, vp, T, kKV * kD, kD, nullptr).is_ok());
+    const bool commits = b->layer(0).pending && b->layer(0).tokens >= b->layer(0).pending->commit_at;
+    if (commits && fail_next_commit) {
+      // The commit fails: this append appends nothing, the growth is
+      // dropped, and the same tokens go in again.
+      fail_next_commit = false;
+      const uint64_t before = b->layer(0).tokens, segs = b->layer(0).heads[0].segments.size();
+      later->faults().arm(wkv::FaultInjector::kGrowth, 1);
+      const wkv::Status st = later->append(*b, 0, kp, vp, T, kKV * kD, kD, nullptr);
+      later->faults().arm(wkv::FaultInjector::kGrowth, 0);
+      EXPECT_EQ(st.code(), WKV_ERR_OUT_OF_MEMORY) << st.message();
+      EXPECT_EQ(b->layer(0).tokens, before);
+      EXPECT_EQ(b->layer(0).heads[0].segments.size(), segs);
+      EXPECT_FALSE(b->layer(0).pending) << "the failed growth is dropped";
+      ++failed;
+    }
+    ASSERT_TRUE(later->append(*b, 0, kp, vp, T, kKV * kD, kD, nullptr).is_ok());
+    for (uint32_t t = 0; t < T; ++t)
+      for (uint32_t h = 0; h < kKV; ++h) {
+        const size_t off = (static_cast<size_t>(t) * kKV + h) * kD;
+        rows[h].k.insert(rows[h].k.end(), k.begin() + off, k.begin() + off + kD);
+        rows[h].v.insert(rows[h].v.end(), v.begin() + off, v.begin() + off + kD);
+      }
+  };
+  append(600);
+  ASSERT_TRUE(now->end_prompt(*a, 0, nullptr).is_ok());
+  ASSERT_TRUE(later->end_prompt(*b, 0, nullptr).is_ok());
+  ASSERT_TRUE(later->end_prompt(*dropped, 0, nullptr).is_ok());
+  for (uint32_t step = 0; step < 400; ++step) {
+    append(1);
+    const wkv::LayerState &La = a->layer(0), &Lb = b->layer(0);
+    ASSERT_EQ(La.tokens, Lb.tokens);
+    if (Lb.pending) {
+      ++deferred;
+      EXPECT_EQ(Lb.heads[0].segments.size() + 1, La.heads[0].segments.size()) << "step " << step;
+      EXPECT_LE(Lb.tokens, Lb.pending->commit_at);
+      // The pending segment is still in the tail, the steady zone, which
+      // decoding attends exactly.
+      for (uint32_t h = 0; h < kKV; ++h)
+        EXPECT_EQ(Lb.heads[h].tail.n, La.heads[h].tail.n + c.update_segment_tokens) << "step " << step;
+      std::vector<float> q;
+      for (uint32_t h = 0; h < kKV; ++h) qgen.query(h, kQ / kKV, &q);
+      for (float x : decode_one(later, b, q)) ASSERT_TRUE(std::isfinite(x)) << "step " << step;
+      continue;
+    }
+    ASSERT_EQ(La.heads[0].segments.size(), Lb.heads[0].segments.size()) << "step " << step;
+    for (uint32_t h = 0; h < kKV; ++h) {
+      const wkv::HeadState &x = La.heads[h], &y = Lb.heads[h];
+      ASSERT_EQ(x.map.size, y.map.size) << "step " << step;
+      ASSERT_EQ(x.map.first_slot, y.map.first_slot) << "step " << step;
+      ASSERT_EQ(x.tail.n, y.tail.n);
+    }
+    std::vector<float> q;
+    for (uint32_t h = 0; h < kKV; ++h) qgen.query(h, kQ / kKV, &q);
+    ASSERT_EQ(decode_one(now, a, q), decode_one(later, b, q)) << "step " << step;
+  }
+  EXPECT_GE(a->layer(0).heads[0].segments.size(), 2u + 5u) << "the generation grew the index";
+  EXPECT_GT(deferred, 0u);
+  EXPECT_EQ(failed, 1u);
+  // b's growths and dropped's, each begun once, and b's failed one again.
+  const auto grown = [](const std::shared_ptr<wkv::Sequence> &s) {
+    return s->layer(0).heads[0].segments.size() - 2 + (s->layer(0).pending ? 1 : 0);
+  };
+  EXPECT_EQ(later->counters().growths_deferred.load(), grown(b) + grown(dropped) + 1);
+  // A sequence destroyed with its growth pending.
+  while (!dropped->layer(0).pending) append(1);
+  dropped.reset();
+  EXPECT_EQ(later->counters().growth_waits.load(), 0u) << "the CPU's k-means is done when begun";
 }

@@ -26,13 +26,19 @@ namespace wkv {
 
 class Plan;
 
+// A k-means batch begun and not yet ended (the backend's own type).
+class ClusterBatch {
+ public:
+  virtual ~ClusterBatch() = default;
+};
+
 // One segment of a growth's k-means batch (engine memory).
 using ClusterJob = kernels::KMeansSegmentDesc;
 
 // What a k-means batch gives back, packed by segment as KMeansBatchOut
 // describes (kernels/kmeans_types.hpp). Host arrays: n_clusters,
 // n_outliers, begin, size, tok_off, clu_off, value_total; engine memory:
-// order, centroid, value_sum, spread. Valid until cluster_done().
+// order, centroid, value_sum, spread. Valid until cluster_end().
 struct ClusterOut {
   const uint32_t *n_clusters = nullptr;  // [S]
   const uint32_t *n_outliers = nullptr;  // [S] of them, the last ones: outliers split off
@@ -107,6 +113,9 @@ class Backend {
   virtual Status mem_copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
                                size_t width, size_t rows, void *stream) = 0;
   virtual Status mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream) = 0;
+  // *dst = value (engine memory, 8-byte aligned), in stream order, without
+  // waiting for the stream (CUDA: the value travels as a kernel parameter).
+  virtual Status mem_store64(void *dst, uint64_t value, void *stream) = 0;
   // dst[i] = f16(src[i]) for i < n, engine memory both, in stream order;
   // sets *overflow (engine memory) to nonzero if a value lies outside f16's
   // range. Backends whose kernels read no f16 meta index need not have it.
@@ -138,12 +147,44 @@ class Backend {
   // Complete prompt segments a layer gathers per KV head before they are
   // clustered during the appends (the prompt's end clusters the rest).
   virtual uint32_t prompt_batch_segments() const = 0;
-  // Clusters a batch of segments (one call at a time: the caller holds the
-  // engine's growth lock until cluster_done). Adds the k-means time to the
-  // engine's counters.
-  virtual Status cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, void *stream) = 0;
-  // The caller has enqueued its last read of the ClusterOut on `stream`.
-  virtual void cluster_done(void *stream) = 0;
+  // Appends of a generating layer between the one that completes an update
+  // segment, which begins its growth, and the one that commits it (0: the
+  // same append). Fixed, so that where a growth commits never depends on
+  // timing: a commit whose k-means is not done yet waits for it.
+  virtual uint32_t growth_lag() const { return 0; }
+  // The k-means of a growth, in four calls, so that a generated segment is
+  // clustered off the decoding path (lib/index/growth.cpp):
+  //   cluster_begin    begins the k-means of n segments whose rows the work
+  //                    enqueued on `stream` so far writes (CUDA: on the
+  //                    backend's growth stream, after an event of `stream`;
+  //                    the CPU clusters at once); the batch's outputs are its
+  //                    own, so several may be in flight
+  //   cluster_ready    whether the results can be taken without waiting
+  //                    (never waits)
+  //   cluster_take     the results (waits for them if not ready: a prompt's
+  //                    growth), and orders `stream` after the k-means, so
+  //                    that reads of its engine-memory outputs enqueued on it
+  //                    come after; adds the k-means time to the counters
+  //   cluster_end      the caller's last read of the outputs is enqueued on
+  //                    `stream`, or, with nullptr, nothing was read and the
+  //                    batch is abandoned (a layer released: memory freed
+  //                    after it waits for the k-means too)
+  // Every begun batch ends exactly once.
+  // `scratch` bytes of host memory come with the batch (cluster_scratch):
+  // what the growth copies to engine memory from there never waits for the
+  // stream (CUDA: pinned memory), and lives until the batch has ended.
+  virtual Status cluster_begin(const ClusterJob *jobs, uint32_t n, size_t scratch, void *stream,
+                               ClusterBatch **out) = 0;
+  virtual uint8_t *cluster_scratch(ClusterBatch *b) = 0;
+  virtual bool cluster_ready(ClusterBatch *b) = 0;
+  virtual Status cluster_take(ClusterBatch *b, void *stream, ClusterOut *out) = 0;
+  virtual void cluster_end(ClusterBatch *b, void *stream) = 0;
+  // Makes `stream` wait, on the device, for the batch's k-means (its reads
+  // of the segments' rows): before rows it reads move.
+  virtual Status cluster_after(ClusterBatch *b, void *stream) {
+    (void)b, (void)stream;
+    return Status::ok();
+  }
   // Writes clustered segments into host pages, in stream order.
   virtual Status write_pages(const PageWriteJob *jobs, uint32_t n, void *stream) = 0;
   // The address a kernel reads host page `id` at (CUDA: mapped memory);

@@ -48,8 +48,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   FaultInjector &faults() { return faults_; }
   // The index's view of the engine (lib/index/growth.hpp).
   IndexContext index() {
-    return IndexContext{cfg_, *backend_, *arena_, *pool_, counters_, *buffers_, growth_mu_, &faults_};
+    IndexContext ix{cfg_, *backend_, *arena_, *pool_, counters_, *buffers_, growth_mu_, &faults_};
+    ix.growth_lag = growth_lag_ == kBackendLag ? backend_->growth_lag() : growth_lag_;
+    return ix;
   }
+  // Tests: the appends between a generated segment's completion and its
+  // growth's commit, in place of the backend's (Backend::growth_lag).
+  void set_growth_lag(uint32_t lag) { growth_lag_ = lag; }
 
   void fill_stats(wkv_stats *out);
   // wkv_engine_stats_json's object: config, stats, and the time taken.
@@ -128,6 +133,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   EngineCounters counters_;
   FaultInjector faults_;
   std::mutex growth_mu_;
+  static constexpr uint32_t kBackendLag = ~0u;
+  uint32_t growth_lag_ = kBackendLag;
   std::string stats_path_;  // the config's stats_path points here
   std::string spill_dir_;   // the config's spill_dir points here
   std::unique_ptr<SpillFile> spill_;

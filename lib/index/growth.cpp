@@ -98,40 +98,36 @@ struct HeadGrowth {
   std::vector<PageId> pages;
 };
 
-// Clusters `count` segments of `seg_tokens` tokens (the last one
-// `last_tokens`) from the front of every head's tail, and commits them.
-Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t count, uint32_t seg_tokens,
-            uint32_t last_tokens, bool generated, void *stream) {
+// Begins the growth of `count` segments of `seg_tokens` tokens (the last
+// one `last_tokens`) from the front of every head's tail: cuts, seeds and
+// the backend's k-means, nothing visible changed.
+Status grow_begin(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t count, uint32_t seg_tokens,
+                  uint32_t last_tokens, bool generated, void *stream, std::unique_ptr<PendingGrowth, PendingGrowthFree> *out) {
   const Config &cfg = ix.cfg;
   const uint32_t H = static_cast<uint32_t>(L.heads.size());
   const uint32_t d = cfg.c.head_dim, pt = cfg.page_tokens();
-  const uint64_t consumed = static_cast<uint64_t>(count - 1) * seg_tokens + last_tokens;
   const uint32_t S = count * H;
-  if (ix.faults && ix.faults->fail(FaultInjector::kGrowth))
-    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of memory for a growth of %u segments (injected)", S);
-  std::lock_guard<std::mutex> growth_lock(ix.growth_mu);
-
+  std::unique_ptr<PendingGrowth, PendingGrowthFree> pg;
   // 1. Cuts and seeds: segment i of head h is job h * count + i.
-  std::vector<ClusterJob> jobs;
-  std::vector<uint32_t> first_row;
-  std::vector<uint32_t> seg_pages, seg_first_page;
-  std::vector<PageId> ids;
-  std::vector<HeadGrowth> grow;
   try {
-    jobs.resize(S);
-    first_row.resize(S);
-    seg_pages.resize(S);
-    seg_first_page.resize(S);
-    grow.resize(H);
+    pg.reset(new PendingGrowth);
+    pg->jobs.resize(S);
+    pg->first_row.resize(S);
+    pg->seg_pages.resize(S);
+    pg->seg_first_page.resize(S);
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory planning %u segments", S);
   }
+  pg->count = count;
+  pg->seg_tokens = seg_tokens;
+  pg->last_tokens = last_tokens;
+  pg->generated = generated;
   uint32_t npages = 0;
   for (uint32_t h = 0; h < H; ++h) {
     uint32_t first = 0;
     for (uint32_t i = 0; i < count; ++i) {
       const uint32_t si = h * count + i;
-      ClusterJob &j = jobs[si];
+      ClusterJob &j = pg->jobs[si];
       j.tokens = i + 1 == count ? last_tokens : seg_tokens;
       j.keys = L.heads[h].tail.k_at(first);
       j.values = L.heads[h].tail.v_at(first);
@@ -139,22 +135,88 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
       j.seed = segment_seed(cfg.c.seed, layer, h, L.tail_begin + first);
       j.outliers = outlier_cap(cfg.c.method, j.tokens);
       j.outlier_ratio = kOutlierRatio;
-      first_row[si] = first;
-      seg_pages[si] = (j.tokens + pt - 1) / pt;
-      seg_first_page[si] = npages;
-      npages += seg_pages[si];
+      pg->first_row[si] = first;
+      pg->seg_pages[si] = (j.tokens + pt - 1) / pt;
+      pg->seg_first_page[si] = npages;
+      npages += pg->seg_pages[si];
       first += j.tokens;
+      pg->clusters_max += kernels::kmeans_out_clusters(j);
     }
   }
+  pg->npages = npages;
+  // The host arrays the commit copies to engine memory, staged in the
+  // batch's scratch (HeadGrowth below): per head, its clusters' first
+  // slots, sizes and unit ends, its page addresses and its mean value.
+  const size_t scratch = 3 * pg->clusters_max * 4 + size_t(npages) * 8 + size_t(H) * (d * 4 + 64);
+  std::lock_guard<std::mutex> growth_lock(ix.growth_mu);
+  WKV_RETURN_IF_ERROR(ix.backend.cluster_begin(pg->jobs.data(), S, scratch, stream, &pg->batch));
+  *out = std::move(pg);
+  return Status::ok();
+}
 
-  // 2. The k-means (the backend's), then pages, all or nothing.
-  ClusterOut out;
-  WKV_RETURN_IF_ERROR(ix.backend.cluster(jobs.data(), S, &out, stream));
-  struct ClusterDone {
+// Where the commit stages a head's arrays in the batch's scratch: first
+// slots, sizes and unit ends of its new clusters, its page addresses, its
+// mean value; each 8-byte aligned.
+struct HeadScratch {
+  uint32_t *first_slot, *size, *unit_begin;
+  const uint8_t **addr;
+  float *value_mean;
+};
+
+HeadScratch carve(uint8_t *&at, uint32_t clusters, uint32_t pages, uint32_t d) {
+  auto take = [&at](size_t bytes) {
+    uint8_t *p = at;
+    at += round_up(bytes, 8);
+    return p;
+  };
+  HeadScratch hs;
+  hs.first_slot = reinterpret_cast<uint32_t *>(take(size_t(clusters) * 4));
+  hs.size = reinterpret_cast<uint32_t *>(take(size_t(clusters) * 4));
+  hs.unit_begin = reinterpret_cast<uint32_t *>(take(size_t(clusters) * 4));
+  hs.addr = reinterpret_cast<const uint8_t **>(take(size_t(pages) * 8));
+  hs.value_mean = reinterpret_cast<float *>(take(size_t(d) * 4));
+  return hs;
+}
+
+// Commits a begun growth: the k-means results (waiting for them unless
+// ready), pages, mapping entries and meta rows; all or nothing. The batch
+// ends either way (pg.batch is null after).
+Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, void *stream) {
+  const Config &cfg = ix.cfg;
+  const uint32_t H = static_cast<uint32_t>(L.heads.size());
+  const uint32_t d = cfg.c.head_dim, pt = cfg.page_tokens();
+  const uint32_t count = pg.count, seg_tokens = pg.seg_tokens, last_tokens = pg.last_tokens;
+  const bool generated = pg.generated;
+  const uint64_t consumed = static_cast<uint64_t>(count - 1) * seg_tokens + last_tokens;
+  const uint32_t S = count * H;
+  const std::vector<ClusterJob> &jobs = pg.jobs;
+  const std::vector<uint32_t> &first_row = pg.first_row, &seg_pages = pg.seg_pages,
+                              &seg_first_page = pg.seg_first_page;
+  const uint32_t npages = pg.npages;
+  // The batch ends on every path, after whatever this commit enqueued.
+  struct BatchEnd {
     Backend &b;
+    PendingGrowth &pg;
     void *s;
-    ~ClusterDone() { b.cluster_done(s); }
-  } cluster_done{ix.backend, stream};
+    ~BatchEnd() {
+      b.cluster_end(pg.batch, s);
+      pg.batch = nullptr;
+    }
+  } batch_end{ix.backend, pg, stream};
+  if (ix.faults && ix.faults->fail(FaultInjector::kGrowth))
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of memory for a growth of %u segments (injected)", S);
+  std::lock_guard<std::mutex> growth_lock(ix.growth_mu);
+  std::vector<PageId> ids;
+  std::vector<HeadGrowth> grow;
+  try {
+    grow.resize(H);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory planning %u segments", S);
+  }
+
+  // 2. The k-means's results, then pages, all or nothing.
+  ClusterOut out;
+  WKV_RETURN_IF_ERROR(ix.backend.cluster_take(pg.batch, stream, &out));
   try {
     ids.resize(npages);
   } catch (const std::bad_alloc &) {
@@ -244,9 +306,18 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
   //    entries, clustered rows into their pages. Only a failing device can
   //    fail here, and nothing visible has changed yet.
   std::vector<PageWriteJob> writes(S);
+  std::vector<float *> value_mean(H);
+  uint8_t *scratch = ix.backend.cluster_scratch(pg.batch);
   for (uint32_t h = 0; h < H; ++h) {
     HeadState &hs = L.heads[h];
     const HeadGrowth &g = grow[h];
+    const HeadScratch st = carve(scratch, g.add_c, g.add_p, d);
+    std::copy(g.first_slot.begin(), g.first_slot.end(), st.first_slot);
+    std::copy(g.size.begin(), g.size.end(), st.size);
+    std::copy(g.unit_begin.begin(), g.unit_begin.end(), st.unit_begin);
+    for (uint32_t i = 0; i < g.add_p; ++i) st.addr[i] = ix.backend.page_address(g.pages[i]);
+    std::copy(g.value_mean.begin(), g.value_mean.end(), st.value_mean);
+    value_mean[h] = st.value_mean;
     uint32_t c = hs.clusters(), pp = 0;
     for (uint32_t i = 0; i < count; ++i) {
       const uint32_t si = h * count + i;
@@ -269,16 +340,15 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
       c += nc;
       pp += seg_pages[si];
     }
-    WKV_RETURN_IF_ERROR(mirror_fill_entries(ix, hs, hs.clusters(), g.first_slot.data(), g.size.data(),
-                                            g.unit_begin.data(), g.add_c, static_cast<uint32_t>(hs.map.pages.size()),
-                                            g.pages.data(), g.add_p, stream));
+    WKV_RETURN_IF_ERROR(mirror_fill_entries(ix, hs, hs.clusters(), st.first_slot, st.size, st.unit_begin, g.add_c,
+                                            static_cast<uint32_t>(hs.map.pages.size()), g.pages.data(), g.add_p,
+                                            stream, st.addr));
   }
   WKV_RETURN_IF_ERROR(ix.backend.write_pages(writes.data(), S, stream));
   // The mean value changes in place, last: a step ordered after this growth
   // reads it with the clusters below, one before it has read it already.
   for (uint32_t h = 0; h < H; ++h)
-    WKV_RETURN_IF_ERROR(
-        ix.backend.mem_copy(L.heads[h].values.mean.p, grow[h].value_mean.data(), d * sizeof(float), stream));
+    WKV_RETURN_IF_ERROR(ix.backend.mem_copy(L.heads[h].values.mean.p, value_mean[h], d * sizeof(float), stream));
 
   // 5. Commit (nothing can fail from here): mapping tables, segments, the
   //    compact mirror, and the tails lose their clustered front.
@@ -325,7 +395,24 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
   return Status::ok();
 }
 
+// A growth begun and committed at once (a prompt's: it waits for the
+// k-means).
+Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t count, uint32_t seg_tokens,
+            uint32_t last_tokens, bool generated, void *stream) {
+  std::unique_ptr<PendingGrowth, PendingGrowthFree> pg;
+  WKV_RETURN_IF_ERROR(grow_begin(ix, L, layer, count, seg_tokens, last_tokens, generated, stream, &pg));
+  return grow_commit(ix, L, *pg, stream);
+}
+
 }  // namespace
+
+void PendingGrowthFree::operator()(PendingGrowth *p) const { delete p; }
+
+void drop_pending(const IndexContext &ix, LayerState &L, void *stream) noexcept {
+  if (!L.pending) return;
+  if (L.pending->batch) ix.backend.cluster_end(L.pending->batch, stream);
+  L.pending.reset();
+}
 
 uint32_t outlier_cap(uint32_t method, uint32_t tokens) {
   if (!(method & WKV_METHOD_OUTLIERS)) return 0;
@@ -410,7 +497,7 @@ Status mirror_reserve(const IndexContext &ix, HeadState &h, uint32_t clusters, u
     Region c;
     WKV_RETURN_IF_ERROR(ix.backend.mem_alloc(size_t(kUnitChunk) * 4, stream, &c));
     Status st = ix.backend.mem_fill(c.p, 0xff, size_t(kUnitChunk) * 4, stream);  // kNoFrame
-    if (st.is_ok()) st = ix.backend.mem_copy(m.unit_dir.p + i * 8, &c.p, 8, stream);
+    if (st.is_ok()) st = ix.backend.mem_store64(m.unit_dir.p + i * 8, reinterpret_cast<uintptr_t>(c.p), stream);
     if (!st.is_ok()) {
       ix.backend.mem_free(&c, stream);
       return st;
@@ -422,7 +509,7 @@ Status mirror_reserve(const IndexContext &ix, HeadState &h, uint32_t clusters, u
 
 Status mirror_fill_entries(const IndexContext &ix, HeadState &h, uint32_t c0, const uint32_t *first_slot,
                            const uint32_t *size, const uint32_t *unit_begin, uint32_t n_clusters, uint32_t p0,
-                           const PageId *pages, uint32_t n_pages, void *stream) {
+                           const PageId *pages, uint32_t n_pages, void *stream, const uint8_t *const *addrs) {
   if (ix.backend.host_memory()) return Status::ok();
   HeadMirror &m = h.mirror;
   if (n_clusters > 0) {
@@ -432,7 +519,9 @@ Status mirror_fill_entries(const IndexContext &ix, HeadState &h, uint32_t c0, co
     WKV_RETURN_IF_ERROR(
         ix.backend.mem_copy(m.unit_begin.p + (size_t(c0) + 1) * 4, unit_begin, size_t(n_clusters) * 4, stream));
   }
-  if (n_pages > 0) {
+  if (n_pages > 0 && addrs) {
+    WKV_RETURN_IF_ERROR(ix.backend.mem_copy(m.pages.p + size_t(p0) * 8, addrs, size_t(n_pages) * 8, stream));
+  } else if (n_pages > 0) {
     std::vector<const uint8_t *> addr;
     try {
       addr.resize(n_pages);
@@ -463,6 +552,7 @@ void init_layer(const IndexContext &ix, LayerState *L) {
 }
 
 void release_layer(const IndexContext &ix, LayerState &L, bool counted) noexcept {
+  drop_pending(ix, L, nullptr);
   for (HeadState &h : L.heads) {
     ix.backend.on_head_destroyed(h);
     for (Region *r : {&h.sink.k, &h.sink.v, &h.tail.k, &h.tail.v, &h.meta.centroid, &h.meta.value_sum, &h.meta.spread, &h.meta.centroid16, &h.values.mean,
@@ -516,8 +606,15 @@ Status stage_append(const IndexContext &ix, LayerState &L, uint32_t n, StagedApp
   // not the append then succeeds.
   Status st = Status::ok();
   bool moved = false;
+  bool ordered = false;
   for (HeadState &h : L.heads) {
     const uint8_t *sink_k = h.sink.k.p, *tail_k = h.tail.k.p;
+    // A pending growth's k-means reads the tail's front where it is: the
+    // old region may go only after it (on the device; the host waits not).
+    if (st.is_ok() && L.pending && !ordered && sa.to_tail && h.tail.begin + h.tail.n + sa.to_tail > h.tail.cap) {
+      st = ix.backend.cluster_after(L.pending->batch, stream);
+      ordered = true;
+    }
     if (st.is_ok() && sa.to_sink) st = reserve_rows(ix, &h.sink, sa.to_sink, sink, stream);
     if (st.is_ok() && sa.to_tail) st = reserve_rows(ix, &h.tail, sa.to_tail, tail_min, stream);
     moved |= h.sink.k.p != sink_k || h.tail.k.p != tail_k;
@@ -550,6 +647,20 @@ Status append_copies(const IndexContext &ix, const LayerState &L, const StagedAp
 Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, const StagedAppend &sa, void *stream) {
   const Config &cfg = ix.cfg;
   const uint32_t H = static_cast<uint32_t>(L.heads.size()), sink = cfg.c.sink_tokens, n = sa.n;
+  // A growth begun growth_lag appends before commits, before this append's
+  // rows count (waiting for its k-means if not done); if it fails, this
+  // append fails too
+  // (its copies wrote past the live rows, which nothing reads) and the
+  // segment stays in the tail for a later growth.
+  bool grew = false;
+  if (L.pending && L.tokens >= L.pending->commit_at) {
+    if (!ix.backend.cluster_ready(L.pending->batch)) ix.counters.growth_waits.fetch_add(1);
+    Status st = grow_commit(ix, L, *L.pending, stream);
+    L.pending.reset();
+    if (!st.is_ok()) return st;
+    L.version++;
+    grew = true;
+  }
   for (HeadState &h : L.heads) {
     h.sink.n += sa.to_sink;
     h.tail.n += sa.to_tail;
@@ -569,16 +680,26 @@ Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, cons
   // Under a host budget with cold pages, in growths of at most
   // max_growth_segments: once one has succeeded the tokens are kept, and
   // segments a later one could not take wait in the tail (the steady zone,
-  // attended exactly) for the next growth.
-  for (uint32_t done = 0; done < count;) {
+  // attended exactly) for the next growth. A generating layer's growth is
+  // left pending for growth_lag appends, one at a time.
+  for (uint32_t done = 0; done < count && !L.pending;) {
     const uint32_t c = growth_part(ix, count - done);
-    Status st = grow(ix, L, layer, c, seg, seg, L.generating, stream);
+    std::unique_ptr<PendingGrowth, PendingGrowthFree> pg;
+    Status st = grow_begin(ix, L, layer, c, seg, seg, L.generating, stream, &pg);
+    if (st.is_ok() && L.generating && ix.growth_lag > 0) {
+      pg->commit_at = L.tokens + n + ix.growth_lag;
+      L.pending = std::move(pg);
+      ix.counters.growths_deferred.fetch_add(1);
+      break;
+    }
+    if (st.is_ok()) st = grow_commit(ix, L, *pg, stream);
     if (st.is_ok()) {
       done += c;
+      grew = true;
       continue;
     }
     if (done > 0) break;
-    // The layer as before the call.
+    // The layer's tokens as before the call.
     for (HeadState &h : L.heads) {
       h.sink.n -= sa.to_sink;
       h.tail.n -= sa.to_tail;
@@ -590,7 +711,9 @@ Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, cons
   L.tokens += n;
   L.version++;
   ix.counters.tokens.fetch_add(n);
-  if (count > 0 && L.generating) trim_tails(ix, L, cfg.c.window_tokens + cfg.c.update_segment_tokens + 1, stream);
+  // Not while a k-means reads the tails.
+  if (grew && L.generating && !L.pending)
+    trim_tails(ix, L, cfg.c.window_tokens + cfg.c.update_segment_tokens + 1, stream);
   return Status::ok();
 }
 

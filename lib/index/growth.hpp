@@ -44,6 +44,9 @@ struct IndexContext {
   // Reads a page that is not resident (map.pages[p] == kNoPage) into dst:
   // a snapshot of a sequence with cold pages. Empty: no page may be cold.
   std::function<Status(const HeadState &, uint32_t p, uint8_t *dst)> read_cold = nullptr;
+  // Appends of a generating layer from the one that begins a growth to the
+  // one that commits it (Backend::growth_lag).
+  uint32_t growth_lag = 0;
 };
 
 // WKV_METHOD_OUTLIERS: a segment's members whose squared distance to their
@@ -59,6 +62,27 @@ uint32_t outlier_cap(uint32_t method, uint32_t tokens);
 // token `token_begin`: independent streams per segment, the same on every
 // backend and however the prompt was split into appends.
 uint64_t segment_seed(uint64_t seed, uint32_t layer, uint32_t head, uint64_t token_begin);
+
+// A growth begun and not committed (LayerState::pending): its segments are
+// the front of every head's tail, count of them (the last last_tokens
+// long), segment i of head h being job h * count + i; the k-means batch is
+// the backend's until the growth commits or is dropped.
+struct PendingGrowth {
+  ClusterBatch *batch = nullptr;
+  uint32_t count = 0, seg_tokens = 0, last_tokens = 0;
+  bool generated = false;
+  std::vector<ClusterJob> jobs;
+  std::vector<uint32_t> first_row, seg_pages, seg_first_page;
+  uint32_t npages = 0;
+  uint64_t clusters_max = 0;  // the batch's clusters at most
+  uint64_t commit_at = 0;     // the layer's tokens when the growth commits
+};
+
+// Drops a layer's pending growth, if any: its segments stay in the tails
+// (a later append begins their growth again). `stream`: the work enqueued
+// on it so far includes the last read of the batch's outputs (nullptr:
+// none; the memory freed after it waits for the k-means).
+void drop_pending(const IndexContext &ix, LayerState &L, void *stream) noexcept;
 
 // Appends n tokens' K and V rows to a layer: k and v point at token 0,
 // head 0 on the engine's device, strides in elements. Clusters the segments
@@ -77,6 +101,14 @@ Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, cons
 //   commit_append  counts the rows, once the copies are enqueued, and
 //                  clusters the segments that complete; on an error the
 //                  layer is as before the stage
+// A generating layer's growth is off the decoding path: commit_append
+// begins the k-means of a completed update segment and returns without
+// waiting for it (the segment stays in the tail, attended exactly); the
+// commit_append growth_lag appends later commits the growth, before it
+// counts its own rows, and fails, appending nothing, if the commit does
+// (the segment then stays in the tail and its growth begins again). Where a
+// growth commits depends on the tokens only; nothing waits for the caller's
+// stream, and the commit waits for the k-means only if it is not done.
 struct StagedAppend {
   uint32_t n = 0;
   uint64_t to_sink = 0, to_tail = 0;  // of the n rows
@@ -106,13 +138,16 @@ void release_layer(const IndexContext &ix, LayerState &L, bool counted = true) n
 // `clusters`, `pages` and `units` (cleared unit map chunks included; may
 // fail for memory and then changes nothing a step reads); mirror_fill_entries
 // copies n_clusters entries from cluster c0 on and n_pages page addresses
-// from page p0 on (fails only if the device does); mirror_fill copies the
+// from page p0 on (fails only if the device does; `addrs`, if given, holds
+// the pages' addresses in memory a copy need not wait from: the backend's
+// page_address of each); mirror_fill copies the
 // host table's entries from c0 and p0 to its end.
 Status mirror_reserve(const IndexContext &ix, HeadState &h, uint32_t clusters, uint32_t pages, uint32_t units,
                       void *stream);
 Status mirror_fill_entries(const IndexContext &ix, HeadState &h, uint32_t c0, const uint32_t *first_slot,
                            const uint32_t *size, const uint32_t *unit_begin, uint32_t n_clusters, uint32_t p0,
-                           const PageId *pages, uint32_t n_pages, void *stream);
+                           const PageId *pages, uint32_t n_pages, void *stream,
+                           const uint8_t *const *addrs = nullptr);
 Status mirror_fill(const IndexContext &ix, HeadState &h, uint32_t c0, uint32_t p0, void *stream);
 
 // Whether heads keep the f16 copy of their centroids that the device's

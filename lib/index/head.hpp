@@ -167,6 +167,14 @@ struct HeadState {
   uint32_t clusters() const { return map.clusters(); }
 };
 
+// A generated segment's growth whose k-means runs on the device while the
+// layer decodes (lib/index/growth.hpp); the segment stays in the tail, the
+// steady zone, until it commits.
+struct PendingGrowth;
+struct PendingGrowthFree {
+  void operator()(PendingGrowth *p) const;
+};
+
 // The heads of one layer of a sequence and what they share: tokens
 // [0, sink) sit in each head's sink, [tail_begin, tokens) in its tail, and
 // everything between in clustered segments. Sink and tail are the steady
@@ -186,6 +194,8 @@ struct LayerState {
   // device writes them after the call): none of them may be written out by
   // the host before that step has ended.
   uint64_t grown_epoch = 0;
+  // The growth begun and not yet committed, if any (one at a time).
+  std::unique_ptr<PendingGrowth, PendingGrowthFree> pending;
   std::vector<HeadState> heads;
 };
 

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 
 #include "kernels/cpu_kernels.hpp"
@@ -98,12 +99,21 @@ class CpuBackend final : public Backend, public BufferManager::Device {
     std::memset(dst, byte, bytes);
     return Status::ok();
   }
+  Status mem_store64(void *dst, uint64_t value, void *) override {
+    std::memcpy(dst, &value, sizeof value);
+    return Status::ok();
+  }
   Status mem_sync(void *) override { return Status::ok(); }
 
   // Index growth: every complete segment is clustered as it completes.
   uint32_t prompt_batch_segments() const override { return 1; }
-  Status cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, void *) override;
-  void cluster_done(void *) override {}
+  // The CPU clusters at once: a batch is ready when begun, and a generated
+  // segment's growth commits in the append that completes it (lag 0).
+  Status cluster_begin(const ClusterJob *jobs, uint32_t n, size_t scratch, void *, ClusterBatch **out) override;
+  uint8_t *cluster_scratch(ClusterBatch *b) override;
+  bool cluster_ready(ClusterBatch *) override { return true; }
+  Status cluster_take(ClusterBatch *b, void *, ClusterOut *out) override;
+  void cluster_end(ClusterBatch *b, void *) override { delete b; }
   Status write_pages(const PageWriteJob *jobs, uint32_t n, void *) override;
   const uint8_t *page_address(PageId id) override { return e_.arena().page_ptr(id); }
   Status end_work(StepTracker &t, uint64_t epoch, void *) override {
@@ -159,24 +169,35 @@ class CpuBackend final : public Backend, public BufferManager::Device {
   Engine &e_;
   std::mutex words_mu_;
   std::vector<uint64_t *> words_;
-  // The k-means outputs, packed as a device batch's (ClusterOut).
-  std::vector<uint32_t> km_n_, km_nout_, km_begin_, km_size_, km_order_;
-  std::vector<uint64_t> km_tok_off_, km_clu_off_;
-  std::vector<float> km_centroid_, km_value_sum_, km_spread_;
-  std::vector<double> km_vtot_;
 };
 
-Status CpuBackend::cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, void *) {
+// A k-means batch's outputs, packed as a device batch's (ClusterOut).
+struct CpuClusterBatch final : ClusterBatch {
+  std::vector<uint32_t> n, nout, begin, size, order;
+  std::vector<uint64_t> tok_off, clu_off;
+  std::vector<float> centroid, value_sum, spread;
+  std::vector<double> vtot;
+  std::vector<uint64_t> scratch;  // 8-byte aligned
+};
+
+uint8_t *CpuBackend::cluster_scratch(ClusterBatch *b) {
+  return reinterpret_cast<uint8_t *>(static_cast<CpuClusterBatch *>(b)->scratch.data());
+}
+
+Status CpuBackend::cluster_begin(const ClusterJob *jobs, uint32_t n, size_t scratch, void *, ClusterBatch **out) {
   const Config &cfg = e_.config();
   const uint32_t d = cfg.c.head_dim;
   const DType dt = cfg.dtype();
   std::vector<kernels::SegmentClusters> sc;
+  std::unique_ptr<CpuClusterBatch> kb;
   const auto t0 = std::chrono::steady_clock::now();
   try {
+    kb = std::make_unique<CpuClusterBatch>();
+    kb->scratch.resize((scratch + 7) / 8);
     sc.resize(n);
-    km_tok_off_.resize(n);
-    km_clu_off_.resize(n);
-    kernels::kmeans_batch_offsets(jobs, n, km_tok_off_.data(), km_clu_off_.data());
+    kb->tok_off.resize(n);
+    kb->clu_off.resize(n);
+    kernels::kmeans_batch_offsets(jobs, n, kb->tok_off.data(), kb->clu_off.data());
     e_.pool().parallel_for(n, [&](size_t i) {
       const ClusterJob &j = jobs[i];
       std::vector<float> kf(size_t(j.tokens) * d), vf(size_t(j.tokens) * d);
@@ -194,44 +215,50 @@ Status CpuBackend::cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, 
     const kernels::KMeansBatchShape shape = kernels::kmeans_batch_shape(jobs, n);
     uint64_t sum_k = 0;
     for (uint32_t i = 0; i < n; ++i) sum_k += kernels::kmeans_out_clusters(jobs[i]);
-    km_n_.assign(n, 0);
-    km_nout_.assign(n, 0);
-    km_begin_.assign(sum_k + n, 0);
-    km_size_.assign(sum_k, 0);
-    km_order_.assign(shape.total_tokens, 0);
-    km_centroid_.assign(sum_k * d, 0.f);
-    km_value_sum_.assign(sum_k * d, 0.f);
-    km_spread_.assign(sum_k, 0.f);
-    km_vtot_.assign(size_t(n) * d, 0.0);
+    kb->n.assign(n, 0);
+    kb->nout.assign(n, 0);
+    kb->begin.assign(sum_k + n, 0);
+    kb->size.assign(sum_k, 0);
+    kb->order.assign(shape.total_tokens, 0);
+    kb->centroid.assign(sum_k * d, 0.f);
+    kb->value_sum.assign(sum_k * d, 0.f);
+    kb->spread.assign(sum_k, 0.f);
+    kb->vtot.assign(size_t(n) * d, 0.0);
     for (uint32_t i = 0; i < n; ++i) {
       const kernels::SegmentClusters &s = sc[i];
-      const uint64_t co = km_clu_off_[i], to = km_tok_off_[i];
-      km_n_[i] = s.n_clusters;
-      km_nout_[i] = s.n_outliers;
-      std::copy(s.begin.begin(), s.begin.end(), km_begin_.begin() + co + i);
-      std::copy(s.size.begin(), s.size.end(), km_size_.begin() + co);
-      std::copy(s.order.begin(), s.order.end(), km_order_.begin() + to);
-      std::copy(s.centroid.begin(), s.centroid.end(), km_centroid_.begin() + co * d);
-      std::copy(s.value_sum.begin(), s.value_sum.end(), km_value_sum_.begin() + co * d);
-      std::copy(s.spread.begin(), s.spread.end(), km_spread_.begin() + co);
-      std::copy(s.value_total.begin(), s.value_total.end(), km_vtot_.begin() + size_t(i) * d);
+      const uint64_t co = kb->clu_off[i], to = kb->tok_off[i];
+      kb->n[i] = s.n_clusters;
+      kb->nout[i] = s.n_outliers;
+      std::copy(s.begin.begin(), s.begin.end(), kb->begin.begin() + co + i);
+      std::copy(s.size.begin(), s.size.end(), kb->size.begin() + co);
+      std::copy(s.order.begin(), s.order.end(), kb->order.begin() + to);
+      std::copy(s.centroid.begin(), s.centroid.end(), kb->centroid.begin() + co * d);
+      std::copy(s.value_sum.begin(), s.value_sum.end(), kb->value_sum.begin() + co * d);
+      std::copy(s.spread.begin(), s.spread.end(), kb->spread.begin() + co);
+      std::copy(s.value_total.begin(), s.value_total.end(), kb->vtot.begin() + size_t(i) * d);
     }
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory clustering %u segments", n);
   }
   e_.counters().kmeans_ns.fetch_add(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()));
-  out->n_clusters = km_n_.data();
-  out->n_outliers = km_nout_.data();
-  out->begin = km_begin_.data();
-  out->size = km_size_.data();
-  out->tok_off = km_tok_off_.data();
-  out->clu_off = km_clu_off_.data();
-  out->order = km_order_.data();
-  out->centroid = km_centroid_.data();
-  out->value_sum = km_value_sum_.data();
-  out->spread = km_spread_.data();
-  out->value_total = km_vtot_.data();
+  *out = kb.release();
+  return Status::ok();
+}
+
+Status CpuBackend::cluster_take(ClusterBatch *b, void *, ClusterOut *out) {
+  CpuClusterBatch &kb = static_cast<CpuClusterBatch &>(*b);
+  out->n_clusters = kb.n.data();
+  out->n_outliers = kb.nout.data();
+  out->begin = kb.begin.data();
+  out->size = kb.size.data();
+  out->tok_off = kb.tok_off.data();
+  out->clu_off = kb.clu_off.data();
+  out->order = kb.order.data();
+  out->centroid = kb.centroid.data();
+  out->value_sum = kb.value_sum.data();
+  out->spread = kb.spread.data();
+  out->value_total = kb.vtot.data();
   return Status::ok();
 }
 

@@ -94,6 +94,13 @@ namespace {
 // chunked prefill holds unclustered: 16 segments x KV heads x 2 x row.
 constexpr uint32_t kPromptBatchSegments = 16;
 
+// Tokens a generated segment's growth stays pending (Backend::growth_lag):
+// its k-means runs on grow_ beside the decoding steps of those tokens. At
+// batch 7 the k-means of a token's growths (every layer's, all completing
+// at once) took about five tokens' decoding; 32 leaves room for larger
+// batches, at the cost of 32 more tokens attended exactly per head.
+constexpr uint32_t kGrowthLag = 32;
+
 // A kernel wrapper's error as a status: the kernels return the CUDA error,
 // with cudaErrorInvalidValue for arguments they refuse (the engine checks
 // them first, so that is a bug here) and cudaErrorNotSupported for a shape
@@ -123,6 +130,23 @@ Status kernel_status(cudaError_t err, const char *call) {
 // the finished CTAs of attend's and merge's last kernels.
 constexpr uint32_t kGatherWork = 0, kAttendCtas = 3, kMergeCtas = 4, kCounterWords = 8;
 
+// A growth's k-means batch: its outputs in device memory, what the host
+// reads of them (counts, first members, sizes, value totals) and the
+// commit's scratch in one pinned block, and its events.
+struct CudaClusterBatch final : ClusterBatch {
+  Region n, begin, order, size, cent, vsum, spread, vtot;  // device, grow only
+  uint32_t *host = nullptr;  // pinned: the readback, then the scratch
+  size_t host_bytes = 0;
+  size_t scratch_at = 0;  // byte offset of the scratch in host
+  uint32_t S = 0;
+  uint64_t sum_k = 0;
+  std::vector<uint64_t> tok_off, clu_off;
+  cudaEvent_t input = nullptr;     // the caller's stream: the segments' rows written
+  cudaEvent_t t0 = nullptr, t1 = nullptr;  // the k-means, timed; t1 also: the readback done
+  cudaEvent_t done = nullptr;      // after the batch's last reader (its end)
+  bool in_use = false, ended_once = false, timed = false;
+};
+
 class CudaBackend final : public Backend, public BufferManager::Device {
  public:
   explicit CudaBackend(Engine &e) : e_(e) {}
@@ -142,6 +166,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Status mem_copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width, size_t rows,
                        void *stream) override;
   Status mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream) override;
+  Status mem_store64(void *dst, uint64_t value, void *stream) override;
   Status narrow_f16(const float *src, size_t n, void *dst, uint32_t *overflow, void *stream) override;
   Status copy_rows(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v, size_t src_pitch,
                    size_t width, void *stream) override;
@@ -149,8 +174,13 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   void *io_stream() override { return io_; }
 
   uint32_t prompt_batch_segments() const override { return kPromptBatchSegments; }
-  Status cluster(const ClusterJob *jobs, uint32_t n, ClusterOut *out, void *stream) override;
-  void cluster_done(void *stream) override;
+  uint32_t growth_lag() const override { return kGrowthLag; }
+  Status cluster_begin(const ClusterJob *jobs, uint32_t n, size_t scratch, void *stream, ClusterBatch **out) override;
+  uint8_t *cluster_scratch(ClusterBatch *b) override;
+  bool cluster_ready(ClusterBatch *b) override;
+  Status cluster_take(ClusterBatch *b, void *stream, ClusterOut *out) override;
+  void cluster_end(ClusterBatch *b, void *stream) override;
+  Status cluster_after(ClusterBatch *b, void *stream) override;
   Status write_pages(const PageWriteJob *jobs, uint32_t n, void *stream) override;
   const uint8_t *page_address(PageId id) override { return id == kNoPage ? nullptr : e_.arena().page_ptr(id); }
   Status point_pages(HeadState &hs, const uint32_t *pages, uint32_t n, void *stream) override;
@@ -205,14 +235,14 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   cudaStream_t pool_stream_ = nullptr;
   PinnedBlocks pinned_;
 
-  // The k-means of growths (one at a time: the engine's growth lock).
-  Region km_ws_, km_n_, km_begin_, km_order_, km_size_, km_cent_, km_vsum_, km_spread_, km_vtot_;
-  uint32_t *km_host_ = nullptr;  // pinned readback of counts, begins, sizes
-  size_t km_host_words_ = 0;
-  std::vector<uint64_t> km_tok_off_, km_clu_off_;
-  cudaEvent_t km_begin_ev_ = nullptr, km_end_ev_ = nullptr;
-  cudaEvent_t km_done_ = nullptr;  // after the last growth's reads of km_*
-  bool km_done_recorded_ = false;
+  // The k-means of growths: on a stream of their own (grow_), one batch
+  // after another, sharing one workspace; each batch has its outputs
+  // (CudaClusterBatch), reused once the batch has ended and its last
+  // reader has run.
+  std::mutex km_mu_;  // grow_, km_ws_, batches_
+  cudaStream_t grow_ = nullptr;
+  Region km_ws_;
+  std::vector<std::unique_ptr<CudaClusterBatch>> batches_;
 };
 
 // 1. Set-up --------------------------------------------------------------------
@@ -278,9 +308,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
   WKV_CU(cudaMalloc(&d_stats_, 3 * sizeof(unsigned long long)));
   WKV_CU(cudaMemsetAsync(d_stats_, 0, 3 * sizeof(unsigned long long), side_));
   WKV_CU(cudaStreamSynchronize(side_));
-  WKV_CU(cudaEventCreate(&km_begin_ev_));
-  WKV_CU(cudaEventCreate(&km_end_ev_));
-  WKV_CU(cudaEventCreateWithFlags(&km_done_, cudaEventDisableTiming));
+  WKV_CU(cudaStreamCreateWithFlags(&grow_, cudaStreamNonBlocking));
 
   // The shared block cache: device_cache_bytes, or 5% of the device's memory
   // while the KV held is unknown at open time (the DESIGN's 5% of KV held).
@@ -300,15 +328,18 @@ CudaBackend::~CudaBackend() {
   // The engine's buffer manager is gone: no step is in flight and nothing
   // else uses the device memory below. Close may synchronize.
   DeviceGuard guard(dev_);
-  for (Region *r : {&km_ws_, &km_n_, &km_begin_, &km_order_, &km_size_, &km_cent_, &km_vsum_, &km_spread_, &km_vtot_})
-    if (r->p) cudaFree(r->p);
-  for (cudaStream_t s : {side_, io_, pool_stream_}) {
+  for (cudaStream_t s : {side_, io_, pool_stream_, grow_}) {
     if (!s) continue;
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
   }
-  for (cudaEvent_t ev : {km_begin_ev_, km_end_ev_, km_done_})
-    if (ev) cudaEventDestroy(ev);
+  if (km_ws_.p) cudaFree(km_ws_.p);
+  for (auto &b : batches_) {
+    for (Region *r : {&b->n, &b->begin, &b->order, &b->size, &b->cent, &b->vsum, &b->spread, &b->vtot})
+      if (r->p) cudaFree(r->p);
+    for (cudaEvent_t ev : {b->input, b->t0, b->t1, b->done})
+      if (ev) cudaEventDestroy(ev);
+  }
   if (cache_) cudaFree(cache_);
   if (d_stats_) cudaFree(d_stats_);
   for (void *p : d_blocks_) cudaFree(p);
@@ -468,6 +499,13 @@ Status CudaBackend::mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream
   return Status::ok();
 }
 
+Status CudaBackend::mem_store64(void *dst, uint64_t value, void *stream) {
+  DeviceGuard guard(dev_);
+  const uint64_t addr = reinterpret_cast<uintptr_t>(dst);
+  const cudaError_t err = kernels::store_pairs(&addr, &value, 1, static_cast<cudaStream_t>(stream));
+  return err == cudaSuccess ? Status::ok() : kernel_status(err, "store_pairs");
+}
+
 Status CudaBackend::narrow_f16(const float *src, size_t n, void *dst, uint32_t *overflow, void *stream) {
   DeviceGuard guard(dev_);
   WKV_CU(kernels::narrow_f16(src, n, dst, overflow, stream));
@@ -611,115 +649,198 @@ Status CudaBackend::km_region(Region *r, size_t bytes, cudaStream_t s) {
   const size_t n = (std::max(bytes, r->bytes + r->bytes / 2) + 255) & ~size_t{255};
   void *p = nullptr;
   WKV_CU(cudaMallocAsync(&p, n, s));
-  if (r->p) cudaFreeAsync(r->p, s);  // this stream waited for the last growth's reads
+  if (r->p) cudaFreeAsync(r->p, s);  // grow_ ran every read of it before (see cluster_begin)
   r->p = static_cast<uint8_t *>(p);
   r->bytes = n;
   return Status::ok();
 }
 
-Status CudaBackend::cluster(const ClusterJob *jobs, uint32_t S, ClusterOut *out, void *stream) {
+Status CudaBackend::cluster_begin(const ClusterJob *jobs, uint32_t S, size_t scratch, void *stream,
+                                  ClusterBatch **out) {
   DeviceGuard guard(dev_);
   const Config &cfg = e_.config();
   const uint32_t d = cfg.c.head_dim;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // 1. This stream starts after the previous growth's reads of the k-means
-  //    buffers (the engine's growth lock orders the growths on the host).
-  if (km_done_recorded_) WKV_CU(cudaStreamWaitEvent(s, km_done_, 0));
+  std::lock_guard<std::mutex> lock(km_mu_);
+  // 1. A batch whose last reader has run (its outputs are rewritten on
+  //    grow_, after everything enqueued there before), or a new one.
+  CudaClusterBatch *kb = nullptr;
+  for (auto &b : batches_) {
+    if (b->in_use) continue;
+    const cudaError_t q = b->ended_once ? cudaEventQuery(b->done) : cudaSuccess;
+    if (q == cudaSuccess) {
+      kb = b.get();
+      break;
+    }
+    if (q != cudaErrorNotReady) (void)cudaGetLastError();
+  }
+  if (!kb) {
+    try {
+      batches_.reserve(batches_.size() + 1);
+      auto fresh = std::make_unique<CudaClusterBatch>();
+      WKV_CU(cudaEventCreateWithFlags(&fresh->input, cudaEventDisableTiming));
+      WKV_CU(cudaEventCreate(&fresh->t0));
+      WKV_CU(cudaEventCreate(&fresh->t1));
+      WKV_CU(cudaEventCreateWithFlags(&fresh->done, cudaEventDisableTiming));
+      batches_.push_back(std::move(fresh));  // reserved: no throw
+    } catch (const std::bad_alloc &) {
+      return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for a k-means batch");
+    }
+    kb = batches_.back().get();
+  }
   kernels::KMeansBatchParams kp;
   kp.dtype = cfg.dtype();
   kp.head_dim = d;
   kp.iters = cfg.c.kmeans_iters;
   const kernels::KMeansBatchShape shape = kernels::kmeans_batch_shape(jobs, S);
   try {
-    km_tok_off_.resize(S);
-    km_clu_off_.resize(S);
+    kb->tok_off.resize(S);
+    kb->clu_off.resize(S);
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for a k-means batch");
   }
-  kernels::kmeans_batch_offsets(jobs, S, km_tok_off_.data(), km_clu_off_.data());
+  kernels::kmeans_batch_offsets(jobs, S, kb->tok_off.data(), kb->clu_off.data());
   uint64_t sum_k = 0;
   for (uint32_t i = 0; i < S; ++i) sum_k += kernels::kmeans_out_clusters(jobs[i]);
+  kb->S = S;
+  kb->sum_k = sum_k;
 
-  // 2. Workspace and outputs (grow only), then cluster on the device.
+  // 2. The pinned block: the readback (n_clusters and n_outliers, begins,
+  //    sizes, then the value totals 8-byte aligned), then the scratch.
+  //    Grow only, kept for the engine's life (freeing pinned memory would
+  //    synchronize the device).
+  const size_t words = 2 * S + (sum_k + S) + sum_k;
+  const size_t totals_at = (words * 4 + 7) & ~size_t{7};
+  const size_t scratch_at = (totals_at + size_t(S) * d * 8 + 255) & ~size_t{255};
+  const size_t bytes = scratch_at + scratch;
+  if (bytes > kb->host_bytes) {
+    const size_t n = std::max(bytes, kb->host_bytes * 2);
+    void *h = nullptr, *dv = nullptr;
+    WKV_RETURN_IF_ERROR(pinned_.alloc(n, &h, &dv));
+    kb->host = static_cast<uint32_t *>(h);
+    kb->host_bytes = n;
+  }
+  kb->scratch_at = scratch_at;
+
+  // 3. grow_ waits for the rows on the device, then clusters and reads back.
+  WKV_CU(cudaEventRecord(kb->input, s));
+  WKV_CU(cudaStreamWaitEvent(grow_, kb->input, 0));
   size_t ws_bytes = 0;
   WKV_KERNEL(kernels::kmeans_batch_workspace_size(kp, shape, &ws_bytes));
-  WKV_RETURN_IF_ERROR(km_region(&km_ws_, ws_bytes, s));
-  WKV_RETURN_IF_ERROR(km_region(&km_n_, 2 * S * sizeof(uint32_t), s));  // n_clusters, then n_outliers
-  WKV_RETURN_IF_ERROR(km_region(&km_begin_, (sum_k + S) * sizeof(uint32_t), s));
-  WKV_RETURN_IF_ERROR(km_region(&km_order_, shape.total_tokens * sizeof(uint32_t), s));
-  WKV_RETURN_IF_ERROR(km_region(&km_size_, sum_k * sizeof(uint32_t), s));
-  WKV_RETURN_IF_ERROR(km_region(&km_cent_, sum_k * d * sizeof(float), s));
-  WKV_RETURN_IF_ERROR(km_region(&km_vsum_, sum_k * d * sizeof(float), s));
-  WKV_RETURN_IF_ERROR(km_region(&km_spread_, sum_k * sizeof(float), s));
-  WKV_RETURN_IF_ERROR(km_region(&km_vtot_, size_t(S) * d * sizeof(double), s));
+  WKV_RETURN_IF_ERROR(km_region(&km_ws_, ws_bytes, grow_));
+  WKV_RETURN_IF_ERROR(km_region(&kb->n, 2 * S * sizeof(uint32_t), grow_));  // n_clusters, then n_outliers
+  WKV_RETURN_IF_ERROR(km_region(&kb->begin, (sum_k + S) * sizeof(uint32_t), grow_));
+  WKV_RETURN_IF_ERROR(km_region(&kb->order, shape.total_tokens * sizeof(uint32_t), grow_));
+  WKV_RETURN_IF_ERROR(km_region(&kb->size, sum_k * sizeof(uint32_t), grow_));
+  WKV_RETURN_IF_ERROR(km_region(&kb->cent, sum_k * d * sizeof(float), grow_));
+  WKV_RETURN_IF_ERROR(km_region(&kb->vsum, sum_k * d * sizeof(float), grow_));
+  WKV_RETURN_IF_ERROR(km_region(&kb->spread, sum_k * sizeof(float), grow_));
+  WKV_RETURN_IF_ERROR(km_region(&kb->vtot, size_t(S) * d * sizeof(double), grow_));
   kernels::KMeansBatchOut ko;
-  ko.n_clusters = km_n_.as<uint32_t>();
-  ko.n_outliers = km_n_.as<uint32_t>() + S;
-  ko.spread = km_spread_.as<float>();
-  ko.value_total = km_vtot_.as<double>();
-  ko.begin = km_begin_.as<uint32_t>();
-  ko.order = km_order_.as<uint32_t>();
-  ko.centroid = km_cent_.as<float>();
-  ko.value_sum = km_vsum_.as<float>();
-  ko.size = km_size_.as<uint32_t>();
-  WKV_CU(cudaEventRecord(km_begin_ev_, s));
-  WKV_KERNEL(kernels::kmeans_batch_cuda(kp, jobs, S, ko, km_ws_.p, km_ws_.bytes, nullptr, s));
-  WKV_CU(cudaEventRecord(km_end_ev_, s));
-
-  // 3. The one wait of a growth: the host needs the cluster counts, their
-  //    first members and sizes for its mapping table, and the segments'
-  //    value totals for the heads' mean values. Centroids, value sums,
-  //    spreads and the order stay on the device. Staged in pinned memory,
-  //    kept for the engine's life (freeing pinned memory would synchronize
-  //    the device).
-  const size_t words = 2 * S + (sum_k + S) + sum_k + 2 * size_t(S) * d + 2;  // + 8-byte alignment of the totals
-  if (words > km_host_words_) {
-    const size_t n = std::max(words, km_host_words_ * 2);
-    void *h = nullptr, *dv = nullptr;
-    WKV_RETURN_IF_ERROR(pinned_.alloc(n * sizeof(uint32_t), &h, &dv));
-    km_host_ = static_cast<uint32_t *>(h);
-    km_host_words_ = n;
-  }
-  uint32_t *const n_clusters = km_host_;
-  uint32_t *const n_outliers = n_clusters + S;
-  uint32_t *const begin = n_outliers + S;
-  uint32_t *const sizes = begin + sum_k + S;
-  double *const totals = reinterpret_cast<double *>(
-      (reinterpret_cast<uintptr_t>(sizes + sum_k) + 7) & ~uintptr_t{7});
-  WKV_CU(cudaMemcpyAsync(n_clusters, ko.n_clusters, 2 * S * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
-  WKV_CU(cudaMemcpyAsync(totals, ko.value_total, size_t(S) * d * sizeof(double), cudaMemcpyDeviceToHost, s));
-  WKV_CU(cudaMemcpyAsync(begin, ko.begin, (sum_k + S) * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
-  WKV_CU(cudaMemcpyAsync(sizes, ko.size, sum_k * sizeof(uint32_t), cudaMemcpyDeviceToHost, s));
-  WKV_CU(cudaStreamSynchronize(s));
-  float km_ms = 0.f;
-  WKV_CU(cudaEventElapsedTime(&km_ms, km_begin_ev_, km_end_ev_));
-  e_.counters().kmeans_ns.fetch_add(static_cast<uint64_t>(static_cast<double>(km_ms) * 1e6));
-
-  out->n_clusters = n_clusters;
-  out->n_outliers = n_outliers;
-  out->value_total = totals;
-  out->spread = ko.spread;
-  out->begin = begin;
-  out->size = sizes;
-  out->tok_off = km_tok_off_.data();
-  out->clu_off = km_clu_off_.data();
-  out->order = ko.order;
-  out->centroid = ko.centroid;
-  out->value_sum = ko.value_sum;
+  ko.n_clusters = kb->n.as<uint32_t>();
+  ko.n_outliers = kb->n.as<uint32_t>() + S;
+  ko.spread = kb->spread.as<float>();
+  ko.value_total = kb->vtot.as<double>();
+  ko.begin = kb->begin.as<uint32_t>();
+  ko.order = kb->order.as<uint32_t>();
+  ko.centroid = kb->cent.as<float>();
+  ko.value_sum = kb->vsum.as<float>();
+  ko.size = kb->size.as<uint32_t>();
+  WKV_CU(cudaEventRecord(kb->t0, grow_));
+  WKV_KERNEL(kernels::kmeans_batch_cuda(kp, jobs, S, ko, km_ws_.p, km_ws_.bytes, nullptr, grow_));
+  uint8_t *const h = reinterpret_cast<uint8_t *>(kb->host);
+  WKV_CU(cudaMemcpyAsync(h, ko.n_clusters, 2 * S * sizeof(uint32_t), cudaMemcpyDeviceToHost, grow_));
+  WKV_CU(cudaMemcpyAsync(h + (2 * S) * 4, ko.begin, (sum_k + S) * sizeof(uint32_t), cudaMemcpyDeviceToHost, grow_));
+  WKV_CU(cudaMemcpyAsync(h + (2 * S + sum_k + S) * 4, ko.size, sum_k * sizeof(uint32_t), cudaMemcpyDeviceToHost,
+                         grow_));
+  WKV_CU(cudaMemcpyAsync(h + totals_at, ko.value_total, size_t(S) * d * sizeof(double), cudaMemcpyDeviceToHost,
+                         grow_));
+  WKV_CU(cudaEventRecord(kb->t1, grow_));
+  kb->in_use = true;
+  kb->timed = false;
+  *out = kb;
   return Status::ok();
 }
 
-void CudaBackend::cluster_done(void *stream) {
+uint8_t *CudaBackend::cluster_scratch(ClusterBatch *b) {
+  CudaClusterBatch &kb = static_cast<CudaClusterBatch &>(*b);
+  return reinterpret_cast<uint8_t *>(kb.host) + kb.scratch_at;
+}
+
+bool CudaBackend::cluster_ready(ClusterBatch *b) {
   DeviceGuard guard(dev_);
-  if (cudaEventRecord(km_done_, static_cast<cudaStream_t>(stream)) == cudaSuccess) {
-    km_done_recorded_ = true;
-  } else {
-    // Without the event the next growth cannot wait on the device: it waits
-    // here for the reads instead.
-    (void)cudaGetLastError();
-    if (cudaStreamSynchronize(static_cast<cudaStream_t>(stream)) != cudaSuccess) (void)cudaGetLastError();
-    km_done_recorded_ = false;
+  const cudaError_t q = cudaEventQuery(static_cast<CudaClusterBatch *>(b)->t1);
+  if (q == cudaErrorNotReady) return false;
+  if (q != cudaSuccess) (void)cudaGetLastError();  // cluster_take reports it
+  return true;
+}
+
+Status CudaBackend::cluster_take(ClusterBatch *b, void *stream, ClusterOut *out) {
+  DeviceGuard guard(dev_);
+  CudaClusterBatch &kb = static_cast<CudaClusterBatch &>(*b);
+  const uint32_t S = kb.S;
+  const uint64_t sum_k = kb.sum_k;
+  // The one wait of a prompt's growth; a generated segment's commits once
+  // cluster_ready says so, and this waits for nothing.
+  WKV_CU(cudaEventSynchronize(kb.t1));
+  WKV_CU(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), kb.t1, 0));
+  if (!kb.timed) {
+    float km_ms = 0.f;
+    if (cudaEventElapsedTime(&km_ms, kb.t0, kb.t1) == cudaSuccess)
+      e_.counters().kmeans_ns.fetch_add(static_cast<uint64_t>(static_cast<double>(km_ms) * 1e6));
+    else
+      (void)cudaGetLastError();
+    kb.timed = true;
   }
+  uint32_t *const n_clusters = kb.host;
+  const size_t words = 2 * S + (sum_k + S) + sum_k;
+  out->n_clusters = n_clusters;
+  out->n_outliers = n_clusters + S;
+  out->begin = n_clusters + 2 * S;
+  out->size = n_clusters + 2 * S + sum_k + S;
+  out->value_total = reinterpret_cast<const double *>(reinterpret_cast<uint8_t *>(kb.host) + ((words * 4 + 7) & ~size_t{7}));
+  out->tok_off = kb.tok_off.data();
+  out->clu_off = kb.clu_off.data();
+  out->order = kb.order.as<uint32_t>();
+  out->centroid = kb.cent.as<float>();
+  out->value_sum = kb.vsum.as<float>();
+  out->spread = kb.spread.as<float>();
+  return Status::ok();
+}
+
+Status CudaBackend::cluster_after(ClusterBatch *b, void *stream) {
+  DeviceGuard guard(dev_);
+  WKV_CU(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<CudaClusterBatch *>(b)->t1, 0));
+  return Status::ok();
+}
+
+void CudaBackend::cluster_end(ClusterBatch *b, void *stream) {
+  DeviceGuard guard(dev_);
+  CudaClusterBatch &kb = static_cast<CudaClusterBatch &>(*b);
+  // What runs on `stream` from now on (a tail's region freed after it, say)
+  // comes after the k-means, which read the tails; the batch is reused
+  // once `done` has passed. Abandoned (no stream): the memory freed after
+  // steps end goes on side_, which waits for the k-means first.
+  cudaError_t err = cudaSuccess;
+  if (stream) {
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    err = cudaStreamWaitEvent(s, kb.t1, 0);
+    if (err == cudaSuccess) err = cudaEventRecord(kb.done, s);
+  } else {
+    std::lock_guard<std::mutex> side_lock(side_mu_);
+    err = cudaStreamWaitEvent(side_, kb.t1, 0);
+    if (err == cudaSuccess) err = cudaEventRecord(kb.done, grow_);
+  }
+  if (err != cudaSuccess) {
+    // Without the events: wait here instead (rare).
+    (void)cudaGetLastError();
+    if (cudaEventSynchronize(kb.t1) != cudaSuccess) (void)cudaGetLastError();
+    if (stream && cudaStreamSynchronize(static_cast<cudaStream_t>(stream)) != cudaSuccess) (void)cudaGetLastError();
+    if (cudaEventRecord(kb.done, grow_) != cudaSuccess) (void)cudaGetLastError();
+  }
+  std::lock_guard<std::mutex> lock(km_mu_);
+  kb.in_use = false;
+  kb.ended_once = true;
 }
 
 Status CudaBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *stream) {
