@@ -1096,7 +1096,7 @@ static void test_ordering(void) {
   static const uint32_t prompt[] = {50};
   static const uint32_t ones[] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
   static const uint32_t more[] = {54}; /* tail 79: one short of window + 64 */
-  static const uint32_t rest[] = {36};
+  static const uint32_t rest[] = {31}, last[] = {5};
   static float q[NQ * D], out[NQ * D];
   float lse[NQ];
   wkv_plan *p = NULL;
@@ -1134,9 +1134,13 @@ static void test_ordering(void) {
   append_chunks(xc, LAYOUT_PACKED, NULL, LAYOUT_PACKED, rc, 0, more, 1);
   expect_info(xc, 0, 113, 4, 79, 1, 1, "one generated token short of an update segment");
   append_chunks(xc, LAYOUT_PACKED, NULL, LAYOUT_PACKED, rc, 0, ones, 1);
-  expect_info(xc, 0, 114, 4, 16, 2, 1, "an update segment is clustered as it completes");
+  /* Its growth begins; it commits 32 tokens later (the growth lag), in the
+   * append that brings the sequence to 146 tokens, whatever its size. */
+  expect_info(xc, 0, 114, 4, 80, 1, 1, "an update segment completes: still in the tail");
   append_chunks(xc, LAYOUT_PACKED, NULL, LAYOUT_PACKED, rc, 0, rest, 1);
-  expect_info(xc, 0, 150, 4, 52, 2, 1, "100 generated tokens after a 50-token prompt");
+  expect_info(xc, 0, 145, 4, 111, 1, 1, "one token short of the growth's commit point");
+  append_chunks(xc, LAYOUT_PACKED, NULL, LAYOUT_PACKED, rc, 0, last, 1);
+  expect_info(xc, 0, 150, 4, 52, 2, 1, "100 generated tokens after a 50-token prompt: the growth committed");
 
   /* A fresh lookup works again, over every token. */
   random_q(q, 1);

@@ -147,11 +147,6 @@ class Backend {
   // Complete prompt segments a layer gathers per KV head before they are
   // clustered during the appends (the prompt's end clusters the rest).
   virtual uint32_t prompt_batch_segments() const = 0;
-  // Appends of a generating layer between the one that completes an update
-  // segment, which begins its growth, and the one that commits it (0: the
-  // same append). Fixed, so that where a growth commits never depends on
-  // timing: a commit whose k-means is not done yet waits for it.
-  virtual uint32_t growth_lag() const { return 0; }
   // The k-means of a growth, in four calls, so that a generated segment is
   // clustered off the decoding path (lib/index/growth.cpp):
   //   cluster_begin    begins the k-means of n segments whose rows the work

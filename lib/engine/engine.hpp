@@ -49,11 +49,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // The index's view of the engine (lib/index/growth.hpp).
   IndexContext index() {
     IndexContext ix{cfg_, *backend_, *arena_, *pool_, counters_, *buffers_, growth_mu_, &faults_};
-    ix.growth_lag = growth_lag_ == kBackendLag ? backend_->growth_lag() : growth_lag_;
+    ix.growth_lag = growth_lag_;
     return ix;
   }
-  // Tests: the appends between a generated segment's completion and its
-  // growth's commit, in place of the backend's (Backend::growth_lag).
+  // Tests: the tokens between a generated segment's completion and its
+  // growth's commit, in place of kGrowthLagTokens (lib/index/growth.hpp).
   void set_growth_lag(uint32_t lag) { growth_lag_ = lag; }
 
   void fill_stats(wkv_stats *out);
@@ -133,8 +133,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   EngineCounters counters_;
   FaultInjector faults_;
   std::mutex growth_mu_;
-  static constexpr uint32_t kBackendLag = ~0u;
-  uint32_t growth_lag_ = kBackendLag;
+  uint32_t growth_lag_ = kGrowthLagTokens;
   std::string stats_path_;  // the config's stats_path points here
   std::string spill_dir_;   // the config's spill_dir points here
   std::unique_ptr<SpillFile> spill_;

@@ -647,13 +647,14 @@ Status append_copies(const IndexContext &ix, const LayerState &L, const StagedAp
 Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, const StagedAppend &sa, void *stream) {
   const Config &cfg = ix.cfg;
   const uint32_t H = static_cast<uint32_t>(L.heads.size()), sink = cfg.c.sink_tokens, n = sa.n;
-  // A growth begun growth_lag appends before commits, before this append's
+  // A pending growth commits in the append that reaches its commit point,
+  // before this append's
   // rows count (waiting for its k-means if not done); if it fails, this
   // append fails too
   // (its copies wrote past the live rows, which nothing reads) and the
   // segment stays in the tail for a later growth.
   bool grew = false;
-  if (L.pending && L.tokens >= L.pending->commit_at) {
+  if (L.pending && L.tokens + n >= L.pending->commit_at) {
     if (!ix.backend.cluster_ready(L.pending->batch)) ix.counters.growth_waits.fetch_add(1);
     Status st = grow_commit(ix, L, *L.pending, stream);
     L.pending.reset();
@@ -681,13 +682,22 @@ Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, cons
   // max_growth_segments: once one has succeeded the tokens are kept, and
   // segments a later one could not take wait in the tail (the steady zone,
   // attended exactly) for the next growth. A generating layer's growth is
-  // left pending for growth_lag appends, one at a time.
+  // left pending until its commit point, one at a time.
   for (uint32_t done = 0; done < count && !L.pending;) {
-    const uint32_t c = growth_part(ix, count - done);
+    // A generating layer's segments grow one by one, each committing at its
+    // own point: which segments grow together never depends on how the
+    // tokens were split into appends.
+    const uint32_t c = L.generating ? 1 : growth_part(ix, count - done);
     std::unique_ptr<PendingGrowth, PendingGrowthFree> pg;
     Status st = grow_begin(ix, L, layer, c, seg, seg, L.generating, stream, &pg);
-    if (st.is_ok() && L.generating && ix.growth_lag > 0) {
-      pg->commit_at = L.tokens + n + ix.growth_lag;
+    // The commit point: where the segments complete, plus the lag; the
+    // append that brings the layer there commits (this one, with lag 0, a
+    // growth begun again after a failed commit, or a sequence loaded with
+    // its segment in the tail and its point reached): the same append as
+    // in an uninterrupted run.
+    const uint64_t commit_at = L.tail_begin + static_cast<uint64_t>(c) * seg + cfg.c.window_tokens + ix.growth_lag;
+    if (st.is_ok() && L.generating && L.tokens + n < commit_at) {
+      pg->commit_at = commit_at;
       L.pending = std::move(pg);
       ix.counters.growths_deferred.fetch_add(1);
       break;

@@ -44,8 +44,8 @@ struct IndexContext {
   // Reads a page that is not resident (map.pages[p] == kNoPage) into dst:
   // a snapshot of a sequence with cold pages. Empty: no page may be cold.
   std::function<Status(const HeadState &, uint32_t p, uint8_t *dst)> read_cold = nullptr;
-  // Appends of a generating layer from the one that begins a growth to the
-  // one that commits it (Backend::growth_lag).
+  // Tokens from a generated segment's completion to its growth's commit
+  // (kGrowthLagTokens; tests set others).
   uint32_t growth_lag = 0;
 };
 
@@ -63,6 +63,18 @@ uint32_t outlier_cap(uint32_t method, uint32_t tokens);
 // backend and however the prompt was split into appends.
 uint64_t segment_seed(uint64_t seed, uint32_t layer, uint32_t head, uint64_t token_begin);
 
+// Tokens a generated segment's growth stays pending, on every backend: its
+// k-means runs beside the decoding steps of those tokens (CUDA: on the
+// engine's growth stream). A segment completes at token
+// tail_begin + window + update_segment; its growth commits in the append
+// that brings the layer to kGrowthLagTokens more (its commit point), so that
+// where a growth commits depends on the tokens alone: not on timing, the
+// backend, how the tokens were split into appends, nor a save and load in
+// between. 32 tokens: at batch 7 on the H100 the k-means of a token's
+// growths (every layer's, completing together) takes a few tokens'
+// decoding; the cost is up to 32 more tokens per head attended exactly.
+constexpr uint32_t kGrowthLagTokens = 32;
+
 // A growth begun and not committed (LayerState::pending): its segments are
 // the front of every head's tail, count of them (the last last_tokens
 // long), segment i of head h being job h * count + i; the k-means batch is
@@ -75,7 +87,7 @@ struct PendingGrowth {
   std::vector<uint32_t> first_row, seg_pages, seg_first_page;
   uint32_t npages = 0;
   uint64_t clusters_max = 0;  // the batch's clusters at most
-  uint64_t commit_at = 0;     // the layer's tokens when the growth commits
+  uint64_t commit_at = 0;     // the commit point: the append reaching it commits
 };
 
 // Drops a layer's pending growth, if any: its segments stay in the tails
@@ -104,11 +116,11 @@ Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, cons
 // A generating layer's growth is off the decoding path: commit_append
 // begins the k-means of a completed update segment and returns without
 // waiting for it (the segment stays in the tail, attended exactly); the
-// commit_append growth_lag appends later commits the growth, before it
-// counts its own rows, and fails, appending nothing, if the commit does
-// (the segment then stays in the tail and its growth begins again). Where a
-// growth commits depends on the tokens only; nothing waits for the caller's
-// stream, and the commit waits for the k-means only if it is not done.
+// commit_append that reaches the segment's commit point (above) commits
+// the growth, before it counts its own rows, and fails, appending nothing,
+// if the commit does (the segment then stays in the tail and its growth
+// begins again at the next append). Nothing waits for the caller's stream;
+// the commit waits for the k-means only if it is not done (counted).
 struct StagedAppend {
   uint32_t n = 0;
   uint64_t to_sink = 0, to_tail = 0;  // of the n rows

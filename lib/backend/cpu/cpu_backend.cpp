@@ -107,8 +107,8 @@ class CpuBackend final : public Backend, public BufferManager::Device {
 
   // Index growth: every complete segment is clustered as it completes.
   uint32_t prompt_batch_segments() const override { return 1; }
-  // The CPU clusters at once: a batch is ready when begun, and a generated
-  // segment's growth commits in the append that completes it (lag 0).
+  // The CPU clusters at once: a batch is ready when begun (its growth
+  // still commits kGrowthLagTokens later, as on a device).
   Status cluster_begin(const ClusterJob *jobs, uint32_t n, size_t scratch, void *, ClusterBatch **out) override;
   uint8_t *cluster_scratch(ClusterBatch *b) override;
   bool cluster_ready(ClusterBatch *) override { return true; }

@@ -94,13 +94,6 @@ namespace {
 // chunked prefill holds unclustered: 16 segments x KV heads x 2 x row.
 constexpr uint32_t kPromptBatchSegments = 16;
 
-// Tokens a generated segment's growth stays pending (Backend::growth_lag):
-// its k-means runs on grow_ beside the decoding steps of those tokens. At
-// batch 7 the k-means of a token's growths (every layer's, all completing
-// at once) took about five tokens' decoding; 32 leaves room for larger
-// batches, at the cost of 32 more tokens attended exactly per head.
-constexpr uint32_t kGrowthLag = 32;
-
 // A kernel wrapper's error as a status: the kernels return the CUDA error,
 // with cudaErrorInvalidValue for arguments they refuse (the engine checks
 // them first, so that is a bug here) and cudaErrorNotSupported for a shape
@@ -174,7 +167,6 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   void *io_stream() override { return io_; }
 
   uint32_t prompt_batch_segments() const override { return kPromptBatchSegments; }
-  uint32_t growth_lag() const override { return kGrowthLag; }
   Status cluster_begin(const ClusterJob *jobs, uint32_t n, size_t scratch, void *stream, ClusterBatch **out) override;
   uint8_t *cluster_scratch(ClusterBatch *b) override;
   bool cluster_ready(ClusterBatch *b) override;
@@ -222,7 +214,12 @@ class CudaBackend final : public Backend, public BufferManager::Device {
 
   Engine &e_;
   int dev_ = 0;
-  cudaStream_t side_ = nullptr;           // the buffer manager's stores and stats reads
+  cudaStream_t side_ = nullptr;           // the buffer manager's stores and stats reads: waits for nothing
+  // Frees in stream order once no step reads the memory: may wait (on the
+  // device) for a caller's stream or the growth stream, so never on side_,
+  // whose users synchronize with it.
+  cudaStream_t free_ = nullptr;
+  std::mutex free_mu_;
   cudaStream_t io_ = nullptr;             // copies of sequences saved and loaded
   std::mutex side_mu_;                    // one user of side_ at a time
   uint8_t *cache_ = nullptr;              // frames_ frames of frame_bytes_
@@ -303,6 +300,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
     };
   }
   WKV_CU(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+  WKV_CU(cudaStreamCreateWithFlags(&free_, cudaStreamNonBlocking));
   WKV_CU(cudaStreamCreateWithFlags(&io_, cudaStreamNonBlocking));
   WKV_CU(cudaStreamCreateWithFlags(&pool_stream_, cudaStreamNonBlocking));
   WKV_CU(cudaMalloc(&d_stats_, 3 * sizeof(unsigned long long)));
@@ -328,7 +326,7 @@ CudaBackend::~CudaBackend() {
   // The engine's buffer manager is gone: no step is in flight and nothing
   // else uses the device memory below. Close may synchronize.
   DeviceGuard guard(dev_);
-  for (cudaStream_t s : {side_, io_, pool_stream_, grow_}) {
+  for (cudaStream_t s : {side_, free_, io_, pool_stream_, grow_}) {
     if (!s) continue;
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
@@ -433,11 +431,12 @@ void CudaBackend::mem_free_deferred(Region *r) {
   void *p = r->p;
   *r = Region{};
   try {
-    // Freed in stream order on the side stream once no step can read it: no
+    // Freed in stream order on free_ once no step can read it: no
     // device synchronization, whichever thread runs the release.
     e_.buffers().defer([this, p] {
       DeviceGuard guard(dev_);
-      if (cudaFreeAsync(p, side_) != cudaSuccess) (void)cudaGetLastError();
+      std::lock_guard<std::mutex> lock(free_mu_);
+      if (cudaFreeAsync(p, free_) != cudaSuccess) (void)cudaGetLastError();
     });
   } catch (...) {
     // Out of memory for the release itself: kept rather than freed under a
@@ -466,8 +465,9 @@ void CudaBackend::mem_free_after(Region *r, void *stream) {
   try {
     e_.buffers().defer([this, p, ev] {
       DeviceGuard guard(dev_);
-      if (ev && cudaStreamWaitEvent(side_, ev, 0) != cudaSuccess) (void)cudaGetLastError();
-      if (cudaFreeAsync(p, side_) != cudaSuccess) (void)cudaGetLastError();
+      std::lock_guard<std::mutex> lock(free_mu_);
+      if (ev && cudaStreamWaitEvent(free_, ev, 0) != cudaSuccess) (void)cudaGetLastError();
+      if (cudaFreeAsync(p, free_) != cudaSuccess) (void)cudaGetLastError();
       if (ev) (void)cudaEventDestroy(ev);
     });
   } catch (...) {
@@ -820,15 +820,15 @@ void CudaBackend::cluster_end(ClusterBatch *b, void *stream) {
   // What runs on `stream` from now on (a tail's region freed after it, say)
   // comes after the k-means, which read the tails; the batch is reused
   // once `done` has passed. Abandoned (no stream): the memory freed after
-  // steps end goes on side_, which waits for the k-means first.
+  // steps end goes on free_, which waits for the k-means first.
   cudaError_t err = cudaSuccess;
   if (stream) {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     err = cudaStreamWaitEvent(s, kb.t1, 0);
     if (err == cudaSuccess) err = cudaEventRecord(kb.done, s);
   } else {
-    std::lock_guard<std::mutex> side_lock(side_mu_);
-    err = cudaStreamWaitEvent(side_, kb.t1, 0);
+    std::lock_guard<std::mutex> free_lock(free_mu_);
+    err = cudaStreamWaitEvent(free_, kb.t1, 0);
     if (err == cudaSuccess) err = cudaEventRecord(kb.done, grow_);
   }
   if (err != cudaSuccess) {
