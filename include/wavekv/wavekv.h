@@ -453,13 +453,21 @@ WKV_API void wkv_seq_destroy(wkv_seq *seq);
  * end of the
  * prompt clusters what remains beyond the window. After it, tokens are
  * generated ones: each update_segment_tokens run beyond the window is
- * clustered and appended to the index. Where a segment is cut never depends
- * on how the prompt was split into appends.
+ * clustered and appended to the index off the decoding path. The append
+ * that completes the run begins its k-means (CUDA: on the engine's own
+ * stream, after the append's copies, without waiting for the caller's
+ * stream) and the run stays in the steady zone, attended exactly, until the
+ * append that brings the layer 32 tokens further (the growth lag) commits
+ * it. Where a segment is cut, and where its growth commits, never depends on
+ * how the tokens were split into appends, on timing, on the backend, nor on
+ * a save and load in between.
  *
  * Returns WKV_ERR_INVALID_ARGUMENT (null k or v, n_tokens 0, a stride smaller
  * than a row), WKV_ERR_OUT_OF_RANGE (layer), WKV_ERR_BUDGET (the host budget
  * cannot hold the pages), WKV_ERR_OUT_OF_MEMORY. On any error nothing is
- * appended and everything stored before is intact.
+ * appended and everything stored before is intact; an error of the growth
+ * that the append commits fails the append (the run stays in the steady
+ * zone, and the next append begins its growth again).
  */
 WKV_API int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k,
                            const void *v, uint32_t n_tokens,
