@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -337,11 +338,14 @@ TEST(GpuBatch, ADecodeLoopAcrossGrowthsNeverWaitsForTheStream) {
                   static_cast<uint8_t *>(dout.p) + st * q_elems * 2, p.stream);
     }
   };
-  // A runtime's warm-up: the plan's first decode, before the gate (the
-  // first decode of a fresh plan was seen to wait for the stream: its
-  // buffers are set up then; not yet traced to the call).
-  plan.decode(p.bh.data(), kN, 0, dq.p, dout.p, p.stream);
-  ASSERT_EQ(cudaStreamSynchronize(p.stream), cudaSuccess);
+  // A runtime's warm-up: one decode before the gate. Under CUDA's lazy
+  // module loading a kernel's first launch in a process loads its module,
+  // which may synchronize the context (docs/gpu-serving.md). Skipped with
+  // WKV_TEST_NO_WARMUP=1 (with CUDA_MODULE_LOADING=EAGER it must pass so).
+  if (!std::getenv("WKV_TEST_NO_WARMUP")) {
+    plan.decode(p.bh.data(), kN, 0, dq.p, dout.p, p.stream);
+    ASSERT_EQ(cudaStreamSynchronize(p.stream), cudaSuccess);
+  }
   // 1. Every sequence completes an update segment: growths begin.
   EXPECT_TRUE(gate.run_closed(p.stream, [&] { steps(0, kSteps); }, std::chrono::seconds(30)))
       << "a call waited for the stream while growths began";
