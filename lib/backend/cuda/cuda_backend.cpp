@@ -220,6 +220,12 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // whose users synchronize with it.
   cudaStream_t free_ = nullptr;
   std::mutex free_mu_;
+  // The engine's device memory (mem_alloc, the k-means's): a pool of its own
+  // that keeps what is freed for the engine's next allocations. The
+  // device's default pool gives memory back to the driver at every
+  // synchronization, so a growth's allocations after a runtime's per-token
+  // synchronization mapped fresh memory: 1 to 21 ms a commit at batch 7.
+  cudaMemPool_t mempool_ = nullptr;
   cudaStream_t io_ = nullptr;             // copies of sequences saved and loaded
   std::mutex side_mu_;                    // one user of side_ at a time
   uint8_t *cache_ = nullptr;              // frames_ frames of frame_bytes_
@@ -299,6 +305,15 @@ Status CudaBackend::init(HostArena::Options *ao) {
       if (cudaHostUnregister(base) != cudaSuccess) (void)cudaGetLastError();  // a chunk left pageable
     };
   }
+  {
+    cudaMemPoolProps props = {};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = dev_;
+    WKV_CU(cudaMemPoolCreate(&mempool_, &props));
+    uint64_t keep = UINT64_MAX;
+    WKV_CU(cudaMemPoolSetAttribute(mempool_, cudaMemPoolAttrReleaseThreshold, &keep));
+  }
   WKV_CU(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
   WKV_CU(cudaStreamCreateWithFlags(&free_, cudaStreamNonBlocking));
   WKV_CU(cudaStreamCreateWithFlags(&io_, cudaStreamNonBlocking));
@@ -339,6 +354,8 @@ CudaBackend::~CudaBackend() {
       if (ev) cudaEventDestroy(ev);
   }
   if (cache_) cudaFree(cache_);
+  // Released once its last allocation is freed, if any is still out.
+  if (mempool_) cudaMemPoolDestroy(mempool_);
   if (d_stats_) cudaFree(d_stats_);
   for (void *p : d_blocks_) cudaFree(p);
   (void)cudaGetLastError();
@@ -412,7 +429,7 @@ Status CudaBackend::mem_alloc(size_t bytes, void *stream, Region *out) {
   if (e_.faults().fail(FaultInjector::kEngineAlloc))
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of device memory for %zu bytes (injected)", n);
   void *p = nullptr;
-  WKV_CU(cudaMallocAsync(&p, n, static_cast<cudaStream_t>(stream)));
+  WKV_CU(cudaMallocFromPoolAsync(&p, n, mempool_, static_cast<cudaStream_t>(stream)));
   out->p = static_cast<uint8_t *>(p);
   out->bytes = n;
   return Status::ok();
@@ -648,7 +665,7 @@ Status CudaBackend::km_region(Region *r, size_t bytes, cudaStream_t s) {
   if (bytes <= r->bytes) return Status::ok();
   const size_t n = (std::max(bytes, r->bytes + r->bytes / 2) + 255) & ~size_t{255};
   void *p = nullptr;
-  WKV_CU(cudaMallocAsync(&p, n, s));
+  WKV_CU(cudaMallocFromPoolAsync(&p, n, mempool_, s));
   if (r->p) cudaFreeAsync(r->p, s);  // grow_ ran every read of it before (see cluster_begin)
   r->p = static_cast<uint8_t *>(p);
   r->bytes = n;
