@@ -102,7 +102,8 @@ struct HeadGrowth {
 // one `last_tokens`) from the front of every head's tail: cuts, seeds and
 // the backend's k-means, nothing visible changed.
 Status grow_begin(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t count, uint32_t seg_tokens,
-                  uint32_t last_tokens, bool generated, void *stream, std::unique_ptr<PendingGrowth, PendingGrowthFree> *out) {
+                  uint32_t last_tokens, bool generated, void *stream,
+                  std::unique_ptr<PendingGrowth, PendingGrowthFree> *out) {
   const Config &cfg = ix.cfg;
   const uint32_t H = static_cast<uint32_t>(L.heads.size());
   const uint32_t d = cfg.c.head_dim, pt = cfg.page_tokens();

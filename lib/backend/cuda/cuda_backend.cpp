@@ -815,7 +815,8 @@ Status CudaBackend::cluster_take(ClusterBatch *b, void *stream, ClusterOut *out)
   out->n_outliers = n_clusters + S;
   out->begin = n_clusters + 2 * S;
   out->size = n_clusters + 2 * S + sum_k + S;
-  out->value_total = reinterpret_cast<const double *>(reinterpret_cast<uint8_t *>(kb.host) + ((words * 4 + 7) & ~size_t{7}));
+  const size_t totals_at = (words * 4 + 7) & ~size_t{7};
+  out->value_total = reinterpret_cast<const double *>(reinterpret_cast<uint8_t *>(kb.host) + totals_at);
   out->tok_off = kb.tok_off.data();
   out->clu_off = kb.clu_off.data();
   out->order = kb.order.as<uint32_t>();
