@@ -409,11 +409,6 @@ Status grow(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_t coun
 
 void PendingGrowthFree::operator()(PendingGrowth *p) const { delete p; }
 
-void drop_pending(const IndexContext &ix, LayerState &L, void *stream) noexcept {
-  if (!L.pending) return;
-  if (L.pending->batch) ix.backend.cluster_end(L.pending->batch, stream);
-  L.pending.reset();
-}
 
 uint32_t outlier_cap(uint32_t method, uint32_t tokens) {
   if (!(method & WKV_METHOD_OUTLIERS)) return 0;
@@ -553,7 +548,12 @@ void init_layer(const IndexContext &ix, LayerState *L) {
 }
 
 void release_layer(const IndexContext &ix, LayerState &L, bool counted) noexcept {
-  drop_pending(ix, L, nullptr);
+  // A pending growth is abandoned: nothing read its outputs, and the memory
+  // freed below waits for its k-means (Backend::cluster_end).
+  if (L.pending) {
+    if (L.pending->batch) ix.backend.cluster_end(L.pending->batch, nullptr);
+    L.pending.reset();
+  }
   for (HeadState &h : L.heads) {
     ix.backend.on_head_destroyed(h);
     for (Region *r : {&h.sink.k, &h.sink.v, &h.tail.k, &h.tail.v, &h.meta.centroid, &h.meta.value_sum, &h.meta.spread, &h.meta.centroid16, &h.values.mean,

@@ -90,12 +90,6 @@ struct PendingGrowth {
   uint64_t commit_at = 0;     // the commit point: the append reaching it commits
 };
 
-// Drops a layer's pending growth, if any: its segments stay in the tails
-// (a later append begins their growth again). `stream`: the work enqueued
-// on it so far includes the last read of the batch's outputs (nullptr:
-// none; the memory freed after it waits for the k-means).
-void drop_pending(const IndexContext &ix, LayerState &L, void *stream) noexcept;
-
 // Appends n tokens' K and V rows to a layer: k and v point at token 0,
 // head 0 on the engine's device, strides in elements. Clusters the segments
 // that complete (the backend's prompt batching decides when, not where).

@@ -130,9 +130,10 @@ struct CudaClusterBatch final : ClusterBatch {
   Region n, begin, order, size, cent, vsum, spread, vtot;  // device, grow only
   uint32_t *host = nullptr;  // pinned: the readback, then the scratch
   size_t host_bytes = 0;
-  size_t scratch_at = 0;  // byte offset of the scratch in host
+  // Byte offsets in host: n_clusters and n_outliers at 0, then begins,
+  // sizes, the value totals (8-byte aligned) and the scratch.
+  size_t begin_at = 0, size_at = 0, totals_at = 0, scratch_at = 0;
   uint32_t S = 0;
-  uint64_t sum_k = 0;
   std::vector<uint64_t> tok_off, clu_off;
   cudaEvent_t input = nullptr;     // the caller's stream: the segments' rows written
   cudaEvent_t t0 = nullptr, t1 = nullptr;  // the k-means, timed; t1 also: the readback done
@@ -720,16 +721,16 @@ Status CudaBackend::cluster_begin(const ClusterJob *jobs, uint32_t S, size_t scr
   uint64_t sum_k = 0;
   for (uint32_t i = 0; i < S; ++i) sum_k += kernels::kmeans_out_clusters(jobs[i]);
   kb->S = S;
-  kb->sum_k = sum_k;
 
   // 2. The pinned block: the readback (n_clusters and n_outliers, begins,
   //    sizes, then the value totals 8-byte aligned), then the scratch.
   //    Grow only, kept for the engine's life (freeing pinned memory would
   //    synchronize the device).
-  const size_t words = 2 * S + (sum_k + S) + sum_k;
-  const size_t totals_at = (words * 4 + 7) & ~size_t{7};
-  const size_t scratch_at = (totals_at + size_t(S) * d * 8 + 255) & ~size_t{255};
-  const size_t bytes = scratch_at + scratch;
+  kb->begin_at = size_t(2) * S * 4;
+  kb->size_at = kb->begin_at + (sum_k + S) * 4;
+  kb->totals_at = (kb->size_at + sum_k * 4 + 7) & ~size_t{7};
+  kb->scratch_at = (kb->totals_at + size_t(S) * d * 8 + 255) & ~size_t{255};
+  const size_t bytes = kb->scratch_at + scratch;
   if (bytes > kb->host_bytes) {
     const size_t n = std::max(bytes, kb->host_bytes * 2);
     void *h = nullptr, *dv = nullptr;
@@ -737,7 +738,6 @@ Status CudaBackend::cluster_begin(const ClusterJob *jobs, uint32_t S, size_t scr
     kb->host = static_cast<uint32_t *>(h);
     kb->host_bytes = n;
   }
-  kb->scratch_at = scratch_at;
 
   // 3. grow_ waits for the rows on the device, then clusters and reads back.
   WKV_CU(cudaEventRecord(kb->input, s));
@@ -767,10 +767,10 @@ Status CudaBackend::cluster_begin(const ClusterJob *jobs, uint32_t S, size_t scr
   WKV_KERNEL(kernels::kmeans_batch_cuda(kp, jobs, S, ko, km_ws_.p, km_ws_.bytes, nullptr, grow_));
   uint8_t *const h = reinterpret_cast<uint8_t *>(kb->host);
   WKV_CU(cudaMemcpyAsync(h, ko.n_clusters, 2 * S * sizeof(uint32_t), cudaMemcpyDeviceToHost, grow_));
-  WKV_CU(cudaMemcpyAsync(h + (2 * S) * 4, ko.begin, (sum_k + S) * sizeof(uint32_t), cudaMemcpyDeviceToHost, grow_));
-  WKV_CU(cudaMemcpyAsync(h + (2 * S + sum_k + S) * 4, ko.size, sum_k * sizeof(uint32_t), cudaMemcpyDeviceToHost,
+  WKV_CU(cudaMemcpyAsync(h + kb->begin_at, ko.begin, (sum_k + S) * sizeof(uint32_t), cudaMemcpyDeviceToHost,
                          grow_));
-  WKV_CU(cudaMemcpyAsync(h + totals_at, ko.value_total, size_t(S) * d * sizeof(double), cudaMemcpyDeviceToHost,
+  WKV_CU(cudaMemcpyAsync(h + kb->size_at, ko.size, sum_k * sizeof(uint32_t), cudaMemcpyDeviceToHost, grow_));
+  WKV_CU(cudaMemcpyAsync(h + kb->totals_at, ko.value_total, size_t(S) * d * sizeof(double), cudaMemcpyDeviceToHost,
                          grow_));
   WKV_CU(cudaEventRecord(kb->t1, grow_));
   kb->in_use = true;
@@ -795,8 +795,6 @@ bool CudaBackend::cluster_ready(ClusterBatch *b) {
 Status CudaBackend::cluster_take(ClusterBatch *b, void *stream, ClusterOut *out) {
   DeviceGuard guard(dev_);
   CudaClusterBatch &kb = static_cast<CudaClusterBatch &>(*b);
-  const uint32_t S = kb.S;
-  const uint64_t sum_k = kb.sum_k;
   // The one wait of a prompt's growth; a generated segment's commits once
   // cluster_ready says so, and this waits for nothing.
   WKV_CU(cudaEventSynchronize(kb.t1));
@@ -809,14 +807,12 @@ Status CudaBackend::cluster_take(ClusterBatch *b, void *stream, ClusterOut *out)
       (void)cudaGetLastError();
     kb.timed = true;
   }
-  uint32_t *const n_clusters = kb.host;
-  const size_t words = 2 * S + (sum_k + S) + sum_k;
-  out->n_clusters = n_clusters;
-  out->n_outliers = n_clusters + S;
-  out->begin = n_clusters + 2 * S;
-  out->size = n_clusters + 2 * S + sum_k + S;
-  const size_t totals_at = (words * 4 + 7) & ~size_t{7};
-  out->value_total = reinterpret_cast<const double *>(reinterpret_cast<uint8_t *>(kb.host) + totals_at);
+  const uint8_t *const h = reinterpret_cast<const uint8_t *>(kb.host);
+  out->n_clusters = kb.host;
+  out->n_outliers = kb.host + kb.S;
+  out->begin = reinterpret_cast<const uint32_t *>(h + kb.begin_at);
+  out->size = reinterpret_cast<const uint32_t *>(h + kb.size_at);
+  out->value_total = reinterpret_cast<const double *>(h + kb.totals_at);
   out->tok_off = kb.tok_off.data();
   out->clu_off = kb.clu_off.data();
   out->order = kb.order.as<uint32_t>();
