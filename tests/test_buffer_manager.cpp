@@ -71,9 +71,11 @@ class FakeDevice : public BufferManager::Device {
 };
 
 struct Fixture {
+  // Declared before the manager: its thread clears entries of the map
+  // until the manager is destroyed (members go in reverse order).
   FakeDevice dev;
-  BufferManager bm;
   std::vector<uint32_t> unit_map = std::vector<uint32_t>(1024, kNoFrame);  // one head's entries
+  BufferManager bm;
   uint32_t head = 0, gen = 0;
 
   explicit Fixture(uint32_t units, size_t ring_bytes = 1 << 20) : bm(options(units, ring_bytes), &dev) {
