@@ -1405,8 +1405,18 @@ __device__ __forceinline__ void write_job(const WritePagesJob &job, uint32_t cpr
   }
 }
 
-__global__ void write_pages_kernel(const WritePagesJob job, uint32_t cpr, uint32_t row_bytes, uint32_t pt) {
-  write_job(job, cpr, row_bytes, pt, uint64_t(blockIdx.x) * blockDim.x + threadIdx.x,
+constexpr uint32_t kPageJobsPerLaunch = 96;
+
+struct PageJobChunk {
+  WritePagesJob j[kPageJobsPerLaunch];
+  uint32_t n;
+};
+static_assert(sizeof(PageJobChunk) <= 4000, "kernel parameters are limited to 4 KiB");
+
+// CTA (x, y) moves job y's chunks x * blockDim.x + threadIdx.x, ...
+__global__ void write_pages_kernel(const __grid_constant__ PageJobChunk chunk, uint32_t cpr, uint32_t row_bytes,
+                                   uint32_t pt) {
+  write_job(chunk.j[blockIdx.y], cpr, row_bytes, pt, uint64_t(blockIdx.x) * blockDim.x + threadIdx.x,
             uint64_t(gridDim.x) * blockDim.x);
 }
 
@@ -1493,15 +1503,31 @@ cudaError_t kmeans_batch_cuda(const KMeansBatchParams &p, const KMeansSegmentDes
 }
 
 cudaError_t write_pages_cuda(const WritePagesJob &job, uint32_t row_bytes, uint32_t page_tokens, cudaStream_t stream) {
+  return write_pages_many_cuda(&job, 1, row_bytes, page_tokens, stream);
+}
+
+cudaError_t write_pages_many_cuda(const WritePagesJob *jobs, uint32_t n, uint32_t row_bytes, uint32_t page_tokens,
+                                  cudaStream_t stream) {
   WKV_CUDA_TRY(check_page_args(row_bytes, page_tokens));
-  if (job.tokens == 0) return cudaSuccess;
-  if (!job.order || !job.k || !job.v || !job.pages)
-    return cudaErrorInvalidValue;
+  if (n > 0 && !jobs) return cudaErrorInvalidValue;
   const uint32_t cpr = row_bytes / 16;
-  const uint64_t chunks = uint64_t(job.tokens) * cpr;
-  const unsigned blocks = static_cast<unsigned>(std::min<uint64_t>((chunks + 255) / 256, kPageBlocksMax));
-  write_pages_kernel<<<blocks, 256, 0, stream>>>(job, cpr, row_bytes, page_tokens);
-  WKV_CUDA_CHECK_LAUNCH("write_pages_kernel");
+  for (uint32_t done = 0; done < n; done += kPageJobsPerLaunch) {
+    PageJobChunk c;
+    c.n = 0;
+    uint32_t most = 0;
+    for (uint32_t i = done; i < n && i < done + kPageJobsPerLaunch; ++i) {
+      const WritePagesJob &job = jobs[i];
+      if (job.tokens == 0) continue;
+      if (!job.order || !job.k || !job.v || !job.pages) return cudaErrorInvalidValue;
+      c.j[c.n++] = job;
+      most = std::max(most, job.tokens);
+    }
+    if (c.n == 0) continue;
+    const uint64_t chunks = uint64_t(most) * cpr;
+    const unsigned bx = static_cast<unsigned>(std::min<uint64_t>((chunks + 255) / 256, kPageBlocksMax));
+    write_pages_kernel<<<dim3(bx, c.n), 256, 0, stream>>>(c, cpr, row_bytes, page_tokens);
+    WKV_CUDA_CHECK_LAUNCH("write_pages_kernel");
+  }
   return cudaSuccess;
 }
 

@@ -102,6 +102,11 @@ struct WritePagesJob {
 cudaError_t write_pages_cuda(const WritePagesJob &job, uint32_t row_bytes,
                         uint32_t page_tokens, cudaStream_t stream);
 
+// Writes n jobs (`jobs` in host memory, reusable at once) in launches of
+// up to 96 jobs passed by value.
+cudaError_t write_pages_many_cuda(const WritePagesJob *jobs, uint32_t n, uint32_t row_bytes,
+                                  uint32_t page_tokens, cudaStream_t stream);
+
 // Writes n jobs in one launch; `jobs` is a device array, max_tokens bounds
 // every job's tokens (it sizes the grid).
 cudaError_t write_pages_batch_cuda(const WritePagesJob *jobs, uint32_t n,

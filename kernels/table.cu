@@ -30,6 +30,14 @@ struct PairChunk {
 };
 static_assert(sizeof(PairChunk) <= 4000, "kernel parameters are limited to 4 KiB");
 
+constexpr uint32_t kSpansPerLaunch = 120;
+
+struct SpanChunk {
+  SpanDesc s[kSpansPerLaunch];
+  uint32_t n;
+};
+static_assert(sizeof(SpanChunk) <= 4000, "kernel parameters are limited to 4 KiB");
+
 constexpr uint32_t kCopiesPerLaunch = 96;
 constexpr uint32_t kCopyRowsPerCta = 16;
 constexpr uint32_t kMarksPerLaunch = 240;
@@ -105,18 +113,47 @@ __global__ void convert_q_kernel(const typename DevType<T>::type *src, int64_t s
   for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) out[i] = DevType<T>::to_f(row[i]);
 }
 
-// f32 to f16, round to nearest even; *overflow |= 1 where a value is
-// outside f16's range (NaN included), as the CPU engine's compact mirror
-// tests it.
-__global__ void narrow_f16_kernel(const float *__restrict__ src, uint64_t n, __half *__restrict__ dst,
-                                  uint32_t *overflow) {
+// f32 to f16, round to nearest even, elements first, first + stride, ...
+// of n; *overflow |= 1 where a value is outside f16's range (NaN
+// included), as the CPU engine's compact mirror tests it. Every thread of
+// the CTA calls it (the flag is one __syncthreads_or).
+__device__ __forceinline__ void narrow_part(const float *__restrict__ src, uint64_t n, __half *__restrict__ dst,
+                                            uint32_t *overflow, uint64_t first, uint64_t stride) {
   bool bad = false;
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
+  for (uint64_t i = first; i < n; i += stride) {
     const float x = src[i];
     bad |= !(fabsf(x) <= 65504.0f);
     dst[i] = __float2half_rn(x);
   }
   if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(overflow, 1u);
+}
+
+__global__ void narrow_f16_kernel(const float *__restrict__ src, uint64_t n, __half *__restrict__ dst,
+                                  uint32_t *overflow) {
+  narrow_part(src, n, dst, overflow, blockIdx.x * uint64_t(blockDim.x) + threadIdx.x,
+              uint64_t(gridDim.x) * blockDim.x);
+}
+
+__host__ __device__ __forceinline__ bool span_wide(const SpanDesc &sp) {
+  return sp.op == kSpanCopy &&
+         ((reinterpret_cast<uintptr_t>(sp.dst) | reinterpret_cast<uintptr_t>(sp.src) | sp.n) & 15) == 0;
+}
+
+// CTA (x, y) writes span x from element y * blockDim.x + threadIdx.x on,
+// every gridDim.y * blockDim.x-th element (a 16-byte word, a byte or an
+// f32 value). The op is uniform across a CTA.
+__global__ void apply_spans_kernel(const __grid_constant__ SpanChunk chunk) {
+  const SpanDesc &sp = chunk.s[blockIdx.x];
+  const uint64_t first = uint64_t(blockIdx.y) * blockDim.x + threadIdx.x, stride = uint64_t(gridDim.y) * blockDim.x;
+  if (sp.op == kSpanNarrowF16) {
+    narrow_part(reinterpret_cast<const float *>(sp.src), sp.n, reinterpret_cast<__half *>(sp.dst), sp.overflow, first,
+                stride);
+  } else if (span_wide(sp)) {
+    for (uint64_t i = first; i < sp.n / 16; i += stride)
+      reinterpret_cast<uint4 *>(sp.dst)[i] = reinterpret_cast<const uint4 *>(sp.src)[i];
+  } else {
+    for (uint64_t i = first; i < sp.n; i += stride) sp.dst[i] = sp.src[i];
+  }
 }
 
 }  // namespace
@@ -176,6 +213,29 @@ cudaError_t copy_rows(const RowCopyDesc *copies, uint32_t n, const uint8_t *k, c
       default: copy_rows_kernel<uint8_t><<<grid, threads, 0, s>>>(c); break;
     }
     WKV_CUDA_CHECK_LAUNCH("copy_rows");
+  }
+  return cudaSuccess;
+}
+
+cudaError_t apply_spans(const SpanDesc *spans, uint32_t n, void *stream) {
+  if (n == 0) return cudaSuccess;
+  if (!spans) return cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  constexpr uint32_t threads = 256;
+  for (uint32_t done = 0; done < n; done += kSpansPerLaunch) {
+    SpanChunk c;
+    c.n = n - done < kSpansPerLaunch ? n - done : kSpansPerLaunch;
+    uint64_t most = 1;  // elements of the largest span, in its own unit
+    for (uint32_t i = 0; i < c.n; ++i) {
+      const SpanDesc &sp = spans[done + i];
+      if (sp.n > 0 && (!sp.dst || !sp.src)) return cudaErrorInvalidValue;
+      if (sp.op == kSpanNarrowF16 ? !sp.overflow : sp.op != kSpanCopy) return cudaErrorInvalidValue;
+      c.s[i] = sp;
+      most = std::max<uint64_t>(most, span_wide(sp) ? sp.n / 16 : sp.n);
+    }
+    const uint32_t rows = static_cast<uint32_t>(std::min<uint64_t>((most + threads - 1) / threads, 64));
+    apply_spans_kernel<<<dim3(c.n, std::max<uint32_t>(rows, 1)), threads, 0, s>>>(c);
+    WKV_CUDA_CHECK_LAUNCH("apply_spans");
   }
   return cudaSuccess;
 }

@@ -51,6 +51,23 @@ cudaError_t store_words(const uint64_t *addrs, uint32_t n, uint32_t value, void 
 // arrays), i < n, in launches of up to 240 pairs passed by value.
 cudaError_t store_pairs(const uint64_t *addrs, const uint64_t *values, uint32_t n, void *stream);
 
+// One write of apply_spans: n bytes from src to dst (op kSpanCopy), or n
+// f32 values from src to f16 at dst (kSpanNarrowF16, as narrow_f16, with
+// *overflow set nonzero where a value lies outside f16's range). Every
+// address is device-accessible: device memory or mapped pinned memory.
+enum : uint32_t { kSpanCopy = 0, kSpanNarrowF16 = 1 };
+struct SpanDesc {
+  uint8_t *dst;
+  const uint8_t *src;
+  uint32_t *overflow;  // kSpanNarrowF16 only
+  uint32_t n, op;
+};
+
+// The spans in launches of up to 120 passed by value (so `spans` may be
+// reused at once), one CTA column per span, in 16-byte words where a
+// span's addresses and size allow.
+cudaError_t apply_spans(const SpanDesc *spans, uint32_t n, void *stream);
+
 // Converts q [n_seqs][n_q_heads][d] of storage type t with strides in
 // elements into dst, f32 [n_seqs][n_q_heads][d] contiguous.
 cudaError_t convert_q(DType t, const void *src, int64_t seq_stride, int64_t head_stride, uint32_t n_seqs,

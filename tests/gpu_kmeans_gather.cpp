@@ -16,6 +16,7 @@
 #include "kernels/cpu_kernels.hpp"
 #include "kernels/gather_cuda.hpp"
 #include "kernels/kmeans_cuda.hpp"
+#include "kernels/table_cuda.hpp"
 #include "kernels/dtype.hpp"
 #include "gpu_support.hpp"
 
@@ -781,6 +782,86 @@ TEST(WritePagesCuda, RejectsRowsThatAreNotWholeVectors) {
   WritePagesJob job;
   EXPECT_EQ(write_pages_cuda(job, 100, 8, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(write_pages_cuda(job, 256, 0, nullptr), cudaErrorInvalidValue);
+}
+
+// Spans (a growth's commit) ---------------------------------------------------------
+
+// Copies from device and from mapped pinned memory, aligned and not, of
+// every size up to several CTA rows, and narrowings with and without an
+// out-of-range value: more spans than one launch carries.
+TEST(ApplySpans, EveryCopyAndNarrowingLandsAndNothingElseChanges) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(77);
+  constexpr size_t kSrc = 1 << 20, kDst = 4 << 20;
+  const std::vector<uint8_t> dsrc_h = random_bytes(rng, kSrc), psrc_h = random_bytes(rng, kSrc);
+  std::vector<float> fsrc_h = random_vec(rng, kSrc / 4, 100.f);
+  DevBuf dsrc(kSrc), fsrc(kSrc), dst(kDst), flags(8);
+  HostBuf psrc(kSrc);
+  ASSERT_NE(psrc.p, nullptr);
+  std::memcpy(psrc.p, psrc_h.data(), kSrc);
+  upload(dsrc, dsrc_h);
+  ASSERT_CUDA(cudaMemset(dst.p, 0xa5, kDst));
+  ASSERT_CUDA(cudaMemset(flags.p, 0, 8));
+  std::vector<uint8_t> want(kDst, 0xa5);
+  std::vector<SpanDesc> spans;
+  size_t at = 0;
+  bool narrowed_bad = false;
+  for (uint32_t i = 0; i < 300 && at < kDst - 70000; ++i) {
+    at += rng() % 3 == 0 ? rng() % 17 : (16 - at % 16) % 16;  // aligned two times in three
+    SpanDesc sp{};
+    if (i % 7 == 3) {  // a narrowing of up to 4096 values; every 4th one has one out of range
+      const uint32_t n = static_cast<uint32_t>(rng() % 4097);
+      const size_t from = rng() % (kSrc / 4 - n);
+      at = (at + 1) & ~size_t{1};
+      sp = SpanDesc{dst.as<uint8_t>() + at, fsrc.as<uint8_t>() + from * 4, flags.as<uint32_t>(), n, kSpanNarrowF16};
+      if (i % 4 == 3 && n > 0) {
+        fsrc_h[from + n / 2] = 1e6f;
+        narrowed_bad = true;
+      }
+      at += size_t(n) * 2;
+    } else {
+      const uint32_t n = static_cast<uint32_t>(i % 5 == 0 ? rng() % 65536 : rng() % 600);
+      const bool pinned = i % 2 == 0;
+      size_t from = rng() % (kSrc - n);
+      if (rng() % 3 != 0) from &= ~size_t{15};
+      const uint8_t *src = pinned ? psrc.device() + from : dsrc.as<uint8_t>() + from;
+      sp = SpanDesc{dst.as<uint8_t>() + at, src, nullptr, n, kSpanCopy};
+      std::memcpy(&want[at], (pinned ? psrc_h : dsrc_h).data() + from, n);
+      at += n;
+    }
+    spans.push_back(sp);
+  }
+  ASSERT_GT(spans.size(), 240u);  // three launches at least
+  ASSERT_TRUE(narrowed_bad);
+  upload(fsrc, fsrc_h);  // the values as the spans read them
+  for (const SpanDesc &sp : spans) {
+    if (sp.op != kSpanNarrowF16) continue;
+    const size_t to = static_cast<size_t>(sp.dst - dst.as<uint8_t>());
+    const size_t from = static_cast<size_t>(sp.src - fsrc.as<uint8_t>()) / 4;
+    for (uint32_t j = 0; j < sp.n; ++j) {
+      const uint16_t h = float_to_f16(fsrc_h[from + j]);
+      std::memcpy(&want[to + size_t(j) * 2], &h, 2);
+    }
+  }
+  ASSERT_OK(apply_spans(spans.data(), static_cast<uint32_t>(spans.size()), nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<uint8_t> got;
+  download(&got, dst.p, kDst);
+  for (size_t i = 0; i < kDst; ++i) ASSERT_EQ(got[i], want[i]) << "byte " << i;
+  std::vector<uint32_t> flag;
+  download(&flag, flags.p, 1);
+  EXPECT_NE(flag[0], 0u) << "an out-of-range value is flagged";
+
+  // In range only: the flag stays clear; a bad span is refused unlaunched.
+  ASSERT_CUDA(cudaMemset(flags.p, 0, 8));
+  SpanDesc ok{dst.as<uint8_t>(), fsrc.as<uint8_t>(), flags.as<uint32_t>(), 64, kSpanNarrowF16};
+  ASSERT_OK(apply_spans(&ok, 1, nullptr));
+  download(&flag, flags.p, 1);
+  EXPECT_EQ(flag[0], 0u);
+  SpanDesc no_flag{dst.as<uint8_t>(), fsrc.as<uint8_t>(), nullptr, 64, kSpanNarrowF16};
+  EXPECT_EQ(apply_spans(&no_flag, 1, nullptr), cudaErrorInvalidValue);
+  SpanDesc no_src{dst.as<uint8_t>(), nullptr, nullptr, 64, kSpanCopy};
+  EXPECT_EQ(apply_spans(&no_src, 1, nullptr), cudaErrorInvalidValue);
 }
 
 // Gather ----------------------------------------------------------------------------

@@ -155,6 +155,31 @@ Status grow_begin(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_
   return Status::ok();
 }
 
+// The narrowing of n centroid rows from c0 on into the head's f16 copy;
+// false where the head keeps none.
+bool centroid16_span(const IndexContext &ix, HeadState &h, size_t c0, const float *src, size_t n, SpanWrite *out) {
+  Region &r = h.meta.centroid16;
+  if (!r.p) return false;
+  const size_t d = ix.cfg.c.head_dim;
+  *out = SpanWrite{r.p + kernels::kMeta16Header + c0 * d * 2, src, n * d, r.as<uint32_t>()};
+  return true;
+}
+
+// Where the mirror keeps n_clusters entries from cluster c0 on and n_pages
+// page addresses from page p0 on, read from the arrays given.
+void mirror_entry_spans(HeadState &h, uint32_t c0, const uint32_t *first_slot, const uint32_t *size,
+                        const uint32_t *unit_begin, uint32_t n_clusters, uint32_t p0, const uint8_t *const *addrs,
+                        uint32_t n_pages, std::vector<SpanWrite> *out) {
+  HeadMirror &m = h.mirror;
+  if (n_clusters > 0) {
+    out->push_back(SpanWrite{m.first_slot.p + size_t(c0) * 4, first_slot, size_t(n_clusters) * 4});
+    out->push_back(SpanWrite{m.size.p + size_t(c0) * 4, size, size_t(n_clusters) * 4});
+    // unit_begin[c0 + 1 ..]: entry 0 is written when the head is created.
+    out->push_back(SpanWrite{m.unit_begin.p + (size_t(c0) + 1) * 4, unit_begin, size_t(n_clusters) * 4});
+  }
+  if (n_pages > 0) out->push_back(SpanWrite{m.pages.p + size_t(p0) * 8, addrs, size_t(n_pages) * 8});
+}
+
 // Where the commit stages a head's arrays in the batch's scratch: first
 // slots, sizes and unit ends of its new clusters, its page addresses, its
 // mean value; each 8-byte aligned.
@@ -306,8 +331,16 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
   // 4. The device's work, beyond what any step reads: meta rows, mirror
   //    entries, clustered rows into their pages. Only a failing device can
   //    fail here, and nothing visible has changed yet.
-  std::vector<PageWriteJob> writes(S);
-  std::vector<float *> value_mean(H);
+  std::vector<PageWriteJob> writes;
+  std::vector<SpanWrite> spans, means;
+  try {
+    writes.resize(S);
+    means.resize(H);
+    spans.reserve(size_t(H) * (4 * count + 4));
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the writes of %u segments", S);
+  }
+  const bool mirrored = !ix.backend.host_memory();
   uint8_t *scratch = ix.backend.cluster_scratch(pg.batch);
   for (uint32_t h = 0; h < H; ++h) {
     HeadState &hs = L.heads[h];
@@ -318,19 +351,19 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
     std::copy(g.unit_begin.begin(), g.unit_begin.end(), st.unit_begin);
     for (uint32_t i = 0; i < g.add_p; ++i) st.addr[i] = ix.backend.page_address(g.pages[i]);
     std::copy(g.value_mean.begin(), g.value_mean.end(), st.value_mean);
-    value_mean[h] = st.value_mean;
+    means[h] = SpanWrite{hs.values.mean.p, st.value_mean, d * sizeof(float)};
     uint32_t c = hs.clusters(), pp = 0;
     for (uint32_t i = 0; i < count; ++i) {
       const uint32_t si = h * count + i;
       const uint32_t nc = out.n_clusters[si];
       const size_t co = out.clu_off[si];
-      WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.centroid.as<float>() + size_t(c) * d,
-                                              out.centroid + co * d, size_t(nc) * d * sizeof(float), stream));
-      WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.value_sum.as<float>() + size_t(c) * d,
-                                              out.value_sum + co * d, size_t(nc) * d * sizeof(float), stream));
-      WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.spread.as<float>() + c, out.spread + co,
-                                              size_t(nc) * sizeof(float), stream));
-      WKV_RETURN_IF_ERROR(centroid16_write(ix, hs, c, out.centroid + co * d, nc, stream));
+      spans.push_back(SpanWrite{hs.meta.centroid.as<float>() + size_t(c) * d, out.centroid + co * d,
+                                size_t(nc) * d * sizeof(float)});
+      spans.push_back(SpanWrite{hs.meta.value_sum.as<float>() + size_t(c) * d, out.value_sum + co * d,
+                                size_t(nc) * d * sizeof(float)});
+      spans.push_back(SpanWrite{hs.meta.spread.as<float>() + c, out.spread + co, size_t(nc) * sizeof(float)});
+      SpanWrite narrow;
+      if (centroid16_span(ix, hs, c, out.centroid + co * d, nc, &narrow)) spans.push_back(narrow);
       PageWriteJob &w = writes[si];
       w.order = out.order + out.tok_off[si];
       w.k = hs.tail.k_at(first_row[si]);
@@ -341,15 +374,18 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       c += nc;
       pp += seg_pages[si];
     }
-    WKV_RETURN_IF_ERROR(mirror_fill_entries(ix, hs, hs.clusters(), st.first_slot, st.size, st.unit_begin, g.add_c,
-                                            static_cast<uint32_t>(hs.map.pages.size()), g.pages.data(), g.add_p,
-                                            stream, st.addr));
+    if (mirrored)
+      mirror_entry_spans(hs, hs.clusters(), st.first_slot, st.size, st.unit_begin, g.add_c,
+                         static_cast<uint32_t>(hs.map.pages.size()), st.addr, g.add_p, &spans);
   }
+  // Three launches on CUDA, whatever the heads and segments: meta rows and
+  // mirror entries, the clustered rows into their pages (reading the
+  // mirror's new page addresses), then the mean values.
+  WKV_RETURN_IF_ERROR(ix.backend.write_spans(spans.data(), static_cast<uint32_t>(spans.size()), stream));
   WKV_RETURN_IF_ERROR(ix.backend.write_pages(writes.data(), S, stream));
   // The mean value changes in place, last: a step ordered after this growth
-  // reads it with the clusters below, one before it has read it already.
-  for (uint32_t h = 0; h < H; ++h)
-    WKV_RETURN_IF_ERROR(ix.backend.mem_copy(L.heads[h].values.mean.p, value_mean[h], d * sizeof(float), stream));
+  // reads it with the clusters above, one before it has read it already.
+  WKV_RETURN_IF_ERROR(ix.backend.write_spans(means.data(), H, stream));
 
   // 5. Commit (nothing can fail from here): mapping tables, segments, the
   //    compact mirror, and the tails lose their clustered front.
@@ -439,10 +475,8 @@ Status centroid16_reserve(const IndexContext &ix, HeadState &h, size_t clusters,
 }
 
 Status centroid16_write(const IndexContext &ix, HeadState &h, size_t c0, const float *src, size_t n, void *stream) {
-  Region &r = h.meta.centroid16;
-  if (!r.p) return Status::ok();
-  const size_t d = ix.cfg.c.head_dim;
-  return ix.backend.narrow_f16(src, n * d, r.p + kernels::kMeta16Header + c0 * d * 2, r.as<uint32_t>(), stream);
+  SpanWrite w;
+  return centroid16_span(ix, h, c0, src, n, &w) ? ix.backend.write_spans(&w, 1, stream) : Status::ok();
 }
 
 Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream) {
@@ -505,28 +539,20 @@ Status mirror_reserve(const IndexContext &ix, HeadState &h, uint32_t clusters, u
 
 Status mirror_fill_entries(const IndexContext &ix, HeadState &h, uint32_t c0, const uint32_t *first_slot,
                            const uint32_t *size, const uint32_t *unit_begin, uint32_t n_clusters, uint32_t p0,
-                           const PageId *pages, uint32_t n_pages, void *stream, const uint8_t *const *addrs) {
+                           const PageId *pages, uint32_t n_pages, void *stream) {
   if (ix.backend.host_memory()) return Status::ok();
-  HeadMirror &m = h.mirror;
-  if (n_clusters > 0) {
-    WKV_RETURN_IF_ERROR(ix.backend.mem_copy(m.first_slot.p + size_t(c0) * 4, first_slot, size_t(n_clusters) * 4, stream));
-    WKV_RETURN_IF_ERROR(ix.backend.mem_copy(m.size.p + size_t(c0) * 4, size, size_t(n_clusters) * 4, stream));
-    // unit_begin[c0 + 1 ..]: entry 0 is written when the head is created.
-    WKV_RETURN_IF_ERROR(
-        ix.backend.mem_copy(m.unit_begin.p + (size_t(c0) + 1) * 4, unit_begin, size_t(n_clusters) * 4, stream));
+  std::vector<const uint8_t *> addr;
+  std::vector<SpanWrite> spans;
+  try {
+    addr.resize(n_pages);
+    spans.reserve(4);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %u page addresses", n_pages);
   }
-  if (n_pages > 0 && addrs) {
-    WKV_RETURN_IF_ERROR(ix.backend.mem_copy(m.pages.p + size_t(p0) * 8, addrs, size_t(n_pages) * 8, stream));
-  } else if (n_pages > 0) {
-    std::vector<const uint8_t *> addr;
-    try {
-      addr.resize(n_pages);
-    } catch (const std::bad_alloc &) {
-      return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %u page addresses", n_pages);
-    }
-    for (uint32_t i = 0; i < n_pages; ++i) addr[i] = ix.backend.page_address(pages[i]);
-    WKV_RETURN_IF_ERROR(ix.backend.mem_copy(m.pages.p + size_t(p0) * 8, addr.data(), size_t(n_pages) * 8, stream));
-  }
+  for (uint32_t i = 0; i < n_pages; ++i) addr[i] = ix.backend.page_address(pages[i]);
+  mirror_entry_spans(h, c0, first_slot, size, unit_begin, n_clusters, p0, addr.data(), n_pages, &spans);
+  // Host arrays of any kind: copies, which read them before returning.
+  for (const SpanWrite &w : spans) WKV_RETURN_IF_ERROR(ix.backend.mem_copy(w.dst, w.src, w.n, stream));
   return Status::ok();
 }
 

@@ -143,17 +143,16 @@ void release_layer(const IndexContext &ix, LayerState &L, bool counted = true) n
 // backend), the one code path that builds it. mirror_reserve makes room for
 // `clusters`, `pages` and `units` (cleared unit map chunks included; may
 // fail for memory and then changes nothing a step reads); mirror_fill_entries
-// copies n_clusters entries from cluster c0 on and n_pages page addresses
-// from page p0 on (fails only if the device does; `addrs`, if given, holds
-// the pages' addresses in memory a copy need not wait from: the backend's
-// page_address of each); mirror_fill copies the
-// host table's entries from c0 and p0 to its end.
+// copies n_clusters entries from cluster c0 on and the addresses of n_pages
+// pages from page p0 on, from host arrays of any kind (fails only if the
+// device does, or for host memory); mirror_fill copies the host table's
+// entries from c0 and p0 to its end. A growth's commit writes the same
+// entries with the rest of its spans (growth.cpp, mirror_entry_spans).
 Status mirror_reserve(const IndexContext &ix, HeadState &h, uint32_t clusters, uint32_t pages, uint32_t units,
                       void *stream);
 Status mirror_fill_entries(const IndexContext &ix, HeadState &h, uint32_t c0, const uint32_t *first_slot,
                            const uint32_t *size, const uint32_t *unit_begin, uint32_t n_clusters, uint32_t p0,
-                           const PageId *pages, uint32_t n_pages, void *stream,
-                           const uint8_t *const *addrs = nullptr);
+                           const PageId *pages, uint32_t n_pages, void *stream);
 Status mirror_fill(const IndexContext &ix, HeadState &h, uint32_t c0, uint32_t p0, void *stream);
 
 // Whether heads keep the f16 copy of their centroids that the device's

@@ -162,6 +162,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Status mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream) override;
   Status mem_store64(void *dst, uint64_t value, void *stream) override;
   Status narrow_f16(const float *src, size_t n, void *dst, uint32_t *overflow, void *stream) override;
+  Status write_spans(const SpanWrite *spans, uint32_t n, void *stream) override;
   Status copy_rows(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v, size_t src_pitch,
                    size_t width, void *stream) override;
   Status mem_sync(void *stream) override;
@@ -530,6 +531,26 @@ Status CudaBackend::narrow_f16(const float *src, size_t n, void *dst, uint32_t *
   return Status::ok();
 }
 
+Status CudaBackend::write_spans(const SpanWrite *spans, uint32_t n, void *stream) {
+  if (n == 0) return Status::ok();
+  DeviceGuard guard(dev_);
+  std::vector<kernels::SpanDesc> desc;
+  try {
+    desc.resize(n);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %u spans", n);
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    const SpanWrite &w = spans[i];
+    if (w.n > UINT32_MAX) return WKV_ERROR(WKV_ERR_INTERNAL, "a span of %zu elements", w.n);
+    desc[i] = kernels::SpanDesc{static_cast<uint8_t *>(w.dst), static_cast<const uint8_t *>(w.src),
+                                w.narrow_overflow, static_cast<uint32_t>(w.n),
+                                w.narrow_overflow ? kernels::kSpanNarrowF16 : kernels::kSpanCopy};
+  }
+  WKV_KERNEL(kernels::apply_spans(desc.data(), n, static_cast<cudaStream_t>(stream)));
+  return Status::ok();
+}
+
 Status CudaBackend::copy_rows(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v,
                               size_t src_pitch, size_t width, void *stream) {
   if (n == 0) return Status::ok();
@@ -858,17 +879,24 @@ void CudaBackend::cluster_end(ClusterBatch *b, void *stream) {
 }
 
 Status CudaBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *stream) {
+  if (n == 0) return Status::ok();
   DeviceGuard guard(dev_);
   const Config &cfg = e_.config();
-  for (uint32_t i = 0; i < n; ++i) {
-    kernels::WritePagesJob job;
-    job.order = jobs[i].order;
-    job.k = jobs[i].k;
-    job.v = jobs[i].v;
-    job.pages = jobs[i].dev_pages;
-    job.tokens = jobs[i].tokens;
-    WKV_KERNEL(kernels::write_pages_cuda(job, cfg.row_bytes(), cfg.page_tokens(), static_cast<cudaStream_t>(stream)));
+  std::vector<kernels::WritePagesJob> kj;
+  try {
+    kj.resize(n);
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %u page writes", n);
   }
+  for (uint32_t i = 0; i < n; ++i) {
+    kj[i].order = jobs[i].order;
+    kj[i].k = jobs[i].k;
+    kj[i].v = jobs[i].v;
+    kj[i].pages = jobs[i].dev_pages;
+    kj[i].tokens = jobs[i].tokens;
+  }
+  WKV_KERNEL(kernels::write_pages_many_cuda(kj.data(), n, cfg.row_bytes(), cfg.page_tokens(),
+                                            static_cast<cudaStream_t>(stream)));
   return Status::ok();
 }
 
