@@ -12,12 +12,14 @@
 #if defined(WKV_WITH_CUDA)
 
 #include <cuda_runtime.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <thread>
 
 #include "kernels/attention_cuda.hpp"
 #include "kernels/gather_cuda.hpp"
@@ -93,6 +95,42 @@ namespace {
 // 8192 tokens makes a 128K prompt one batch. Bounds the device memory a
 // chunked prefill holds unclustered: 16 segments x KV heads x 2 x row.
 constexpr uint32_t kPromptBatchSegments = 16;
+
+// A host arena chunk is pinned in pieces of 4 MiB, its pages faulted in
+// first. CUDA may serialize calls across threads, so the decoding thread's
+// calls can wait while the arena's thread pins (the issue measured 100 to
+// 150 ms per 512 MiB, so some 15 ms for a 64 MiB chunk in one call). A
+// piece of resident pages holds the driver for far less, and the thread
+// yields between pieces.
+constexpr size_t kPinPiece = size_t{4} << 20;
+
+cudaError_t pin_in_pieces(void *base, size_t bytes) {
+  uint8_t *const p = static_cast<uint8_t *>(base);
+  // Fault the pages in (after the arena's NUMA binding) outside the driver.
+#if defined(MADV_POPULATE_WRITE)
+  if (madvise(p, bytes, MADV_POPULATE_WRITE) != 0)
+#endif
+    for (size_t off = 0; off < bytes; off += 4096) p[off] = 0;
+  for (size_t off = 0; off < bytes; off += kPinPiece) {
+    const cudaError_t err =
+        cudaHostRegister(p + off, std::min(kPinPiece, bytes - off), cudaHostRegisterMapped | cudaHostRegisterPortable);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      for (size_t done = 0; done < off; done += kPinPiece)
+        if (cudaHostUnregister(p + done) != cudaSuccess) (void)cudaGetLastError();
+      return err;
+    }
+    std::this_thread::yield();
+  }
+  return cudaSuccess;
+}
+
+// Unpins what pin_in_pieces pinned (a chunk left pageable: nothing).
+void unpin_pieces(void *base, size_t bytes) {
+  uint8_t *const p = static_cast<uint8_t *>(base);
+  for (size_t off = 0; off < bytes; off += kPinPiece)
+    if (cudaHostUnregister(p + off) != cudaSuccess) (void)cudaGetLastError();
+}
 
 // A kernel wrapper's error as a status: the kernels return the CUDA error,
 // with cudaErrorInvalidValue for arguments they refuse (the engine checks
@@ -290,9 +328,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
     std::atomic<uint64_t> *fallbacks = &e_.counters().pin_fallbacks;
     ao->on_register = [dev, faults, fallbacks, pageable](void *base, size_t bytes) -> Status {
       DeviceGuard g(dev);
-      cudaError_t err = faults->fail(FaultInjector::kPinning)
-                            ? cudaErrorMemoryAllocation
-                            : cudaHostRegister(base, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+      cudaError_t err = faults->fail(FaultInjector::kPinning) ? cudaErrorMemoryAllocation : pin_in_pieces(base, bytes);
       if (err == cudaSuccess) return Status::ok();
       (void)cudaGetLastError();
       if (pageable) {
@@ -302,9 +338,9 @@ Status CudaBackend::init(HostArena::Options *ao) {
       return cuda_error(err, "cudaHostRegister", __FILE__, __LINE__);
     };
     ao->ahead = true;  // pinned ahead of need, off the decoding path
-    ao->on_unregister = [dev](void *base, size_t) {
+    ao->on_unregister = [dev](void *base, size_t bytes) {
       DeviceGuard g(dev);
-      if (cudaHostUnregister(base) != cudaSuccess) (void)cudaGetLastError();  // a chunk left pageable
+      unpin_pieces(base, bytes);
     };
   }
   {
