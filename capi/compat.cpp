@@ -54,10 +54,16 @@ extern "C" WKV_API void wkv_stats_init_0_4(wkv_stats *stats) {
 }
 __asm__(".symver wkv_stats_init_0_4,wkv_stats_init@WAVEKV_0.4");
 
+// 0.6's ended after cache_records_dropped.
 extern "C" WKV_API void wkv_stats_init_0_6(wkv_stats *stats) {
+  if (stats) write_prefix(stats, wkv_stats{}, offsetof(wkv_stats, growths_deferred));
+}
+__asm__(".symver wkv_stats_init_0_6,wkv_stats_init@WAVEKV_0.6");
+
+extern "C" WKV_API void wkv_stats_init_0_7(wkv_stats *stats) {
   if (stats) write_prefix(stats, wkv_stats{}, sizeof *stats);
 }
-__asm__(".symver wkv_stats_init_0_6,wkv_stats_init@@WAVEKV_0.6");
+__asm__(".symver wkv_stats_init_0_7,wkv_stats_init@@WAVEKV_0.7");
 
 // wkv_seq_info of 0.1 to 0.5 ended after pages.
 extern "C" WKV_API void wkv_seq_info_init_0_1(wkv_seq_info *info) {

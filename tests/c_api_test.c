@@ -50,6 +50,14 @@ extern "C"
 #endif
 void wkv_stats_init_v0_4(wkv_stats *stats);
 
+/* ... and of a program built against 0.6 (its struct ended after
+ * cache_records_dropped). */
+__asm__(".symver wkv_stats_init_v0_6,wkv_stats_init@WAVEKV_0.6");
+#ifdef __cplusplus
+extern "C"
+#endif
+void wkv_stats_init_v0_6(wkv_stats *stats);
+
 /* ... and wkv_seq_info_init of a program built against 0.1 to 0.5 (its
  * struct ended after pages). */
 __asm__(".symver wkv_seq_info_init_v0_1,wkv_seq_info_init@WAVEKV_0.1");
@@ -1104,6 +1112,7 @@ static void test_ordering(void) {
   ref_seq *rc = ref_new();
   const ref_seq *refs[1];
   wkv_xbuf_view xv;
+  wkv_stats st0, st1;
   phase("ordering");
   EXPECT_OK(wkv_plan_create(g_x, &p));
   wkv_xbuf_view_init(&xv);
@@ -1133,6 +1142,8 @@ static void test_ordering(void) {
   append_chunks(xc, LAYOUT_PACKED, NULL, LAYOUT_PACKED, rc, 0, ones + 1, 8);
   append_chunks(xc, LAYOUT_PACKED, NULL, LAYOUT_PACKED, rc, 0, more, 1);
   expect_info(xc, 0, 113, 4, 79, 1, 1, "one generated token short of an update segment");
+  wkv_stats_init(&st0);
+  EXPECT_OK(wkv_engine_stats(g_x, &st0));
   append_chunks(xc, LAYOUT_PACKED, NULL, LAYOUT_PACKED, rc, 0, ones, 1);
   /* Its growth begins; it commits 32 tokens later (the growth lag), in the
    * append that brings the sequence to 146 tokens, whatever its size. */
@@ -1141,6 +1152,10 @@ static void test_ordering(void) {
   expect_info(xc, 0, 145, 4, 111, 1, 1, "one token short of the growth's commit point");
   append_chunks(xc, LAYOUT_PACKED, NULL, LAYOUT_PACKED, rc, 0, last, 1);
   expect_info(xc, 0, 150, 4, 52, 2, 1, "100 generated tokens after a 50-token prompt: the growth committed");
+  wkv_stats_init(&st1);
+  EXPECT_OK(wkv_engine_stats(g_x, &st1));
+  CHECK(st1.growths_deferred == st0.growths_deferred + 1, "stats: the segment's growth was deferred to its point");
+  CHECK(st1.growth_waits == st0.growth_waits, "stats: its commit did not wait (the CPU clusters at once)");
 
   /* A fresh lookup works again, over every token. */
   random_q(q, 1);
@@ -1354,6 +1369,8 @@ static void test_stats(void) {
   CHECK(strstr(js, "\"tokens\"") != NULL, "stats JSON names \"tokens\"");
   CHECK(strstr(js, "\"cache_frames_given\":0") != NULL && strstr(js, "\"cache_records_dropped\":0") != NULL,
         "stats JSON has cache_frames_given and cache_records_dropped, 0 on a CPU engine");
+  CHECK(strstr(js, "\"growths_deferred\":") != NULL && strstr(js, "\"growth_waits\":0") != NULL,
+        "stats JSON has growths_deferred and growth_waits (0 on a CPU engine)");
   wkv_free(js);
   EXPECT_ERR(wkv_engine_stats_json(NULL, &js), WKV_ERR_INVALID_HANDLE);
   EXPECT_ERR(wkv_engine_stats_json(g_e, NULL), WKV_ERR_INVALID_ARGUMENT);
@@ -1505,6 +1522,7 @@ static void test_old_stats(void) {
   phase("old_stats");
   check_old_stats(wkv_stats_init_v0_3, offsetof(wkv_stats, spill_cold_pages), "0.3");
   check_old_stats(wkv_stats_init_v0_4, offsetof(wkv_stats, cache_frames_given), "0.4");
+  check_old_stats(wkv_stats_init_v0_6, offsetof(wkv_stats, growths_deferred), "0.6");
 }
 
 /* A program built against wavekv 0.1 to 0.5 knows a shorter wkv_seq_info

@@ -56,6 +56,8 @@ std::string stats_table(const wkv_stats &s) {
   t.row({"cache frames given / records dropped",
          std::to_string(s.cache_frames_given) + " / " + std::to_string(s.cache_records_dropped)});
   t.row({"k-means time", fixed(s.kmeans_ns * 1e-9, 3) + " s"});
+  t.row({"growths deferred / waited for",
+         std::to_string(s.growths_deferred) + " / " + std::to_string(s.growth_waits)});
   return t.str();
 }
 

@@ -224,6 +224,9 @@ type Stats struct {
 	// The device cache's admissions (CUDA engines; 0 on the CPU).
 	CacheFramesGiven    uint64 // free device cache frames steps took from the pool for admissions
 	CacheRecordsDropped uint64 // steps with no access record (ring full): nothing admitted
+	// Index growth off the decoding path.
+	GrowthsDeferred uint64 // generated segments' growths that committed later, at their commit point
+	GrowthWaits     uint64 // of those, commits that waited for their clustering
 }
 
 func statsFromC(s *C.wkv_stats) Stats {
@@ -269,6 +272,9 @@ func statsFromC(s *C.wkv_stats) Stats {
 
 		CacheFramesGiven:    uint64(s.cache_frames_given),
 		CacheRecordsDropped: uint64(s.cache_records_dropped),
+
+		GrowthsDeferred: uint64(s.growths_deferred),
+		GrowthWaits:     uint64(s.growth_waits),
 	}
 }
 

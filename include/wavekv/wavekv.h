@@ -90,8 +90,8 @@ extern "C" {
 /* Versions ---------------------------------------------------------------- */
 
 #define WKV_VERSION_MAJOR 0
-#define WKV_VERSION_MINOR 6
-#define WKV_VERSION_PATCH 1
+#define WKV_VERSION_MINOR 7
+#define WKV_VERSION_PATCH 0
 /* The version as one number: major * 10000 + minor * 100 + patch. */
 #define WKV_VERSION_NUMBER \
   (WKV_VERSION_MAJOR * 10000 + WKV_VERSION_MINOR * 100 + WKV_VERSION_PATCH)
@@ -395,6 +395,15 @@ typedef struct wkv_stats {
                                   because the manager's record ring was full:
                                   their hits and misses are not applied (no
                                   admissions, no recency) */
+  /* 0.7: index growth off the decoding path. */
+  uint64_t growths_deferred;   /* generated segments whose growth began and
+                                  was left to commit later, in the append
+                                  that brings the layer past the segment's
+                                  end plus the growth lag, since open */
+  uint64_t growth_waits;       /* of those, commits whose clustering was not
+                                  done at their commit point: the append
+                                  waited for it (on a GPU, a host wait for the
+                                  device), since open */
 } wkv_stats;
 
 /* Bits of wkv_stats.spill_io. */

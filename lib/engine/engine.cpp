@@ -212,6 +212,8 @@ void Engine::fill_stats(wkv_stats *out) {
   out->manager_backlog = b.backlog;
   out->cache_frames_given = b.given;
   out->cache_records_dropped = b.dropped_records;
+  out->growths_deferred = counters_.growths_deferred.load();
+  out->growth_waits = counters_.growth_waits.load();
   out->pin_fallbacks = counters_.pin_fallbacks.load();
   backend_->fill_stats(out);
 }
@@ -288,6 +290,8 @@ std::string Engine::stats_json() {
       {"spill_write_errors", s.spill_write_errors},
       {"cache_frames_given", s.cache_frames_given},
       {"cache_records_dropped", s.cache_records_dropped},
+      {"growths_deferred", s.growths_deferred},
+      {"growth_waits", s.growth_waits},
   };
   const auto now = std::chrono::system_clock::now().time_since_epoch();
   nlohmann::ordered_json j = {

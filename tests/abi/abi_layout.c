@@ -89,6 +89,8 @@ int main(void) {
   FIELD(wkv_stats, spill_write_errors);
   FIELD(wkv_stats, cache_frames_given);
   FIELD(wkv_stats, cache_records_dropped);
+  FIELD(wkv_stats, growths_deferred);
+  FIELD(wkv_stats, growth_waits);
 
   STRUCT(wkv_seq_info);
   FIELD(wkv_seq_info, size);

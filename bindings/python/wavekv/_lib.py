@@ -118,6 +118,8 @@ class WkvStats(ctypes.Structure):
         ("spill_write_errors", c_uint64),
         ("cache_frames_given", c_uint64),
         ("cache_records_dropped", c_uint64),
+        ("growths_deferred", c_uint64),
+        ("growth_waits", c_uint64),
     ]
 
 

@@ -14,8 +14,8 @@ use std::os::raw::{c_char, c_void};
 // Versions
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
-pub const WKV_VERSION_MINOR: u32 = 6;
-pub const WKV_VERSION_PATCH: u32 = 1;
+pub const WKV_VERSION_MINOR: u32 = 7;
+pub const WKV_VERSION_PATCH: u32 = 0;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
     WKV_VERSION_MAJOR * 10000 + WKV_VERSION_MINOR * 100 + WKV_VERSION_PATCH;
@@ -153,6 +153,9 @@ pub struct wkv_stats {
     // 0.6: the device cache's admissions.
     pub cache_frames_given: u64,
     pub cache_records_dropped: u64,
+    // 0.7: index growth off the decoding path.
+    pub growths_deferred: u64,
+    pub growth_waits: u64,
 }
 
 /// What one layer of a sequence holds; fill `size` with `wkv_seq_info_init`.

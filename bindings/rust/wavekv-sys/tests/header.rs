@@ -330,6 +330,8 @@ fn declarations_match_the_header() {
                 spill_write_errors,
                 cache_frames_given,
                 cache_records_dropped,
+                growths_deferred,
+                growth_waits,
             }
         ),
         layout!(
