@@ -3,14 +3,17 @@
 // drawn from it against that engine: creating and destroying sequences and
 // plans, appending with any strides, ending prompts, describing, looking up,
 // assembling, attending, merging, updating and decoding, evicting sequences to
-// the spill file and restoring them, with live, destroyed,
+// the spill file and restoring them, saving sequences to a file and loading
+// them back (the file intact, damaged or cut short), with live, destroyed,
 // mistyped, foreign and null handles, layers out of range, sequences listed
 // twice and buffers of every size.
 //
 // What it checks, besides the sanitizers' checks (the fuzz build is ASan +
 // UBSan): every call returns a status of the header's list, and a failed one
 // leaves a message; an append that fails leaves its sequence's token count as
-// it was and one that succeeds adds its tokens; the engine refuses whatever a
+// it was and one that succeeds adds its tokens; a sequence loaded from its
+// saved file holds the saved token counts, and a damaged file never loads
+// (every byte has a checksum, docs/FORMAT.md); the engine refuses whatever a
 // caller cannot have meant (a null pointer, a stride whose extent overflows,
 // a handle that is not live); and while every value appended and queried is
 // finite and small, every output is finite.
@@ -33,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "wavekv/wavekv.h"
@@ -277,7 +281,7 @@ class Session {
     create_seq();
     create_or_destroy_plan();
     for (int op = 0; op < 64 && in_.remaining_bytes() > 0; ++op) {
-      const int verb = in_.ConsumeIntegralInRange<int>(0, 15);
+      const int verb = in_.ConsumeIntegralInRange<int>(0, 16);
       sane_ = in_.ConsumeIntegralInRange<int>(0, 3) != 0;
       step(verb);
     }
@@ -348,7 +352,8 @@ class Session {
       case 12: stats(); break;
       case 13: values_.special = values_.special || in_.ConsumeBool(); break;
       case 14: close_engine(); break;
-      default: evict_or_restore(); break;
+      case 15: evict_or_restore(); break;
+      default: save_and_load(); break;
     }
   }
 
@@ -417,6 +422,67 @@ class Session {
     if (evict && rc == WKV_OK && cfg_.spill_dir == nullptr) fail("an engine without a spill file evicted", rc);
     for (uint32_t l = 0; live && l < 4; ++l)
       if (tokens_of(s, l) != before[l]) fail("evict or restore changed a token count", rc);
+  }
+
+  // Saves a sequence into an anonymous file and loads it back as a new
+  // sequence, which holds the saved token counts; or, drawn from the input,
+  // flips a byte of the file or cuts it short first, and the load must fail.
+  void save_and_load() {
+    wkv_seq *s = pick_seq();
+    const bool live = is_live(s);
+    const int fd = memfd_create("wavekv-fuzz-save", 0);
+    if (fd < 0) return;
+    uint32_t flags = WKV_SAVE_NO_FSYNC;
+    if (!sane_ && in_.ConsumeIntegralInRange<int>(0, 7) == 0) flags = in_.ConsumeIntegral<uint32_t>();
+    const int save_fd = !sane_ && in_.ConsumeIntegralInRange<int>(0, 7) == 0 ? -1 : fd;
+    uint64_t before[4];
+    for (uint32_t l = 0; l < 4; ++l) before[l] = live ? tokens_of(s, l) : UINT64_MAX;
+    const int rc = wkv_seq_save_fd(s, save_fd, flags);
+    TRACE("save -> %s\n", wkv_status_name(rc));
+    check_status("wkv_seq_save_fd", rc);
+    if (rc == WKV_OK && !live) fail("save through a handle that is not live succeeded", rc);
+    if (rc == WKV_OK && save_fd < 0) fail("save into a negative fd succeeded", rc);
+    if (rc == WKV_OK && (flags & ~uint32_t{WKV_SAVE_NO_FSYNC})) fail("save with unknown flags succeeded", rc);
+    for (uint32_t l = 0; live && l < 4; ++l)
+      if (tokens_of(s, l) != before[l]) fail("save changed a token count", rc);
+    bool damaged = false;
+    const off_t size = lseek(fd, 0, SEEK_END);
+    if (rc == WKV_OK && size > 0) {
+      switch (in_.ConsumeIntegralInRange<int>(0, 5)) {
+        case 0: {  // one byte flipped
+          const off_t at = static_cast<off_t>(in_.ConsumeIntegralInRange<uint64_t>(0, static_cast<uint64_t>(size) - 1));
+          unsigned char b = 0;
+          if (pread(fd, &b, 1, at) == 1) {
+            b ^= static_cast<unsigned char>(in_.ConsumeIntegralInRange<unsigned>(1, 255));
+            damaged = pwrite(fd, &b, 1, at) == 1;
+          }
+          break;
+        }
+        case 1:  // cut short
+          damaged = ftruncate(fd, static_cast<off_t>(in_.ConsumeIntegralInRange<uint64_t>(0, static_cast<uint64_t>(size) - 1))) == 0;
+          break;
+        default: break;
+      }
+    }
+    wkv_seq *loaded = nullptr;
+    const int lrc = wkv_seq_load_fd(engine_, fd, &loaded);
+    TRACE("load%s -> %s\n", damaged ? " (damaged)" : "", wkv_status_name(lrc));
+    check_status("wkv_seq_load_fd", lrc);
+    close(fd);
+    if (lrc != WKV_OK) {
+      if (loaded != nullptr) fail("a failed load returned a sequence", lrc);
+      return;
+    }
+    if (damaged) fail("a damaged sequence file loaded", lrc);
+    if (rc != WKV_OK) fail("a file that was never saved loaded", lrc);
+    for (uint32_t l = 0; l < cfg_.n_layers && l < 4; ++l)
+      if (tokens_of(loaded, l) != before[l]) fail("a loaded sequence holds other token counts than the saved one", lrc);
+    if (seqs_.size() < kMaxLiveSeqs) {
+      seqs_.push_back(loaded);
+    } else {
+      wkv_seq_destroy(loaded);
+      dead_seqs_.push_back(loaded);
+    }
   }
 
   void end_prompt() {
