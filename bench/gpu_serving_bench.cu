@@ -234,7 +234,7 @@ struct Row {
   double given_per_step = 0;  // free frames the buffer manager handed to steps
   uint64_t records_dropped = 0;  // steps that got no record (the manager's ring full)
   uint64_t pin_fallbacks = 0;    // host arena chunks left pageable (read through HMM, slowly)
-  uint64_t growths = 0, growth_waits = 0;  // deferred growths committed in the timed run, and those that waited
+  uint64_t growths = 0, growth_waits = 0;  // growths deferred in the timed run, and commits that waited
   double split_us[5] = {0, 0, 0, 0, 0};  // append, lookup, assemble, attend, update
   double device_us[5] = {0, 0, 0, 0, 0};  // the same verbs' device time (events around each)
   double device_mean_us[5] = {0, 0, 0, 0, 0};

@@ -1506,10 +1506,19 @@ cudaError_t write_pages_cuda(const WritePagesJob &job, uint32_t row_bytes, uint3
   return write_pages_many_cuda(&job, 1, row_bytes, page_tokens, stream);
 }
 
-cudaError_t write_pages_many_cuda(const WritePagesJob *jobs, uint32_t n, uint32_t row_bytes, uint32_t page_tokens,
-                                  cudaStream_t stream) {
+cudaError_t check_page_jobs(const WritePagesJob *jobs, uint32_t n, uint32_t row_bytes, uint32_t page_tokens) {
   WKV_CUDA_TRY(check_page_args(row_bytes, page_tokens));
   if (n > 0 && !jobs) return cudaErrorInvalidValue;
+  for (uint32_t i = 0; i < n; ++i)
+    if (jobs[i].tokens > 0 && (!jobs[i].order || !jobs[i].k || !jobs[i].v || !jobs[i].pages))
+      return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
+cudaError_t write_pages_many_cuda(const WritePagesJob *jobs, uint32_t n, uint32_t row_bytes, uint32_t page_tokens,
+                                  cudaStream_t stream) {
+  // Every job checked before the first launch: a refusal enqueues nothing.
+  WKV_CUDA_TRY(check_page_jobs(jobs, n, row_bytes, page_tokens));
   const uint32_t cpr = row_bytes / 16;
   for (uint32_t done = 0; done < n; done += kPageJobsPerLaunch) {
     PageJobChunk c;
@@ -1518,7 +1527,6 @@ cudaError_t write_pages_many_cuda(const WritePagesJob *jobs, uint32_t n, uint32_
     for (uint32_t i = done; i < n && i < done + kPageJobsPerLaunch; ++i) {
       const WritePagesJob &job = jobs[i];
       if (job.tokens == 0) continue;
-      if (!job.order || !job.k || !job.v || !job.pages) return cudaErrorInvalidValue;
       c.j[c.n++] = job;
       most = std::max(most, job.tokens);
     }

@@ -102,8 +102,14 @@ struct WritePagesJob {
 cudaError_t write_pages_cuda(const WritePagesJob &job, uint32_t row_bytes,
                         uint32_t page_tokens, cudaStream_t stream);
 
+// What write_pages_many_cuda refuses (cudaErrorInvalidValue): rows that
+// are not whole 16-byte words, no page tokens, a job with tokens and a null
+// pointer. Launches nothing.
+cudaError_t check_page_jobs(const WritePagesJob *jobs, uint32_t n, uint32_t row_bytes, uint32_t page_tokens);
+
 // Writes n jobs (`jobs` in host memory, reusable at once) in launches of
-// up to 96 jobs passed by value.
+// up to 96 jobs passed by value; every job is checked before the first
+// launch, so a refusal enqueues nothing.
 cudaError_t write_pages_many_cuda(const WritePagesJob *jobs, uint32_t n, uint32_t row_bytes,
                                   uint32_t page_tokens, cudaStream_t stream);
 

@@ -134,25 +134,41 @@ __global__ void narrow_f16_kernel(const float *__restrict__ src, uint64_t n, __h
               uint64_t(gridDim.x) * blockDim.x);
 }
 
-__host__ __device__ __forceinline__ bool span_wide(const SpanDesc &sp) {
-  return sp.op == kSpanCopy &&
-         ((reinterpret_cast<uintptr_t>(sp.dst) | reinterpret_cast<uintptr_t>(sp.src) | sp.n) & 15) == 0;
+// The widest word (16, 8, 4, 2 or 1 bytes) that `bits` (addresses, sizes
+// and offsets or-ed together) is a multiple of.
+__host__ __device__ __forceinline__ uint32_t widest_word(uint64_t bits) {
+  return bits % 16 == 0 ? 16 : bits % 8 == 0 ? 8 : bits % 4 == 0 ? 4 : bits % 2 == 0 ? 2 : 1;
 }
 
-// CTA (x, y) writes span x from element y * blockDim.x + threadIdx.x on,
-// every gridDim.y * blockDim.x-th element (a 16-byte word, a byte or an
-// f32 value). The op is uniform across a CTA.
+// A span's unit: an f32 value for a narrowing, else its widest word.
+__host__ __device__ __forceinline__ uint32_t span_unit(const SpanDesc &sp) {
+  return sp.op == kSpanNarrowF16
+             ? 4
+             : widest_word(reinterpret_cast<uintptr_t>(sp.dst) | reinterpret_cast<uintptr_t>(sp.src) | sp.n);
+}
+
+template <typename W>
+__device__ __forceinline__ void copy_words(const SpanDesc &sp, uint64_t first, uint64_t stride) {
+  for (uint64_t i = first; i < sp.n / sizeof(W); i += stride)
+    reinterpret_cast<W *>(sp.dst)[i] = reinterpret_cast<const W *>(sp.src)[i];
+}
+
+// CTA (x, y) writes span x from unit y * blockDim.x + threadIdx.x on, every
+// gridDim.y * blockDim.x-th unit. The op is uniform across a CTA.
 __global__ void apply_spans_kernel(const __grid_constant__ SpanChunk chunk) {
   const SpanDesc &sp = chunk.s[blockIdx.x];
   const uint64_t first = uint64_t(blockIdx.y) * blockDim.x + threadIdx.x, stride = uint64_t(gridDim.y) * blockDim.x;
   if (sp.op == kSpanNarrowF16) {
     narrow_part(reinterpret_cast<const float *>(sp.src), sp.n, reinterpret_cast<__half *>(sp.dst), sp.overflow, first,
                 stride);
-  } else if (span_wide(sp)) {
-    for (uint64_t i = first; i < sp.n / 16; i += stride)
-      reinterpret_cast<uint4 *>(sp.dst)[i] = reinterpret_cast<const uint4 *>(sp.src)[i];
-  } else {
-    for (uint64_t i = first; i < sp.n; i += stride) sp.dst[i] = sp.src[i];
+    return;
+  }
+  switch (span_unit(sp)) {
+    case 16: copy_words<uint4>(sp, first, stride); break;
+    case 8: copy_words<uint2>(sp, first, stride); break;
+    case 4: copy_words<uint32_t>(sp, first, stride); break;
+    case 2: copy_words<uint16_t>(sp, first, stride); break;
+    default: copy_words<uint8_t>(sp, first, stride); break;
   }
 }
 
@@ -191,7 +207,7 @@ cudaError_t copy_rows(const RowCopyDesc *copies, uint32_t n, const uint8_t *k, c
             reinterpret_cast<uintptr_t>(copies[i].dst_v);
     if (copies[i].rows > max_rows) max_rows = copies[i].rows;
   }
-  const uint32_t width = bits % 16 == 0 ? 16 : bits % 8 == 0 ? 8 : bits % 4 == 0 ? 4 : bits % 2 == 0 ? 2 : 1;
+  const uint32_t width = widest_word(bits);
   const uint32_t threads = 128;
   const uint32_t groups =
       static_cast<uint32_t>(std::min<uint64_t>((max_rows + kCopyRowsPerCta - 1) / kCopyRowsPerCta, 65535));
@@ -217,21 +233,35 @@ cudaError_t copy_rows(const RowCopyDesc *copies, uint32_t n, const uint8_t *k, c
   return cudaSuccess;
 }
 
+cudaError_t check_spans(const SpanDesc *spans, uint32_t n) {
+  if (n > 0 && !spans) return cudaErrorInvalidValue;
+  for (uint32_t i = 0; i < n; ++i) {
+    const SpanDesc &sp = spans[i];
+    if (sp.n > 0 && (!sp.dst || !sp.src)) return cudaErrorInvalidValue;
+    if (sp.op == kSpanNarrowF16) {
+      if (!sp.overflow || reinterpret_cast<uintptr_t>(sp.src) % 4 || reinterpret_cast<uintptr_t>(sp.dst) % 2 ||
+          reinterpret_cast<uintptr_t>(sp.overflow) % 4)
+        return cudaErrorInvalidValue;
+    } else if (sp.op != kSpanCopy) {
+      return cudaErrorInvalidValue;
+    }
+  }
+  return cudaSuccess;
+}
+
 cudaError_t apply_spans(const SpanDesc *spans, uint32_t n, void *stream) {
-  if (n == 0) return cudaSuccess;
-  if (!spans) return cudaErrorInvalidValue;
+  // Every span checked before the first launch: a refusal enqueues nothing.
+  WKV_CUDA_TRY(check_spans(spans, n));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   constexpr uint32_t threads = 256;
   for (uint32_t done = 0; done < n; done += kSpansPerLaunch) {
     SpanChunk c;
     c.n = n - done < kSpansPerLaunch ? n - done : kSpansPerLaunch;
-    uint64_t most = 1;  // elements of the largest span, in its own unit
+    uint64_t most = 1;  // units of the largest span
     for (uint32_t i = 0; i < c.n; ++i) {
       const SpanDesc &sp = spans[done + i];
-      if (sp.n > 0 && (!sp.dst || !sp.src)) return cudaErrorInvalidValue;
-      if (sp.op == kSpanNarrowF16 ? !sp.overflow : sp.op != kSpanCopy) return cudaErrorInvalidValue;
       c.s[i] = sp;
-      most = std::max<uint64_t>(most, span_wide(sp) ? sp.n / 16 : sp.n);
+      most = std::max<uint64_t>(most, sp.op == kSpanNarrowF16 ? sp.n : sp.n / span_unit(sp));
     }
     const uint32_t rows = static_cast<uint32_t>(std::min<uint64_t>((most + threads - 1) / threads, 64));
     apply_spans_kernel<<<dim3(c.n, std::max<uint32_t>(rows, 1)), threads, 0, s>>>(c);

@@ -64,9 +64,15 @@ struct SpanDesc {
 };
 
 // The spans in launches of up to 120 passed by value (so `spans` may be
-// reused at once), one CTA column per span, in 16-byte words where a
-// span's addresses and size allow.
+// reused at once), one CTA column per span, each in the widest word its
+// addresses and size allow. The spans of one launch run in no order: none
+// may overlap another's destination or read it. Every span is checked
+// before the first launch (cudaErrorInvalidValue: a null address, an
+// unknown op, a narrowing without its flag or misaligned), so a refusal
+// enqueues nothing.
 cudaError_t apply_spans(const SpanDesc *spans, uint32_t n, void *stream);
+// apply_spans's checks alone: launches nothing.
+cudaError_t check_spans(const SpanDesc *spans, uint32_t n);
 
 // Converts q [n_seqs][n_q_heads][d] of storage type t with strides in
 // elements into dst, f32 [n_seqs][n_q_heads][d] contiguous.

@@ -862,6 +862,18 @@ TEST(ApplySpans, EveryCopyAndNarrowingLandsAndNothingElseChanges) {
   EXPECT_EQ(apply_spans(&no_flag, 1, nullptr), cudaErrorInvalidValue);
   SpanDesc no_src{dst.as<uint8_t>(), nullptr, nullptr, 64, kSpanCopy};
   EXPECT_EQ(apply_spans(&no_src, 1, nullptr), cudaErrorInvalidValue);
+  SpanDesc odd{dst.as<uint8_t>(), fsrc.as<uint8_t>() + 1, flags.as<uint32_t>(), 64, kSpanNarrowF16};
+  EXPECT_EQ(apply_spans(&odd, 1, nullptr), cudaErrorInvalidValue) << "a narrowing from a misaligned f32 array";
+
+  // A refusal anywhere enqueues nothing, not even the launches before it.
+  ASSERT_CUDA(cudaMemset(dst.p, 0x11, kDst));
+  std::vector<SpanDesc> many(200, SpanDesc{dst.as<uint8_t>(), dsrc.as<uint8_t>(), nullptr, 4096, kSpanCopy});
+  for (size_t i = 0; i < many.size(); ++i) many[i].dst += i * 4096;
+  many[150].src = nullptr;
+  EXPECT_EQ(apply_spans(many.data(), static_cast<uint32_t>(many.size()), nullptr), cudaErrorInvalidValue);
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  download(&got, dst.p, 4096);
+  EXPECT_EQ(got, std::vector<uint8_t>(4096, 0x11)) << "the first launch's spans were written";
 }
 
 // Gather ----------------------------------------------------------------------------

@@ -225,8 +225,8 @@ type Stats struct {
 	CacheFramesGiven    uint64 // free device cache frames steps took from the pool for admissions
 	CacheRecordsDropped uint64 // steps with no access record (ring full): nothing admitted
 	// Index growth off the decoding path.
-	GrowthsDeferred uint64 // generated segments' growths that committed later, at their commit point
-	GrowthWaits     uint64 // of those, commits that waited for their clustering
+	GrowthsDeferred uint64 // generated segments' growths begun and left to commit at their point
+	GrowthWaits     uint64 // commits of such growths that waited for their clustering
 }
 
 func statsFromC(s *C.wkv_stats) Stats {

@@ -21,10 +21,10 @@
  *   older header keeps working: when a struct grows, its *_init function
  *   keeps the old size under the old symbol version (wkv_config grew in 0.2
  *   and 0.3: wkv_config_init@WAVEKV_0.1 writes 0.1's struct; wkv_stats grew
- *   in 0.3, 0.4 and 0.6: wkv_stats_init@WAVEKV_0.1 writes 0.2's,
- *   wkv_stats_init@WAVEKV_0.3 writes 0.3's, and wkv_stats_init@WAVEKV_0.4
- *   writes 0.5's; wkv_seq_info grew in 0.6: wkv_seq_info_init@WAVEKV_0.1
- *   writes 0.5's).
+ *   in 0.3, 0.4, 0.6 and 0.7: wkv_stats_init@WAVEKV_0.1 writes 0.2's,
+ *   wkv_stats_init@WAVEKV_0.3 writes 0.3's, wkv_stats_init@WAVEKV_0.4
+ *   writes 0.5's and wkv_stats_init@WAVEKV_0.6 writes 0.6's; wkv_seq_info
+ *   grew in 0.6: wkv_seq_info_init@WAVEKV_0.1 writes 0.5's).
  * - Tensors are raw pointers in the engine's storage dtype (wkv_config.dtype),
  *   with explicit strides counted in elements, not bytes. On a CUDA engine
  *   they are device pointers and streams are cudaStream_t passed as void*

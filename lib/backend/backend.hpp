@@ -134,9 +134,12 @@ class Backend {
     (void)src, (void)n, (void)dst, (void)overflow, (void)stream;
     return WKV_ERROR(WKV_ERR_INTERNAL, "narrow_f16: not on this backend");
   }
-  // The spans in stream order, the way a growth's commit writes its meta
-  // rows and mirror entries. CUDA: one launch per 120 spans, where mem_copy
-  // and narrow_f16 would take a driver call each.
+  // The spans, after the stream's work so far, the way a growth's commit
+  // writes its meta rows and mirror entries. They may run in any order
+  // among themselves: no span may overlap another's destination or read
+  // it. CUDA: one launch per 96 spans, where mem_copy and narrow_f16 would
+  // take a driver call each; every span is checked before the first launch
+  // and no host memory is allocated, so a refusal enqueues nothing.
   virtual Status write_spans(const SpanWrite *spans, uint32_t n, void *stream) {
     for (uint32_t i = 0; i < n; ++i) {
       const SpanWrite &w = spans[i];

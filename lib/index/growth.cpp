@@ -329,8 +329,9 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
   }
 
   // 4. The device's work, beyond what any step reads: meta rows, mirror
-  //    entries, clustered rows into their pages. Only a failing device can
-  //    fail here, and nothing visible has changed yet.
+  //    entries, clustered rows into their pages. Host memory for the lists
+  //    below can fail before anything is enqueued; after the first launch
+  //    only a failing device can, and nothing visible has changed yet.
   std::vector<PageWriteJob> writes;
   std::vector<SpanWrite> spans, means;
   try {
@@ -378,9 +379,12 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       mirror_entry_spans(hs, hs.clusters(), st.first_slot, st.size, st.unit_begin, g.add_c,
                          static_cast<uint32_t>(hs.map.pages.size()), st.addr, g.add_p, &spans);
   }
-  // Three launches on CUDA, whatever the heads and segments: meta rows and
-  // mirror entries, the clustered rows into their pages (reading the
-  // mirror's new page addresses), then the mean values.
+  // On CUDA a launch per 96 spans or segments, not a driver call per copy
+  // (a generated segment's growth of 8 KV heads: 64 spans, 8 page jobs, 8
+  // means, three launches): meta rows and mirror entries, the clustered
+  // rows into their pages (reading the mirror's new page addresses), then
+  // the mean values. Each call checks all its jobs before it launches any
+  // and allocates no host memory.
   WKV_RETURN_IF_ERROR(ix.backend.write_spans(spans.data(), static_cast<uint32_t>(spans.size()), stream));
   WKV_RETURN_IF_ERROR(ix.backend.write_pages(writes.data(), S, stream));
   // The mean value changes in place, last: a step ordered after this growth
@@ -475,8 +479,12 @@ Status centroid16_reserve(const IndexContext &ix, HeadState &h, size_t clusters,
 }
 
 Status centroid16_write(const IndexContext &ix, HeadState &h, size_t c0, const float *src, size_t n, void *stream) {
+  // One span: narrow_f16's own launch, sized to the whole table (a load
+  // narrows every row at once).
   SpanWrite w;
-  return centroid16_span(ix, h, c0, src, n, &w) ? ix.backend.write_spans(&w, 1, stream) : Status::ok();
+  return centroid16_span(ix, h, c0, src, n, &w)
+             ? ix.backend.narrow_f16(static_cast<const float *>(w.src), w.n, w.dst, w.narrow_overflow, stream)
+             : Status::ok();
 }
 
 Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream) {

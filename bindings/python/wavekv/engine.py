@@ -236,8 +236,8 @@ class Stats:
     spill_write_errors: int
     cache_frames_given: int     # free device cache frames steps took from the pool for admissions (CUDA)
     cache_records_dropped: int  # steps with no access record (ring full): nothing admitted (CUDA)
-    growths_deferred: int       # generated segments' growths that committed later, at their commit point
-    growth_waits: int           # of those, commits that waited for their clustering
+    growths_deferred: int       # generated segments' growths begun and left to commit at their point
+    growth_waits: int           # commits of such growths that waited for their clustering
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -107,10 +108,17 @@ constexpr size_t kPinPiece = size_t{4} << 20;
 cudaError_t pin_in_pieces(void *base, size_t bytes) {
   uint8_t *const p = static_cast<uint8_t *>(base);
   // Fault the pages in (after the arena's NUMA binding) outside the driver.
+  // A kernel without MADV_POPULATE_WRITE (before Linux 5.14) says EINVAL:
+  // touch each page instead. Any other failure (no memory) is the pinning's
+  // failure, not a fault later.
 #if defined(MADV_POPULATE_WRITE)
-  if (madvise(p, bytes, MADV_POPULATE_WRITE) != 0)
-#endif
+  if (madvise(p, bytes, MADV_POPULATE_WRITE) != 0) {
+    if (errno != EINVAL) return cudaErrorMemoryAllocation;
     for (size_t off = 0; off < bytes; off += 4096) p[off] = 0;
+  }
+#else
+  for (size_t off = 0; off < bytes; off += 4096) p[off] = 0;
+#endif
   for (size_t off = 0; off < bytes; off += kPinPiece) {
     const cudaError_t err =
         cudaHostRegister(p + off, std::min(kPinPiece, bytes - off), cudaHostRegisterMapped | cudaHostRegisterPortable);
@@ -567,23 +575,32 @@ Status CudaBackend::narrow_f16(const float *src, size_t n, void *dst, uint32_t *
   return Status::ok();
 }
 
+// write_spans and write_pages convert their jobs into the kernels' form in
+// batches on the stack (no host allocation that could fail halfway), check
+// every batch before launching any, then convert again and launch.
+constexpr uint32_t kJobBatch = 96;
+
+kernels::SpanDesc span_desc(const SpanWrite &w) {
+  return kernels::SpanDesc{static_cast<uint8_t *>(w.dst), static_cast<const uint8_t *>(w.src), w.narrow_overflow,
+                           static_cast<uint32_t>(w.n), w.narrow_overflow ? kernels::kSpanNarrowF16 : kernels::kSpanCopy};
+}
+
 Status CudaBackend::write_spans(const SpanWrite *spans, uint32_t n, void *stream) {
   if (n == 0) return Status::ok();
   DeviceGuard guard(dev_);
-  std::vector<kernels::SpanDesc> desc;
-  try {
-    desc.resize(n);
-  } catch (const std::bad_alloc &) {
-    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %u spans", n);
+  kernels::SpanDesc desc[kJobBatch];
+  for (int launch = 0; launch < 2; ++launch) {
+    for (uint32_t at = 0; at < n; at += kJobBatch) {
+      const uint32_t m = std::min(n - at, kJobBatch);
+      for (uint32_t i = 0; i < m; ++i) {
+        if (spans[at + i].n > UINT32_MAX)
+          return WKV_ERROR(WKV_ERR_INTERNAL, "a span of %zu elements", spans[at + i].n);
+        desc[i] = span_desc(spans[at + i]);
+      }
+      WKV_KERNEL(launch ? kernels::apply_spans(desc, m, static_cast<cudaStream_t>(stream))
+                        : kernels::check_spans(desc, m));
+    }
   }
-  for (uint32_t i = 0; i < n; ++i) {
-    const SpanWrite &w = spans[i];
-    if (w.n > UINT32_MAX) return WKV_ERROR(WKV_ERR_INTERNAL, "a span of %zu elements", w.n);
-    desc[i] = kernels::SpanDesc{static_cast<uint8_t *>(w.dst), static_cast<const uint8_t *>(w.src),
-                                w.narrow_overflow, static_cast<uint32_t>(w.n),
-                                w.narrow_overflow ? kernels::kSpanNarrowF16 : kernels::kSpanCopy};
-  }
-  WKV_KERNEL(kernels::apply_spans(desc.data(), n, static_cast<cudaStream_t>(stream)));
   return Status::ok();
 }
 
@@ -918,21 +935,24 @@ Status CudaBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *stre
   if (n == 0) return Status::ok();
   DeviceGuard guard(dev_);
   const Config &cfg = e_.config();
-  std::vector<kernels::WritePagesJob> kj;
-  try {
-    kj.resize(n);
-  } catch (const std::bad_alloc &) {
-    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for %u page writes", n);
+  kernels::WritePagesJob kj[kJobBatch];
+  for (int launch = 0; launch < 2; ++launch) {
+    for (uint32_t at = 0; at < n; at += kJobBatch) {
+      const uint32_t m = std::min(n - at, kJobBatch);
+      for (uint32_t i = 0; i < m; ++i) {
+        const PageWriteJob &j = jobs[at + i];
+        kj[i] = kernels::WritePagesJob{};
+        kj[i].order = j.order;
+        kj[i].k = j.k;
+        kj[i].v = j.v;
+        kj[i].pages = j.dev_pages;
+        kj[i].tokens = j.tokens;
+      }
+      WKV_KERNEL(launch ? kernels::write_pages_many_cuda(kj, m, cfg.row_bytes(), cfg.page_tokens(),
+                                                         static_cast<cudaStream_t>(stream))
+                        : kernels::check_page_jobs(kj, m, cfg.row_bytes(), cfg.page_tokens()));
+    }
   }
-  for (uint32_t i = 0; i < n; ++i) {
-    kj[i].order = jobs[i].order;
-    kj[i].k = jobs[i].k;
-    kj[i].v = jobs[i].v;
-    kj[i].pages = jobs[i].dev_pages;
-    kj[i].tokens = jobs[i].tokens;
-  }
-  WKV_KERNEL(kernels::write_pages_many_cuda(kj.data(), n, cfg.row_bytes(), cfg.page_tokens(),
-                                            static_cast<cudaStream_t>(stream)));
   return Status::ok();
 }
 
