@@ -70,6 +70,39 @@ func checkTensor(fn, what string, t Tensor, sh *shape) error {
 	return nil
 }
 
+// overflowMath is uint64 arithmetic that remembers whether any step
+// overflowed.
+type overflowMath struct{ overflow bool }
+
+func (m *overflowMath) mul(a, b uint64) uint64 {
+	hi, lo := bits.Mul64(a, b)
+	m.overflow = m.overflow || hi != 0
+	return lo
+}
+
+func (m *overflowMath) add(a, b uint64) uint64 {
+	s, c := bits.Add64(a, b, 0)
+	m.overflow = m.overflow || c != 0
+	return s
+}
+
+// extent is the number of elements an [nOuter][nInner][d] layout with these
+// non-negative strides (0 = packed) reaches, from its first element to the
+// end of its last row.
+func (m *overflowMath) extent(nOuter, nInner, d uint64, outer, inner int64) uint64 {
+	in, out := uint64(inner), uint64(outer)
+	if in == 0 {
+		in = d
+	}
+	if out == 0 {
+		out = m.mul(nInner, in)
+	}
+	if nOuter == 0 || nInner == 0 {
+		return 0
+	}
+	return m.add(m.add(m.mul(nOuter-1, out), m.mul(nInner-1, in)), d)
+}
+
 // checkSpan checks that a tensor of n elements holds every row of an
 // [nOuter][nInner][d] layout with these strides (0 = packed), so that the
 // library never reads or writes past it. Negative strides are refused here
@@ -80,29 +113,9 @@ func checkSpan(fn, what string, n int, nOuter, nInner, d uint64, outer, inner in
 		return errorf(ErrInvalidArgument, "%s: %s strides (%d, %d elements) must not be negative",
 			fn, what, outer, inner)
 	}
-	in, out := uint64(inner), uint64(outer)
-	if in == 0 {
-		in = d
-	}
-	var need uint64
-	overflow := false
-	mul := func(a, b uint64) uint64 {
-		hi, lo := bits.Mul64(a, b)
-		overflow = overflow || hi != 0
-		return lo
-	}
-	add := func(a, b uint64) uint64 {
-		s, c := bits.Add64(a, b, 0)
-		overflow = overflow || c != 0
-		return s
-	}
-	if out == 0 {
-		out = mul(nInner, in)
-	}
-	if nOuter > 0 && nInner > 0 {
-		need = add(add(mul(nOuter-1, out), mul(nInner-1, in)), d)
-	}
-	if overflow || uint64(n) < need {
+	var m overflowMath
+	need := m.extent(nOuter, nInner, d, outer, inner)
+	if m.overflow || uint64(n) < need {
 		return errorf(ErrInvalidArgument,
 			"%s: %s has %d elements, fewer than [%d][%d][%d] with strides (%d, %d) spans",
 			fn, what, n, nOuter, nInner, d, outer, inner)
@@ -120,36 +133,17 @@ func checkBatchSpan(fn, what string, n int, nSeqs, nOuter, nInner, d uint64, seq
 		return errorf(ErrInvalidArgument, "%s: %s strides (%d, %d, %d elements) must not be negative",
 			fn, what, seqStride, outer, inner)
 	}
-	in, out := uint64(inner), uint64(outer)
-	if in == 0 {
-		in = d
-	}
-	overflow := false
-	mul := func(a, b uint64) uint64 {
-		hi, lo := bits.Mul64(a, b)
-		overflow = overflow || hi != 0
-		return lo
-	}
-	add := func(a, b uint64) uint64 {
-		s, c := bits.Add64(a, b, 0)
-		overflow = overflow || c != 0
-		return s
-	}
-	if out == 0 {
-		out = mul(nInner, in)
-	}
-	var one, need uint64
-	if nOuter > 0 && nInner > 0 {
-		one = add(add(mul(nOuter-1, out), mul(nInner-1, in)), d)
-	}
+	var m overflowMath
+	one := m.extent(nOuter, nInner, d, outer, inner)
 	between := uint64(seqStride)
 	if between == 0 {
 		between = one
 	}
+	var need uint64
 	if nSeqs > 0 && one > 0 {
-		need = add(mul(nSeqs-1, between), one)
+		need = m.add(m.mul(nSeqs-1, between), one)
 	}
-	if overflow || uint64(n) < need {
+	if m.overflow || uint64(n) < need {
 		return errorf(ErrInvalidArgument,
 			"%s: %s has %d elements, fewer than [%d][%d][%d][%d] with strides (%d, %d, %d) spans",
 			fn, what, n, nSeqs, nOuter, nInner, d, seqStride, outer, inner)

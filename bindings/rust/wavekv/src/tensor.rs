@@ -52,6 +52,27 @@ pub(crate) fn check_dtype<T: Element>(func: &str, what: &str, shape: &Shape) -> 
     Ok(())
 }
 
+/// The elements a `[n_outer][n_inner][d]` tensor with these non-negative
+/// strides reaches, from its first to the end of its last row (0 strides:
+/// packed).
+fn extent(n_outer: u64, n_inner: u64, d: u64, strides: Strides) -> u128 {
+    let inner = if strides.inner == 0 {
+        d as u128
+    } else {
+        strides.inner as u128
+    };
+    let outer = if strides.outer == 0 {
+        n_inner as u128 * inner
+    } else {
+        strides.outer as u128
+    };
+    if n_outer == 0 || n_inner == 0 {
+        0
+    } else {
+        (n_outer as u128 - 1) * outer + (n_inner as u128 - 1) * inner + d as u128
+    }
+}
+
 /// Checks that a slice of `len` elements holds every row of a
 /// `[n_outer][n_inner][d]` tensor with these strides, so that the library
 /// never reads or writes past it. Negative strides are refused here (the
@@ -75,21 +96,7 @@ pub(crate) fn check_span(
             ),
         );
     }
-    let inner = if strides.inner == 0 {
-        d as u128
-    } else {
-        strides.inner as u128
-    };
-    let outer = if strides.outer == 0 {
-        n_inner as u128 * inner
-    } else {
-        strides.outer as u128
-    };
-    let need = if n_outer == 0 || n_inner == 0 {
-        0
-    } else {
-        (n_outer as u128 - 1) * outer + (n_inner as u128 - 1) * inner + d as u128
-    };
+    let need = extent(n_outer, n_inner, d, strides);
     if (len as u128) < need {
         return fail(
             Status::InvalidArgument,
@@ -129,21 +136,7 @@ pub(crate) fn check_batch_span(
             ),
         );
     }
-    let inner = if strides.inner == 0 {
-        d as u128
-    } else {
-        strides.inner as u128
-    };
-    let outer = if strides.outer == 0 {
-        n_inner as u128 * inner
-    } else {
-        strides.outer as u128
-    };
-    let one = if n_outer == 0 || n_inner == 0 {
-        0
-    } else {
-        (n_outer as u128 - 1) * outer + (n_inner as u128 - 1) * inner + d as u128
-    };
+    let one = extent(n_outer, n_inner, d, strides);
     let between = if seq_stride == 0 {
         one
     } else {
