@@ -577,31 +577,40 @@ Status CudaBackend::narrow_f16(const float *src, size_t n, void *dst, uint32_t *
 
 // write_spans and write_pages convert their jobs into the kernels' form in
 // batches on the stack (no host allocation that could fail halfway), check
-// every batch before launching any, then convert again and launch.
+// every batch before launching any, then convert again and launch:
+// convert(job, &k) -> Status, check(batch, m) and launch(batch, m) ->
+// cudaError_t.
 constexpr uint32_t kJobBatch = 96;
 
-kernels::SpanDesc span_desc(const SpanWrite &w) {
-  return kernels::SpanDesc{static_cast<uint8_t *>(w.dst), static_cast<const uint8_t *>(w.src), w.narrow_overflow,
-                           static_cast<uint32_t>(w.n), w.narrow_overflow ? kernels::kSpanNarrowF16 : kernels::kSpanCopy};
+template <typename K, typename J, typename Convert, typename Check, typename Launch>
+Status checked_launches(const J *jobs, uint32_t n, Convert convert, Check check, Launch launch) {
+  K batch[kJobBatch];
+  for (int pass = 0; pass < 2; ++pass) {
+    for (uint32_t at = 0; at < n; at += kJobBatch) {
+      const uint32_t m = std::min(n - at, kJobBatch);
+      for (uint32_t i = 0; i < m; ++i) WKV_RETURN_IF_ERROR(convert(jobs[at + i], &batch[i]));
+      WKV_KERNEL(pass ? launch(batch, m) : check(batch, m));
+    }
+  }
+  return Status::ok();
 }
 
 Status CudaBackend::write_spans(const SpanWrite *spans, uint32_t n, void *stream) {
   if (n == 0) return Status::ok();
   DeviceGuard guard(dev_);
-  kernels::SpanDesc desc[kJobBatch];
-  for (int launch = 0; launch < 2; ++launch) {
-    for (uint32_t at = 0; at < n; at += kJobBatch) {
-      const uint32_t m = std::min(n - at, kJobBatch);
-      for (uint32_t i = 0; i < m; ++i) {
-        if (spans[at + i].n > UINT32_MAX)
-          return WKV_ERROR(WKV_ERR_INTERNAL, "a span of %zu elements", spans[at + i].n);
-        desc[i] = span_desc(spans[at + i]);
-      }
-      WKV_KERNEL(launch ? kernels::apply_spans(desc, m, static_cast<cudaStream_t>(stream))
-                        : kernels::check_spans(desc, m));
-    }
-  }
-  return Status::ok();
+  return checked_launches<kernels::SpanDesc>(
+      spans, n,
+      [](const SpanWrite &w, kernels::SpanDesc *k) {
+        if (w.n > UINT32_MAX) return WKV_ERROR(WKV_ERR_INTERNAL, "a span of %zu elements", w.n);
+        *k = kernels::SpanDesc{static_cast<uint8_t *>(w.dst), static_cast<const uint8_t *>(w.src), w.narrow_overflow,
+                               static_cast<uint32_t>(w.n),
+                               w.narrow_overflow ? kernels::kSpanNarrowF16 : kernels::kSpanCopy};
+        return Status::ok();
+      },
+      [](const kernels::SpanDesc *b, uint32_t m) { return kernels::check_spans(b, m); },
+      [stream](const kernels::SpanDesc *b, uint32_t m) {
+        return kernels::apply_spans(b, m, static_cast<cudaStream_t>(stream));
+      });
 }
 
 Status CudaBackend::copy_rows(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v,
@@ -934,26 +943,22 @@ void CudaBackend::cluster_end(ClusterBatch *b, void *stream) {
 Status CudaBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *stream) {
   if (n == 0) return Status::ok();
   DeviceGuard guard(dev_);
-  const Config &cfg = e_.config();
-  kernels::WritePagesJob kj[kJobBatch];
-  for (int launch = 0; launch < 2; ++launch) {
-    for (uint32_t at = 0; at < n; at += kJobBatch) {
-      const uint32_t m = std::min(n - at, kJobBatch);
-      for (uint32_t i = 0; i < m; ++i) {
-        const PageWriteJob &j = jobs[at + i];
-        kj[i] = kernels::WritePagesJob{};
-        kj[i].order = j.order;
-        kj[i].k = j.k;
-        kj[i].v = j.v;
-        kj[i].pages = j.dev_pages;
-        kj[i].tokens = j.tokens;
-      }
-      WKV_KERNEL(launch ? kernels::write_pages_many_cuda(kj, m, cfg.row_bytes(), cfg.page_tokens(),
-                                                         static_cast<cudaStream_t>(stream))
-                        : kernels::check_page_jobs(kj, m, cfg.row_bytes(), cfg.page_tokens()));
-    }
-  }
-  return Status::ok();
+  const uint32_t row_bytes = e_.config().row_bytes(), pt = e_.config().page_tokens();
+  return checked_launches<kernels::WritePagesJob>(
+      jobs, n,
+      [](const PageWriteJob &j, kernels::WritePagesJob *k) {
+        *k = kernels::WritePagesJob{};
+        k->order = j.order;
+        k->k = j.k;
+        k->v = j.v;
+        k->pages = j.dev_pages;
+        k->tokens = j.tokens;
+        return Status::ok();
+      },
+      [&](const kernels::WritePagesJob *b, uint32_t m) { return kernels::check_page_jobs(b, m, row_bytes, pt); },
+      [&](const kernels::WritePagesJob *b, uint32_t m) {
+        return kernels::write_pages_many_cuda(b, m, row_bytes, pt, static_cast<cudaStream_t>(stream));
+      });
 }
 
 // 4. The decoding step --------------------------------------------------------------
