@@ -23,7 +23,10 @@
 //                       distributed shared memory: est_out and est_lse,
 //                       with the tail folded in where the run has a value
 //                       mean; a group's heads share each value sum read.
-//   4. offsets_kernel   one CTA: exclusive prefix of run_tokens.
+//   4. offsets_kernel   one CTA: exclusive prefix of run_tokens. Where the
+//                       step's mark has a CTA counter (StepMark::ctas), the
+//                       estimate's last CTA does it instead (end_lookup),
+//                       and the lookup takes one launch fewer.
 // Each kernel is launched with programmatic dependent launch and waits for
 // the grid before it (griddepcontrol.wait) before touching memory, so that
 // its launch overlaps the tail of the one before.
@@ -61,6 +64,15 @@ constexpr uint32_t kEstThreads = 256;
 constexpr uint32_t kEstSplits = 8;       // CTAs per (run, head group) on sm_90: one cluster
 constexpr uint32_t kEstWideSplits = 16;  // ... when that leaves multiprocessors idle (a non-portable cluster size)
 constexpr uint32_t kOffsetThreads = 1024;
+
+// What the estimate's last CTA does after its work (end_lookup): with ctas
+// (a device word, zero between launches) not null, the offsets of the R
+// runs and the step's end.
+struct LookupEnd {
+  unsigned int *ctas;
+  uint32_t R;
+  StepMark mark;
+};
 
 // Zone sizes of a run, clamped so that n_ret + n_est <= clusters and
 // n_one <= n_ret.
@@ -812,6 +824,39 @@ __device__ void block_reduce_n(float (&x)[GT], float (*tmp)[GT]) {
   __syncthreads();
 }
 
+// The lookup's last step, in the last CTA of the estimate to end (so that
+// the lookup takes one launch fewer): the exclusive prefix of run_tokens
+// into offsets, then the step's end (StepMark). run_tokens were written by
+// the selection, which ended before the estimate began. Every thread of
+// every CTA calls it as the kernel's last statement.
+__device__ void end_lookup(const DevLookup &out, const LookupEnd &end) {
+  __shared__ uint32_t last, tmp[32];
+  __syncthreads();  // this CTA's writes are issued
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(end.ctas, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
+  }
+  __syncthreads();
+  if (!last) return;  // uniform over the CTA
+  __threadfence();    // the other CTAs' writes, counted before ours, are visible
+  uint32_t carry = 0;
+  for (uint32_t base = 0; base < end.R; base += kEstThreads) {
+    const uint32_t i = base + threadIdx.x;
+    const uint32_t v = i < end.R ? out.run_tokens[i] : 0u;
+    uint32_t total;
+    const uint32_t before = block_excl_scan<kEstThreads>(v, tmp, &total);
+    if (i < end.R) out.offsets[i] = static_cast<int32_t>(carry + before);
+    carry += total;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  out.offsets[end.R] = static_cast<int32_t>(carry);
+  *end.ctas = 0;  // for the next launch, which stream order puts after this one
+  if (end.mark.done == nullptr) return;
+  __threadfence_system();
+  *reinterpret_cast<volatile unsigned long long *>(end.mark.done) = end.mark.epoch;
+}
+
 // CTA (hb, split) estimates heads g0 .. g0 + GT - 1 of run r (hb = r * G /
 // GT + g0 / GT) over its slice of the estimation clusters, kEstThreads
 // clusters a batch: the batch's ids, sizes and the GT heads' logits are
@@ -824,7 +869,7 @@ __device__ void block_reduce_n(float (&x)[GT], float (*tmp)[GT]) {
 // distributed shared memory.
 template <uint32_t D, uint32_t kSplits, uint32_t GT>
 __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__restrict__ runs,
-                                                               uint32_t G, DevLookup out) {
+                                                               uint32_t G, DevLookup out, LookupEnd end) {
   __shared__ EstShared<D, GT> sh;
   wait_prior_grid();
   const uint32_t hb = blockIdx.x / kSplits, split = blockIdx.x % kSplits;
@@ -1027,6 +1072,7 @@ __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__r
     cluster.sync();  // keeps every CTA's shared memory alive until rank 0 is done
 #endif
   }
+  if (end.ctas) end_lookup(out, end);
 }
 
 // 4. Offsets -----------------------------------------------------------------
@@ -1112,29 +1158,29 @@ bool allow_wide_clusters(const void *fn, std::atomic<uint64_t> *done, std::atomi
 // allows clusters of 16.
 template <uint32_t D, uint32_t GT>
 cudaError_t launch_estimate_gt(const DevRun *runs, uint32_t R, uint32_t G, const DevLookup &out, bool clusters_ok,
-                               cudaStream_t s) {
+                               const LookupEnd &end, cudaStream_t s) {
   static std::atomic<uint64_t> wide_set{0}, wide_refused{0};
   const uint32_t blocks = R * (G / GT);
   if (clusters_ok && blocks * kEstSplits < multiprocessors() &&
       allow_wide_clusters(reinterpret_cast<const void *>(estimate_kernel<D, kEstWideSplits, GT>), &wide_set,
                           &wide_refused)) {
     const cudaError_t err = launch_pdl(estimate_kernel<D, kEstWideSplits, GT>, dim3(blocks * kEstWideSplits),
-                                       dim3(kEstThreads), 0, s, kEstWideSplits, runs, G, out);
+                                       dim3(kEstThreads), 0, s, kEstWideSplits, runs, G, out, end);
     if (err != cudaErrorInvalidClusterSize) return err;
     (void)cudaGetLastError();  // no room for clusters of 16 (a shared device): clusters of 8
   }
   if (clusters_ok)
     return launch_pdl(estimate_kernel<D, kEstSplits, GT>, dim3(blocks * kEstSplits), dim3(kEstThreads), 0, s,
-                      kEstSplits, runs, G, out);
-  return launch_pdl(estimate_kernel<D, 1, GT>, dim3(blocks), dim3(kEstThreads), 0, s, 1, runs, G, out);
+                      kEstSplits, runs, G, out, end);
+  return launch_pdl(estimate_kernel<D, 1, GT>, dim3(blocks), dim3(kEstThreads), 0, s, 1, runs, G, out, end);
 }
 template <uint32_t D>
 cudaError_t launch_estimate(const DevRun *runs, uint32_t R, uint32_t G, const DevLookup &out, bool clusters_ok,
-                            cudaStream_t s) {
-  if (G % 8 == 0) return launch_estimate_gt<D, 8>(runs, R, G, out, clusters_ok, s);
-  if (G % 4 == 0) return launch_estimate_gt<D, 4>(runs, R, G, out, clusters_ok, s);
-  if (G % 2 == 0) return launch_estimate_gt<D, 2>(runs, R, G, out, clusters_ok, s);
-  return launch_estimate_gt<D, 1>(runs, R, G, out, clusters_ok, s);
+                            const LookupEnd &end, cudaStream_t s) {
+  if (G % 8 == 0) return launch_estimate_gt<D, 8>(runs, R, G, out, clusters_ok, end, s);
+  if (G % 4 == 0) return launch_estimate_gt<D, 4>(runs, R, G, out, clusters_ok, end, s);
+  if (G % 2 == 0) return launch_estimate_gt<D, 2>(runs, R, G, out, clusters_ok, end, s);
+  return launch_estimate_gt<D, 1>(runs, R, G, out, clusters_ok, end, s);
 }
 
 template <uint32_t D>
@@ -1173,10 +1219,13 @@ cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
     }
     WKV_CUDA_TRY(err);
 
-    // 3. Estimate.
     static const bool clusters_ok =
         built_for_clusters(reinterpret_cast<const void *>(estimate_kernel<D, kEstSplits, 1>));
-    WKV_CUDA_TRY(launch_estimate<D>(runs, R, G, out, clusters_ok, s));
+    // 3. Estimate; where mark has a CTA counter, its last CTA lays out the
+    //    offsets and ends the step (one launch fewer).
+    const LookupEnd end{mark.ctas, R, mark};
+    WKV_CUDA_TRY(launch_estimate<D>(runs, R, G, out, clusters_ok, end, s));
+    if (end.ctas) return cudaSuccess;
   }
   // 4. Offsets.
   return launch_pdl(offsets_kernel, dim3(1), dim3(kOffsetThreads), 0, s, 1,

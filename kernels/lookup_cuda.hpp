@@ -49,7 +49,9 @@ constexpr uint32_t kMaxGroup = 32;
 //
 // Pre: n_ret + n_est <= clusters for each run (clamped on the device if not);
 // 1 <= G <= kMaxGroup; d in {64, 80, 96, 128, 256}.
-// `mark`: where the last kernel reports the step's end (StepMark).
+// `mark`: where the last kernel reports the step's end (StepMark). With
+// mark.ctas (a device word, zero between launches) and R > 0, the estimate's
+// last CTA lays out the offsets and reports the end, one launch fewer.
 // Logits are score_clusters's, spread-corrected (spread_logits) where a
 // run has spreads. Selection is exact: ret_ids and est_ids are the ids
 // select_zones (n_one == 0) or select_zones_split (n_one > 0, n_ret - n_one

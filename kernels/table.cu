@@ -6,14 +6,18 @@
 namespace wkv::kernels {
 namespace {
 
-constexpr uint32_t kRunsPerLaunch = 21;  // DevRun is 184 bytes
 constexpr uint32_t kWordsPerLaunch = 480;
 
+// A lookup's run table travels by value in one launch up to 160 runs (the
+// large kernel parameters of CUDA 12.1 and sm_70 on, up to 32764 bytes),
+// in a struct no larger than the runs need: 16, 64 or 160 of them.
+template <uint32_t N>
 struct RunChunk {
-  DevRun runs[kRunsPerLaunch];
+  DevRun runs[N];
   uint32_t n;
 };
-static_assert(sizeof(RunChunk) <= 4000, "kernel parameters are limited to 4 KiB");
+constexpr uint32_t kRunsPerLaunch = 160;
+static_assert(sizeof(RunChunk<kRunsPerLaunch>) + 128 <= 32764, "kernel parameters are limited to 32764 bytes");
 
 struct WordChunk {
   uint64_t addrs[kWordsPerLaunch];
@@ -96,21 +100,22 @@ __global__ void mark_kernel(unsigned long long *done, unsigned long long epoch) 
   *reinterpret_cast<volatile unsigned long long *>(done) = epoch;
 }
 
-__global__ void upload_runs_kernel(const RunChunk chunk, DevRun *dst) {
-  // Word by word: DevRun is 8-byte aligned.
+// A lookup's staging in one launch: every CTA copies its share of the run
+// table (8-byte words: DevRun is 8-byte aligned) to dst, and CTA b < q_rows
+// converts query row b (sequence b / nq, head b % nq) to f32 at q_dst.
+template <typename T, uint32_t N>
+__global__ void stage_lookup_kernel(const __grid_constant__ RunChunk<N> chunk, DevRun *dst,
+                                    const typename DevType<T>::type *q, int64_t seq_stride, int64_t head_stride,
+                                    uint32_t nq, uint32_t d, uint32_t q_rows, float *q_dst) {
   const uint64_t *src = reinterpret_cast<const uint64_t *>(chunk.runs);
   uint64_t *out = reinterpret_cast<uint64_t *>(dst);
-  const uint32_t words = chunk.n * (sizeof(DevRun) / 8);
-  for (uint32_t i = threadIdx.x; i < words; i += blockDim.x) out[i] = src[i];
-}
-
-template <typename T>
-__global__ void convert_q_kernel(const typename DevType<T>::type *src, int64_t seq_stride,
-                                 int64_t head_stride, uint32_t nq, uint32_t d, float *dst) {
+  const uint32_t words = chunk.n * static_cast<uint32_t>(sizeof(DevRun) / 8);
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) out[i] = src[i];
+  if (blockIdx.x >= q_rows) return;
   const uint32_t s = blockIdx.x / nq, h = blockIdx.x % nq;
-  const typename DevType<T>::type *row = src + s * seq_stride + h * head_stride;
-  float *out = dst + (static_cast<size_t>(s) * nq + h) * d;
-  for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) out[i] = DevType<T>::to_f(row[i]);
+  const typename DevType<T>::type *row = q + s * seq_stride + h * head_stride;
+  float *o = q_dst + static_cast<size_t>(blockIdx.x) * d;
+  for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) o[i] = DevType<T>::to_f(row[i]);
 }
 
 // f32 to f16, round to nearest even, elements first, first + stride, ...
@@ -176,16 +181,50 @@ __global__ void apply_spans_kernel(const __grid_constant__ SpanChunk chunk) {
 
 static_assert(sizeof(DevRun) % 8 == 0, "DevRun is copied in 8-byte words");
 
-cudaError_t upload_runs(const DevRun *host_runs, uint32_t n, DevRun *dst, void *stream) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  for (uint32_t done = 0; done < n; done += kRunsPerLaunch) {
-    RunChunk c;
-    c.n = n - done < kRunsPerLaunch ? n - done : kRunsPerLaunch;
-    for (uint32_t i = 0; i < c.n; ++i) c.runs[i] = host_runs[done + i];
-    upload_runs_kernel<<<1, 128, 0, s>>>(c, dst + done);
-    WKV_CUDA_CHECK_LAUNCH("upload_runs");
-  }
+namespace {
+template <typename T, uint32_t N>
+cudaError_t launch_stage(const DevRun *runs, uint32_t n, DevRun *dst, const void *q, int64_t seq_stride,
+                         int64_t head_stride, uint32_t nq, uint32_t d, uint32_t q_rows, float *q_dst,
+                         cudaStream_t s) {
+  RunChunk<N> c;
+  c.n = n;
+  for (uint32_t i = 0; i < n; ++i) c.runs[i] = runs[i];
+  constexpr uint32_t threads = 128;
+  const uint32_t word_ctas = (n * static_cast<uint32_t>(sizeof(DevRun) / 8) + threads - 1) / threads;
+  const uint32_t ctas = std::max<uint32_t>({q_rows, word_ctas, 1u});
+  stage_lookup_kernel<T, N><<<ctas, threads, 0, s>>>(c, dst, static_cast<const typename DevType<T>::type *>(q),
+                                                     seq_stride, head_stride, nq, d, q_rows, q_dst);
+  WKV_CUDA_CHECK_LAUNCH("stage_lookup");
   return cudaSuccess;
+}
+}  // namespace
+
+cudaError_t stage_lookup(DType t, const void *q, int64_t seq_stride, int64_t head_stride, uint32_t n_seqs,
+                         uint32_t n_q_heads, uint32_t d, float *q_dst, const DevRun *host_runs, uint32_t n,
+                         DevRun *dst, void *stream) {
+  if ((n > 0 && (!host_runs || !dst)) || (n_seqs > 0 && (!q || !q_dst))) return cudaErrorInvalidValue;
+  if (static_cast<uint64_t>(n_seqs) * n_q_heads > INT32_MAX) return cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return WKV_DISPATCH_DTYPE(t, T, cudaErrorNotSupported, [&]() -> cudaError_t {
+    uint32_t q_rows = n_seqs * n_q_heads;  // the first launch converts the query
+    uint32_t done = 0;
+    do {
+      const uint32_t m = std::min(n - done, kRunsPerLaunch);
+      const DevRun *r = host_runs + done;
+      cudaError_t err;
+      if (m <= 16)
+        err = launch_stage<T, 16>(r, m, dst + done, q, seq_stride, head_stride, n_q_heads, d, q_rows, q_dst, s);
+      else if (m <= 64)
+        err = launch_stage<T, 64>(r, m, dst + done, q, seq_stride, head_stride, n_q_heads, d, q_rows, q_dst, s);
+      else
+        err = launch_stage<T, kRunsPerLaunch>(r, m, dst + done, q, seq_stride, head_stride, n_q_heads, d, q_rows,
+                                              q_dst, s);
+      if (err != cudaSuccess) return err;
+      done += m;
+      q_rows = 0;
+    } while (done < n);
+    return cudaSuccess;
+  });
 }
 
 cudaError_t mark_step_end(unsigned long long *done, unsigned long long epoch, void *stream) {
@@ -324,18 +363,6 @@ cudaError_t store_pairs(const uint64_t *addrs, const uint64_t *values, uint32_t 
     WKV_CUDA_CHECK_LAUNCH("store_pairs");
   }
   return cudaSuccess;
-}
-
-cudaError_t convert_q(DType t, const void *src, int64_t seq_stride, int64_t head_stride, uint32_t n_seqs,
-                 uint32_t n_q_heads, uint32_t d, float *dst, void *stream) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const uint32_t blocks = n_seqs * n_q_heads;
-  return WKV_DISPATCH_DTYPE(t, T, cudaErrorNotSupported, [&]() -> cudaError_t {
-    convert_q_kernel<T><<<blocks, 128, 0, s>>>(static_cast<const typename DevType<T>::type *>(src), seq_stride,
-                                                head_stride, n_q_heads, d, dst);
-    WKV_CUDA_CHECK_LAUNCH("convert_q");
-    return cudaSuccess;
-  });
 }
 
 cudaError_t narrow_f16(const float *src, uint64_t n, void *dst, uint32_t *overflow, void *stream) {

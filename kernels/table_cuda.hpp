@@ -12,9 +12,14 @@
 
 namespace wkv::kernels {
 
-// Copies n DevRun structs from host memory into dst (device), in launches of
-// up to 21 runs passed by value.
-cudaError_t upload_runs(const DevRun *host_runs, uint32_t n, DevRun *dst, void *stream);
+// A lookup's staging, in one launch up to 160 runs: q [n_seqs][n_q_heads][d]
+// of storage type t (strides in elements) converted to q_dst, f32
+// [n_seqs][n_q_heads][d] contiguous, and n DevRun structs copied from host
+// memory into dst (device), passed by value (host_runs may be reused at
+// once).
+cudaError_t stage_lookup(DType t, const void *q, int64_t seq_stride, int64_t head_stride, uint32_t n_seqs,
+                         uint32_t n_q_heads, uint32_t d, float *q_dst, const DevRun *host_runs, uint32_t n,
+                         DevRun *dst, void *stream);
 
 // Writes `epoch` to *done once the work enqueued on `stream` before it has
 // ended (StepMark without a kernel of its own to carry it).
@@ -74,10 +79,6 @@ cudaError_t apply_spans(const SpanDesc *spans, uint32_t n, void *stream);
 // apply_spans's checks alone: launches nothing.
 cudaError_t check_spans(const SpanDesc *spans, uint32_t n);
 
-// Converts q [n_seqs][n_q_heads][d] of storage type t with strides in
-// elements into dst, f32 [n_seqs][n_q_heads][d] contiguous.
-cudaError_t convert_q(DType t, const void *src, int64_t seq_stride, int64_t head_stride, uint32_t n_seqs,
-                 uint32_t n_q_heads, uint32_t d, float *dst, void *stream);
 
 // dst[i] = f16(src[i]) for i < n (device arrays), round to nearest even;
 // sets *overflow (device) to nonzero when a value lies outside f16's range.

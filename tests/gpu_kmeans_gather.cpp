@@ -876,6 +876,52 @@ TEST(ApplySpans, EveryCopyAndNarrowingLandsAndNothingElseChanges) {
   EXPECT_EQ(got, std::vector<uint8_t>(4096, 0x11)) << "the first launch's spans were written";
 }
 
+// A lookup's staging: every run of the table lands in device memory (past a
+// launch's 160 runs too), and the query, strided bf16, lands as f32.
+TEST(StageLookup, CopiesEveryRunAndConvertsTheQuery) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(5);
+  for (uint32_t n : {0u, 1u, 16u, 17u, 64u, 65u, 160u, 161u, 400u}) {
+    SCOPED_TRACE("runs " + std::to_string(n));
+    std::vector<DevRun> runs(n);
+    for (DevRun &r : runs) {
+      const std::vector<uint8_t> b = random_bytes(rng, sizeof(DevRun));
+      std::memcpy(&r, b.data(), sizeof(DevRun));
+    }
+    constexpr uint32_t seqs = 3, nq = 5, d = 96;
+    constexpr int64_t head_stride = 100, seq_stride = 7 * 100;  // elements, with gaps
+    const std::vector<float> qf = random_vec(rng, seq_stride * seqs);
+    std::vector<uint16_t> qh(qf.size());
+    for (size_t i = 0; i < qf.size(); ++i) qh[i] = float_to_bf16(qf[i]);
+    DevBuf dq(qh.size() * 2), q32(size_t(seqs) * nq * d * 4), druns(std::max<size_t>(n, 1) * sizeof(DevRun));
+    upload(dq, qh);
+    ASSERT_CUDA(cudaMemset(druns.p, 0xee, std::max<size_t>(n, 1) * sizeof(DevRun)));
+    ASSERT_CUDA(stage_lookup(DType::kBF16, dq.p, seq_stride, head_stride, seqs, nq, d, q32.as<float>(),
+                             runs.data(), n, reinterpret_cast<DevRun *>(druns.p), nullptr));
+    std::vector<uint8_t> want(size_t(n) * sizeof(DevRun));
+    if (n > 0) std::memcpy(want.data(), runs.data(), want.size());
+    std::fill(runs.begin(), runs.end(), DevRun{});  // passed by value: the host array may change at once
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<uint8_t> got;
+    download(&got, druns.p, want.size());
+    EXPECT_TRUE(got == want) << "the run table differs";
+    std::vector<float> gq;
+    download(&gq, q32.p, size_t(seqs) * nq * d);
+    for (uint32_t s = 0; s < seqs; ++s)
+      for (uint32_t h = 0; h < nq; ++h)
+        for (uint32_t i = 0; i < d; ++i)
+          ASSERT_EQ(gq[(size_t(s) * nq + h) * d + i], bf16_to_float(qh[s * seq_stride + h * head_stride + i]))
+              << "q s=" << s << " h=" << h << " i=" << i;
+  }
+  // Refused unlaunched: a table without its destination, a query without
+  // its f32 buffer.
+  DevRun one{};
+  EXPECT_EQ(stage_lookup(DType::kBF16, nullptr, 0, 0, 0, 1, 8, nullptr, &one, 1, nullptr, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(stage_lookup(DType::kBF16, &one, 0, 0, 1, 1, 8, nullptr, nullptr, 0, nullptr, nullptr),
+            cudaErrorInvalidValue);
+}
+
 // Gather ----------------------------------------------------------------------------
 
 // One run of a random gather problem, on the host.

@@ -147,6 +147,9 @@ struct LookupSpec {
   // of range with its rows poisoned, so that only the f32 array does.
   enum Meta16 { kF32Only, kNarrow, kOverflowed } meta16 = kF32Only;
   uint64_t seed = 1;
+  // The offsets by their own kernel (a mark without a CTA counter) rather
+  // than by the estimate's last CTA, as the engine has them.
+  bool own_offsets = false;
 };
 
 // The engine's rule with clusters of one ranked apart.
@@ -328,10 +331,31 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   out.offsets = d_offsets.get();
   out.logits = d_logits.get();
   out.zones = d_zones.get();
-  STATUS_OK(lookup_zones(d_runs.get(), R, G, d, scale, d_q.get(), out, with_scores ? d_scores.get() : nullptr,
-                         max_clusters, nullptr));
+  // The step's end: a device word that must read the epoch afterwards, and
+  // (unless own_offsets) the counter of the estimate's finished CTAs, which
+  // its last CTA must leave at zero for the next launch. Two launches in a
+  // row on one counter: the second sees the first's reset.
+  DevArray<unsigned long long> d_done;
+  DevArray<unsigned int> d_ctas;
+  CUDA_OK(d_done.alloc(1));
+  CUDA_OK(d_ctas.alloc(1));
+  CUDA_OK(cudaMemset(d_done.get(), 0, sizeof(unsigned long long)));
+  CUDA_OK(cudaMemset(d_ctas.get(), 0, sizeof(unsigned int)));
+  for (unsigned long long epoch = 1; epoch <= 2; ++epoch) {
+    const StepMark mark{d_done.get(), epoch, spec.own_offsets ? nullptr : d_ctas.get()};
+    STATUS_OK(lookup_zones(d_runs.get(), R, G, d, scale, d_q.get(), out, with_scores ? d_scores.get() : nullptr,
+                           max_clusters, nullptr, mark));
+  }
   CUDA_OK(cudaDeviceSynchronize());
   CUDA_OK(cudaGetLastError());
+  {
+    std::vector<unsigned long long> done;
+    std::vector<unsigned int> ctas;
+    CUDA_OK(d_done.download(&done));
+    CUDA_OK(d_ctas.download(&ctas));
+    EXPECT_EQ(done[0], 2u) << "the step's end was not reported";
+    EXPECT_EQ(ctas[0], 0u) << "the CTA counter was not reset for the next launch";
+  }
 
   LookupOutputs got;
   CUDA_OK(d_ret_ids.download(&got.ret_ids));
@@ -617,6 +641,28 @@ TEST(LookupZones, IsDeterministicAndNeedsNoScoresForSmallRuns) {
   ASSERT_EQ(a.est_out.size(), b.est_out.size());
   EXPECT_EQ(0, std::memcmp(a.est_out.data(), b.est_out.data(), a.est_out.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(a.logits.data(), b.logits.data(), a.logits.size() * sizeof(float)));
+}
+
+// The engine's lookup lays out the offsets in the estimate's last CTA; a
+// caller without a CTA counter gets them from a kernel of their own. Both
+// are checked against the CPU, and agree to the byte.
+TEST(LookupZones, TheEstimatesLastCtaLaysOutTheOffsetsAsTheirOwnKernelDoes) {
+  REQUIRE_GPU();
+  LookupSpec spec;
+  spec.G = 4;
+  spec.seed = 91;
+  spec.tail = true;
+  spec.clusters = mixed_clusters(91, 9);
+  LookupOutputs a, b;
+  check_lookup(spec, true, &a);
+  if (HasFatalFailure()) return;
+  spec.own_offsets = true;
+  check_lookup(spec, true, &b);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(a.offsets, b.offsets);
+  EXPECT_EQ(a.run_tokens, b.run_tokens);
+  ASSERT_EQ(a.est_out.size(), b.est_out.size());
+  EXPECT_EQ(0, std::memcmp(a.est_out.data(), b.est_out.data(), a.est_out.size() * sizeof(float)));
 }
 
 TEST(LookupZones, ZeroRunsWriteOffsetZero) {

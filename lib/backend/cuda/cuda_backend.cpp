@@ -166,8 +166,8 @@ Status kernel_status(cudaError_t err, const char *call) {
   } while (0)
 
 // The plan's kernel counters (PlanDevice::counters): the gather's three, and
-// the finished CTAs of attend's and merge's last kernels.
-constexpr uint32_t kGatherWork = 0, kAttendCtas = 3, kMergeCtas = 4, kCounterWords = 8;
+// the finished CTAs of attend's, merge's and the lookup's last kernels.
+constexpr uint32_t kGatherWork = 0, kAttendCtas = 3, kMergeCtas = 4, kLookupCtas = 5, kCounterWords = 8;
 
 // A growth's k-means batch: its outputs in device memory, what the host
 // reads of them (counts, first members, sizes, value totals) and the
@@ -1130,14 +1130,16 @@ Status CudaBackend::lookup(Plan &plan) {
     WKV_RETURN_IF_ERROR(mem_fill(pd.counters.p, 0, kCounterWords * sizeof(uint32_t), s));
   }
 
-  // 3. Enqueue: the query in f32, the run table, then scoring, selection and
-  //    estimation; the last kernel reports the step's end.
+  // 3. Enqueue: the query in f32 and the run table in one launch, then
+  //    scoring, selection and estimation; the estimate's last CTA lays out
+  //    the offsets and reports the step's end.
   const uint64_t epoch = e_.buffers().begin(plan.tracker());
-  const kernels::StepMark mark{reinterpret_cast<unsigned long long *>(plan.tracker().done_device()), epoch, nullptr};
+  const kernels::StepMark mark{reinterpret_cast<unsigned long long *>(plan.tracker().done_device()), epoch,
+                               pd.counters.as<unsigned int>() + kLookupCtas};
   Status st = Status::ok();
-  cudaError_t err = kernels::convert_q(cfg.dtype(), plan.q_src, plan.q_seq_stride, plan.q_head_stride, plan.n_seqs,
-                                       nq, d, pd.q.as<float>(), s);
-  if (err == cudaSuccess) err = kernels::upload_runs(pd.host_runs.data(), R, pd.runs.as<kernels::DevRun>(), s);
+  cudaError_t err = kernels::stage_lookup(cfg.dtype(), plan.q_src, plan.q_seq_stride, plan.q_head_stride,
+                                          plan.n_seqs, nq, d, pd.q.as<float>(), pd.host_runs.data(), R,
+                                          pd.runs.as<kernels::DevRun>(), s);
   if (err == cudaSuccess)
     err = kernels::lookup_zones(pd.runs.as<kernels::DevRun>(), R, G, d, cfg.scale(), pd.q.as<float>(), lookup_view(pd),
                                 pd.logits.as<float>() + lg, max_clusters, s, mark);
