@@ -370,7 +370,6 @@ void BufferManager::take_record(const RecordHeader &hc) {
   //    open_record waits for) is held only to read which of the record's
   //    runs have live heads and to put frames back; owner_ and the policy
   //    are this thread's own.
-  const uint64_t stamp = epoch_.load(std::memory_order_seq_cst);
   uint32_t admitted = 0;
   scratch_live_.assign(h->n_runs, 0);
   {
@@ -409,8 +408,7 @@ void BufferManager::take_record(const RecordHeader &hc) {
   std::lock_guard<std::mutex> lock(mu_);
   taken_known_ += taken;
   put_free(scratch_free_.data(), scratch_free_.size());
-  for (uint32_t u : scratch_quarantine_) quarantine_.push_back({stamp, u});
-  quarantined_ += scratch_quarantine_.size();
+  if (!scratch_quarantine_.empty()) quarantine(std::move(scratch_quarantine_));
   admissions_ += admitted;
   if (h->cancelled) return;
   // What the step missed (a gather that counts nothing reports at least
@@ -489,13 +487,10 @@ void BufferManager::evict() {
       return;
     }
   }
+  const size_t n_victims = victims.size();
   std::lock_guard<std::mutex> lock(mu_);
-  const uint64_t stamp = epoch_.load(std::memory_order_seq_cst);
-  for (uint32_t u : victims) {
-    quarantine_.push_back({stamp, u});
-    ++quarantined_;
-  }
-  evictions_ += victims.size();
+  quarantine(std::move(victims));
+  evictions_ += n_victims;
 }
 
 void BufferManager::release_quarantined(uint64_t oldest) {
@@ -504,23 +499,40 @@ void BufferManager::release_quarantined(uint64_t oldest) {
   // whose readers have ended are a prefix, and the decoding path pays for
   // what it frees, not for what stays.
   while (!quarantine_.empty() && quarantine_.front().stamp < oldest) {
-    const uint32_t u = quarantine_.front().unit;
+    const std::vector<uint32_t> &units = quarantine_.front().units;
+    put_free(units.data(), units.size());
+    quarantined_ -= units.size();
     quarantine_.pop_front();
-    --quarantined_;
-    put_free(&u, 1);
   }
 }
 
+void BufferManager::quarantine(std::vector<uint32_t> &&units) {
+  // Stamped with the epoch counter as it is now: every step that may still
+  // read these frames began before.
+  const uint64_t stamp = epoch_.load(std::memory_order_seq_cst);
+  const size_t n = units.size();
+  quarantine_.push_back({stamp, std::move(units)});
+  quarantined_ += n;
+}
+
 void BufferManager::put_free(const uint32_t *units, size_t n) {
+  // Position p reuses the slot of p - cap: only once its taker has ended.
+  // Frames wait in held_ from the first that has no slot on, so that the
+  // pool hands them out in the order they were freed.
   const uint64_t cap = pool_dev_.cap;
-  for (size_t i = 0; i < n; ++i) {
-    // Position p reuses the slot of p - cap: only once its taker has ended.
-    if (!held_.empty() || produced_ >= read_mark_ + cap) {
-      held_.push_back(units[i]);
-      continue;
+  size_t i = 0;
+  if (held_.empty()) {
+    const uint64_t room = read_mark_ + cap > produced_ ? read_mark_ + cap - produced_ : 0;
+    const size_t m = static_cast<size_t>(std::min<uint64_t>(n, room));
+    while (i < m) {
+      const uint64_t at = produced_ % cap;
+      const size_t len = static_cast<size_t>(std::min<uint64_t>(m - i, cap - at));
+      std::memcpy(pool_slots_ + at, units + i, len * sizeof(uint32_t));
+      produced_ += len;
+      i += len;
     }
-    pool_slots_[produced_++ % cap] = units[i];
   }
+  held_.insert(held_.end(), units + i, units + n);
 }
 
 void BufferManager::publish(bool wait) {
@@ -562,10 +574,10 @@ void BufferManager::advance_pool(uint64_t oldest) {
     read_mark_ = std::max(read_mark_, checkpoints_.front().seen);
     checkpoints_.pop_front();
   }
-  const uint64_t cap = pool_dev_.cap;
-  size_t i = 0;
-  for (; i < held_.size() && produced_ < read_mark_ + cap; ++i) pool_slots_[produced_++ % cap] = held_[i];
-  if (i > 0) held_.erase(held_.begin(), held_.begin() + static_cast<ptrdiff_t>(i));
+  if (held_.empty()) return;
+  std::vector<uint32_t> held;
+  held.swap(held_);
+  put_free(held.data(), held.size());  // as many as have slots; the rest wait again
 }
 
 size_t BufferManager::pool_free() const {

@@ -248,9 +248,9 @@ class BufferManager {
     uint64_t stamp;
     std::function<void()> release;
   };
-  struct Quarantined {  // a frame waiting for the steps in flight
+  struct Quarantined {  // frames given up together, waiting for the steps in flight
     uint64_t stamp;
-    uint32_t unit;
+    std::vector<uint32_t> units;
   };
   struct HeadSlot {
     uint32_t gen = 0;
@@ -272,10 +272,15 @@ class BufferManager {
   // Runs releases whose steps have ended. Pre: mu_ not held.
   bool release_ready();
   // Frees the quarantined frames stamped before `oldest` (the oldest epoch
-  // in flight), from the front of the queue. Pre: mu_ held.
+  // in flight), from the front of the queue, a batch at a time: the
+  // decoding path calls it (open_record), so its cost is a few copies, not
+  // a loop over frames. Pre: mu_ held.
   void release_quarantined(uint64_t oldest);
+  // Queues a batch of frames given up now. Pre: mu_ held.
+  void quarantine(std::vector<uint32_t> &&units);
   // Writes frames into the pool's next slots (or holds them while their
-  // slots may still be read) for publish(). Pre: mu_ held.
+  // slots may still be read) for publish(), in at most two copies. Pre:
+  // mu_ held.
   void put_free(const uint32_t *units, size_t n);
   // Publishes the frames written since the last call to the device. The
   // decoding path leaves it to the manager's thread when that is

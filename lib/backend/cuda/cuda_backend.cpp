@@ -360,10 +360,18 @@ Status CudaBackend::init(HostArena::Options *ao) {
     uint64_t keep = UINT64_MAX;
     WKV_CU(cudaMemPoolSetAttribute(mempool_, cudaMemPoolAttrReleaseThreshold, &keep));
   }
-  WKV_CU(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+  // The buffer manager's streams at the device's highest priority: their
+  // small kernels (clearing evicted entries, publishing free frames) are
+  // scheduled as soon as a multiprocessor frees, not after the CTAs that
+  // decoding steps have queued. Waiting behind a step's gather, an eviction
+  // took about 0.5 ms (1.4 ms at p90) at batch 7, and its frames reached
+  // the pool that much later.
+  int least_priority = 0, greatest_priority = 0;
+  WKV_CU(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
+  WKV_CU(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, greatest_priority));
   WKV_CU(cudaStreamCreateWithFlags(&free_, cudaStreamNonBlocking));
   WKV_CU(cudaStreamCreateWithFlags(&io_, cudaStreamNonBlocking));
-  WKV_CU(cudaStreamCreateWithFlags(&pool_stream_, cudaStreamNonBlocking));
+  WKV_CU(cudaStreamCreateWithPriority(&pool_stream_, cudaStreamNonBlocking, greatest_priority));
   WKV_CU(cudaMalloc(&d_stats_, 3 * sizeof(unsigned long long)));
   WKV_CU(cudaMemsetAsync(d_stats_, 0, 3 * sizeof(unsigned long long), side_));
   WKV_CU(cudaStreamSynchronize(side_));
