@@ -208,8 +208,7 @@ template <typename Tag, uint32_t D, uint32_t HC>
 __global__ void __launch_bounds__(kThreads, 2)
     attend_kernel(const int32_t *__restrict__ offsets, const uint8_t *__restrict__ xk,
                   const uint8_t *__restrict__ xv, const float *__restrict__ q, uint32_t G, float qscale,
-                  uint32_t chunk, uint32_t n_splits, float *__restrict__ part_o,
-                  float *__restrict__ part_lse) {
+                  uint32_t n_splits, float *__restrict__ part_o, float *__restrict__ part_lse) {
   using S = Shape<Tag, D>;
   extern __shared__ uint4 dyn_smem[];
   uint8_t *smem = reinterpret_cast<uint8_t *>(dyn_smem);
@@ -218,6 +217,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int32_t beg = offsets[r];
   const uint32_t n = static_cast<uint32_t>(offsets[r + 1] - beg);
+  // The run's real length splits it (the host knows only a bound, which a
+  // retrieval of smaller clusters than the largest undershoots many times
+  // over): n_splits slices of at least kMinChunk tokens.
+  const uint32_t chunk = max(kMinChunk, (n + n_splits - 1) / n_splits);
   const uint64_t t0_wide = static_cast<uint64_t>(split) * chunk;
   float *po = part_o + (static_cast<size_t>(r) * n_splits + split) * G * D;
   float *pl = part_lse + (static_cast<size_t>(r) * n_splits + split) * G;
@@ -227,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     return;
   }
   const uint32_t t0 = static_cast<uint32_t>(t0_wide);
-  const uint32_t t1 = split + 1 == n_splits ? n : min(n, t0 + chunk);
+  const uint32_t t1 = min(n, t0 + chunk);
 
   // Warp roles: head group hg (heads g0 .. g0 + HC) and token warp tw.
   const uint32_t hgn = (G + HC - 1) / HC;
@@ -588,12 +591,11 @@ cudaError_t attend_impl(const int32_t *offsets, const void *xk, const void *xv, 
   const size_t need = static_cast<size_t>(R) * n_splits * G * (D + 1);
   if (scratch_floats < need || scratch == nullptr)
     return cudaErrorInvalidValue;
-  const uint32_t chunk = max_tokens == 0 ? 1u : (max_tokens + n_splits - 1) / n_splits;
   float *part_o = scratch;
   float *part_lse = scratch + static_cast<size_t>(R) * n_splits * G * D;
   WKV_CUDA_TRY(launch_pdl(kernel, dim3(R, n_splits), dim3(kThreads), smem, s, 1, offsets,
                                  static_cast<const uint8_t *>(xk), static_cast<const uint8_t *>(xv), q, G,
-                                 scale * kLog2e, chunk, n_splits, part_o, part_lse));
+                                 scale * kLog2e, n_splits, part_o, part_lse));
   using T = typename DevType<Tag>::type;
   const uint32_t chunks = (D + kCombineCols * 4 - 1) / (kCombineCols * 4);
   return launch_pdl(combine_kernel<Tag>, dim3(R * G, chunks), dim3(kCombineThreads), 0, s, 1,

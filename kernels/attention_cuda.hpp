@@ -28,8 +28,9 @@ size_t attend_ragged_scratch_floats(uint32_t R, uint32_t G, uint32_t d, uint32_t
 //   q            [R][G][d] f32, device: the query heads of each run's group
 //   scale        logit scale (1/sqrt(d))
 //   max_tokens   host-known upper bound of tokens per run: sizes the split
-//                grid (a run longer than it is still attended in full, by
-//                its last split, only slower)
+//                grid. Each run is split by its real length (offsets), in
+//                slices of at least 64 tokens; a run longer than the bound
+//                is attended in full all the same, in longer slices.
 //   est_out      [R][G][d] f32 and est_lse [R][G], device: the estimate to
 //                merge in as merge_partials does; both NULL for none
 //   out          head g of run r = s * H + h goes to element

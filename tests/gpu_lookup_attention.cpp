@@ -882,6 +882,7 @@ struct AttendSpec {
   float k_mult = 1.f;
   bool with_est = true, with_lse = true;
   uint64_t seed = 1;
+  uint32_t bound = 0;  // max_tokens as passed (0: the longest run), as a host bound may be
 };
 
 void check_attend(const AttendSpec &spec) {
@@ -898,6 +899,7 @@ void check_attend(const AttendSpec &spec) {
     offsets[r + 1] = offsets[r] + static_cast<int32_t>(spec.tokens[r]);
     max_tokens = std::max(max_tokens, spec.tokens[r]);
   }
+  if (spec.bound) max_tokens = spec.bound;
   const size_t total = static_cast<size_t>(offsets[R]);
   std::vector<float> kf(total * d), vf(total * d);
   for (float &x : kf) x = uni() * spec.k_mult;
@@ -1014,6 +1016,28 @@ TEST(AttendRagged, MatchesCpuForEveryTypeHeadDimAndGroup) {
         check_attend(spec);
         if (HasFatalFailure()) return;
       }
+}
+
+// The engine's bound on a run's tokens (the retrieval at its largest
+// clusters) is often many times the run's real length, and may be short of
+// it for a caller's own buffer: each run is split by its real length, so
+// either way every token is attended once.
+TEST(AttendRagged, RunsAreSplitByTheirRealLengthNotTheBound) {
+  REQUIRE_GPU();
+  uint64_t seed = 2500;
+  for (uint32_t bound : {40000u, 100u, 1u})
+    for (uint32_t G : {1u, 4u}) {
+      SCOPED_TRACE("bound " + std::to_string(bound) + " G=" + std::to_string(G));
+      AttendSpec spec;
+      spec.t = DType::kBF16;
+      spec.G = G;
+      spec.H = 2;
+      spec.seed = ++seed;
+      spec.tokens = {2000, 1500, 3000, 0, 64, 5000};
+      spec.bound = bound;
+      check_attend(spec);
+      if (HasFatalFailure()) return;
+    }
 }
 
 TEST(AttendRagged, ShortRunsMatchCpu) {
