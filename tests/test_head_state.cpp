@@ -7,7 +7,9 @@
 // failed verb leaves the plan holding no step.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -144,6 +146,61 @@ TEST(HeadSnapshot, ImportedLayersDecodeBitForBitAndGrowTheSameWay) {
     wkv_stats_init(&s);
     b.e->fill_stats(&s);
     EXPECT_EQ(s.tokens, 2u * (1650 + 180));
+  }
+}
+
+// Every head knows what its retrieval zone can hold at most: the n_ret
+// largest clusters' members and cache units (the CUDA lookup sizes the
+// execution buffer by it). Kept by every growth, prompt and generated, and
+// rebuilt by an import; checked against sorting the sizes.
+void expect_retrieval_bound(const wkv::Config &cfg, const wkv::HeadState &hs) {
+  std::vector<uint32_t> sizes(hs.map.size.begin(), hs.map.size.end());
+  std::sort(sizes.begin(), sizes.end(), std::greater<uint32_t>());
+  uint32_t n_ret = 0, n_one = 0, n_est = 0;
+  wkv::zone_sizes(cfg, hs.clusters(), hs.ones, &n_ret, &n_one, &n_est);
+  const uint64_t pt = cfg.page_tokens();
+  uint64_t tokens = 0, units = 0;
+  for (uint32_t i = 0; i < n_ret && i < sizes.size(); ++i) {
+    tokens += sizes[i];
+    units += (sizes[i] + pt - 1) / pt;
+  }
+  EXPECT_EQ(hs.ret_n, n_ret);
+  EXPECT_EQ(hs.ret_tokens, tokens);
+  EXPECT_EQ(hs.ret_units, units);
+  EXPECT_EQ(hs.max_cluster, sizes.empty() ? 0u : sizes[0]);
+  uint64_t counted = 0;
+  for (uint32_t c : hs.by_size) counted += c;
+  EXPECT_EQ(counted, hs.clusters());
+  EXPECT_LT(tokens, uint64_t(n_ret) * hs.max_cluster) << "the bound is no tighter than n_ret x the largest";
+}
+
+TEST(HeadSnapshot, EveryHeadKnowsItsRetrievalBoundAfterGrowthsAndImports) {
+  for (uint32_t method : {0u, static_cast<uint32_t>(WKV_METHOD_ONES)}) {
+    SCOPED_TRACE(testing::Message() << "method " << method);
+    wkv_config c = config(WKV_DTYPE_F16);
+    c.method |= method;
+    Internal a(c), b(c);
+    Draw draw(WKV_DTYPE_F16);
+    auto sa = a.sequence();
+    std::vector<uint8_t> k, v;
+    draw.tokens(2000, &k, &v);
+    a.append(*sa, k, v, 2000);
+    for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(a.e->end_prompt(*sa, l, nullptr).is_ok());
+    for (uint32_t h = 0; h < kKV; ++h) expect_retrieval_bound(a.e->config(), sa->layer(1).heads[h]);
+    draw.tokens(300, &k, &v);  // past two update segments
+    a.append(*sa, k, v, 300);
+    for (uint32_t l = 0; l < 2; ++l)
+      for (uint32_t h = 0; h < kKV; ++h) expect_retrieval_bound(a.e->config(), sa->layer(l).heads[h]);
+    std::vector<wkv::LayerSnapshot> snap;
+    ASSERT_TRUE(export_all(a, *sa, &snap).is_ok());
+    auto sb = b.sequence();
+    wkv::Status st = import_all(b, *sb, snap);
+    ASSERT_TRUE(st.is_ok()) << st.message();
+    for (uint32_t l = 0; l < 2; ++l)
+      for (uint32_t h = 0; h < kKV; ++h) {
+        expect_retrieval_bound(b.e->config(), sb->layer(l).heads[h]);
+        EXPECT_EQ(sb->layer(l).heads[h].ret_tokens, sa->layer(l).heads[h].ret_tokens);
+      }
   }
 }
 

@@ -1,5 +1,6 @@
 #include "lib/common/config.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -297,6 +298,40 @@ Status resolve_config(const wkv_config *user, Config *out) {
                      from(&c.host_budget_bytes).c_str(), static_cast<unsigned long long>(slot));
   *out = r;
   return Status::ok();
+}
+
+namespace {
+
+// ceil(frac * n), at most n.
+uint32_t share_of(float frac, uint32_t n) {
+  const double r = std::ceil(static_cast<double>(frac) * n - 1e-9);
+  return static_cast<uint32_t>(std::min<double>(r, n));
+}
+
+}  // namespace
+
+void zone_sizes(const Config &cfg, uint32_t clusters, uint32_t *n_ret, uint32_t *n_est) {
+  uint32_t n_one = 0;
+  zone_sizes(cfg, clusters, 0, n_ret, &n_one, n_est);
+}
+
+void zone_sizes(const Config &cfg, uint32_t clusters, uint32_t ones, uint32_t *n_ret, uint32_t *n_one,
+                uint32_t *n_est) {
+  *n_ret = *n_one = *n_est = 0;
+  if (clusters == 0) return;
+  uint32_t nr = 0, no = 0;
+  if ((cfg.c.method & WKV_METHOD_ONES) && ones > 0) {
+    // Clusters of one ranked apart: each class its share, at least one of
+    // the clusters of one.
+    no = std::max<uint32_t>(1, share_of(cfg.c.retrieval_frac, ones));
+    nr = share_of(cfg.c.retrieval_frac, clusters - ones) + no;
+  } else {
+    nr = share_of(cfg.c.retrieval_frac, clusters);
+  }
+  const double e = std::floor(static_cast<double>(cfg.c.estimation_frac) * clusters + 0.5);
+  *n_ret = nr;
+  *n_one = no;
+  *n_est = static_cast<uint32_t>(std::min<double>(e, clusters - nr));
 }
 
 }  // namespace wkv

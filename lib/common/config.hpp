@@ -48,4 +48,13 @@ const char *env_override_name(unsigned bit);
 // applies environment overrides and validates.
 Status resolve_config(const wkv_config *user, Config *out);
 
+// Zone sizes for a head of `clusters` clusters: retrieval is ceil(r * C),
+// estimation round(e * C), never more than C together.
+void zone_sizes(const Config &cfg, uint32_t clusters, uint32_t *n_ret, uint32_t *n_est);
+// The same for a head with `ones` clusters of one member: with
+// WKV_METHOD_ONES and ones > 0 they are ranked apart, and n_one of the n_ret
+// retrieval clusters are of one member (0 otherwise).
+void zone_sizes(const Config &cfg, uint32_t clusters, uint32_t ones, uint32_t *n_ret, uint32_t *n_one,
+                uint32_t *n_est);
+
 }  // namespace wkv

@@ -303,6 +303,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       reserve_total(hs.map.unit_begin, C1 + 1);
       reserve_total(hs.map.pages, hs.map.pages.size() + g.add_p);
       reserve_total(hs.segments, hs.segments.size() + count);
+      reserve_sizes(hs, g.size.empty() ? 0 : *std::max_element(g.size.begin(), g.size.end()));
       if (compact && hs.meta.compact_ok) {
         reserve_total(hs.meta.centroid_f16, size_t(C1) * d);
         reserve_total(hs.meta.value_mean_f16, size_t(C1) * d);
@@ -421,8 +422,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
     hs.map.size.insert(hs.map.size.end(), g.size.begin(), g.size.end());
     hs.map.unit_begin.insert(hs.map.unit_begin.end(), g.unit_begin.begin(), g.unit_begin.end());
     hs.map.pages.insert(hs.map.pages.end(), g.pages.begin(), g.pages.end());
-    for (uint32_t sz : g.size) hs.max_cluster = std::max(hs.max_cluster, sz);
-    for (uint32_t sz : g.size) hs.ones += sz == 1;
+    count_clusters(ix.cfg, hs, g.size.data(), g.size.size());  // reserved: no throw
     hs.values.value_total.assign(g.value_total.begin(), g.value_total.end());  // reserved: no throw
     hs.values.tokens += consumed;
     hs.tail.begin += consumed;
@@ -796,6 +796,35 @@ Status end_prompt(const IndexContext &ix, LayerState &L, uint32_t layer, void *s
   L.version++;
   trim_tails(ix, L, cfg.c.window_tokens + cfg.c.update_segment_tokens + 1, stream);
   return Status::ok();
+}
+
+void reserve_sizes(HeadState &hs, uint32_t largest) {
+  if (largest >= hs.by_size.size()) hs.by_size.reserve(static_cast<size_t>(largest) + 1);
+}
+
+void count_clusters(const Config &cfg, HeadState &hs, const uint32_t *sizes, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t sz = sizes[i];
+    if (sz >= hs.by_size.size()) hs.by_size.resize(static_cast<size_t>(sz) + 1, 0);  // within the reservation
+    ++hs.by_size[sz];
+    hs.max_cluster = std::max(hs.max_cluster, sz);
+    hs.ones += sz == 1;
+  }
+  // The bound: the n_ret largest clusters, from the largest size down.
+  uint32_t n_ret = 0, n_one = 0, n_est = 0;
+  zone_sizes(cfg, hs.clusters(), hs.ones, &n_ret, &n_one, &n_est);
+  const uint64_t pt = cfg.page_tokens();
+  uint64_t tokens = 0, units = 0;
+  uint32_t left = n_ret;
+  for (size_t s = hs.by_size.size(); s-- > 1 && left > 0;) {
+    const uint32_t take = std::min(left, hs.by_size[s]);
+    tokens += uint64_t(take) * s;
+    units += uint64_t(take) * ((s + pt - 1) / pt);
+    left -= take;
+  }
+  hs.ret_n = n_ret;
+  hs.ret_tokens = tokens;
+  hs.ret_units = units;
 }
 
 }  // namespace wkv

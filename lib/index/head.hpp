@@ -164,6 +164,15 @@ struct HeadState {
   ColdPages cold;
   uint32_t max_cluster = 0;  // largest cluster size
   uint32_t ones = 0;         // clusters of one member
+  // Clusters by size: by_size[s] clusters of s members (s <= max_cluster),
+  // and what the retrieval zone can hold at the head's clusters now (the
+  // n_ret largest, n_ret as the zone rule gives it: retrieval_bound): so a
+  // lookup sizes its execution buffer by real sizes, not n_ret times the
+  // largest.
+  MetaVector<uint32_t> by_size;
+  uint32_t ret_n = 0;        // the n_ret the bound below is for
+  uint64_t ret_tokens = 0;   // members of the ret_n largest clusters
+  uint64_t ret_units = 0;    // their cache units
   uint32_t clusters() const { return map.clusters(); }
 };
 

@@ -1,5 +1,6 @@
 #include "lib/index/snapshot.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <new>
 
@@ -294,10 +295,12 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
         MetaVector<f16>().swap(hs.meta.value_mean_f16);
       }
     }
-    for (uint32_t sz : o.size) {
-      hs.max_cluster = std::max(hs.max_cluster, sz);
-      hs.ones += sz == 1;
+    try {
+      reserve_sizes(hs, o.size.empty() ? 0 : *std::max_element(o.size.begin(), o.size.end()));
+    } catch (const std::bad_alloc &) {
+      return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the cluster sizes of a loaded head");
     }
+    count_clusters(ix.cfg, hs, o.size.data(), o.size.size());
     WKV_RETURN_IF_ERROR(mirror_reserve(ix, hs, static_cast<uint32_t>(C), static_cast<uint32_t>(n_pages),
                                        hs.map.units(), stream));
     WKV_RETURN_IF_ERROR(mirror_fill(ix, hs, 0, 0, stream));
