@@ -217,9 +217,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int32_t beg = offsets[r];
   const uint32_t n = static_cast<uint32_t>(offsets[r + 1] - beg);
-  // The run's real length splits it (the host knows only a bound, which a
-  // retrieval of smaller clusters than the largest undershoots many times
-  // over): n_splits slices of at least kMinChunk tokens.
+  // The run's real length splits it (the host knows only a bound, the
+  // retrieval at its head's largest clusters): n_splits slices of at least
+  // kMinChunk tokens.
   const uint32_t chunk = max(kMinChunk, (n + n_splits - 1) / n_splits);
   const uint64_t t0_wide = static_cast<uint64_t>(split) * chunk;
   float *po = part_o + (static_cast<size_t>(r) * n_splits + split) * G * D;
