@@ -90,6 +90,16 @@ struct Draw {
   }
 };
 
+// A prompt of `prompt` tokens ended at every layer, then `generated` tokens.
+void prompt_then_generate(Internal &in, Draw &draw, wkv::Sequence &s, uint32_t prompt, uint32_t generated) {
+  std::vector<uint8_t> k, v;
+  draw.tokens(prompt, &k, &v);
+  in.append(s, k, v, prompt);
+  for (uint32_t l = 0; l < s.n_layers(); ++l) ASSERT_TRUE(in.e->end_prompt(s, l, nullptr).is_ok());
+  draw.tokens(generated, &k, &v);
+  in.append(s, k, v, generated);
+}
+
 wkv::Status export_all(Internal &in, wkv::Sequence &s, std::vector<wkv::LayerSnapshot> *out) {
   out->resize(s.n_layers());
   for (uint32_t l = 0; l < s.n_layers(); ++l)
@@ -113,12 +123,8 @@ TEST(HeadSnapshot, ImportedLayersDecodeBitForBitAndGrowTheSameWay) {
     Internal a(config(dt)), b(config(dt));
     Draw draw(dt);
     auto sa = a.sequence();
+    prompt_then_generate(a, draw, *sa, 1500, 150);  // past an update segment
     std::vector<uint8_t> k, v;
-    draw.tokens(1500, &k, &v);
-    a.append(*sa, k, v, 1500);
-    for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(a.e->end_prompt(*sa, l, nullptr).is_ok());
-    draw.tokens(150, &k, &v);  // past an update segment
-    a.append(*sa, k, v, 150);
 
     std::vector<wkv::LayerSnapshot> snap;
     wkv::Status st = export_all(a, *sa, &snap);
@@ -182,11 +188,9 @@ TEST(HeadSnapshot, EveryHeadKnowsItsRetrievalBoundAfterGrowthsAndImports) {
     Internal a(c), b(c);
     Draw draw(WKV_DTYPE_F16);
     auto sa = a.sequence();
-    std::vector<uint8_t> k, v;
-    draw.tokens(2000, &k, &v);
-    a.append(*sa, k, v, 2000);
-    for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(a.e->end_prompt(*sa, l, nullptr).is_ok());
+    prompt_then_generate(a, draw, *sa, 2000, 0);
     for (uint32_t h = 0; h < kKV; ++h) expect_retrieval_bound(a.e->config(), sa->layer(1).heads[h]);
+    std::vector<uint8_t> k, v;
     draw.tokens(300, &k, &v);  // past two update segments
     a.append(*sa, k, v, 300);
     for (uint32_t l = 0; l < 2; ++l)
