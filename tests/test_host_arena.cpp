@@ -116,13 +116,13 @@ TEST(HostArena, ConcurrentAllocateAndRelease) {
   EXPECT_EQ(a.stats().pages_used, 0u);
 }
 
-// Options::ahead: once fewer than half a chunk's pages are free, the next
-// chunk is mapped and registered on the arena's own thread, so that the
-// allocation that needs it finds it ready and registers nothing itself;
-// allocations and releases go on while a chunk is being registered; a
-// budget with no room for another chunk gets none.
-TEST(HostArena, AheadRegistersTheNextChunkOnItsOwnThread) {
-  HostArena::Options o = opts(3u << 20);  // room for three chunks
+// Options::ahead: once fewer than two chunks' pages are free, chunks are
+// mapped and registered on the arena's own thread until there are, so that
+// the allocations that need them find them ready and register nothing
+// themselves; allocations and releases go on while a chunk is being
+// registered; a budget with no room for another chunk gets none.
+TEST(HostArena, AheadRegistersTheNextChunksOnItsOwnThread) {
+  HostArena::Options o = opts(4u << 20);  // room for four chunks of 256 pages
   o.ahead = true;
   std::mutex mu;
   std::vector<std::thread::id> registered_on;
@@ -137,35 +137,35 @@ TEST(HostArena, AheadRegistersTheNextChunkOnItsOwnThread) {
     return a.stats().chunks;
   };
   HostArena a(o);
-  std::vector<PageId> ids(200);
-  ASSERT_TRUE(a.allocate(100, ids.data()).is_ok());  // the first chunk, on this thread
-  EXPECT_EQ(a.stats().chunks, 1u) << "156 of 256 pages free: nothing ahead yet";
-  ASSERT_TRUE(a.allocate(100, ids.data() + 100).is_ok());  // 56 free: the next one is wanted
+  std::vector<PageId> ids(600);
+  ASSERT_TRUE(a.allocate(100, ids.data()).is_ok());  // the first chunk, on this thread; 156 free: two more wanted
   // Meanwhile the arena serves what it has.
   PageId more[40];
   ASSERT_TRUE(a.allocate(40, more).is_ok());
   a.release(more, 40);
-  EXPECT_EQ(wait_chunks(a, 2), 2u);
-  EXPECT_EQ(a.stats().chunks_ahead, 1u);
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    ASSERT_EQ(registered_on.size(), 2u);
-    EXPECT_EQ(registered_on[0], std::this_thread::get_id());
-    EXPECT_NE(registered_on[1], std::this_thread::get_id()) << "the second chunk was registered ahead";
-  }
-  std::vector<PageId> next(250);
-  ASSERT_TRUE(a.allocate(250, next.data()).is_ok());  // from the chunk added ahead, and it asks for a third
   EXPECT_EQ(wait_chunks(a, 3), 3u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(a.stats().chunks, 3u) << "668 pages free: two chunks' worth, nothing more ahead";
   EXPECT_EQ(a.stats().chunks_ahead, 2u);
   {
     std::lock_guard<std::mutex> lock(mu);
-    EXPECT_EQ(registered_on.size(), 3u) << "no chunk registered on the allocating thread after the first";
+    ASSERT_EQ(registered_on.size(), 3u);
+    EXPECT_EQ(registered_on[0], std::this_thread::get_id());
+    EXPECT_NE(registered_on[1], std::this_thread::get_id()) << "the second chunk was registered ahead";
+    EXPECT_NE(registered_on[2], std::this_thread::get_id()) << "the third chunk was registered ahead";
   }
-  // The budget holds three chunks: the fourth is never added ahead, and an
+  ASSERT_TRUE(a.allocate(500, ids.data() + 100).is_ok());  // from the chunks added ahead: 168 free, a fourth wanted
+  EXPECT_EQ(wait_chunks(a, 4), 4u);
+  EXPECT_EQ(a.stats().chunks_ahead, 3u);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(registered_on.size(), 4u) << "no chunk registered on the allocating thread after the first";
+  }
+  // The budget holds four chunks: a fifth is never added ahead, and an
   // allocation beyond the budget is refused as before.
-  std::vector<PageId> rest(200);
-  ASSERT_TRUE(a.allocate(200, rest.data()).is_ok());
+  std::vector<PageId> rest(424);
+  ASSERT_TRUE(a.allocate(424, rest.data()).is_ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  EXPECT_EQ(a.stats().chunks, 3u);
-  EXPECT_EQ(a.allocate(200, rest.data()).code(), WKV_ERR_BUDGET);
+  EXPECT_EQ(a.stats().chunks, 4u);
+  EXPECT_EQ(a.allocate(1, rest.data()).code(), WKV_ERR_BUDGET);
 }

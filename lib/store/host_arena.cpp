@@ -132,9 +132,13 @@ Status HostArena::add_chunk(std::unique_lock<std::mutex> &held) {
   return Status::ok();
 }
 
+namespace {
+constexpr size_t kAheadChunks = 2;  // chunks' pages kept free ahead of need (Options::ahead)
+}  // namespace
+
 void HostArena::want_ahead(std::unique_lock<std::mutex> &held) {
   (void)held;
-  if (!opts_.ahead || stop_ || adding_ || ahead_wanted_ || free_.size() >= pages_per_chunk_ / 2) return;
+  if (!opts_.ahead || stop_ || adding_ || ahead_wanted_ || free_.size() >= kAheadChunks * pages_per_chunk_) return;
   if (!ahead_.joinable()) {
     try {
       ahead_ = std::thread([this] { ahead_loop(); });
@@ -152,10 +156,13 @@ void HostArena::ahead_loop() {
     cv_.wait(lock, [this] { return stop_ || (ahead_wanted_ && !adding_); });
     if (stop_) return;
     ahead_wanted_ = false;
-    if (free_.size() >= pages_per_chunk_ / 2) continue;  // pages came back meanwhile
-    // A failure (the budget, the OS) is left for the allocation that needs
+    // Until the pages are there (some came back meanwhile, perhaps). A
+    // failure (the budget, the OS) is left for the allocation that needs
     // the pages to report.
-    if (add_chunk(lock).is_ok()) ++chunks_ahead_;
+    while (!stop_ && !adding_ && free_.size() < kAheadChunks * pages_per_chunk_) {
+      if (!add_chunk(lock).is_ok()) break;
+      ++chunks_ahead_;
+    }
   }
 }
 

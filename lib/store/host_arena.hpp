@@ -44,11 +44,14 @@ class HostArena {
     int numa_node = -1;         // -1 = no binding
     RegisterFn on_register;
     UnregisterFn on_unregister;
-    // Keep a chunk ready: once fewer than half a chunk's pages are free
-    // after an allocation, a background thread adds the next chunk (maps,
-    // binds and registers it: pinning 512 MiB takes 100 to 150 ms), so that
-    // a growth on the decoding path does not. The chunk counts against the
-    // budget like any other; when the budget has no room it is not added.
+    // Keep two chunks' pages ready: once fewer are free after an
+    // allocation, a background thread adds chunks (maps, binds and
+    // registers them: pinning 512 MiB takes 100 to 150 ms) until there are,
+    // so that a growth on the decoding path does not wait for one. (Half a
+    // chunk was too little: a growth round of 7 sequences x 4 layers takes
+    // some 112 MiB within a few tokens, and allocations waited 7 to 31 ms
+    // for the next chunk.) Chunks count against the budget like any other;
+    // when the budget has no room one is not added.
     bool ahead = false;
   };
 

@@ -97,47 +97,54 @@ namespace {
 // chunked prefill holds unclustered: 16 segments x KV heads x 2 x row.
 constexpr uint32_t kPromptBatchSegments = 16;
 
-// A host arena chunk is pinned in pieces of 4 MiB, its pages faulted in
-// first. CUDA may serialize calls across threads, so the decoding thread's
-// calls can wait while the arena's thread pins (the issue measured 100 to
-// 150 ms per 512 MiB, so some 15 ms for a 64 MiB chunk in one call). A
-// piece of resident pages holds the driver for far less, and the thread
-// yields between pieces.
+// A host arena chunk is faulted in and pinned in pieces of 4 MiB, each
+// piece's pages faulted in before it is pinned. Both hold locks that other
+// threads' calls wait for: CUDA may serialize calls across threads (the
+// issue measured 100 to 150 ms of pinning per 512 MiB, some 15 ms for a
+// 64 MiB chunk in one call), and faulting pages in holds the process's
+// memory map lock, which every mmap waits for. A piece holds either for far
+// less, and the thread yields between pieces.
 constexpr size_t kPinPiece = size_t{4} << 20;
-
-cudaError_t pin_in_pieces(void *base, size_t bytes) {
-  uint8_t *const p = static_cast<uint8_t *>(base);
-  // Fault the pages in (after the arena's NUMA binding) outside the driver.
-  // A kernel without MADV_POPULATE_WRITE (before Linux 5.14) says EINVAL:
-  // touch each page instead. Any other failure (no memory) is the pinning's
-  // failure, not a fault later.
-#if defined(MADV_POPULATE_WRITE)
-  if (madvise(p, bytes, MADV_POPULATE_WRITE) != 0) {
-    if (errno != EINVAL) return cudaErrorMemoryAllocation;
-    for (size_t off = 0; off < bytes; off += 4096) p[off] = 0;
-  }
-#else
-  for (size_t off = 0; off < bytes; off += 4096) p[off] = 0;
-#endif
-  for (size_t off = 0; off < bytes; off += kPinPiece) {
-    const cudaError_t err =
-        cudaHostRegister(p + off, std::min(kPinPiece, bytes - off), cudaHostRegisterMapped | cudaHostRegisterPortable);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      for (size_t done = 0; done < off; done += kPinPiece)
-        if (cudaHostUnregister(p + done) != cudaSuccess) (void)cudaGetLastError();
-      return err;
-    }
-    std::this_thread::yield();
-  }
-  return cudaSuccess;
-}
 
 // Unpins what pin_in_pieces pinned (a chunk left pageable: nothing).
 void unpin_pieces(void *base, size_t bytes) {
   uint8_t *const p = static_cast<uint8_t *>(base);
   for (size_t off = 0; off < bytes; off += kPinPiece)
     if (cudaHostUnregister(p + off) != cudaSuccess) (void)cudaGetLastError();
+}
+
+cudaError_t pin_in_pieces(void *base, size_t bytes) {
+  uint8_t *const p = static_cast<uint8_t *>(base);
+  for (size_t off = 0; off < bytes; off += kPinPiece) {
+    const size_t n = std::min(kPinPiece, bytes - off);
+    // Fault the piece's pages in (after the arena's NUMA binding) outside
+    // the driver, a piece at a time: faulting holds the process's memory
+    // map lock, and a whole 64 MiB chunk of huge pages (some 15 ms of
+    // zeroing) held it long enough to stall every other thread's mmap
+    // behind it: the decoding thread's allocations waited 12 to 28 ms at
+    // growth rounds. A kernel without MADV_POPULATE_WRITE (before Linux
+    // 5.14) says EINVAL: touch each page instead. Any other failure (no
+    // memory) is the pinning's failure, not a fault later.
+#if defined(MADV_POPULATE_WRITE)
+    if (madvise(p + off, n, MADV_POPULATE_WRITE) != 0) {
+      if (errno != EINVAL) {
+        unpin_pieces(p, off);
+        return cudaErrorMemoryAllocation;
+      }
+      for (size_t b = 0; b < n; b += 4096) p[off + b] = 0;
+    }
+#else
+    for (size_t b = 0; b < n; b += 4096) p[off + b] = 0;
+#endif
+    const cudaError_t err = cudaHostRegister(p + off, n, cudaHostRegisterMapped | cudaHostRegisterPortable);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      unpin_pieces(p, off);
+      return err;
+    }
+    std::this_thread::yield();
+  }
+  return cudaSuccess;
 }
 
 // A kernel wrapper's error as a status: the kernels return the CUDA error,
