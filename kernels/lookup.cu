@@ -833,6 +833,9 @@ __device__ void end_lookup(const DevLookup &out, const LookupEnd &end) {
   __shared__ uint32_t last, tmp[32];
   __syncthreads();  // this CTA's writes are issued
   if (threadIdx.x == 0) {
+    // Device scope suffices: the estimate writes device memory only. (A
+    // write to mapped host memory here would need __threadfence_system in
+    // every CTA, as signal_step_end has.)
     __threadfence();
     last = atomicAdd(end.ctas, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
   }

@@ -18,6 +18,23 @@ struct RunChunk {
 };
 constexpr uint32_t kRunsPerLaunch = 160;
 static_assert(sizeof(RunChunk<kRunsPerLaunch>) + 128 <= 32764, "kernel parameters are limited to 32764 bytes");
+// Without large parameters (a driver older than CUDA 12.1, which minor
+// version compatibility lets a 12.x program run on): 16 runs a launch.
+constexpr uint32_t kRunsPerSmallLaunch = 16;
+static_assert(sizeof(RunChunk<kRunsPerSmallLaunch>) + 128 <= 4000, "kernel parameters are limited to 4 KiB");
+
+// Whether launches may carry more than 4 KiB of parameters (asked once).
+bool large_params_ok() {
+  static const bool ok = [] {
+    int v = 0;
+    if (cudaDriverGetVersion(&v) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return v >= 12010;
+  }();
+  return ok;
+}
 
 struct WordChunk {
   uint64_t addrs[kWordsPerLaunch];
@@ -207,13 +224,15 @@ cudaError_t stage_lookup(DType t, const void *q, int64_t seq_stride, int64_t hea
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_DTYPE(t, T, cudaErrorNotSupported, [&]() -> cudaError_t {
     uint32_t q_rows = n_seqs * n_q_heads;  // the first launch converts the query
+    const uint32_t per_launch = large_params_ok() ? kRunsPerLaunch : kRunsPerSmallLaunch;
     uint32_t done = 0;
     do {
-      const uint32_t m = std::min(n - done, kRunsPerLaunch);
+      const uint32_t m = std::min(n - done, per_launch);
       const DevRun *r = host_runs + done;
       cudaError_t err;
-      if (m <= 16)
-        err = launch_stage<T, 16>(r, m, dst + done, q, seq_stride, head_stride, n_q_heads, d, q_rows, q_dst, s);
+      if (m <= kRunsPerSmallLaunch)
+        err = launch_stage<T, kRunsPerSmallLaunch>(r, m, dst + done, q, seq_stride, head_stride, n_q_heads, d,
+                                                   q_rows, q_dst, s);
       else if (m <= 64)
         err = launch_stage<T, 64>(r, m, dst + done, q, seq_stride, head_stride, n_q_heads, d, q_rows, q_dst, s);
       else

@@ -515,24 +515,27 @@ void BufferManager::quarantine(std::vector<uint32_t> &&units) {
   quarantined_ += n;
 }
 
-void BufferManager::put_free(const uint32_t *units, size_t n) {
+size_t BufferManager::fill_slots(const uint32_t *units, size_t n) {
   // Position p reuses the slot of p - cap: only once its taker has ended.
-  // Frames wait in held_ from the first that has no slot on, so that the
-  // pool hands them out in the order they were freed.
   const uint64_t cap = pool_dev_.cap;
-  size_t i = 0;
-  if (held_.empty()) {
-    const uint64_t room = read_mark_ + cap > produced_ ? read_mark_ + cap - produced_ : 0;
-    const size_t m = static_cast<size_t>(std::min<uint64_t>(n, room));
-    while (i < m) {
-      const uint64_t at = produced_ % cap;
-      const size_t len = static_cast<size_t>(std::min<uint64_t>(m - i, cap - at));
-      std::memcpy(pool_slots_ + at, units + i, len * sizeof(uint32_t));
-      produced_ += len;
-      i += len;
-    }
+  const uint64_t room = read_mark_ + cap > produced_ ? read_mark_ + cap - produced_ : 0;
+  const size_t m = static_cast<size_t>(std::min<uint64_t>(n, room));
+  for (size_t i = 0; i < m;) {
+    const uint64_t at = produced_ % cap;
+    const size_t len = static_cast<size_t>(std::min<uint64_t>(m - i, cap - at));
+    std::memcpy(pool_slots_ + at, units + i, len * sizeof(uint32_t));
+    produced_ += len;
+    i += len;
   }
-  held_.insert(held_.end(), units + i, units + n);
+  return m;
+}
+
+void BufferManager::put_free(const uint32_t *units, size_t n) {
+  // Frames wait in held_ from the first that has no slot on, so that the
+  // pool hands them out in the order they were freed. held_ has room for
+  // every frame (reserved once): no allocation.
+  const size_t placed = held_.empty() ? fill_slots(units, n) : 0;
+  held_.insert(held_.end(), units + placed, units + n);
 }
 
 void BufferManager::publish(bool wait) {
@@ -574,10 +577,10 @@ void BufferManager::advance_pool(uint64_t oldest) {
     read_mark_ = std::max(read_mark_, checkpoints_.front().seen);
     checkpoints_.pop_front();
   }
-  if (held_.empty()) return;
-  std::vector<uint32_t> held;
-  held.swap(held_);
-  put_free(held.data(), held.size());  // as many as have slots; the rest wait again
+  // The held frames that have slots now, from the front (held_ keeps its
+  // reserved capacity).
+  const size_t placed = fill_slots(held_.data(), held_.size());
+  held_.erase(held_.begin(), held_.begin() + static_cast<ptrdiff_t>(placed));
 }
 
 size_t BufferManager::pool_free() const {

@@ -282,6 +282,9 @@ class BufferManager {
   // slots may still be read) for publish(), in at most two copies. Pre:
   // mu_ held.
   void put_free(const uint32_t *units, size_t n);
+  // Writes the first of n frames into the pool's free slots, as many as
+  // have one (at most two copies); returns how many. Pre: mu_ held.
+  size_t fill_slots(const uint32_t *units, size_t n);
   // Publishes the frames written since the last call to the device. The
   // decoding path leaves it to the manager's thread when that is
   // publishing (`wait` false). Pre: mu_ not held.

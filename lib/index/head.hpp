@@ -166,7 +166,7 @@ struct HeadState {
   uint32_t ones = 0;         // clusters of one member
   // Clusters by size: by_size[s] clusters of s members (s <= max_cluster),
   // and what the retrieval zone can hold at the head's clusters now (the
-  // n_ret largest, n_ret as the zone rule gives it: retrieval_bound): so a
+  // n_ret largest, n_ret as the zone rule gives it: count_clusters): so a
   // lookup sizes its execution buffer by real sizes, not n_ret times the
   // largest.
   MetaVector<uint32_t> by_size;
