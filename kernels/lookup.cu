@@ -824,6 +824,22 @@ __device__ void block_reduce_n(float (&x)[GT], float (*tmp)[GT]) {
   __syncthreads();
 }
 
+// offsets[r] = the exclusive prefix of run_tokens, r <= R (offsets[R] the
+// total), by one CTA of kThreads; tmp holds 32 words. Every thread calls it.
+template <uint32_t kThreads>
+__device__ void write_offsets(const uint32_t *run_tokens, uint32_t R, int32_t *offsets, uint32_t *tmp) {
+  uint32_t carry = 0;
+  for (uint32_t base = 0; base < R; base += kThreads) {
+    const uint32_t i = base + threadIdx.x;
+    const uint32_t v = i < R ? run_tokens[i] : 0u;
+    uint32_t total;
+    const uint32_t before = block_excl_scan<kThreads>(v, tmp, &total);
+    if (i < R) offsets[i] = static_cast<int32_t>(carry + before);
+    carry += total;
+  }
+  if (threadIdx.x == 0) offsets[R] = static_cast<int32_t>(carry);
+}
+
 // The lookup's last step, in the last CTA of the estimate to end (so that
 // the lookup takes one launch fewer): the exclusive prefix of run_tokens
 // into offsets, then the step's end (StepMark). run_tokens were written by
@@ -842,18 +858,9 @@ __device__ void end_lookup(const DevLookup &out, const LookupEnd &end) {
   __syncthreads();
   if (!last) return;  // uniform over the CTA
   __threadfence();    // the other CTAs' writes, counted before ours, are visible
-  uint32_t carry = 0;
-  for (uint32_t base = 0; base < end.R; base += kEstThreads) {
-    const uint32_t i = base + threadIdx.x;
-    const uint32_t v = i < end.R ? out.run_tokens[i] : 0u;
-    uint32_t total;
-    const uint32_t before = block_excl_scan<kEstThreads>(v, tmp, &total);
-    if (i < end.R) out.offsets[i] = static_cast<int32_t>(carry + before);
-    carry += total;
-  }
+  write_offsets<kEstThreads>(out.run_tokens, end.R, out.offsets, tmp);
   __syncthreads();
   if (threadIdx.x != 0) return;
-  out.offsets[end.R] = static_cast<int32_t>(carry);
   *end.ctas = 0;  // for the next launch, which stream order puts after this one
   if (end.mark.done == nullptr) return;
   __threadfence_system();
@@ -1084,16 +1091,7 @@ __global__ void __launch_bounds__(kOffsetThreads) offsets_kernel(const uint32_t 
                                                                  uint32_t R, int32_t *offsets, StepMark mark) {
   __shared__ uint32_t tmp[32];
   wait_prior_grid();
-  uint32_t carry = 0;
-  for (uint32_t base = 0; base < R; base += kOffsetThreads) {
-    const uint32_t i = base + threadIdx.x;
-    const uint32_t v = i < R ? run_tokens[i] : 0u;
-    uint32_t total;
-    const uint32_t before = block_excl_scan<kOffsetThreads>(v, tmp, &total);
-    if (i < R) offsets[i] = static_cast<int32_t>(carry + before);
-    carry += total;
-  }
-  if (threadIdx.x == 0) offsets[R] = static_cast<int32_t>(carry);
+  write_offsets<kOffsetThreads>(run_tokens, R, offsets, tmp);
   signal_step_end(mark);
 }
 

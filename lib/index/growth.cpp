@@ -303,7 +303,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       reserve_total(hs.map.unit_begin, C1 + 1);
       reserve_total(hs.map.pages, hs.map.pages.size() + g.add_p);
       reserve_total(hs.segments, hs.segments.size() + count);
-      reserve_sizes(hs, g.size.empty() ? 0 : *std::max_element(g.size.begin(), g.size.end()));
+      reserve_sizes(hs, g.size.data(), g.size.size());
       if (compact && hs.meta.compact_ok) {
         reserve_total(hs.meta.centroid_f16, size_t(C1) * d);
         reserve_total(hs.meta.value_mean_f16, size_t(C1) * d);
@@ -798,7 +798,8 @@ Status end_prompt(const IndexContext &ix, LayerState &L, uint32_t layer, void *s
   return Status::ok();
 }
 
-void reserve_sizes(HeadState &hs, uint32_t largest) {
+void reserve_sizes(HeadState &hs, const uint32_t *sizes, size_t n) {
+  const uint32_t largest = n == 0 ? 0 : *std::max_element(sizes, sizes + n);
   if (largest >= hs.by_size.size()) hs.by_size.reserve(static_cast<size_t>(largest) + 1);
 }
 

@@ -172,13 +172,13 @@ Status centroid16_write(const IndexContext &ix, HeadState &h, size_t c0, const f
 // the replaced region is freed once no step in flight can read it.
 Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream);
 
-// Reserves hs.by_size for clusters of up to `largest` members (throws
-// std::bad_alloc), so that count_clusters allocates nothing.
-void reserve_sizes(HeadState &hs, uint32_t largest);
+// Reserves hs.by_size for n new clusters of the given sizes (throws
+// std::bad_alloc), so that count_clusters allocates nothing for them.
+void reserve_sizes(HeadState &hs, const uint32_t *sizes, size_t n);
 // Counts n new clusters of the given sizes into hs (by_size, max_cluster,
 // ones), then recomputes the retrieval bound (ret_n, ret_tokens,
 // ret_units) for the zone rule of cfg at the head's clusters now. Pre:
-// reserve_sizes for the largest of them.
+// reserve_sizes for them.
 void count_clusters(const Config &cfg, HeadState &hs, const uint32_t *sizes, size_t n);
 
 }  // namespace wkv

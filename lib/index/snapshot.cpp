@@ -296,7 +296,7 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
       }
     }
     try {
-      reserve_sizes(hs, o.size.empty() ? 0 : *std::max_element(o.size.begin(), o.size.end()));
+      reserve_sizes(hs, o.size.data(), o.size.size());
     } catch (const std::bad_alloc &) {
       return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the cluster sizes of a loaded head");
     }
