@@ -235,6 +235,7 @@ struct Row {
   uint64_t records_dropped = 0;  // steps that got no record (the manager's ring full)
   uint64_t pin_fallbacks = 0;    // host arena chunks left pageable (read through HMM, slowly)
   uint64_t growths = 0, growth_waits = 0;  // growths deferred in the timed run, and commits that waited
+  uint64_t graphs = 0;  // decodes of the timed run replayed as their plan's graph (of steps * L)
   double split_us[5] = {0, 0, 0, 0, 0};  // append, lookup, assemble, attend, update
   double device_us[5] = {0, 0, 0, 0, 0};  // the same verbs' device time (events around each)
   double device_mean_us[5] = {0, 0, 0, 0, 0};
@@ -433,6 +434,7 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   row.pin_fallbacks = st1.pin_fallbacks;
   row.growths = st1.growths_deferred - st0.growths_deferred;
   row.growth_waits = st1.growth_waits - st0.growth_waits;
+  row.graphs = st1.decode_graphs - st0.decode_graphs;
   row.gpu_gib = double(free0 - free1) / (1ull << 30);
   row.cold_pages = st1.spill_cold_pages;
   row.spill_bytes = st1.spill_bytes_used;
@@ -595,10 +597,12 @@ int main(int argc, char **argv) {
                 r.miss_mb, r.gpu_gib, r.host_gib, r.err_med, r.err_p90,
                 ratio > 0 ? (std::to_string(ratio).substr(0, 5) + "x").c_str() : "-");
     std::printf("      cache units per layer-step: %.0f missed, %.0f frames given, %.0f admitted, %.0f evicted; "
-                "%llu steps without a record; %llu host chunks not pinned; %llu growths deferred, %llu waited for\n",
+                "%llu steps without a record; %llu host chunks not pinned; %llu growths deferred, %llu waited for; "
+                "%llu decodes replayed as graphs\n",
                 r.miss_per_step, r.given_per_step, r.admit_per_step, r.evict_per_step,
                 static_cast<unsigned long long>(r.records_dropped), static_cast<unsigned long long>(r.pin_fallbacks),
-                static_cast<unsigned long long>(r.growths), static_cast<unsigned long long>(r.growth_waits));
+                static_cast<unsigned long long>(r.growths), static_cast<unsigned long long>(r.growth_waits),
+                static_cast<unsigned long long>(r.graphs));
     std::printf("      host us (medians): wkv_append_batch %.1f, wkv_decode %.1f; split form: append %.1f, lookup %.1f, "
                 "assemble %.1f, attend %.1f, update %.1f\n",
                 r.append_us, r.decode_us, r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3], r.split_us[4]);

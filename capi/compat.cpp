@@ -60,10 +60,16 @@ extern "C" WKV_API void wkv_stats_init_0_6(wkv_stats *stats) {
 }
 __asm__(".symver wkv_stats_init_0_6,wkv_stats_init@WAVEKV_0.6");
 
+// 0.7's ended after growth_waits.
 extern "C" WKV_API void wkv_stats_init_0_7(wkv_stats *stats) {
+  if (stats) write_prefix(stats, wkv_stats{}, offsetof(wkv_stats, decode_graphs));
+}
+__asm__(".symver wkv_stats_init_0_7,wkv_stats_init@WAVEKV_0.7");
+
+extern "C" WKV_API void wkv_stats_init_0_8(wkv_stats *stats) {
   if (stats) write_prefix(stats, wkv_stats{}, sizeof *stats);
 }
-__asm__(".symver wkv_stats_init_0_7,wkv_stats_init@@WAVEKV_0.7");
+__asm__(".symver wkv_stats_init_0_8,wkv_stats_init@@WAVEKV_0.8");
 
 // wkv_seq_info of 0.1 to 0.5 ended after pages.
 extern "C" WKV_API void wkv_seq_info_init_0_1(wkv_seq_info *info) {

@@ -207,7 +207,8 @@ template <typename Fn> int plan_verb(const char *fn, wkv_plan *handle, Fn &&body
 }
 
 int lookup_impl(const char *fn, wkv::Plan &plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t layer,
-                const void *q, int64_t seq_stride, int64_t head_stride, void *stream) {
+                const void *q, int64_t seq_stride, int64_t head_stride, void *stream,
+                const wkv::DecodeOut *decode = nullptr) {
   // The batch never outlives the call (it holds sequences alive).
   struct ClearBatch {
     ~ClearBatch() { t_batch.clear(); }
@@ -220,7 +221,7 @@ int lookup_impl(const char *fn, wkv::Plan &plan, wkv_seq *const *seqs, uint32_t 
   if (int rc = check_strides(fn, "q", n_seqs, cfg.c.n_q_heads, cfg.c.head_dim, element_bytes(e), &seq_stride,
                              &head_stride))
     return rc;
-  wkv::Status s = e.lookup(plan, t_batch.data(), n_seqs, layer, q, seq_stride, head_stride, stream);
+  wkv::Status s = e.lookup(plan, t_batch.data(), n_seqs, layer, q, seq_stride, head_stride, stream, decode);
   if (!s.is_ok()) return fail(s.code(), std::string(fn) + ": " + s.message());
   return WKV_OK;
 }
@@ -657,7 +658,10 @@ int wkv_decode(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t l
       out_seq_stride = a;
       out_head_stride = b;
     }
-    if (int rc = lookup_impl(fn, p, seqs, n_seqs, layer, q, q_seq_stride, q_head_stride, stream)) return rc;
+    const wkv::DecodeOut whole{out, out_seq_stride, out_head_stride};
+    if (int rc = lookup_impl(fn, p, seqs, n_seqs, layer, q, q_seq_stride, q_head_stride, stream, &whole)) return rc;
+    // Decoded at once (a CUDA engine's graph), or looked up only.
+    if (p.stage == wkv::Plan::Stage::kAssembled) return done(wkv::Status::ok());
     wkv::Engine &e = p.engine();
     wkv::Status s = e.assemble(p, stream);
     if (s.is_ok()) s = e.attend(p, out, out_seq_stride, out_head_stride, nullptr, stream);

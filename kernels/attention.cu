@@ -446,11 +446,17 @@ __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const float *__restrict__ part_o, const float *__restrict__ part_lse, uint32_t n_splits,
                    uint32_t G, uint32_t D, uint32_t H, const float *__restrict__ est_out,
                    const float *__restrict__ est_lse, typename DevType<Tag>::type *out, int64_t seq_stride,
-                   int64_t head_stride, float *lse, StepMark mark) {
+                   int64_t head_stride, float *lse, StepMark mark, const StepVars *vars) {
   __shared__ float w_s[kMaxCtas];
   __shared__ float4 red[kCombineLanes][kCombineCols];
   __shared__ float tmp[32];
   wait_prior_grid();
+  if (vars) {  // a decode graph's output, read as the kernel runs
+    out = static_cast<typename DevType<Tag>::type *>(vars->out);
+    seq_stride = vars->out_seq_stride;
+    head_stride = vars->out_head_stride;
+    lse = vars->lse;
+  }
   const uint32_t rh = blockIdx.x, chunk = blockIdx.y, r = rh / G, g = rh % G, sq = r / H, h = r % H;
   const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   constexpr uint32_t nw = kCombineThreads / 32;
@@ -564,7 +570,8 @@ template <typename Tag, uint32_t D, uint32_t HC>
 cudaError_t attend_impl(const int32_t *offsets, const void *xk, const void *xv, const float *q, uint32_t R,
                    uint32_t H, uint32_t G, float scale, uint32_t max_tokens, const float *est_out,
                    const float *est_lse, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
-                   float *scratch, size_t scratch_floats, const StepMark &mark, cudaStream_t s) {
+                   float *scratch, size_t scratch_floats, const StepMark &mark, const StepVars *vars,
+                   cudaStream_t s) {
   auto *kernel = attend_kernel<Tag, D, HC>;
   constexpr size_t smem = attend_smem_bytes<HC, Tag, D>();
   // The shared memory limit, once per device (an attribute of the device's
@@ -600,17 +607,18 @@ cudaError_t attend_impl(const int32_t *offsets, const void *xk, const void *xv, 
   const uint32_t chunks = (D + kCombineCols * 4 - 1) / (kCombineCols * 4);
   return launch_pdl(combine_kernel<Tag>, dim3(R * G, chunks), dim3(kCombineThreads), 0, s, 1,
                     static_cast<const float *>(part_o), static_cast<const float *>(part_lse), n_splits, G, D, H,
-                    est_out, est_lse, static_cast<T *>(out), seq_stride, head_stride, lse, mark);
+                    est_out, est_lse, static_cast<T *>(out), seq_stride, head_stride, lse, mark, vars);
 }
 
 template <typename Tag, uint32_t D>
 cudaError_t attend_dispatch_group(uint32_t G, const int32_t *offsets, const void *xk, const void *xv, const float *q,
                              uint32_t R, uint32_t H, float scale, uint32_t max_tokens, const float *est_out,
                              const float *est_lse, void *out, int64_t seq_stride, int64_t head_stride,
-                             float *lse, float *scratch, size_t scratch_floats, const StepMark &mark, cudaStream_t s) {
+                             float *lse, float *scratch, size_t scratch_floats, const StepMark &mark,
+                             const StepVars *vars, cudaStream_t s) {
 #define WKV_ATTEND_HC(HC)                                                                                   \
   attend_impl<Tag, D, HC>(offsets, xk, xv, q, R, H, G, scale, max_tokens, est_out, est_lse, out, seq_stride, \
-                          head_stride, lse, scratch, scratch_floats, mark, s)
+                          head_stride, lse, scratch, scratch_floats, mark, vars, s)
   if (G <= 1) return WKV_ATTEND_HC(1);
   if (G <= 2) return WKV_ATTEND_HC(2);
   if (G <= 4) return WKV_ATTEND_HC(4);
@@ -628,7 +636,7 @@ cudaError_t attend_ragged(DType t, const int32_t *offsets, const void *xk, const
                      uint32_t R, uint32_t H, uint32_t G, uint32_t d, float scale, uint32_t max_tokens,
                      const float *est_out, const float *est_lse, void *out, int64_t seq_stride,
                      int64_t head_stride, float *lse, float *scratch, size_t scratch_floats, void *stream,
-                     const StepMark &mark) {
+                     const StepMark &mark, const StepVars *vars) {
   if (G == 0 || G > kMaxG)
     return cudaErrorNotSupported;
   if (H == 0 || R % H != 0)
@@ -636,7 +644,7 @@ cudaError_t attend_ragged(DType t, const int32_t *offsets, const void *xk, const
   if ((est_out == nullptr) != (est_lse == nullptr))
     return cudaErrorInvalidValue;
   if (R == 0) return cudaSuccess;
-  if (offsets == nullptr || xk == nullptr || xv == nullptr || q == nullptr || out == nullptr)
+  if (offsets == nullptr || xk == nullptr || xv == nullptr || q == nullptr || (out == nullptr && vars == nullptr))
     return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(xk) % 16 != 0 || reinterpret_cast<uintptr_t>(xv) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(q) % 16 != 0)
@@ -645,7 +653,8 @@ cudaError_t attend_ragged(DType t, const int32_t *offsets, const void *xk, const
   return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> cudaError_t {
     return WKV_DISPATCH_DTYPE(t, Tag, cudaErrorNotSupported, [&]() -> cudaError_t {
       return attend_dispatch_group<Tag, HEAD_DIM>(G, offsets, xk, xv, q, R, H, scale, max_tokens, est_out, est_lse,
-                                                  out, seq_stride, head_stride, lse, scratch, scratch_floats, mark, s);
+                                                  out, seq_stride, head_stride, lse, scratch, scratch_floats, mark,
+                                                  vars, s);
     });
   });
 }

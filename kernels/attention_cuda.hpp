@@ -38,6 +38,8 @@ size_t attend_ragged_scratch_floats(uint32_t R, uint32_t G, uint32_t d, uint32_t
 //                elements in t
 //   lse          optional f32 [n_seqs][H * G], the merged log-sum-exps
 //   scratch      device, at least attend_ragged_scratch_floats(...) floats
+//   vars         where set (a decode graph), out, its strides and lse are
+//                read from this device block when the step runs instead
 //
 // A run with no token and no estimate gives zeros and lse -inf. Requires
 // 1 <= G <= kMaxGroup (32) and d in {64, 80, 96, 128, 256}.
@@ -45,7 +47,7 @@ cudaError_t attend_ragged(DType t, const int32_t *offsets, const void *xk, const
                      uint32_t R, uint32_t H, uint32_t G, uint32_t d, float scale, uint32_t max_tokens,
                      const float *est_out, const float *est_lse, void *out, int64_t seq_stride,
                      int64_t head_stride, float *lse, float *scratch, size_t scratch_floats,
-                     void *stream, const StepMark &mark = StepMark{});
+                     void *stream, const StepMark &mark = StepMark{}, const StepVars *vars = nullptr);
 
 // Folds the estimate into an attention output the caller computed itself
 // (the wkv merge verb), in place, as merge_partials does:

@@ -59,6 +59,11 @@ __device__ __forceinline__ void wait_prior_grid() {
 #endif
 }
 
+// The epoch a StepMark reports: its own, or the step's (StepVars).
+__device__ __forceinline__ unsigned long long mark_epoch(const StepMark &m) {
+  return m.epoch_at ? *reinterpret_cast<const volatile unsigned long long *>(m.epoch_at) : m.epoch;
+}
+
 // Reports the end of a step (StepMark, kernels/device_layout.hpp). Every
 // thread of every CTA calls it as its kernel's last statement: each CTA
 // fences its writes (mapped host memory included) and counts itself; the
@@ -75,7 +80,7 @@ __device__ __forceinline__ void signal_step_end(const StepMark &m) {
     *m.ctas = 0;  // for the next launch, which stream order puts after this one
     __threadfence_system();
   }
-  *reinterpret_cast<volatile unsigned long long *>(m.done) = m.epoch;
+  *reinterpret_cast<volatile unsigned long long *>(m.done) = mark_epoch(m);
 }
 
 // Launches kernel on s with programmatic dependent launch, as clusters of

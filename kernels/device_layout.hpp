@@ -140,6 +140,27 @@ struct StepMark {
   unsigned long long *done = nullptr;
   unsigned long long epoch = 0;
   unsigned int *ctas = nullptr;
+  // Where set, the epoch is read from this device word when the step ends
+  // instead of `epoch` (a decode graph's kernels: StepVars).
+  const unsigned long long *epoch_at = nullptr;
+};
+
+// What changes from one decoding step to the next while its kernels do not:
+// the per-step values of a decode graph (lib/backend/cuda/decode_graph.*),
+// written to device memory by the step's staging launch (stage_lookup),
+// which every later kernel of the step follows in stream order. A graph's
+// kernels take this block's address instead of the values.
+struct StepVars {
+  unsigned long long epoch = 0;  // the step's: reported by its last kernel (StepMark::epoch_at)
+  // The gather's access record (GatherArgs), null where the step has none.
+  AdmitEntry *admits = nullptr;
+  uint32_t *hits = nullptr;
+  uint32_t *record_counts = nullptr;
+  uint32_t admit_cap = 0, hit_cap = 0;
+  // The attention's output (attend_ragged's out, strides and lse).
+  void *out = nullptr;
+  int64_t out_seq_stride = 0, out_head_stride = 0;
+  float *lse = nullptr;
 };
 
 // The output of lookup for all runs (device):

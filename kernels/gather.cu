@@ -107,7 +107,13 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
   const uint32_t n_ret = run.n_ret, ret_off = run.ret_off;
   const uint32_t rbase = base + sink + tail;
   uint32_t hits = 0, misses = 0;
-  const bool admitting = a.pool.cap != 0 && a.admits != nullptr;
+  // The step's access record: the launch's, or its graph's (StepVars).
+  AdmitEntry *const admits = a.vars ? a.vars->admits : a.admits;
+  uint32_t *const hit_log = a.vars ? a.vars->hits : a.hits;
+  uint32_t *const record_counts = a.vars ? a.vars->record_counts : a.record_counts;
+  const uint32_t admit_cap = a.vars ? a.vars->admit_cap : a.admit_cap;
+  const uint32_t hit_cap = a.vars ? a.vars->hit_cap : a.hit_cap;
+  const bool admitting = a.pool.cap != 0 && admits != nullptr;
   for (uint32_t i = blockIdx.y * kWarps + warp; i < n_ret; i += gridDim.y * kWarps) {
     const uint32_t id = a.lookup.ret_ids[ret_off + i];
     if (id & kColdCluster) continue;  // a page out: estimated, no member gathered
@@ -150,13 +156,13 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
           if (lane == 0) {
             // Every miss of a mapped unit is counted (the record's demand),
             // whether or not a frame is left for it.
-            if (!hit && entry && a.record_counts) {
+            if (!hit && entry && record_counts) {
               g = atomicAdd(&a.work[0], 1u);
-              if (admitting && g < a.admit_cap) af = take_frame(a.pool);
+              if (admitting && g < admit_cap) af = take_frame(a.pool);
             }
-            if (hit && a.hits) {
+            if (hit && hit_log) {
               const uint32_t h = atomicAdd(&a.work[1], 1u);
-              if (h < a.hit_cap) a.hits[h] = f;
+              if (h < hit_cap) hit_log[h] = f;
             }
           }
           g = __shfl_sync(0xffffffffu, g, 0);
@@ -185,10 +191,10 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
         __syncwarp();
         if (lane == 0) {
           const uint32_t old = atomicCAS(entry, kNone, af);
-          a.admits[g] = AdmitEntry{old == kNone ? reinterpret_cast<uint64_t>(entry) : 0ull, af, r};
+          admits[g] = AdmitEntry{old == kNone ? reinterpret_cast<uint64_t>(entry) : 0ull, af, r};
         }
-      } else if (lane == 0 && admitting && g < a.admit_cap) {
-        a.admits[g] = AdmitEntry{0ull, kNone, r};  // the pool was empty
+      } else if (lane == 0 && admitting && g < admit_cap) {
+        admits[g] = AdmitEntry{0ull, kNone, r};  // the pool was empty
       }
     }
   }
@@ -211,15 +217,15 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
   __threadfence_system();
   if (atomicAdd(&a.work[2], 1u) != gridDim.x * gridDim.y - 1) return;
   const uint32_t taken = atomicAdd(&a.work[0], 0u), logged = atomicAdd(&a.work[1], 0u);
-  if (a.record_counts) {
-    a.record_counts[0] = admitting ? min(taken, a.admit_cap) : 0u;
-    a.record_counts[1] = min(logged, a.hit_cap);
-    a.record_counts[2] = taken;
+  if (record_counts) {
+    record_counts[0] = admitting ? min(taken, admit_cap) : 0u;
+    record_counts[1] = min(logged, hit_cap);
+    record_counts[2] = taken;
   }
   if (a.pool.seen) *reinterpret_cast<volatile unsigned long long *>(a.pool.seen) = atomicAdd(a.pool.taken, 0ull);
   a.work[0] = a.work[1] = a.work[2] = 0;  // for the next launch (stream order)
   __threadfence_system();
-  if (a.mark.done) *reinterpret_cast<volatile unsigned long long *>(a.mark.done) = a.mark.epoch;
+  if (a.mark.done) *reinterpret_cast<volatile unsigned long long *>(a.mark.done) = mark_epoch(a.mark);
 }
 
 }  // namespace
@@ -234,7 +240,7 @@ cudaError_t gather_cuda(const GatherArgs &a, cudaStream_t stream) {
   if (a.row_bytes == 0 || a.row_bytes % 16 != 0 || a.page_tokens == 0) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a.xk) % 16 != 0 || reinterpret_cast<uintptr_t>(a.xv) % 16 != 0)
     return cudaErrorInvalidValue;
-  if ((a.admits || a.hits || a.mark.done) && !a.work) return cudaErrorInvalidValue;
+  if ((a.admits || a.hits || a.mark.done || a.vars) && !a.work) return cudaErrorInvalidValue;
   if (a.pool.cap && (!a.pool.slots || !a.pool.avail || !a.pool.taken || !a.cache)) return cudaErrorInvalidValue;
   if (a.record_counts && !a.work) return cudaErrorInvalidValue;
   if (a.frames > 0 && (!a.cache || a.frame_bytes < size_t(2) * a.page_tokens * a.row_bytes ||

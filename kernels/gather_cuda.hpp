@@ -75,6 +75,10 @@ struct GatherArgs {
   // stats[2] += the tokens gathered (offsets[n_runs]). May be null.
   unsigned long long *stats = nullptr;
   StepMark mark{};  // mark.ctas is unused: work[2] counts the CTAs
+  // Where set (a decode graph), admit_cap, admits, hits, hit_cap and
+  // record_counts are read from this device block when the kernel runs,
+  // in place of the fields above.
+  const StepVars *vars = nullptr;
 };
 
 // Enqueues the gather on `stream` (no host wait). Every row pointer (sink,

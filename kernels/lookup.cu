@@ -864,7 +864,7 @@ __device__ void end_lookup(const DevLookup &out, const LookupEnd &end) {
   *end.ctas = 0;  // for the next launch, which stream order puts after this one
   if (end.mark.done == nullptr) return;
   __threadfence_system();
-  *reinterpret_cast<volatile unsigned long long *>(end.mark.done) = end.mark.epoch;
+  *reinterpret_cast<volatile unsigned long long *>(end.mark.done) = mark_epoch(end.mark);
 }
 
 // CTA (hb, split) estimates heads g0 .. g0 + GT - 1 of run r (hb = r * G /

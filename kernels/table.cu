@@ -17,11 +17,12 @@ struct RunChunk {
   uint32_t n;
 };
 constexpr uint32_t kRunsPerLaunch = 160;
-static_assert(sizeof(RunChunk<kRunsPerLaunch>) + 128 <= 32764, "kernel parameters are limited to 32764 bytes");
+// The other parameters of stage_lookup_kernel take under 256 bytes.
+static_assert(sizeof(RunChunk<kRunsPerLaunch>) + 256 <= 32764, "kernel parameters are limited to 32764 bytes");
 // Without large parameters (a driver older than CUDA 12.1, which minor
 // version compatibility lets a 12.x program run on): 16 runs a launch.
 constexpr uint32_t kRunsPerSmallLaunch = 16;
-static_assert(sizeof(RunChunk<kRunsPerSmallLaunch>) + 128 <= 4000, "kernel parameters are limited to 4 KiB");
+static_assert(sizeof(RunChunk<kRunsPerSmallLaunch>) + 256 <= 4000, "kernel parameters are limited to 4 KiB");
 
 // Whether launches may carry more than 4 KiB of parameters (asked once).
 bool large_params_ok() {
@@ -118,12 +119,15 @@ __global__ void mark_kernel(unsigned long long *done, unsigned long long epoch) 
 }
 
 // A lookup's staging in one launch: every CTA copies its share of the run
-// table (8-byte words: DevRun is 8-byte aligned) to dst, and CTA b < q_rows
-// converts query row b (sequence b / nq, head b % nq) to f32 at q_dst.
+// table (8-byte words: DevRun is 8-byte aligned) to dst, CTA b < q_rows
+// converts query row b (sequence b / nq, head b % nq) to f32 at q_dst, and
+// where vars_dst is set, CTA 0 stores the step's variables there.
 template <typename T, uint32_t N>
 __global__ void stage_lookup_kernel(const __grid_constant__ RunChunk<N> chunk, DevRun *dst,
                                     const typename DevType<T>::type *q, int64_t seq_stride, int64_t head_stride,
-                                    uint32_t nq, uint32_t d, uint32_t q_rows, float *q_dst) {
+                                    uint32_t nq, uint32_t d, uint32_t q_rows, float *q_dst,
+                                    const __grid_constant__ StepVars vars, StepVars *vars_dst) {
+  if (vars_dst && blockIdx.x == 0 && threadIdx.x == 0) *vars_dst = vars;
   const uint64_t *src = reinterpret_cast<const uint64_t *>(chunk.runs);
   uint64_t *out = reinterpret_cast<uint64_t *>(dst);
   const uint32_t words = chunk.n * static_cast<uint32_t>(sizeof(DevRun) / 8);
@@ -202,7 +206,7 @@ namespace {
 template <typename T, uint32_t N>
 cudaError_t launch_stage(const DevRun *runs, uint32_t n, DevRun *dst, const void *q, int64_t seq_stride,
                          int64_t head_stride, uint32_t nq, uint32_t d, uint32_t q_rows, float *q_dst,
-                         cudaStream_t s) {
+                         const StepVars &vars, StepVars *vars_dst, cudaStream_t s) {
   RunChunk<N> c;
   c.n = n;
   for (uint32_t i = 0; i < n; ++i) c.runs[i] = runs[i];
@@ -210,7 +214,8 @@ cudaError_t launch_stage(const DevRun *runs, uint32_t n, DevRun *dst, const void
   const uint32_t word_ctas = (n * static_cast<uint32_t>(sizeof(DevRun) / 8) + threads - 1) / threads;
   const uint32_t ctas = std::max<uint32_t>({q_rows, word_ctas, 1u});
   stage_lookup_kernel<T, N><<<ctas, threads, 0, s>>>(c, dst, static_cast<const typename DevType<T>::type *>(q),
-                                                     seq_stride, head_stride, nq, d, q_rows, q_dst);
+                                                     seq_stride, head_stride, nq, d, q_rows, q_dst, vars,
+                                                     vars_dst);
   WKV_CUDA_CHECK_LAUNCH("stage_lookup");
   return cudaSuccess;
 }
@@ -218,8 +223,11 @@ cudaError_t launch_stage(const DevRun *runs, uint32_t n, DevRun *dst, const void
 
 cudaError_t stage_lookup(DType t, const void *q, int64_t seq_stride, int64_t head_stride, uint32_t n_seqs,
                          uint32_t n_q_heads, uint32_t d, float *q_dst, const DevRun *host_runs, uint32_t n,
-                         DevRun *dst, void *stream) {
+                         DevRun *dst, void *stream, const StepVars *vars, StepVars *vars_dst) {
   if ((n > 0 && (!host_runs || !dst)) || (n_seqs > 0 && (!q || !q_dst))) return cudaErrorInvalidValue;
+  if ((vars == nullptr) != (vars_dst == nullptr)) return cudaErrorInvalidValue;
+  const StepVars none{};
+  const StepVars &v = vars ? *vars : none;
   if (static_cast<uint64_t>(n_seqs) * n_q_heads > INT32_MAX) return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_DTYPE(t, T, cudaErrorNotSupported, [&]() -> cudaError_t {
@@ -232,15 +240,17 @@ cudaError_t stage_lookup(DType t, const void *q, int64_t seq_stride, int64_t hea
       cudaError_t err;
       if (m <= kRunsPerSmallLaunch)
         err = launch_stage<T, kRunsPerSmallLaunch>(r, m, dst + done, q, seq_stride, head_stride, n_q_heads, d,
-                                                   q_rows, q_dst, s);
+                                                   q_rows, q_dst, v, vars_dst, s);
       else if (m <= 64)
-        err = launch_stage<T, 64>(r, m, dst + done, q, seq_stride, head_stride, n_q_heads, d, q_rows, q_dst, s);
+        err = launch_stage<T, 64>(r, m, dst + done, q, seq_stride, head_stride, n_q_heads, d, q_rows, q_dst, v,
+                                  vars_dst, s);
       else
         err = launch_stage<T, kRunsPerLaunch>(r, m, dst + done, q, seq_stride, head_stride, n_q_heads, d, q_rows,
-                                              q_dst, s);
+                                              q_dst, v, vars_dst, s);
       if (err != cudaSuccess) return err;
       done += m;
       q_rows = 0;
+      vars_dst = nullptr;  // stored by the first launch
     } while (done < n);
     return cudaSuccess;
   });

@@ -17,10 +17,11 @@ namespace wkv::kernels {
 // of storage type t (strides in elements) converted to q_dst, f32
 // [n_seqs][n_q_heads][d] contiguous, and n DevRun structs copied from host
 // memory into dst (device), passed by value (host_runs may be reused at
-// once).
+// once). Where vars is set, *vars is stored at vars_dst (device) too: the
+// step's variables, which a decode graph's kernels read (StepVars).
 cudaError_t stage_lookup(DType t, const void *q, int64_t seq_stride, int64_t head_stride, uint32_t n_seqs,
                          uint32_t n_q_heads, uint32_t d, float *q_dst, const DevRun *host_runs, uint32_t n,
-                         DevRun *dst, void *stream);
+                         DevRun *dst, void *stream, const StepVars *vars = nullptr, StepVars *vars_dst = nullptr);
 
 // Writes `epoch` to *done once the work enqueued on `stream` before it has
 // ended (StepMark without a kernel of its own to carry it).

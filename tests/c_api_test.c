@@ -58,6 +58,14 @@ extern "C"
 #endif
 void wkv_stats_init_v0_6(wkv_stats *stats);
 
+/* ... and of a program built against 0.7 (its struct ended after
+ * growth_waits). */
+__asm__(".symver wkv_stats_init_v0_7,wkv_stats_init@WAVEKV_0.7");
+#ifdef __cplusplus
+extern "C"
+#endif
+void wkv_stats_init_v0_7(wkv_stats *stats);
+
 /* ... and wkv_seq_info_init of a program built against 0.1 to 0.5 (its
  * struct ended after pages). */
 __asm__(".symver wkv_seq_info_init_v0_1,wkv_seq_info_init@WAVEKV_0.1");
@@ -1371,6 +1379,7 @@ static void test_stats(void) {
         "stats JSON has cache_frames_given and cache_records_dropped, 0 on a CPU engine");
   CHECK(strstr(js, "\"growths_deferred\":") != NULL && strstr(js, "\"growth_waits\":0") != NULL,
         "stats JSON has growths_deferred and growth_waits (0 on a CPU engine)");
+  CHECK(strstr(js, "\"decode_graphs\":0") != NULL, "stats JSON has decode_graphs, 0 on a CPU engine");
   wkv_free(js);
   EXPECT_ERR(wkv_engine_stats_json(NULL, &js), WKV_ERR_INVALID_HANDLE);
   EXPECT_ERR(wkv_engine_stats_json(g_e, NULL), WKV_ERR_INVALID_ARGUMENT);
@@ -1523,6 +1532,7 @@ static void test_old_stats(void) {
   check_old_stats(wkv_stats_init_v0_3, offsetof(wkv_stats, spill_cold_pages), "0.3");
   check_old_stats(wkv_stats_init_v0_4, offsetof(wkv_stats, cache_frames_given), "0.4");
   check_old_stats(wkv_stats_init_v0_6, offsetof(wkv_stats, growths_deferred), "0.6");
+  check_old_stats(wkv_stats_init_v0_7, offsetof(wkv_stats, decode_graphs), "0.7");
 }
 
 /* A program built against wavekv 0.1 to 0.5 knows a shorter wkv_seq_info

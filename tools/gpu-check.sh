@@ -88,7 +88,7 @@ if want sanitize && command -v compute-sanitizer >/dev/null; then
   # memory) and check the statuses themselves.
   for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
     for name in ${SANITIZER_TESTS:-$(cd tests && ls gpu_*.cpp | sed 's/\.cpp$//')}; do
-      timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --report-api-errors no \
+      WKV_TEST_UNDER_SANITIZER=1 timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --report-api-errors no \
         --error-exitcode 9 "build-gpu/bin/$name" --gtest_brief=1 ${SANITIZER_ARGS:-} > "$LOG/$tool-$name.log" 2>&1
       rc=$?
       [ $rc = 0 ] || san_fail=1

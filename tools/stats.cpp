@@ -58,6 +58,7 @@ std::string stats_table(const wkv_stats &s) {
   t.row({"k-means time", fixed(s.kmeans_ns * 1e-9, 3) + " s"});
   t.row({"growths deferred / waited for",
          std::to_string(s.growths_deferred) + " / " + std::to_string(s.growth_waits)});
+  t.row({"decode graphs", std::to_string(s.decode_graphs)});
   return t.str();
 }
 

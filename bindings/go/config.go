@@ -227,6 +227,8 @@ type Stats struct {
 	// Index growth off the decoding path.
 	GrowthsDeferred uint64 // generated segments' growths begun and left to commit at their point
 	GrowthWaits     uint64 // commits of such growths that waited for their clustering
+	// Decode graphs (CUDA engines; 0 on the CPU).
+	DecodeGraphs uint64 // decoding steps run as a replay of their plan's CUDA graph
 }
 
 func statsFromC(s *C.wkv_stats) Stats {
@@ -275,6 +277,8 @@ func statsFromC(s *C.wkv_stats) Stats {
 
 		GrowthsDeferred: uint64(s.growths_deferred),
 		GrowthWaits:     uint64(s.growth_waits),
+
+		DecodeGraphs: uint64(s.decode_graphs),
 	}
 }
 

@@ -21,10 +21,11 @@
  *   older header keeps working: when a struct grows, its *_init function
  *   keeps the old size under the old symbol version (wkv_config grew in 0.2
  *   and 0.3: wkv_config_init@WAVEKV_0.1 writes 0.1's struct; wkv_stats grew
- *   in 0.3, 0.4, 0.6 and 0.7: wkv_stats_init@WAVEKV_0.1 writes 0.2's,
+ *   in 0.3, 0.4, 0.6, 0.7 and 0.8: wkv_stats_init@WAVEKV_0.1 writes 0.2's,
  *   wkv_stats_init@WAVEKV_0.3 writes 0.3's, wkv_stats_init@WAVEKV_0.4
- *   writes 0.5's and wkv_stats_init@WAVEKV_0.6 writes 0.6's; wkv_seq_info
- *   grew in 0.6: wkv_seq_info_init@WAVEKV_0.1 writes 0.5's).
+ *   writes 0.5's, wkv_stats_init@WAVEKV_0.6 writes 0.6's and
+ *   wkv_stats_init@WAVEKV_0.7 writes 0.7's; wkv_seq_info grew in 0.6:
+ *   wkv_seq_info_init@WAVEKV_0.1 writes 0.5's).
  * - Tensors are raw pointers in the engine's storage dtype (wkv_config.dtype),
  *   with explicit strides counted in elements, not bytes. On a CUDA engine
  *   they are device pointers and streams are cudaStream_t passed as void*
@@ -90,7 +91,7 @@ extern "C" {
 /* Versions ---------------------------------------------------------------- */
 
 #define WKV_VERSION_MAJOR 0
-#define WKV_VERSION_MINOR 7
+#define WKV_VERSION_MINOR 8
 #define WKV_VERSION_PATCH 0
 /* The version as one number: major * 10000 + minor * 100 + patch. */
 #define WKV_VERSION_NUMBER \
@@ -404,6 +405,10 @@ typedef struct wkv_stats {
                                   done at their commit point: the append
                                   waited for it (on a GPU, a host wait for the
                                   device), since open */
+  /* 0.8: decode graphs (CUDA engines; 0 on the CPU). */
+  uint64_t decode_graphs;      /* decoding steps (wkv_decode of one batch and
+                                  layer) run as a replay of their plan's CUDA
+                                  graph of the step's kernels, since open */
 } wkv_stats;
 
 /* Bits of wkv_stats.spill_io. */
@@ -793,7 +798,17 @@ WKV_API int wkv_update(wkv_plan *plan, void *stream);
 
 /*
  * Decode: lookup, assemble, attend and update in one call. Arguments as in
- * wkv_lookup and wkv_attend.
+ * wkv_lookup and wkv_attend. On a CUDA engine (without cold pages) the step
+ * is two host calls: a staging launch, which writes what changes between
+ * steps (run table, epoch, access record, out and its strides) to the plan's
+ * device memory, and a replay of the plan's CUDA graph of the step's other
+ * kernels. The graph is made the second time in a row the batch's shape
+ * comes (its sequences' count and the bounds of their indexes, rounded up)
+ * and made again when the shape or a buffer of the plan changes, so a plan
+ * whose batch changes at every step launches its kernels one by one.
+ * Results are the same either way; wkv_stats.decode_graphs counts the
+ * replays, and WKV_DECODE_GRAPHS=0 in the environment (read when the engine
+ * opens) turns graphs off.
  */
 WKV_API int wkv_decode(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
                        uint32_t layer, const void *q, int64_t q_seq_stride,

@@ -25,6 +25,7 @@
 namespace wkv {
 
 class Plan;
+struct DecodeOut;
 
 // A k-means batch begun and not yet ended (the backend's own type).
 class ClusterBatch {
@@ -267,6 +268,16 @@ class Backend {
                        int64_t lse_seq_stride) = 0;
   // Frees a plan's backend buffers once its steps have ended.
   virtual void release_plan(Plan &plan) { (void)plan; }
+  // A whole decoding step (lookup, assemble, attend) at once, where the
+  // backend has a faster way than the verbs one by one (decodes() true;
+  // CUDA: the step's kernels replayed as a graph). Called in place of
+  // lookup, with the plan's runs sized.
+  virtual bool decodes() const { return false; }
+  virtual Status decode(Plan &plan, const DecodeOut &out) {
+    (void)plan;
+    (void)out;
+    return WKV_ERROR(WKV_ERR_INTERNAL, "the backend has no whole-step decode");
+  }
 };
 
 }  // namespace wkv

@@ -22,6 +22,7 @@ struct EngineCounters {
   std::atomic<uint64_t> kmeans_ns{0};
   std::atomic<uint64_t> growths_deferred{0};  // generated segments' growths committed at a later append
   std::atomic<uint64_t> growth_waits{0};      // of them: commits that waited for their k-means
+  std::atomic<uint64_t> decode_graphs{0};     // decoding steps run as a replay of their plan's CUDA graph
   std::atomic<uint64_t> pin_fallbacks{0};  // host chunks left pageable: pinning failed
   // The spill tier under live sequences (lib/engine/cold.hpp).
   std::atomic<uint64_t> cold_pages{0};          // pages of live sequences on disk

@@ -180,6 +180,7 @@ void Engine::fill_stats(wkv_stats *out) {
   out->cache_records_dropped = b.dropped_records;
   out->growths_deferred = counters_.growths_deferred.load();
   out->growth_waits = counters_.growth_waits.load();
+  out->decode_graphs = counters_.decode_graphs.load();
   out->pin_fallbacks = counters_.pin_fallbacks.load();
   backend_->fill_stats(out);
 }
@@ -258,6 +259,7 @@ std::string Engine::stats_json() {
       {"cache_records_dropped", s.cache_records_dropped},
       {"growths_deferred", s.growths_deferred},
       {"growth_waits", s.growth_waits},
+      {"decode_graphs", s.decode_graphs},
   };
   const auto now = std::chrono::system_clock::now().time_since_epoch();
   nlohmann::ordered_json j = {
@@ -571,7 +573,8 @@ Status Engine::end_prompt(Sequence &seq, uint32_t layer, void *stream) {
 }
 
 Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_t n, uint32_t layer,
-                      const void *q, int64_t seq_stride, int64_t head_stride, void *stream) {
+                      const void *q, int64_t seq_stride, int64_t head_stride, void *stream,
+                      const DecodeOut *decode) {
   const wkv_config &c = cfg_.c;
   const uint32_t H = c.n_kv_heads, G = cfg_.group();
   plan.stage = Plan::Stage::kEmpty;
@@ -581,6 +584,10 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
   //    no prompt.
   WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_lookup"));
   WKV_RETURN_IF_ERROR(backend_->check_pointer(q, "q", dtype_bytes(cfg_.dtype())));
+  // The whole step at once: not with cold pages (their lookups install and
+  // ask for pages around the kernels).
+  const bool whole = decode && n > 0 && !cold_ && backend_->decodes();
+  if (whole) WKV_RETURN_IF_ERROR(backend_->check_pointer(decode->out, "out", dtype_bytes(cfg_.dtype())));
   for (uint32_t i = 0; i < n; ++i) {
     if (seqs[i]->layer(layer).tokens == 0)
       return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "sequence %u has no tokens at layer %u", i, layer);
@@ -625,6 +632,12 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
     plan.seqs.clear();
     plan.n_seqs = 0;
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory sizing the plan");
+  }
+  if (whole) {
+    WKV_RETURN_IF_ERROR(backend_->decode(plan, *decode));
+    plan.stage = Plan::Stage::kAssembled;
+    counters_.lookups.fetch_add(n);
+    return Status::ok();
   }
   // 4. Score, select, estimate; with cold pages, what came back from the
   //    spill file is installed first, and what the step wanted is asked

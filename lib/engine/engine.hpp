@@ -105,9 +105,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   Status end_prompt(Sequence &seq, uint32_t layer, void *stream);
 
   // The decoding verbs, in the order of a step. Any failure leaves the plan
-  // holding no step.
+  // holding no step. A lookup given `decode` (wkv_decode) may run the whole
+  // step where the backend can (Backend::decodes): the plan is then
+  // assembled, its output written; else it is looked up, as without.
   Status lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_t n, uint32_t layer,
-                const void *q, int64_t seq_stride, int64_t head_stride, void *stream);
+                const void *q, int64_t seq_stride, int64_t head_stride, void *stream,
+                const DecodeOut *decode = nullptr);
   Status assemble(Plan &plan, void *stream);
   Status attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
                 void *stream);

@@ -44,6 +44,25 @@ struct PlanDevice {
   uint32_t max_run_tokens = 0;      // bound on any run's tokens
   uint32_t total_ret = 0;
   uint32_t want_units = 0;          // bound on the units the step retrieves
+  // A whole step at once (Backend::decode): the step's variables
+  // (kernels::StepVars), and the step's kernels as a CUDA graph
+  // (cudaGraphExec_t) for the shape and buffers in graph_key; seen_key is
+  // the last decode's, so that a graph is made only for a shape seen twice.
+  Region vars;
+  // The bounds a graph's kernels take (grids, splits, the scores' place):
+  // raised past what a step needs, never lowered, so that a graph serves
+  // while the index grows and its tails fill and empty.
+  uint32_t bound_clusters = 0, bound_ret = 0, bound_run = 0;
+  size_t bound_logits = 0;
+  void *graph = nullptr;
+  std::vector<uint64_t> graph_key, seen_key;
+  bool graph_refused = false;  // making one failed: the plan launches its kernels one by one
+};
+
+// wkv_decode's output, for a backend that runs a whole step at once.
+struct DecodeOut {
+  void *out = nullptr;
+  int64_t seq_stride = 0, head_stride = 0;
 };
 
 class Plan {

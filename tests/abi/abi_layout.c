@@ -91,6 +91,7 @@ int main(void) {
   FIELD(wkv_stats, cache_records_dropped);
   FIELD(wkv_stats, growths_deferred);
   FIELD(wkv_stats, growth_waits);
+  FIELD(wkv_stats, decode_graphs);
 
   STRUCT(wkv_seq_info);
   FIELD(wkv_seq_info, size);

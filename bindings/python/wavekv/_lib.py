@@ -22,10 +22,10 @@ __all__ = ["lib", "library_path", "check", "WkvConfig", "WkvStats", "WkvSeqInfo"
 # The library major version this binding speaks (WKV_VERSION_MAJOR).
 ABI_MAJOR = 0
 # The minor version of the header the declarations below mirror (wkv_stats
-# as of 0.7, wkv_seq_info as of 0.6; wkv_append_batch: 0.5). An older
+# as of 0.8, wkv_seq_info as of 0.6; wkv_append_batch: 0.5). An older
 # library from 0.5 on has every function and leaves the fields it lacks 0
 # (its wkv_stats_init and wkv_seq_info_init set its own sizes).
-ABI_MINOR = 7
+ABI_MINOR = 8
 WKV_SAVE_NO_FSYNC = 1
 
 c_void_p = ctypes.c_void_p
@@ -120,6 +120,7 @@ class WkvStats(ctypes.Structure):
         ("cache_records_dropped", c_uint64),
         ("growths_deferred", c_uint64),
         ("growth_waits", c_uint64),
+        ("decode_graphs", c_uint64),
     ]
 
 

@@ -238,6 +238,7 @@ class Stats:
     cache_records_dropped: int  # steps with no access record (ring full): nothing admitted (CUDA)
     growths_deferred: int       # generated segments' growths begun and left to commit at their point
     growth_waits: int           # commits of such growths that waited for their clustering
+    decode_graphs: int          # decoding steps run as a replay of their plan's CUDA graph (CUDA)
 
 
 @dataclass(frozen=True)

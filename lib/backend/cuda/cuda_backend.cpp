@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -172,6 +173,30 @@ Status kernel_status(cudaError_t err, const char *call) {
     if (wkv_k_err_ != cudaSuccess) return kernel_status(wkv_k_err_, #call); \
   } while (0)
 
+// A bound that a decode graph's kernels take (grids, splits, scratch):
+// `have` while it covers n, else n and an eighth more, rounded up to an
+// eighth of its power of two (at least 64). Bounds only rise, so that a
+// graph serves while the sizes it bounds move below it.
+uint64_t decode_bound(uint64_t have, uint64_t n) {
+  if (n <= have) return have;
+  n += n / 8;
+  if (n <= 64) return 64;
+  uint64_t p = 1;
+  while (p <= n / 2) p *= 2;  // the largest power of two <= n
+  const uint64_t step = p / 8;
+  return (n + step - 1) / step * step;
+}
+uint32_t decode_bound32(uint32_t have, uint64_t n) {
+  return static_cast<uint32_t>(std::min<uint64_t>(decode_bound(have, n), UINT32_MAX));
+}
+
+// What sizing a plan's lookup found (CudaBackend::size_plan).
+struct PlanSizes {
+  uint32_t R = 0, max_clusters = 0;
+  float *scores = nullptr;  // the selection's scratch, after the logits
+  size_t retrieved = 0, estimated = 0;
+};
+
 // The plan's kernel counters (PlanDevice::counters): the gather's three, and
 // the finished CTAs of attend's, merge's and the lookup's last kernels.
 constexpr uint32_t kGatherWork = 0, kAttendCtas = 3, kMergeCtas = 4, kLookupCtas = 5, kCounterWords = 8;
@@ -251,6 +276,8 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   void xbuf(const Plan &plan, wkv_xbuf_view *view) override;
   void fill_stats(wkv_stats *out) override;
   Status lookup(Plan &plan) override;
+  bool decodes() const override { return graphs_; }
+  Status decode(Plan &plan, const DecodeOut &out) override;
   Status assemble(Plan &plan) override;
   Status attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse) override;
   Status merge(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
@@ -261,6 +288,14 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // Grows one of a plan's buffers (contents not kept); the old one goes
   // once the plan's steps in flight have ended.
   Status plan_region(Region *r, size_t bytes, cudaStream_t s);
+  // A lookup's host part: the run table (PlanDevice::host_runs), its bounds
+  // and the plan's buffers; `graph`: laid out for a decode graph.
+  Status size_plan(Plan &plan, cudaStream_t s, bool graph, PlanSizes *z);
+  // The kernels of a decode after its staging, on s (captured or not).
+  struct DecodeBody;
+  cudaError_t launch_decode(const DecodeBody &b, cudaStream_t s);
+  // Captures them into an executable graph.
+  cudaError_t capture_decode(const DecodeBody &b, cudaGraphExec_t *out);
   // The k-means workspace, grow only (one growth at a time uses it).
   Status km_region(Region *r, size_t bytes, cudaStream_t s);
   // A step's verb failed after taking its epoch: its kernels will not all
@@ -292,6 +327,12 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // additions to its count): a stream of their own (side_ is waited on).
   cudaStream_t pool_stream_ = nullptr;
   PinnedBlocks pinned_;
+
+  // Decode graphs (CudaBackend::decode): on unless WKV_DECODE_GRAPHS=0;
+  // captured on a stream of their own, one capture at a time.
+  bool graphs_ = true;
+  std::mutex cap_mu_;
+  cudaStream_t cap_ = nullptr;
 
   // The k-means of growths: on a stream of their own (grow_), one batch
   // after another, sharing one workspace; each batch has its outputs
@@ -383,6 +424,8 @@ Status CudaBackend::init(HostArena::Options *ao) {
   WKV_CU(cudaMemsetAsync(d_stats_, 0, 3 * sizeof(unsigned long long), side_));
   WKV_CU(cudaStreamSynchronize(side_));
   WKV_CU(cudaStreamCreateWithFlags(&grow_, cudaStreamNonBlocking));
+  WKV_CU(cudaStreamCreateWithFlags(&cap_, cudaStreamNonBlocking));
+  if (const char *g = std::getenv("WKV_DECODE_GRAPHS")) graphs_ = std::strcmp(g, "0") != 0;
 
   // The shared block cache: device_cache_bytes, or 5% of the device's memory
   // while the KV held is unknown at open time (the DESIGN's 5% of KV held).
@@ -402,7 +445,7 @@ CudaBackend::~CudaBackend() {
   // The engine's buffer manager is gone: no step is in flight and nothing
   // else uses the device memory below. Close may synchronize.
   DeviceGuard guard(dev_);
-  for (cudaStream_t s : {side_, free_, io_, pool_stream_, grow_}) {
+  for (cudaStream_t s : {side_, free_, io_, pool_stream_, grow_, cap_}) {
     if (!s) continue;
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
@@ -1039,8 +1082,14 @@ Status CudaBackend::plan_region(Region *r, size_t bytes, cudaStream_t s) {
 
 void CudaBackend::release_plan(Plan &plan) {
   PlanDevice &pd = plan.dev;
+  if (pd.graph) {
+    DeviceGuard guard(dev_);
+    cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(pd.graph));  // freed once its launches end
+    pd.graph = nullptr;
+  }
   for (Region *r : {&pd.runs, &pd.q, &pd.ret_ids, &pd.ret_pos, &pd.est_ids, &pd.run_tokens, &pd.est_out, &pd.est_lse,
-                    &pd.offsets, &pd.logits, &pd.zones, &pd.xk, &pd.xv, &pd.scratch, &pd.counters, &pd.est_extra})
+                    &pd.offsets, &pd.logits, &pd.zones, &pd.xk, &pd.xv, &pd.scratch, &pd.counters, &pd.est_extra,
+                    &pd.vars})
     mem_free_deferred(r);
 }
 
@@ -1055,9 +1104,7 @@ void CudaBackend::xbuf(const Plan &plan, wkv_xbuf_view *view) {
   view->offsets = pd.offsets.as<int32_t>();
 }
 
-Status CudaBackend::lookup(Plan &plan) {
-  DeviceGuard guard(dev_);
-  cudaStream_t s = static_cast<cudaStream_t>(plan.stream);
+Status CudaBackend::size_plan(Plan &plan, cudaStream_t s, bool graph, PlanSizes *z) {
   const Config &cfg = e_.config();
   const uint32_t d = cfg.c.head_dim, G = cfg.group(), nq = cfg.c.n_q_heads, pt = cfg.page_tokens();
   PlanDevice &pd = plan.dev;
@@ -1141,7 +1188,12 @@ Status CudaBackend::lookup(Plan &plan) {
   WKV_RETURN_IF_ERROR(plan_region(&pd.est_out, static_cast<size_t>(R) * G * d * sizeof(float), s));
   WKV_RETURN_IF_ERROR(plan_region(&pd.est_lse, static_cast<size_t>(R) * G * sizeof(float), s));
   WKV_RETURN_IF_ERROR(plan_region(&pd.offsets, (R + 1) * sizeof(int32_t), s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.logits, std::max<size_t>(lg, 1) * 2 * sizeof(float), s));
+  // The logits, then the selection's scores. A graph's kernels keep their
+  // pointers, so there the scores start at a bound on lg (decode_bound)
+  // rather than at lg, which grows with every growth.
+  if (graph) pd.bound_logits = decode_bound(pd.bound_logits, lg);
+  const size_t scores_at = graph ? pd.bound_logits : lg;
+  WKV_RETURN_IF_ERROR(plan_region(&pd.logits, std::max<size_t>(scores_at, 1) * 2 * sizeof(float), s));
   WKV_RETURN_IF_ERROR(plan_region(&pd.zones, std::max<size_t>(lg / G, 1), s));
   if (cold) WKV_RETURN_IF_ERROR(plan_region(&pd.est_extra, R * sizeof(uint32_t), s));
   WKV_RETURN_IF_ERROR(plan_region(&pd.xk, std::max<uint64_t>(xbuf, 1) * row, s));
@@ -1150,10 +1202,27 @@ Status CudaBackend::lookup(Plan &plan) {
     WKV_RETURN_IF_ERROR(mem_alloc(kCounterWords * sizeof(uint32_t), s, &pd.counters));
     WKV_RETURN_IF_ERROR(mem_fill(pd.counters.p, 0, kCounterWords * sizeof(uint32_t), s));
   }
+  z->R = R;
+  z->max_clusters = max_clusters;
+  z->scores = pd.logits.as<float>() + scores_at;
+  z->retrieved = ret;
+  z->estimated = est_zone;
+  return Status::ok();
+}
 
-  // 3. Enqueue: the query in f32 and the run table in one launch, then
-  //    scoring, selection and estimation; the estimate's last CTA lays out
-  //    the offsets and reports the step's end.
+Status CudaBackend::lookup(Plan &plan) {
+  DeviceGuard guard(dev_);
+  cudaStream_t s = static_cast<cudaStream_t>(plan.stream);
+  const Config &cfg = e_.config();
+  const uint32_t d = cfg.c.head_dim, G = cfg.group(), nq = cfg.c.n_q_heads;
+  PlanDevice &pd = plan.dev;
+  PlanSizes z;
+  WKV_RETURN_IF_ERROR(size_plan(plan, s, false, &z));
+  const uint32_t R = z.R;
+
+  // Enqueue: the query in f32 and the run table in one launch, then
+  // scoring, selection and estimation; the estimate's last CTA lays out
+  // the offsets and reports the step's end.
   const uint64_t epoch = e_.buffers().begin(plan.tracker());
   const kernels::StepMark mark{reinterpret_cast<unsigned long long *>(plan.tracker().done_device()), epoch,
                                pd.counters.as<unsigned int>() + kLookupCtas};
@@ -1163,11 +1232,191 @@ Status CudaBackend::lookup(Plan &plan) {
                                           pd.runs.as<kernels::DevRun>(), s);
   if (err == cudaSuccess)
     err = kernels::lookup_zones(pd.runs.as<kernels::DevRun>(), R, G, d, cfg.scale(), pd.q.as<float>(), lookup_view(pd),
-                                pd.logits.as<float>() + lg, max_clusters, s, mark);
+                                z.scores, z.max_clusters, s, mark);
   if (err != cudaSuccess) st = kernel_status(err, "lookup");
   WKV_RETURN_IF_ERROR(finish(plan.tracker(), epoch, st, s));
-  e_.counters().retrieved_clusters.fetch_add(ret);
-  e_.counters().estimated_clusters.fetch_add(est_zone);
+  e_.counters().retrieved_clusters.fetch_add(z.retrieved);
+  e_.counters().estimated_clusters.fetch_add(z.estimated);
+  return Status::ok();
+}
+
+// Everything a decode's kernels take after its staging: the plan's buffers
+// and the bounds that shape the grids. What changes from step to step is in
+// the plan's StepVars, written by the staging, so that a graph of these
+// kernels serves every step whose key (below) is the same.
+struct CudaBackend::DecodeBody {
+  const kernels::DevRun *runs = nullptr;
+  uint32_t R = 0, G = 0, H = 0, d = 0, max_clusters = 0, max_ret = 0, max_run = 0;
+  float scale = 0.f;
+  DType dtype{};
+  const float *q = nullptr;
+  float *scores = nullptr, *scratch = nullptr;
+  size_t scratch_floats = 0;
+  kernels::DevLookup lookup{};
+  uint8_t *xk = nullptr, *xv = nullptr;
+  uint32_t *counters = nullptr;
+  const kernels::StepVars *vars = nullptr;
+  unsigned long long *done = nullptr;
+
+  // What a graph of these kernels fixed: the bounds and every address.
+  std::vector<uint64_t> key() const {
+    const auto a = [](const void *p) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)); };
+    return {R,         max_clusters, max_ret, max_run,        scratch_floats, a(runs),
+            a(q),      a(scores),    a(scratch), a(lookup.ret_ids), a(lookup.ret_pos), a(lookup.est_ids),
+            a(lookup.run_tokens), a(lookup.est_out), a(lookup.est_lse), a(lookup.offsets), a(lookup.logits),
+            a(lookup.zones), a(xk), a(xv), a(counters), a(vars), a(done)};
+  }
+};
+
+cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s) {
+  const Config &cfg = e_.config();
+  // The lookup: its last CTA lays out the offsets (no mark: the step ends
+  // with the attention).
+  const kernels::StepMark lookup_end{nullptr, 0, reinterpret_cast<unsigned int *>(b.counters) + kLookupCtas};
+  cudaError_t err = kernels::lookup_zones(b.runs, b.R, b.G, b.d, b.scale, b.q, b.lookup, b.scores, b.max_clusters,
+                                          s, lookup_end);
+  if (err != cudaSuccess) return err;
+  kernels::GatherArgs a;
+  a.runs = b.runs;
+  a.n_runs = b.R;
+  a.lookup = b.lookup;
+  a.max_ret = b.max_ret;
+  a.row_bytes = cfg.row_bytes();
+  a.page_tokens = cfg.page_tokens();
+  a.xk = b.xk;
+  a.xv = b.xv;
+  a.cache = cache_;
+  a.frame_bytes = frame_bytes_;
+  a.frames = frames_;
+  if (frames_) a.pool = e_.buffers().pool();
+  a.work = b.counters + kGatherWork;
+  a.stats = d_stats_;
+  a.vars = b.vars;
+  err = kernels::gather_cuda(a, s);
+  if (err != cudaSuccess) return err;
+  kernels::StepMark end{b.done, 0, reinterpret_cast<unsigned int *>(b.counters) + kAttendCtas};
+  end.epoch_at = &b.vars->epoch;
+  return kernels::attend_ragged(b.dtype, b.lookup.offsets, b.xk, b.xv, b.q, b.R, b.H, b.G, b.d, b.scale, b.max_run,
+                                b.lookup.est_out, b.lookup.est_lse, nullptr, 0, 0, nullptr, b.scratch,
+                                b.scratch_floats, s, end, b.vars);
+}
+
+cudaError_t CudaBackend::capture_decode(const DecodeBody &b, cudaGraphExec_t *out) {
+  std::lock_guard<std::mutex> lock(cap_mu_);
+  // Relaxed: the launches' wrappers may ask the device's attributes.
+  cudaError_t err = cudaStreamBeginCapture(cap_, cudaStreamCaptureModeRelaxed);
+  if (err != cudaSuccess) return err;
+  err = launch_decode(b, cap_);
+  cudaGraph_t g = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(cap_, &g);
+  if (err == cudaSuccess) err = ended;
+  if (err == cudaSuccess) err = cudaGraphInstantiate(out, g, 0);
+  if (g) cudaGraphDestroy(g);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err;
+}
+
+Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
+  DeviceGuard guard(dev_);
+  cudaStream_t s = static_cast<cudaStream_t>(plan.stream);
+  const Config &cfg = e_.config();
+  const uint32_t d = cfg.c.head_dim, G = cfg.group(), nq = cfg.c.n_q_heads;
+  PlanDevice &pd = plan.dev;
+  PlanSizes z;
+  WKV_RETURN_IF_ERROR(size_plan(plan, s, true, &z));
+  const uint32_t R = z.R;
+  if (R == 0) return WKV_ERROR(WKV_ERR_INTERNAL, "a decode of no runs");
+
+  // 1. The kernels' bounds, rounded up so that a graph serves many steps,
+  //    and their buffers.
+  uint32_t max_ret = 0;
+  for (const RunPlan &rp : plan.runs) max_ret = std::max(max_ret, rp.n_ret);
+  DecodeBody b;
+  b.R = R;
+  b.G = G;
+  b.H = cfg.c.n_kv_heads;
+  b.d = d;
+  b.scale = cfg.scale();
+  b.dtype = cfg.dtype();
+  b.max_clusters = pd.bound_clusters = decode_bound32(pd.bound_clusters, z.max_clusters);
+  b.max_ret = pd.bound_ret = decode_bound32(pd.bound_ret, max_ret);
+  b.max_run = pd.bound_run = decode_bound32(pd.bound_run, pd.max_run_tokens);
+  b.scratch_floats = kernels::attend_ragged_scratch_floats(R, G, d, b.max_run);
+  WKV_RETURN_IF_ERROR(plan_region(&pd.scratch, b.scratch_floats * sizeof(float), s));
+  WKV_RETURN_IF_ERROR(plan_region(&pd.vars, sizeof(kernels::StepVars), s));
+  b.runs = pd.runs.as<kernels::DevRun>();
+  b.q = pd.q.as<float>();
+  b.scores = z.scores;
+  b.scratch = pd.scratch.as<float>();
+  b.lookup = lookup_view(pd);
+  b.xk = pd.xk.as<uint8_t>();
+  b.xv = pd.xv.as<uint8_t>();
+  b.counters = pd.counters.as<uint32_t>();
+  b.vars = pd.vars.as<kernels::StepVars>();
+  b.done = reinterpret_cast<unsigned long long *>(plan.tracker().done_device());
+  std::vector<uint64_t> key;
+  try {
+    key = b.key();
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for a decode");
+  }
+
+  // 2. The step's variables: its epoch (one for the whole step, reported
+  //    by the attention's last CTA), its access record and the output.
+  const uint64_t epoch = e_.buffers().begin(plan.tracker());
+  const StepRecord rec =
+      frames_ ? e_.buffers().open_record(plan.tracker(), epoch, pd.run_heads.data(), R, pd.want_units,
+                                         std::min<uint32_t>(pd.want_units, 16384), plan.layer + 1)
+              : StepRecord{};
+  kernels::StepVars v;
+  v.epoch = epoch;
+  if (rec.header) {
+    v.admits = rec.admits;
+    v.hits = rec.hits;
+    v.record_counts = &rec.header->used;
+    v.admit_cap = rec.admit_cap;
+    v.hit_cap = rec.hit_cap;
+  }
+  v.out = out.out;
+  v.out_seq_stride = out.seq_stride;
+  v.out_head_stride = out.head_stride;
+
+  // 3. The staging (query, run table, variables), then the kernels: the
+  //    plan's graph where it was made for this key; else one by one, and a
+  //    graph is made when the same key comes twice in a row.
+  cudaError_t err = kernels::stage_lookup(cfg.dtype(), plan.q_src, plan.q_seq_stride, plan.q_head_stride,
+                                          plan.n_seqs, nq, d, pd.q.as<float>(), pd.host_runs.data(), R,
+                                          pd.runs.as<kernels::DevRun>(), s, &v, pd.vars.as<kernels::StepVars>());
+  bool replayed = false;
+  if (err == cudaSuccess) {
+    if (pd.graph && pd.graph_key != key) {
+      cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(pd.graph));  // freed once its launches end
+      pd.graph = nullptr;
+    }
+    if (!pd.graph && !pd.graph_refused && pd.seen_key == key) {
+      cudaGraphExec_t g = nullptr;
+      if (capture_decode(b, &g) == cudaSuccess) {
+        pd.graph = g;
+        pd.graph_key = key;
+      } else {
+        pd.graph_refused = true;
+      }
+    }
+    if (pd.graph) {
+      err = cudaGraphLaunch(static_cast<cudaGraphExec_t>(pd.graph), s);
+      replayed = err == cudaSuccess;
+    } else {
+      err = launch_decode(b, s);
+    }
+    pd.seen_key.swap(key);
+  }
+  if (err != cudaSuccess) {
+    e_.buffers().cancel_record(rec);
+    return finish(plan.tracker(), epoch, kernel_status(err, "decode"), s);
+  }
+  if (replayed) e_.counters().decode_graphs.fetch_add(1, std::memory_order_relaxed);
+  e_.counters().retrieved_clusters.fetch_add(z.retrieved);
+  e_.counters().estimated_clusters.fetch_add(z.estimated);
   return Status::ok();
 }
 

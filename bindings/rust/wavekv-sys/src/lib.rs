@@ -14,7 +14,7 @@ use std::os::raw::{c_char, c_void};
 // Versions
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
-pub const WKV_VERSION_MINOR: u32 = 7;
+pub const WKV_VERSION_MINOR: u32 = 8;
 pub const WKV_VERSION_PATCH: u32 = 0;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
@@ -156,6 +156,8 @@ pub struct wkv_stats {
     // 0.7: index growth off the decoding path.
     pub growths_deferred: u64,
     pub growth_waits: u64,
+    // 0.8: decode graphs (CUDA engines; 0 on the CPU).
+    pub decode_graphs: u64,
 }
 
 /// What one layer of a sequence holds; fill `size` with `wkv_seq_info_init`.

@@ -332,6 +332,7 @@ fn declarations_match_the_header() {
                 cache_records_dropped,
                 growths_deferred,
                 growth_waits,
+                decode_graphs,
             }
         ),
         layout!(
