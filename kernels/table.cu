@@ -72,6 +72,17 @@ struct CopyChunk {
 };
 static_assert(sizeof(CopyChunk) <= 4000, "kernel parameters are limited to 4 KiB");
 
+// A small append's copies and its steps' ends in one launch of one CTA
+// (copy_rows_marked): up to 48 marks and 512 rows.
+constexpr uint32_t kCopyMarks = 48, kCopyMarkRows = 512;
+struct CopyMarkChunk {
+  CopyChunk copy;
+  unsigned long long *done[kCopyMarks];
+  unsigned long long epoch[kCopyMarks];
+  uint32_t n_marks;
+};
+static_assert(sizeof(CopyMarkChunk) <= 4000, "kernel parameters are limited to 4 KiB");
+
 struct MarkChunk {
   unsigned long long *done[kMarksPerLaunch];
   unsigned long long epoch[kMarksPerLaunch];
@@ -95,6 +106,38 @@ template <typename W> __global__ void copy_rows_kernel(const __grid_constant__ C
       *reinterpret_cast<W *>(c.dst_v + dst) = *reinterpret_cast<const W *>(chunk.v + src);
     }
   }
+}
+
+// One CTA copies every row of every copy (K and V, word by word, the rows
+// of all copies numbered in one sequence), then reports the steps' ends.
+template <typename W> __global__ void copy_mark_kernel(const __grid_constant__ CopyMarkChunk m) {
+  __shared__ uint32_t first[kCopiesPerLaunch + 1];  // copy x's rows are first[x] .. first[x + 1] - 1
+  const CopyChunk &chunk = m.copy;
+  if (threadIdx.x == 0) {
+    first[0] = 0;
+    for (uint32_t x = 0; x < chunk.n; ++x) first[x + 1] = first[x] + chunk.c[x].rows;
+  }
+  __syncthreads();
+  const uint32_t words = chunk.row_bytes / sizeof(W), total = first[chunk.n] * words;
+  for (uint32_t i = threadIdx.x; i < total; i += blockDim.x) {
+    const uint32_t row = i / words, w = i % words;
+    uint32_t lo = 0, hi = chunk.n;  // the copy x with first[x] <= row < first[x + 1]
+    while (hi - lo > 1) {
+      const uint32_t mid = (lo + hi) / 2;
+      if (first[mid] <= row) lo = mid;
+      else hi = mid;
+    }
+    const RowCopyDesc &c = chunk.c[lo];
+    const uint64_t r = row - first[lo];
+    const uint64_t src = c.src_off + r * chunk.pitch + w * sizeof(W);
+    const uint64_t dst = r * chunk.row_bytes + w * sizeof(W);
+    *reinterpret_cast<W *>(c.dst_k + dst) = *reinterpret_cast<const W *>(chunk.k + src);
+    *reinterpret_cast<W *>(c.dst_v + dst) = *reinterpret_cast<const W *>(chunk.v + src);
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  for (uint32_t i = 0; i < m.n_marks; ++i) *reinterpret_cast<volatile unsigned long long *>(m.done[i]) = m.epoch[i];
 }
 
 __global__ void mark_many_kernel(const __grid_constant__ MarkChunk chunk) {
@@ -260,6 +303,46 @@ cudaError_t mark_step_end(unsigned long long *done, unsigned long long epoch, vo
   if (!done) return cudaErrorInvalidValue;
   mark_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(done, epoch);
   WKV_CUDA_CHECK_LAUNCH("mark_kernel");
+  return cudaSuccess;
+}
+
+cudaError_t copy_rows_marked(const RowCopyDesc *copies, uint32_t n, const uint8_t *k, const uint8_t *v,
+                             uint64_t src_pitch, uint32_t row_bytes, unsigned long long *const *done,
+                             const unsigned long long *epochs, uint32_t n_marks, void *stream) {
+  if (n == 0 || n > kCopiesPerLaunch || n_marks > kCopyMarks) return cudaErrorNotSupported;
+  if (!copies || !k || !v || row_bytes == 0 || (n_marks > 0 && (!done || !epochs))) return cudaErrorInvalidValue;
+  uint64_t bits = reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v) | src_pitch | row_bytes;
+  uint64_t rows = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    bits |= copies[i].src_off | reinterpret_cast<uintptr_t>(copies[i].dst_k) |
+            reinterpret_cast<uintptr_t>(copies[i].dst_v);
+    rows += copies[i].rows;
+  }
+  if (rows > kCopyMarkRows) return cudaErrorNotSupported;
+  for (uint32_t i = 0; i < n_marks; ++i)
+    if (!done[i]) return cudaErrorInvalidValue;
+  CopyMarkChunk m;
+  m.copy.n = n;
+  for (uint32_t i = 0; i < n; ++i) m.copy.c[i] = copies[i];
+  m.copy.k = k;
+  m.copy.v = v;
+  m.copy.pitch = src_pitch;
+  m.copy.row_bytes = row_bytes;
+  m.n_marks = n_marks;
+  for (uint32_t i = 0; i < n_marks; ++i) {
+    m.done[i] = done[i];
+    m.epoch[i] = epochs[i];
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  constexpr uint32_t threads = 256;
+  switch (widest_word(bits)) {
+    case 16: copy_mark_kernel<uint4><<<1, threads, 0, s>>>(m); break;
+    case 8: copy_mark_kernel<uint2><<<1, threads, 0, s>>>(m); break;
+    case 4: copy_mark_kernel<uint32_t><<<1, threads, 0, s>>>(m); break;
+    case 2: copy_mark_kernel<uint16_t><<<1, threads, 0, s>>>(m); break;
+    default: copy_mark_kernel<uint8_t><<<1, threads, 0, s>>>(m); break;
+  }
+  WKV_CUDA_CHECK_LAUNCH("copy_rows_marked");
   return cudaSuccess;
 }
 

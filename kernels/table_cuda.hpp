@@ -42,6 +42,13 @@ struct RowCopyDesc {
 cudaError_t copy_rows(const RowCopyDesc *copies, uint32_t n, const uint8_t *k, const uint8_t *v, uint64_t src_pitch,
                       uint32_t row_bytes, void *stream);
 
+// copy_rows and then mark_steps_end of n_marks steps, in one launch of one
+// CTA: for a small append (at most 96 copies, 512 rows and 48 marks;
+// cudaErrorNotSupported otherwise, nothing enqueued).
+cudaError_t copy_rows_marked(const RowCopyDesc *copies, uint32_t n, const uint8_t *k, const uint8_t *v,
+                             uint64_t src_pitch, uint32_t row_bytes, unsigned long long *const *done,
+                             const unsigned long long *epochs, uint32_t n_marks, void *stream);
+
 // mark_step_end for n trackers: *done[i] = epochs[i] once the work
 // enqueued before has ended, in launches of up to 240 pairs.
 cudaError_t mark_steps_end(unsigned long long *const *done, const unsigned long long *epochs, uint32_t n,

@@ -554,3 +554,43 @@ TEST(GrowthLag, CommitsLaterWithTheSameClustersAndExactDecodingMeanwhile) {
   dropped.reset();
   EXPECT_EQ(later->counters().growth_waits.load(), 0u) << "the CPU's k-means is done when begun";
 }
+
+// commit_is_quiet, which lets an append end its steps with its copies (a
+// CUDA engine's one launch for both): it says "quiet" exactly where the
+// append then begins no growth and commits none, over a prompt appended in
+// pieces, its end, and generated tokens across growths with a lag.
+TEST(GrowthLag, AQuietCommitIsOneThatBeginsAndCommitsNothing) {
+  wkv_config c = batch_config(WKV_DTYPE_F32);
+  c.n_layers = 1;
+  std::shared_ptr<wkv::Engine> e;
+  ASSERT_TRUE(wkv::Engine::open(&c, &e).is_ok());
+  e->set_growth_lag(5);
+  std::shared_ptr<wkv::Sequence> s;
+  ASSERT_TRUE(wkv::Sequence::create(e, &s).is_ok());
+  KeyGen gen(kKV, kD, 91);
+  uint32_t quiet = 0, loud = 0;
+  auto append = [&](uint32_t T) {
+    std::vector<float> k, v;
+    gen.next(T, &k, &v);
+    wkv::LayerState &L = s->layer(0);
+    const wkv::IndexContext ix = e->index();
+    wkv::StagedAppend sa;
+    ASSERT_TRUE(wkv::stage_append(ix, L, T, &sa, nullptr).is_ok());  // the append stages again: room is there
+    const bool predicted = wkv::commit_is_quiet(ix, L, sa);
+    const wkv::PendingGrowth *pending = L.pending.get();
+    const size_t segments = L.heads[0].segments.size();
+    const uint64_t deferred = e->counters().growths_deferred.load();
+    ASSERT_TRUE(e->append(*s, 0, reinterpret_cast<const uint8_t *>(k.data()),
+                          reinterpret_cast<const uint8_t *>(v.data()), T, kKV * kD, kD, nullptr)
+                    .is_ok());
+    const bool observed = L.pending.get() == pending && L.heads[0].segments.size() == segments &&
+                          e->counters().growths_deferred.load() == deferred;
+    EXPECT_EQ(predicted, observed) << "an append of " << T << " at " << L.tokens << " tokens";
+    ++(observed ? quiet : loud);
+  };
+  for (uint32_t part = 0; part < 6; ++part) append(250);
+  ASSERT_TRUE(e->end_prompt(*s, 0, nullptr).is_ok());
+  for (uint32_t step = 0; step < 300; ++step) append(step % 7 == 3 ? 3 : 1);
+  EXPECT_GT(loud, 4u) << "growths began and committed";
+  EXPECT_GT(quiet, 200u);
+}

@@ -162,6 +162,20 @@ class Backend {
     }
     return Status::ok();
   }
+  // copy_rows, and where the backend can, the end of the trackers' steps
+  // (epochs[i] of trackers[i], i < n_ends) in the same work, as end_work_many
+  // after it would (CUDA: one launch for both, for small appends); *ended
+  // says whether it did (else the caller ends them).
+  virtual Status copy_rows_then_end(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v,
+                                    size_t src_pitch, size_t width, StepTracker *const *trackers,
+                                    const uint64_t *epochs, uint32_t n_ends, void *stream, bool *ended) {
+    (void)trackers;
+    (void)epochs;
+    (void)n_ends;
+    *ended = false;
+    return copy_rows(copies, n, k, v, src_pitch, width, stream);
+  }
+
   // Waits for everything enqueued on `stream` (reads of engine memory into
   // host memory are complete after it).
   virtual Status mem_sync(void *stream) = 0;

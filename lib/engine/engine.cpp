@@ -522,12 +522,25 @@ Status Engine::append_batch(Sequence *const *seqs, uint32_t n_seqs, uint32_t lay
                                       token_pitch, head_pitch, &copies));
   }
   // 2. One copy for the batch, then each sequence counts its rows and
-  //    grows, inside its tracker's step.
+  //    grows, inside its tracker's step. Where no sequence's count enqueues
+  //    anything (no growth begins or commits: most tokens), the copy's
+  //    launch ends the steps too.
+  bool quiet = true;
+  {
+    const IndexContext ix = index();
+    for (uint32_t i = 0; i < n_seqs && quiet; ++i) quiet = commit_is_quiet(ix, seqs[i]->layer(layer), staged[i]);
+  }
   for (uint32_t i = 0; i < n_seqs; ++i) {
     trackers.push_back(&seqs[i]->tracker());
     epochs.push_back(buffers_->begin(seqs[i]->tracker()));
   }
-  Status st = backend_->copy_rows(copies.data(), static_cast<uint32_t>(copies.size()),
+  bool ended = false;
+  Status st =
+      quiet ? backend_->copy_rows_then_end(copies.data(), static_cast<uint32_t>(copies.size()),
+                                           static_cast<const uint8_t *>(dk), static_cast<const uint8_t *>(dv),
+                                           token_pitch, cfg_.row_bytes(), trackers.data(), epochs.data(), n_seqs,
+                                           stream, &ended)
+            : backend_->copy_rows(copies.data(), static_cast<uint32_t>(copies.size()),
                                   static_cast<const uint8_t *>(dk), static_cast<const uint8_t *>(dv), token_pitch,
                                   cfg_.row_bytes(), stream);
   for (uint32_t i = 0; i < n_seqs && st.is_ok(); ++i) {
@@ -540,6 +553,7 @@ Status Engine::append_batch(Sequence *const *seqs, uint32_t n_seqs, uint32_t lay
                                     "it do not)",
                                     i, st.message().c_str()));
   }
+  if (ended) return st;  // quiet: the counts cannot fail
   Status marked = backend_->end_work_many(trackers.data(), epochs.data(), n_seqs, stream);
   return st.is_ok() ? marked : st;
 }

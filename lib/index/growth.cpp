@@ -679,6 +679,28 @@ Status append_copies(const IndexContext &ix, const LayerState &L, const StagedAp
   return Status::ok();
 }
 
+namespace {
+// The segments complete beyond the window once n more rows count, the tail
+// beginning at tail_begin: what commit_append clusters (a prompt's only in
+// batches of the backend's size).
+uint32_t segments_ready(const IndexContext &ix, const LayerState &L, uint64_t tail_begin, uint32_t n) {
+  const Config &cfg = ix.cfg;
+  const uint64_t tail = L.tokens + n - tail_begin;
+  const uint32_t seg = L.generating ? cfg.c.update_segment_tokens : cfg.c.segment_tokens;
+  const uint64_t ready = tail > cfg.c.window_tokens ? tail - cfg.c.window_tokens : 0;
+  const uint32_t count = static_cast<uint32_t>(ready / seg);
+  return !L.generating && count < ix.backend.prompt_batch_segments() ? 0 : count;
+}
+}  // namespace
+
+bool commit_is_quiet(const IndexContext &ix, const LayerState &L, const StagedAppend &sa) {
+  // A pending growth: it commits at its point, and no other begins before.
+  if (L.pending) return L.tokens + sa.n < L.pending->commit_at;
+  const uint32_t sink = ix.cfg.c.sink_tokens;
+  const uint64_t tail_begin = L.tokens < sink ? std::min<uint64_t>(sink, L.tokens + sa.n) : L.tail_begin;
+  return segments_ready(ix, L, tail_begin, sa.n) == 0;
+}
+
 Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, const StagedAppend &sa, void *stream) {
   const Config &cfg = ix.cfg;
   const uint32_t H = static_cast<uint32_t>(L.heads.size()), sink = cfg.c.sink_tokens, n = sa.n;
@@ -707,11 +729,8 @@ Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, cons
   // Cluster the segments complete beyond the window. Where they are cut
   // never depends on how the prompt was split into appends, nor on when
   // the backend clusters them.
-  const uint64_t tail = L.tokens + n - L.tail_begin;
   const uint32_t seg = L.generating ? cfg.c.update_segment_tokens : cfg.c.segment_tokens;
-  const uint64_t ready = tail > cfg.c.window_tokens ? tail - cfg.c.window_tokens : 0;
-  uint32_t count = static_cast<uint32_t>(ready / seg);
-  if (!L.generating && count < ix.backend.prompt_batch_segments()) count = 0;
+  const uint32_t count = segments_ready(ix, L, L.tail_begin, n);
   ix.counters.steady_rows.fetch_add(static_cast<uint64_t>(n) * H);
   // Under a host budget with cold pages, in growths of at most
   // max_growth_segments: once one has succeeded the tokens are kept, and

@@ -123,6 +123,10 @@ Status stage_append(const IndexContext &ix, LayerState &L, uint32_t n, StagedApp
 Status append_copies(const IndexContext &ix, const LayerState &L, const StagedAppend &sa, uint64_t src_off,
                      uint64_t token_pitch, uint64_t head_pitch, std::vector<RowCopy> *out);
 Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, const StagedAppend &sa, void *stream);
+// Whether commit_append of `sa` will only count rows: no growth begins or
+// commits, so it enqueues nothing and cannot fail (an append may then end
+// its step with its copies: Backend::copy_rows_then_end).
+bool commit_is_quiet(const IndexContext &ix, const LayerState &L, const StagedAppend &sa);
 
 // Ends the prompt of a layer: clusters what the prompt holds beyond the
 // window and switches the layer to generated-token segments. A no-op once

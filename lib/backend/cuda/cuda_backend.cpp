@@ -243,6 +243,9 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Status write_spans(const SpanWrite *spans, uint32_t n, void *stream) override;
   Status copy_rows(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v, size_t src_pitch,
                    size_t width, void *stream) override;
+  Status copy_rows_then_end(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v, size_t src_pitch,
+                            size_t width, StepTracker *const *trackers, const uint64_t *epochs, uint32_t n_ends,
+                            void *stream, bool *ended) override;
   Status mem_sync(void *stream) override;
   void *io_stream() override { return io_; }
 
@@ -685,6 +688,31 @@ Status CudaBackend::copy_rows(const RowCopy *copies, uint32_t n, const uint8_t *
     desc[i] = kernels::RowCopyDesc{copies[i].dst_k, copies[i].dst_v, copies[i].src_off, copies[i].rows, 0};
   WKV_KERNEL(kernels::copy_rows(desc.data(), n, k, v, src_pitch, static_cast<uint32_t>(width),
                                 static_cast<cudaStream_t>(stream)));
+  return Status::ok();
+}
+
+Status CudaBackend::copy_rows_then_end(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v,
+                                       size_t src_pitch, size_t width, StepTracker *const *trackers,
+                                       const uint64_t *epochs, uint32_t n_ends, void *stream, bool *ended) {
+  *ended = false;
+  // One launch for both where the append is small (kernels::copy_rows_marked).
+  constexpr uint32_t kMaxCopies = 96, kMaxEnds = 48;
+  if (n == 0 || n > kMaxCopies || n_ends > kMaxEnds) return copy_rows(copies, n, k, v, src_pitch, width, stream);
+  DeviceGuard guard(dev_);
+  kernels::RowCopyDesc desc[kMaxCopies];
+  unsigned long long *done[kMaxEnds];
+  unsigned long long ep[kMaxEnds];
+  for (uint32_t i = 0; i < n; ++i)
+    desc[i] = kernels::RowCopyDesc{copies[i].dst_k, copies[i].dst_v, copies[i].src_off, copies[i].rows, 0};
+  for (uint32_t i = 0; i < n_ends; ++i) {
+    done[i] = reinterpret_cast<unsigned long long *>(trackers[i]->done_device());
+    ep[i] = epochs[i];
+  }
+  const cudaError_t err = kernels::copy_rows_marked(desc, n, k, v, src_pitch, static_cast<uint32_t>(width), done, ep,
+                                                    n_ends, static_cast<cudaStream_t>(stream));
+  if (err == cudaErrorNotSupported) return copy_rows(copies, n, k, v, src_pitch, width, stream);  // too many rows
+  if (err != cudaSuccess) return kernel_status(err, "copy_rows_marked");
+  *ended = true;
   return Status::ok();
 }
 
