@@ -406,7 +406,8 @@ TEST(GpuBatch, ADecodeLoopAcrossGrowthsNeverWaitsForTheStream) {
 // so replays stay exact while appends grow the tails, growths add clusters,
 // the output moves from step to step and the batch changes. Checked bit for
 // bit against the same steps on an engine that launches the kernels one by
-// one (WKV_DECODE_GRAPHS=0), at a partial retrieval (every zone in use).
+// one (WKV_DECODE_GRAPHS=0), at a partial retrieval (every zone in use),
+// over 1200 steps (some 37 growths a sequence).
 TEST(GpuBatch, DecodeGraphsReplayExactlyAsTheStateChanges) {
   REQUIRE_GPU();
   wkv_config c = config();
@@ -430,7 +431,7 @@ TEST(GpuBatch, DecodeGraphsReplayExactlyAsTheStateChanges) {
   Dev dq(q_bytes), out_on(2 * q_bytes), out_off(q_bytes);
   wavekv::Plan plan_on(on.batched), plan_off(off.batched);
   KeyGen qgen(kKV, kD, 17);
-  constexpr uint32_t kSteps = 120;
+  constexpr uint32_t kSteps = 1200;
   uint32_t mismatched = 0;
   for (uint32_t st = 0; st < kSteps; ++st) {
     on.append(1, kKV * kD, kKV * kD, kD);
@@ -441,9 +442,9 @@ TEST(GpuBatch, DecodeGraphsReplayExactlyAsTheStateChanges) {
     for (float &x : q) x = round_to(kDT, x);
     const std::vector<uint8_t> qb = pack(kDT, q);
     ASSERT_EQ(cudaMemcpy(dq.p, qb.data(), qb.size(), cudaMemcpyHostToDevice), cudaSuccess);
-    // Steps 60 to 69 decode half the batch (a new shape, a new graph); the
-    // output alternates between two buffers.
-    const uint32_t n = st >= 60 && st < 70 ? kN / 2 : kN;
+    // Steps 600 to 609 decode half the batch (a new shape, a new graph);
+    // the output alternates between two buffers.
+    const uint32_t n = st >= 600 && st < 610 ? kN / 2 : kN;
     void *o = static_cast<uint8_t *>(out_on.p) + (st % 2) * q_bytes;
     plan_on.decode(on.bh.data(), n, 0, dq.p, o, on.stream);
     plan_off.decode(off.bh.data(), n, 0, dq.p, out_off.p, off.stream);
@@ -458,12 +459,12 @@ TEST(GpuBatch, DecodeGraphsReplayExactlyAsTheStateChanges) {
     for (float x : f) ASSERT_TRUE(std::isfinite(x)) << "step " << st;
   }
   EXPECT_EQ(mismatched, 0u) << "steps whose replayed output differs from the kernels launched one by one";
-  EXPECT_GE(on.bs[0].info(0).segments, segments0 + 2) << "the steps crossed growths";
+  EXPECT_GE(on.bs[0].info(0).segments, segments0 + 30) << "the steps crossed growths (one every 32 tokens)";
   const wkv_stats s_on = on.batched.stats(), s_off = off.batched.stats();
   // Two steps of a shape before its graph; three shapes (the batch, its
   // half, the batch again), and a new graph wherever a growth outgrew a
   // bound or a buffer: most steps still replay.
-  EXPECT_GE(s_on.decode_graphs, kSteps * 3 / 4) << "steps replayed as graphs";
+  EXPECT_GE(s_on.decode_graphs, kSteps * 9 / 10) << "steps replayed as graphs";
   EXPECT_EQ(s_off.decode_graphs, 0u);
   EXPECT_GT(s_on.cache_admissions, 0u) << "the replayed gathers admit into the device cache";
   EXPECT_GT(s_on.cache_hits, 0u) << "and read from it";
