@@ -146,7 +146,8 @@ struct StepMark {
 };
 
 // What changes from one decoding step to the next while its kernels do not:
-// the per-step values of a decode graph (lib/backend/cuda/decode_graph.*),
+// the per-step values of a decode graph (CudaBackend::decode in
+// lib/backend/cuda/cuda_backend.cpp),
 // written to device memory by the step's staging launch (stage_lookup),
 // which every later kernel of the step follows in stream order. A graph's
 // kernels take this block's address instead of the values.

@@ -1184,9 +1184,24 @@ cudaError_t launch_estimate(const DevRun *runs, uint32_t R, uint32_t G, const De
   return launch_estimate_gt<D, 1>(runs, R, G, out, clusters_ok, end, s);
 }
 
+}  // namespace
+
+uint32_t select_split(uint32_t R, uint32_t clusters) {
+  static const bool split_ok = built_for_clusters(reinterpret_cast<const void *>(select_kernel));
+  uint32_t split = 1;
+  if (split_ok) {
+    const uint32_t sms = multiprocessors();
+    while (split < kSelectMaxSplit && R * split * 2 <= sms && clusters / (2 * split) >= kSelectMinSlice) split *= 2;
+  }
+  return split;
+}
+
+namespace {
+
 template <uint32_t D>
 cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
-                   const DevLookup &out, float *scores, uint32_t max_clusters, const StepMark &mark, cudaStream_t s) {
+                   const DevLookup &out, float *scores, uint32_t max_clusters, uint32_t split_clusters,
+                   const StepMark &mark, cudaStream_t s) {
   static std::atomic<uint64_t> select_smem_set{0};
   if (R > 0 && max_clusters > 0) {
     // 1. Logits.
@@ -1198,13 +1213,7 @@ cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
     // 2. Scores and selection: each run split over a cluster of CTAs while
     //    that keeps slices of kSelectMinSlice clusters and the grid within
     //    one wave (a CTA per multiprocessor).
-    static const bool split_ok = built_for_clusters(reinterpret_cast<const void *>(select_kernel));
-    uint32_t split = 1;
-    if (split_ok) {
-      const uint32_t sms = multiprocessors();
-      while (split < kSelectMaxSplit && R * split * 2 <= sms && max_clusters / (2 * split) >= kSelectMinSlice)
-        split *= 2;
-    }
+    const uint32_t split = select_split(R, split_clusters ? split_clusters : max_clusters);
     const uint32_t share = (max_clusters + split - 1) / split;
     const uint32_t cap = share < kLookupSmemClusters ? share : kLookupSmemClusters;
     WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(select_kernel), select_smem(kLookupSmemClusters),
@@ -1237,7 +1246,7 @@ cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
 
 cudaError_t lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale,
                     const float *q, const DevLookup &out, float *scores, uint32_t max_clusters,
-                    void *stream, const StepMark &mark) {
+                    void *stream, const StepMark &mark, uint32_t split_clusters) {
   if (G == 0 || G > kMaxGroup)
     return cudaErrorNotSupported;
   if (max_clusters > kLookupSmemClusters && scores == nullptr)
@@ -1251,7 +1260,7 @@ cudaError_t lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d,
     return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> cudaError_t {
-    return lookup_impl<HEAD_DIM>(runs, R, G, scale, q, out, scores, max_clusters, mark, s);
+    return lookup_impl<HEAD_DIM>(runs, R, G, scale, q, out, scores, max_clusters, split_clusters, mark, s);
   });
 }
 

@@ -61,8 +61,15 @@ constexpr uint32_t kMaxGroup = 32;
 // (zeros and -inf when a run has no estimation cluster), then, where a run
 // has a value mean, estimate_tail. Pre with n_one > 0: the run has at least
 // n_one clusters of one member and n_ret - n_one others.
+// `split_clusters` (0: max_clusters) decides over how many CTAs each run's
+// selection is split (select_split): a caller that passes a bound above
+// the real largest run (a decode graph) passes the real one here, so that
+// the selection, and its rounding, is the same as with the real bound.
 cudaError_t lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale,
                     const float *q, const DevLookup &out, float *scores, uint32_t max_clusters,
-                    void *stream, const StepMark &mark = StepMark{});
+                    void *stream, const StepMark &mark = StepMark{}, uint32_t split_clusters = 0);
+
+// The CTAs a selection of R runs of up to `clusters` clusters is split over.
+uint32_t select_split(uint32_t R, uint32_t clusters);
 
 }  // namespace wkv::kernels

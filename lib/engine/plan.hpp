@@ -4,6 +4,7 @@
 // Buffers only grow, so steady-state decoding allocates nothing.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -45,18 +46,25 @@ struct PlanDevice {
   uint32_t total_ret = 0;
   uint32_t want_units = 0;          // bound on the units the step retrieves
   // A whole step at once (Backend::decode): the step's variables
-  // (kernels::StepVars), and the step's kernels as a CUDA graph
-  // (cudaGraphExec_t) for the shape and buffers in graph_key; seen_key is
-  // the last decode's, so that a graph is made only for a shape seen twice.
+  // (kernels::StepVars), and the step's kernels as CUDA graphs
+  // (cudaGraphExec_t), each for the shape and buffers of its key, the most
+  // recently used first; seen_key is the last decode's, so that a graph is
+  // made only for a shape seen twice in a row, and refused_key the last
+  // whose graph could not be made.
   Region vars;
   // The bounds a graph's kernels take (grids, splits, the scores' place):
   // raised past what a step needs, never lowered, so that a graph serves
   // while the index grows and its tails fill and empty.
   uint32_t bound_clusters = 0, bound_ret = 0, bound_run = 0;
   size_t bound_logits = 0;
-  void *graph = nullptr;
-  std::vector<uint64_t> graph_key, seen_key;
-  bool graph_refused = false;  // making one failed: the plan launches its kernels one by one
+  using GraphKey = std::array<uint64_t, 24>;
+  struct Graph {
+    GraphKey key{};
+    void *exec = nullptr;
+  };
+  static constexpr size_t kMaxGraphs = 4;  // a batch that alternates between a few shapes
+  std::array<Graph, kMaxGraphs> graphs{};
+  GraphKey seen_key{}, refused_key{};
 };
 
 // wkv_decode's output, for a backend that runs a whole step at once.

@@ -1108,12 +1108,37 @@ Status CudaBackend::plan_region(Region *r, size_t bytes, cudaStream_t s) {
   return Status::ok();
 }
 
+// A plan's decode graphs (PlanDevice::graphs), the most recently used
+// first: the one for `key`, moved to the front, or null.
+PlanDevice::Graph *find_graph(PlanDevice &pd, const PlanDevice::GraphKey &key) {
+  for (size_t i = 0; i < pd.graphs.size(); ++i) {
+    if (!pd.graphs[i].exec || pd.graphs[i].key != key) continue;
+    std::rotate(pd.graphs.begin(), pd.graphs.begin() + i, pd.graphs.begin() + i + 1);
+    return &pd.graphs[0];
+  }
+  return nullptr;
+}
+
+// Destroys a graph; one in flight is freed once its launches end.
+void drop_graph(PlanDevice::Graph *g) {
+  if (g->exec) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g->exec));
+  *g = PlanDevice::Graph{};
+}
+
+// Adds a graph at the front, dropping the least recently used if full.
+PlanDevice::Graph *add_graph(PlanDevice &pd, const PlanDevice::GraphKey &key, cudaGraphExec_t exec) {
+  drop_graph(&pd.graphs.back());
+  std::rotate(pd.graphs.begin(), pd.graphs.end() - 1, pd.graphs.end());
+  pd.graphs[0].key = key;
+  pd.graphs[0].exec = exec;
+  return &pd.graphs[0];
+}
+
 void CudaBackend::release_plan(Plan &plan) {
   PlanDevice &pd = plan.dev;
-  if (pd.graph) {
+  {
     DeviceGuard guard(dev_);
-    cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(pd.graph));  // freed once its launches end
-    pd.graph = nullptr;
+    for (PlanDevice::Graph &g : pd.graphs) drop_graph(&g);
   }
   for (Region *r : {&pd.runs, &pd.q, &pd.ret_ids, &pd.ret_pos, &pd.est_ids, &pd.run_tokens, &pd.est_out, &pd.est_lse,
                     &pd.offsets, &pd.logits, &pd.zones, &pd.xk, &pd.xv, &pd.scratch, &pd.counters, &pd.est_extra,
@@ -1286,13 +1311,36 @@ struct CudaBackend::DecodeBody {
   const kernels::StepVars *vars = nullptr;
   unsigned long long *done = nullptr;
 
-  // What a graph of these kernels fixed: the bounds and every address.
-  std::vector<uint64_t> key() const {
+  uint32_t split_clusters = 0;  // the real largest run: decides the selection's split
+
+  // What a graph of these kernels fixed: the bounds, the selection's split
+  // and every address.
+  PlanDevice::GraphKey key() const {
     const auto a = [](const void *p) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)); };
-    return {R,         max_clusters, max_ret, max_run,        scratch_floats, a(runs),
-            a(q),      a(scores),    a(scratch), a(lookup.ret_ids), a(lookup.ret_pos), a(lookup.est_ids),
-            a(lookup.run_tokens), a(lookup.est_out), a(lookup.est_lse), a(lookup.offsets), a(lookup.logits),
-            a(lookup.zones), a(xk), a(xv), a(counters), a(vars), a(done)};
+    return {R,
+            max_clusters,
+            max_ret,
+            max_run,
+            scratch_floats,
+            kernels::select_split(R, split_clusters),
+            a(runs),
+            a(q),
+            a(scores),
+            a(scratch),
+            a(lookup.ret_ids),
+            a(lookup.ret_pos),
+            a(lookup.est_ids),
+            a(lookup.run_tokens),
+            a(lookup.est_out),
+            a(lookup.est_lse),
+            a(lookup.offsets),
+            a(lookup.logits),
+            a(lookup.zones),
+            a(xk),
+            a(xv),
+            a(counters),
+            a(vars),
+            a(done)};
   }
 };
 
@@ -1302,7 +1350,7 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s) {
   // with the attention).
   const kernels::StepMark lookup_end{nullptr, 0, reinterpret_cast<unsigned int *>(b.counters) + kLookupCtas};
   cudaError_t err = kernels::lookup_zones(b.runs, b.R, b.G, b.d, b.scale, b.q, b.lookup, b.scores, b.max_clusters,
-                                          s, lookup_end);
+                                          s, lookup_end, b.split_clusters);
   if (err != cudaSuccess) return err;
   kernels::GatherArgs a;
   a.runs = b.runs;
@@ -1382,12 +1430,8 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   b.counters = pd.counters.as<uint32_t>();
   b.vars = pd.vars.as<kernels::StepVars>();
   b.done = reinterpret_cast<unsigned long long *>(plan.tracker().done_device());
-  std::vector<uint64_t> key;
-  try {
-    key = b.key();
-  } catch (const std::bad_alloc &) {
-    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for a decode");
-  }
+  b.split_clusters = z.max_clusters;
+  const PlanDevice::GraphKey key = b.key();
 
   // 2. The step's variables: its epoch (one for the whole step, reported
   //    by the attention's last CTA), its access record and the output.
@@ -1410,38 +1454,41 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   v.out_head_stride = out.head_stride;
 
   // 3. The staging (query, run table, variables), then the kernels: the
-  //    plan's graph where it was made for this key; else one by one, and a
+  //    plan's graph for this key where it has one; else one by one, and a
   //    graph is made when the same key comes twice in a row.
   cudaError_t err = kernels::stage_lookup(cfg.dtype(), plan.q_src, plan.q_seq_stride, plan.q_head_stride,
                                           plan.n_seqs, nq, d, pd.q.as<float>(), pd.host_runs.data(), R,
                                           pd.runs.as<kernels::DevRun>(), s, &v, pd.vars.as<kernels::StepVars>());
   bool replayed = false;
   if (err == cudaSuccess) {
-    if (pd.graph && pd.graph_key != key) {
-      cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(pd.graph));  // freed once its launches end
-      pd.graph = nullptr;
-    }
-    if (!pd.graph && !pd.graph_refused && pd.seen_key == key) {
-      cudaGraphExec_t g = nullptr;
-      if (capture_decode(b, &g) == cudaSuccess) {
-        pd.graph = g;
-        pd.graph_key = key;
+    PlanDevice::Graph *g = find_graph(pd, key);
+    if (!g && pd.seen_key == key && pd.refused_key != key) {
+      cudaGraphExec_t exec = nullptr;
+      if (capture_decode(b, &exec) == cudaSuccess) {
+        g = add_graph(pd, key, exec);
       } else {
-        pd.graph_refused = true;
+        pd.refused_key = key;  // tried again once the key changes
       }
     }
-    if (pd.graph) {
-      err = cudaGraphLaunch(static_cast<cudaGraphExec_t>(pd.graph), s);
+    if (g) {
+      err = cudaGraphLaunch(static_cast<cudaGraphExec_t>(g->exec), s);
       replayed = err == cudaSuccess;
-    } else {
-      err = launch_decode(b, s);
+      if (!replayed) {
+        // Not launched (nothing of it enqueued): dropped, and the step's
+        // kernels launched one by one.
+        (void)cudaGetLastError();
+        drop_graph(g);
+        pd.refused_key = key;
+      }
     }
-    pd.seen_key.swap(key);
+    if (!replayed) err = launch_decode(b, s);
+    pd.seen_key = key;
   }
-  if (err != cudaSuccess) {
-    e_.buffers().cancel_record(rec);
-    return finish(plan.tracker(), epoch, kernel_status(err, "decode"), s);
-  }
+  // On a failure, the stream is waited for and the step ended on the host
+  // (finish); the record is then taken as the kernels that ran left it (its
+  // counts are zero where the gather did not run), never cancelled under a
+  // gather that might still write it.
+  if (err != cudaSuccess) return finish(plan.tracker(), epoch, kernel_status(err, "decode"), s);
   if (replayed) e_.counters().decode_graphs.fetch_add(1, std::memory_order_relaxed);
   e_.counters().retrieved_clusters.fetch_add(z.retrieved);
   e_.counters().estimated_clusters.fetch_add(z.estimated);
