@@ -266,16 +266,6 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   return r;
 }
 
-void BufferManager::cancel_record(const StepRecord &r) {
-  if (!r.header) return;
-  RecordHeader *h = reinterpret_cast<RecordHeader *>(reinterpret_cast<uint8_t *>(r.header) - (ring_dev_ - ring_));
-  std::lock_guard<std::mutex> lock(mu_);
-  h->used = 0;
-  h->hits = 0;
-  h->missed = 0;
-  h->cancelled = 1;
-}
-
 BufferManager::Stats BufferManager::stats() {
   Stats s;
   std::lock_guard<std::mutex> lock(mu_);
@@ -345,7 +335,7 @@ bool BufferManager::take_records() {
       std::lock_guard<std::mutex> lock(mu_);
       if (open_.empty()) return any;
       h = open_.front();
-      if (!h->cancelled && h->tracker->done() < h->epoch) return any;
+      if (h->tracker->done() < h->epoch) return any;
     }
     take_record(*h);
     any = true;
@@ -410,7 +400,6 @@ void BufferManager::take_record(const RecordHeader &hc) {
   put_free(scratch_free_.data(), scratch_free_.size());
   if (!scratch_quarantine_.empty()) quarantine(std::move(scratch_quarantine_));
   admissions_ += admitted;
-  if (h->cancelled) return;
   // What the step missed (a gather that counts nothing reports at least
   // what it logged): its demand for free frames, whatever it could take.
   const uint32_t missed = std::max(h->missed, used);

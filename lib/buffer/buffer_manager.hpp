@@ -113,9 +113,8 @@ struct RecordHeader {
   uint32_t hits;    // written by the device, right after used: hit log entries (<= hit_cap)
   uint32_t missed;  // written by the device, right after hits: units missed (what it could admit)
   uint32_t bytes;   // the record's size in the ring
-  uint32_t cancelled;  // its step was never enqueued
-  uint32_t key;        // which of its tracker's kinds of step (a layer + 1; 0: none)
-  uint32_t pad[3];
+  uint32_t key;     // which of its tracker's kinds of step (a layer + 1; 0: none)
+  uint32_t pad[4];
 };
 static_assert(sizeof(RecordHeader) == 64, "RecordHeader is one 64-byte line");
 static_assert(offsetof(RecordHeader, hits) == offsetof(RecordHeader, used) + 4 &&
@@ -223,9 +222,6 @@ class BufferManager {
   static constexpr uint32_t kMaxRecordKey = 4096;
   StepRecord open_record(StepTracker &t, uint64_t epoch, const uint64_t *heads, uint32_t n_runs,
                          uint32_t want, uint32_t hit_cap, uint32_t key = 0);
-  // The step of an open record will not be enqueued after all (it took
-  // nothing from the pool).
-  void cancel_record(const StepRecord &r);
 
   Stats stats();
   // The pool of free frames as the device sees it (cap 0 without a cache).

@@ -1532,8 +1532,10 @@ Status CudaBackend::assemble(Plan &plan) {
   a.work = pd.counters.as<uint32_t>() + kGatherWork;
   a.stats = d_stats_;
   a.mark = kernels::StepMark{reinterpret_cast<unsigned long long *>(plan.tracker().done_device()), epoch, nullptr};
+  // On a failure the step is ended on the host once the stream is idle
+  // (finish) and the record taken as the gather left it: never cancelled,
+  // since a launch's error may be an earlier call's, the gather enqueued.
   const cudaError_t err = kernels::gather_cuda(a, s);
-  if (err != cudaSuccess) e_.buffers().cancel_record(rec);
   return finish(plan.tracker(), epoch, err == cudaSuccess ? Status::ok() : kernel_status(err, "gather"), s);
 }
 
