@@ -1461,13 +1461,16 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
                                           pd.runs.as<kernels::DevRun>(), s, &v, pd.vars.as<kernels::StepVars>());
   bool replayed = false;
   if (err == cudaSuccess) {
+    // A key whose graph could not be made is tried again once another key
+    // has come (and then this one twice in a row).
+    if (pd.refused_key != key) pd.refused_key = PlanDevice::GraphKey{};
     PlanDevice::Graph *g = find_graph(pd, key);
     if (!g && pd.seen_key == key && pd.refused_key != key) {
       cudaGraphExec_t exec = nullptr;
       if (capture_decode(b, &exec) == cudaSuccess) {
         g = add_graph(pd, key, exec);
       } else {
-        pd.refused_key = key;  // tried again once the key changes
+        pd.refused_key = key;
       }
     }
     if (g) {
