@@ -219,6 +219,13 @@ TEST(GpuBatch, AppendsLandWhereSingleAppendsDoAcrossGrowths) {
 
 namespace {
 
+// Whether compute-sanitizer runs the test: WKV_TEST_UNDER_SANITIZER=1
+// (tools/gpu-check.sh sets it) or the sanitizer's injection library.
+bool under_sanitizer() {
+  const char *inject = std::getenv("CUDA_INJECTION64_PATH");
+  return std::getenv("WKV_TEST_UNDER_SANITIZER") || (inject && std::strstr(inject, "sanitizer"));
+}
+
 // A gate on a stream: the work enqueued after close() waits until open()
 // (a host function that blocks the stream, not the caller). A watchdog
 // opens it after `limit` should the caller itself wait for the stream.
@@ -335,10 +342,8 @@ TEST(GpuBatch, ADecodeLoopAcrossGrowthsNeverWaitsForTheStream) {
   // hook waits for the device once some 260 launches are in flight (found
   // with the loop's stack when the watchdog fired: inside cuLaunchKernelEx,
   // in the sanitizer's library, at step 28 of 40). The outputs across the
-  // growths are still checked. WKV_TEST_UNDER_SANITIZER=1 (tools/gpu-check.sh
-  // sets it) or the sanitizer's injection library says so.
-  const char *inject = std::getenv("CUDA_INJECTION64_PATH");
-  const bool gated = !std::getenv("WKV_TEST_UNDER_SANITIZER") && !(inject && std::strstr(inject, "sanitizer"));
+  // growths are still checked.
+  const bool gated = !under_sanitizer();
   if (!gated) std::printf("note: under compute-sanitizer, the loop is not gated (only its outputs are checked)\n");
   auto run = [&](auto body) {
     if (gated) return gate.run_closed(p.stream, body, std::chrono::seconds(30));
@@ -436,8 +441,7 @@ TEST(GpuBatch, DecodeGraphsReplayExactlyAsTheStateChanges) {
   wavekv::Plan plan_on(on.batched), plan_off(off.batched);
   KeyGen qgen(kKV, kD, 17);
   // 1200 steps; 300 under compute-sanitizer (its kernels are far slower).
-  const char *inject = std::getenv("CUDA_INJECTION64_PATH");
-  const bool sanitized = std::getenv("WKV_TEST_UNDER_SANITIZER") || (inject && std::strstr(inject, "sanitizer"));
+  const bool sanitized = under_sanitizer();
   const uint32_t kSteps = sanitized ? 300 : 1200, kHalfAt = kSteps / 2, kWindow = kHalfAt + 20;
   uint32_t mismatched = 0;
   wkv_stats window0{};  // at the first step of a window of replays only

@@ -294,6 +294,14 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // A lookup's host part: the run table (PlanDevice::host_runs), its bounds
   // and the plan's buffers; `graph`: laid out for a decode graph.
   Status size_plan(Plan &plan, cudaStream_t s, bool graph, PlanSizes *z);
+  // A step's access record (null header without a device cache): room to
+  // log the admissions of its misses (frames it takes from the buffer
+  // manager's pool) and its hits. Hits beyond the log's room refresh
+  // nothing (recency is a hint).
+  StepRecord open_step_record(Plan &plan, uint64_t epoch);
+  // A gather's arguments but for its pool, record, mark and variables.
+  kernels::GatherArgs gather_args(const kernels::DevRun *runs, uint32_t R, const kernels::DevLookup &lookup,
+                                  uint32_t max_ret, uint8_t *xk, uint8_t *xv, uint32_t *counters) const;
   // The kernels of a decode after its staging, on s (captured or not).
   struct DecodeBody;
   cudaError_t launch_decode(const DecodeBody &b, cudaStream_t s);
@@ -1345,28 +1353,14 @@ struct CudaBackend::DecodeBody {
 };
 
 cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s) {
-  const Config &cfg = e_.config();
   // The lookup: its last CTA lays out the offsets (no mark: the step ends
   // with the attention).
   const kernels::StepMark lookup_end{nullptr, 0, reinterpret_cast<unsigned int *>(b.counters) + kLookupCtas};
   cudaError_t err = kernels::lookup_zones(b.runs, b.R, b.G, b.d, b.scale, b.q, b.lookup, b.scores, b.max_clusters,
                                           s, lookup_end, b.split_clusters);
   if (err != cudaSuccess) return err;
-  kernels::GatherArgs a;
-  a.runs = b.runs;
-  a.n_runs = b.R;
-  a.lookup = b.lookup;
-  a.max_ret = b.max_ret;
-  a.row_bytes = cfg.row_bytes();
-  a.page_tokens = cfg.page_tokens();
-  a.xk = b.xk;
-  a.xv = b.xv;
-  a.cache = cache_;
-  a.frame_bytes = frame_bytes_;
-  a.frames = frames_;
+  kernels::GatherArgs a = gather_args(b.runs, b.R, b.lookup, b.max_ret, b.xk, b.xv, b.counters);
   if (frames_) a.pool = e_.buffers().pool();
-  a.work = b.counters + kGatherWork;
-  a.stats = d_stats_;
   a.vars = b.vars;
   err = kernels::gather_cuda(a, s);
   if (err != cudaSuccess) return err;
@@ -1436,10 +1430,7 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   // 2. The step's variables: its epoch (one for the whole step, reported
   //    by the attention's last CTA), its access record and the output.
   const uint64_t epoch = e_.buffers().begin(plan.tracker());
-  const StepRecord rec =
-      frames_ ? e_.buffers().open_record(plan.tracker(), epoch, pd.run_heads.data(), R, pd.want_units,
-                                         std::min<uint32_t>(pd.want_units, 16384), plan.layer + 1)
-              : StepRecord{};
+  const StepRecord rec = open_step_record(plan, epoch);
   kernels::StepVars v;
   v.epoch = epoch;
   if (rec.header) {
@@ -1498,32 +1489,44 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   return Status::ok();
 }
 
-Status CudaBackend::assemble(Plan &plan) {
-  DeviceGuard guard(dev_);
-  cudaStream_t s = static_cast<cudaStream_t>(plan.stream);
+StepRecord CudaBackend::open_step_record(Plan &plan, uint64_t epoch) {
+  if (!frames_) return StepRecord{};
+  const PlanDevice &pd = plan.dev;
+  return e_.buffers().open_record(plan.tracker(), epoch, pd.run_heads.data(), static_cast<uint32_t>(plan.runs.size()),
+                                  pd.want_units, std::min<uint32_t>(pd.want_units, 16384), plan.layer + 1);
+}
+
+kernels::GatherArgs CudaBackend::gather_args(const kernels::DevRun *runs, uint32_t R, const kernels::DevLookup &lookup,
+                                             uint32_t max_ret, uint8_t *xk, uint8_t *xv, uint32_t *counters) const {
   const Config &cfg = e_.config();
-  PlanDevice &pd = plan.dev;
-  const uint32_t R = static_cast<uint32_t>(plan.runs.size());
-  const uint64_t epoch = e_.buffers().begin(plan.tracker());
-  // The step's access record: room to log the admissions of its misses
-  // (frames it takes from the buffer manager's pool) and its hits. Hits
-  // beyond the log's room refresh nothing (recency is a hint).
-  const StepRecord rec =
-      frames_ ? e_.buffers().open_record(plan.tracker(), epoch, pd.run_heads.data(), R, pd.want_units,
-                                         std::min<uint32_t>(pd.want_units, 16384), plan.layer + 1)
-              : StepRecord{};
   kernels::GatherArgs a;
-  a.runs = pd.runs.as<kernels::DevRun>();
+  a.runs = runs;
   a.n_runs = R;
-  a.lookup = lookup_view(pd);
-  for (const RunPlan &rp : plan.runs) a.max_ret = std::max(a.max_ret, rp.n_ret);
+  a.lookup = lookup;
+  a.max_ret = max_ret;
   a.row_bytes = cfg.row_bytes();
   a.page_tokens = cfg.page_tokens();
-  a.xk = pd.xk.as<uint8_t>();
-  a.xv = pd.xv.as<uint8_t>();
+  a.xk = xk;
+  a.xv = xv;
   a.cache = cache_;
   a.frame_bytes = frame_bytes_;
   a.frames = frames_;
+  a.work = counters + kGatherWork;
+  a.stats = d_stats_;
+  return a;
+}
+
+Status CudaBackend::assemble(Plan &plan) {
+  DeviceGuard guard(dev_);
+  cudaStream_t s = static_cast<cudaStream_t>(plan.stream);
+  PlanDevice &pd = plan.dev;
+  const uint32_t R = static_cast<uint32_t>(plan.runs.size());
+  const uint64_t epoch = e_.buffers().begin(plan.tracker());
+  const StepRecord rec = open_step_record(plan, epoch);
+  uint32_t max_ret = 0;
+  for (const RunPlan &rp : plan.runs) max_ret = std::max(max_ret, rp.n_ret);
+  kernels::GatherArgs a = gather_args(pd.runs.as<kernels::DevRun>(), R, lookup_view(pd), max_ret,
+                                      pd.xk.as<uint8_t>(), pd.xv.as<uint8_t>(), pd.counters.as<uint32_t>());
   if (rec.header) {
     a.pool = e_.buffers().pool();
     a.admit_cap = rec.admit_cap;
@@ -1532,8 +1535,6 @@ Status CudaBackend::assemble(Plan &plan) {
     a.hit_cap = rec.hit_cap;
     a.record_counts = &rec.header->used;
   }
-  a.work = pd.counters.as<uint32_t>() + kGatherWork;
-  a.stats = d_stats_;
   a.mark = kernels::StepMark{reinterpret_cast<unsigned long long *>(plan.tracker().done_device()), epoch, nullptr};
   // On a failure the step is ended on the host once the stream is idle
   // (finish) and the record taken as the gather left it: never cancelled,
