@@ -28,7 +28,8 @@
 #                                  once per policy of POLICIES, lru clock
 #                                  slru, for POLICY_ROUNDS rounds, 2)
 #
-# Environment: SANITIZER_TOOLS (memcheck racecheck), SANITIZER_TESTS (every
+# Environment: BUILD_TARGETS (the targets the build step builds: all of
+# them unless set, e.g. "wavekv gpu_batch"), SANITIZER_TOOLS (memcheck racecheck), SANITIZER_TESTS (every
 # tests/gpu_*.cpp program), SANITIZER_ARGS (added to each test program's
 # command line, e.g. --gtest_filter=...), SANITIZER_TIMEOUT and BENCH_TIMEOUT
 # (seconds a program, 240).
@@ -68,7 +69,7 @@ step gpu "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 if want build || [ ! -d build-gpu ]; then
   start=$SECONDS
   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DWKV_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-    > "$LOG/configure.log" 2>&1 && cmake --build build-gpu -j"$JOBS" > "$LOG/build.log" 2>&1
+    > "$LOG/configure.log" 2>&1 && cmake --build build-gpu -j"$JOBS" ${BUILD_TARGETS:+--target $BUILD_TARGETS} > "$LOG/build.log" 2>&1
   build_rc=$?
   step build "$([ $build_rc = 0 ] && echo "ok ($((SECONDS - start)) s)" || echo "FAILED (see build.log)")"
   if [ $build_rc != 0 ]; then grep -E "error" -A3 "$LOG/build.log" | head -60; exit 1; fi

@@ -806,9 +806,21 @@ Status CudaBackend::alloc_device(size_t bytes, void **dev) {
   }
   void *d = nullptr;
   WKV_CU(cudaMalloc(&d, bytes));
-  if (cudaMemset(d, 0, bytes) != cudaSuccess) {
+  // Zeroed on the pool's stream, and waited for (the engine is opening):
+  // the pool's slots and counts are written there (publish_frames) and
+  // read by steps on any stream. Not cudaMemset: that zeroes on the legacy
+  // default stream, which the engine's non-blocking streams do not wait
+  // for. A publish could overtake the zeroing (a copy engine's copy runs
+  // while other processes' kernels hold the multiprocessors), leaving
+  // every slot naming frame 0: every unit admitted mapped to one frame,
+  // and the steps after it reading that frame's rows for all of them.
+  cudaError_t err = cudaMemsetAsync(d, 0, bytes, pool_stream_);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(pool_stream_);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
     cudaFree(d);
-    return WKV_ERROR(WKV_ERR_DEVICE, "cudaMemset of the buffer manager's device memory failed");
+    return WKV_ERROR(WKV_ERR_DEVICE, "zeroing the buffer manager's device memory failed: %s",
+                     cudaGetErrorString(err));
   }
   d_blocks_.push_back(d);
   *dev = d;
