@@ -35,7 +35,7 @@ for r in $(seq 1 "$rounds"); do
   printf 'round %d: %d passed, %d failed\n' "$r" "$pass" "$fail"
 done
 for f in "$dir/$tag"-*.log; do
-  if grep -q "FAILED\|Failure" "$f"; then
+  if grep -q "^\[  FAILED  \]\|: Failure$" "$f"; then
     echo "--- $(basename "$f")"
     grep -E "Failure|first off|Expected|Which is|FAILED" "$f" | head -12
   fi
