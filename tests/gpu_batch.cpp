@@ -557,3 +557,164 @@ TEST(GpuBatch, DecodeGraphsReplayExactlyAsTheStateChanges) {
   EXPECT_GT(s_on.cache_admissions, window0.cache_admissions) << "the window's gathers admit";
   EXPECT_GT(s_on.cache_hits, window0.cache_hits) << "the window's gathers read the cache";
 }
+
+namespace {
+
+// An engine of config c with decode graphs on or off (WKV_DECODE_GRAPHS,
+// read when the engine opens; restored after).
+wavekv::Engine engine_with_graphs(const wkv_config &c, bool graphs) {
+  const char *was = std::getenv("WKV_DECODE_GRAPHS");
+  const std::string saved = was ? was : "";
+  if (graphs) unsetenv("WKV_DECODE_GRAPHS");
+  else setenv("WKV_DECODE_GRAPHS", "0", 1);
+  wavekv::Engine e(c);
+  if (was) setenv("WKV_DECODE_GRAPHS", saved.c_str(), 1);
+  else unsetenv("WKV_DECODE_GRAPHS");
+  return e;
+}
+
+// Two engines of one config fed the same tokens and queries, n sequences
+// each: `on` replays decode graphs, `off` launches a step's kernels one by
+// one. Their outputs must agree bit for bit.
+struct Twin {
+  wkv_config c;
+  uint32_t n;
+  wavekv::Engine on, off;
+  std::vector<wavekv::Sequence> son, soff;
+  std::vector<wkv_seq *> hon, hoff;
+  std::vector<KeyGen> gens;
+  cudaStream_t stream = nullptr;
+  Twin(const wkv_config &cfg, uint32_t n_seqs)
+      : c(cfg), n(n_seqs), on(engine_with_graphs(cfg, true)), off(engine_with_graphs(cfg, false)) {
+    for (uint32_t i = 0; i < n; ++i) {
+      son.emplace_back(on);
+      soff.emplace_back(off);
+      hon.push_back(son.back().get());
+      hoff.push_back(soff.back().get());
+      gens.emplace_back(c.n_kv_heads, c.head_dim, 300 + i);
+    }
+    cudaStreamCreate(&stream);
+  }
+  ~Twin() { cudaStreamDestroy(stream); }
+
+  // T tokens to every sequence of both engines, in one wkv_append_batch
+  // each, from device memory laid out [n][T][KV heads][d].
+  void append(uint32_t T) {
+    const uint32_t H = c.n_kv_heads, d = c.head_dim;
+    std::vector<float> k, v;
+    for (uint32_t i = 0; i < n; ++i) gens[i].next(T, &k, &v);
+    const std::vector<uint8_t> kb = pack(c.dtype, k), vb = pack(c.dtype, v);
+    Dev dk(kb.size()), dv(vb.size());
+    ASSERT_EQ(cudaMemcpy(dk.p, kb.data(), kb.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dv.p, vb.data(), vb.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    const int64_t seq = int64_t(T) * H * d;
+    wavekv::append_batch(hon.data(), n, 0, dk.p, dv.p, T, seq, H * d, d, stream);
+    wavekv::append_batch(hoff.data(), n, 0, dk.p, dv.p, T, seq, H * d, d, stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  }
+  void end_prompt() {
+    for (uint32_t i = 0; i < n; ++i) {
+      son[i].end_prompt(0, stream);
+      soff[i].end_prompt(0, stream);
+    }
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  }
+  // One decoding step of every sequence on both engines, each through its
+  // plan; false where the outputs differ or one is not finite.
+  bool decode(KeyGen &qgen, wavekv::Plan &pon, wavekv::Plan &poff) {
+    const uint32_t H = c.n_kv_heads, G = c.n_q_heads / c.n_kv_heads;
+    std::vector<float> q;
+    for (uint32_t i = 0; i < n; ++i)
+      for (uint32_t h = 0; h < H; ++h) qgen.query(h, G, &q);
+    for (float &x : q) x = round_to(c.dtype, x);
+    const std::vector<uint8_t> qb = pack(c.dtype, q);
+    Dev dq(qb.size()), oa(qb.size()), ob(qb.size());
+    EXPECT_EQ(cudaMemcpy(dq.p, qb.data(), qb.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    pon.decode(hon.data(), n, 0, dq.p, oa.p, stream);
+    poff.decode(hoff.data(), n, 0, dq.p, ob.p, stream);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::vector<uint8_t> a(qb.size()), b(qb.size());
+    EXPECT_EQ(cudaMemcpy(a.data(), oa.p, a.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(b.data(), ob.p, b.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    for (float x : unpack(c.dtype, a, q.size()))
+      if (!std::isfinite(x)) return false;
+    return a == b;
+  }
+  // `steps` steps of one token a sequence; the steps whose outputs differ.
+  uint32_t run(uint32_t steps, uint64_t seed) {
+    wavekv::Plan pon(on), poff(off);
+    KeyGen qgen(c.n_kv_heads, c.head_dim, seed);
+    uint32_t off_steps = 0;
+    for (uint32_t st = 0; st < steps; ++st) {
+      append(1);
+      if (!decode(qgen, pon, poff)) ++off_steps;
+    }
+    return off_steps;
+  }
+};
+
+// A config for the graph tests below: every zone in use, a growth every 32
+// generated tokens.
+wkv_config graph_config(uint32_t q_heads, uint32_t kv_heads) {
+  wkv_config c = config();
+  c.n_q_heads = q_heads;
+  c.n_kv_heads = kv_heads;
+  c.update_segment_tokens = 32;
+  c.window_tokens = 16;
+  c.retrieval_frac = 0.25f;
+  c.estimation_frac = 0.25f;
+  return c;
+}
+
+}  // namespace
+
+// More runs than one staging launch takes (160): 24 sequences of 8 KV heads
+// are 192 runs, staged in two launches, the step's variables stored by the
+// first. Replays stay bit for bit those of the kernels launched one by one,
+// across growths.
+TEST(GpuBatch, DecodeGraphsStayExactOverMoreRunsThanOneStagingLaunchTakes) {
+  REQUIRE_GPU();
+  Twin t(graph_config(32, 8), 24);
+  t.append(700);
+  t.end_prompt();
+  const uint32_t steps = under_sanitizer() ? 40 : 150;
+  EXPECT_EQ(t.run(steps, 41), 0u) << "steps whose replayed output differs from the kernels launched one by one";
+  EXPECT_GE(t.on.stats().decode_graphs, steps * 8 / 10) << "steps replayed as graphs";
+  // The prompt's segment, then one a 32 tokens, less the growth lag.
+  EXPECT_GE(t.son[0].info(0).segments, 1u + steps / 50) << "the steps crossed growths";
+}
+
+// An engine without a device cache (a cache smaller than one frame): its
+// graphs gather every unit from host pages and open no access record.
+TEST(GpuBatch, DecodeGraphsStayExactWithoutADeviceCache) {
+  REQUIRE_GPU();
+  wkv_config c = graph_config(kQ, kKV);
+  c.device_cache_bytes = 1;
+  Twin t(c, kN);
+  t.append(2100);
+  t.end_prompt();
+  const uint32_t steps = under_sanitizer() ? 60 : 200;
+  EXPECT_EQ(t.run(steps, 43), 0u) << "steps whose replayed output differs from the kernels launched one by one";
+  const wkv_stats s = t.on.stats();
+  EXPECT_EQ(s.device_cache_bytes, 0u) << "the engine has no device cache";
+  EXPECT_EQ(s.cache_hits + s.cache_admissions, 0u);
+  EXPECT_GE(s.decode_graphs, steps * 8 / 10) << "steps replayed as graphs";
+}
+
+// A selection split over several CTAs a run (a cluster of CTAs): runs of
+// some 9200 clusters (clusters of 2 tokens) split it four ways on an H100
+// (kernels::select_split: slices of at least 2048 clusters while the grid
+// stays within half the multiprocessors). The split follows the largest
+// run as it grows; replays stay exact.
+TEST(GpuBatch, DecodeGraphsStayExactWithTheSelectionSplit) {
+  REQUIRE_GPU();
+  wkv_config c = graph_config(kQ, kKV);
+  c.cluster_tokens = 2;
+  Twin t(c, 2);
+  for (int part = 0; part < 9; ++part) t.append(2050);
+  t.end_prompt();
+  EXPECT_GE(t.son[0].info(0).clusters, 2u * 8192u) << "runs (KV heads) of 8192 clusters or more: a split of four";
+  const uint32_t steps = under_sanitizer() ? 40 : 150;
+  EXPECT_EQ(t.run(steps, 47), 0u) << "steps whose replayed output differs from the kernels launched one by one";
+  EXPECT_GE(t.on.stats().decode_graphs, steps * 8 / 10) << "steps replayed as graphs";
+}

@@ -348,3 +348,81 @@ TEST(GpuHeadState, DeviceMemoryAndPinningFailuresAreReportedAndTheEngineGoesOn) 
     EXPECT_EQ(st.code(), WKV_ERR_OUT_OF_MEMORY) << st.message();
   }
 }
+
+// Decode graphs that cannot be made or launched (injected, as if the driver
+// refused): the step's kernels launch one by one instead, every output is
+// bit for bit an engine's without graphs, and a refused graph is tried
+// again after a backoff (64 steps, doubling at each refusal in a row), so a
+// plan whose shape stays replays again once the failures stop.
+TEST(GpuHeadState, DecodeGraphFailuresFallBackToLaunchesAndStayExact) {
+  REQUIRE_GPU();
+  auto open = [](bool graphs) {
+    const char *was = std::getenv("WKV_DECODE_GRAPHS");
+    const std::string saved = was ? was : "";
+    if (graphs) unsetenv("WKV_DECODE_GRAPHS");
+    else setenv("WKV_DECODE_GRAPHS", "0", 1);
+    Engine e(WKV_DEVICE_CUDA, 0.25f, 0.25f);
+    if (was) setenv("WKV_DECODE_GRAPHS", saved.c_str(), 1);
+    else unsetenv("WKV_DECODE_GRAPHS");
+    return e;
+  };
+  Engine on = open(true), off = open(false);
+  auto s_on = on.sequence(), s_off = off.sequence();
+  Context ctx;
+  std::vector<uint8_t> k, v;
+  ctx.draw(2100, &k, &v);
+  on.append(*s_on, k, v, 2100);
+  off.append(*s_off, k, v, 2100);
+  on.end_prompt(*s_on);
+  off.end_prompt(*s_off);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  // wkv_decode's path: the whole step where the backend runs it, else the
+  // split verbs; the query and output buffers stay (a graph is made for
+  // the buffers it was captured with).
+  const size_t q_bytes = size_t(kQ) * kD * 2;
+  Buf dq(true, std::vector<uint8_t>(q_bytes)), dout(true, std::vector<uint8_t>(q_bytes));
+  auto decode = [&](Engine &e, wkv::Plan &plan, const std::shared_ptr<wkv::Sequence> &s,
+                    const std::vector<float> &q) {
+    const std::vector<uint8_t> qb = pack(kDT, q);
+    EXPECT_EQ(cudaMemcpy(dq.p, qb.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    const wkv::DecodeOut whole{dout.p, kQ * kD, kD};
+    wkv::Status st = e.e->lookup(plan, &s, 1, 0, dq.p, kQ * kD, kD, stream, &whole);
+    if (st.is_ok() && plan.stage != wkv::Plan::Stage::kAssembled) {
+      st = e.e->assemble(plan, stream);
+      if (st.is_ok()) st = e.e->attend(plan, dout.p, kQ * kD, kD, nullptr, stream);
+      if (st.is_ok()) st = e.e->update(plan, stream);
+    }
+    EXPECT_TRUE(st.is_ok()) << st.message();
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    return dout.host();
+  };
+  std::shared_ptr<wkv::StepTracker> t_on, t_off;
+  ASSERT_TRUE(on.e->buffers().new_tracker(&t_on).is_ok());
+  ASSERT_TRUE(off.e->buffers().new_tracker(&t_off).is_ok());
+  {
+    wkv::Plan p_on(on.e, t_on), p_off(off.e, t_off);
+    // Step 40: a launch fails (retried 64 steps later). Step 150: a launch
+    // fails, and the capture 64 steps later too (retried 128 steps after
+    // that). The last 40 steps come after every retry.
+    const uint32_t kSteps = 400, kWindow = 360;
+    uint32_t differ = 0;
+    uint64_t window0 = 0;
+    auto replays = [&] { return on.e->counters().decode_graphs.load(); };
+    for (uint32_t st = 0; st < kSteps; ++st) {
+      if (st == 40) on.e->faults().arm(wkv::FaultInjector::kGraph, 1);
+      if (st == 150) on.e->faults().arm(wkv::FaultInjector::kGraph, 2);
+      if (st == kWindow) window0 = replays();
+      ctx.draw(1, &k, &v);
+      on.append(*s_on, k, v, 1);
+      off.append(*s_off, k, v, 1);
+      const std::vector<float> q = ctx.query();
+      if (decode(on, p_on, s_on, q) != decode(off, p_off, s_off, q)) ++differ;
+    }
+    EXPECT_EQ(differ, 0u) << "steps whose output differs from the engine without graphs";
+    EXPECT_LE(replays(), uint64_t(kSteps) - 150) << "the failures and their backoffs kept steps from replaying";
+    EXPECT_GE(replays() - window0, uint64_t(kSteps - kWindow) - 2) << "once the failures stop, the plan replays again";
+    EXPECT_EQ(off.e->counters().decode_graphs.load(), 0u);
+  }
+  cudaStreamDestroy(stream);
+}

@@ -15,6 +15,7 @@ class FaultInjector {
     kEngineAlloc,  // a region of engine memory (host on the CPU, device on CUDA)
     kPinning,      // pinning a host arena chunk for the device (CUDA)
     kGrowth,       // an index growth, before it changes anything (as if out of memory)
+    kGraph,        // making a decode graph, or launching one (CUDA; as if the driver refused)
     kSites
   };
 

@@ -50,7 +50,10 @@ struct PlanDevice {
   // (cudaGraphExec_t), each for the shape and buffers of its key, the most
   // recently used first; seen_key is the last decode's, so that a graph is
   // made only for a shape seen twice in a row, and refused_key the last
-  // whose graph could not be made.
+  // whose graph could not be made or launched: tried again once another key
+  // has come, or after `retry_in` more of its steps (a backoff that doubles
+  // from 64 to 4096 steps at each refusal in a row; a driver's refusal may
+  // pass, and a plan whose shape stays must not lose its graph for good).
   Region vars;
   // The bounds a graph's kernels take (grids, splits, the scores' place):
   // raised past what a step needs, never lowered, so that a graph serves
@@ -65,6 +68,7 @@ struct PlanDevice {
   static constexpr size_t kMaxGraphs = 4;  // a batch that alternates between a few shapes
   std::array<Graph, kMaxGraphs> graphs{};
   GraphKey seen_key{}, refused_key{};
+  uint32_t retry_in = 0, backoff = 0;
 };
 
 // wkv_decode's output, for a backend that runs a whole step at once.

@@ -1464,27 +1464,36 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
                                           pd.runs.as<kernels::DevRun>(), s, &v, pd.vars.as<kernels::StepVars>());
   bool replayed = false;
   if (err == cudaSuccess) {
-    // A key whose graph could not be made is tried again once another key
-    // has come (and then this one twice in a row).
-    if (pd.refused_key != key) pd.refused_key = PlanDevice::GraphKey{};
+    // A key whose graph could not be made or launched is tried again once
+    // another key has come (and then this one twice in a row), or once its
+    // backoff has passed (PlanDevice::retry_in).
+    if (pd.refused_key != key || --pd.retry_in == 0) pd.refused_key = PlanDevice::GraphKey{};
+    auto refuse = [&pd, &key] {
+      pd.refused_key = key;
+      pd.backoff = std::min<uint32_t>(pd.backoff ? 2 * pd.backoff : 64, 4096);
+      pd.retry_in = pd.backoff;
+    };
     PlanDevice::Graph *g = find_graph(pd, key);
     if (!g && pd.seen_key == key && pd.refused_key != key) {
       cudaGraphExec_t exec = nullptr;
-      if (capture_decode(b, &exec) == cudaSuccess) {
+      if (!e_.faults().fail(FaultInjector::kGraph) && capture_decode(b, &exec) == cudaSuccess) {
         g = add_graph(pd, key, exec);
       } else {
-        pd.refused_key = key;
+        refuse();
       }
     }
     if (g) {
-      err = cudaGraphLaunch(static_cast<cudaGraphExec_t>(g->exec), s);
+      err = e_.faults().fail(FaultInjector::kGraph) ? cudaErrorLaunchFailure
+                                                    : cudaGraphLaunch(static_cast<cudaGraphExec_t>(g->exec), s);
       replayed = err == cudaSuccess;
-      if (!replayed) {
+      if (replayed) {
+        pd.backoff = 0;
+      } else {
         // Not launched (nothing of it enqueued): dropped, and the step's
         // kernels launched one by one.
         (void)cudaGetLastError();
         drop_graph(g);
-        pd.refused_key = key;
+        refuse();
       }
     }
     if (!replayed) err = launch_decode(b, s);
