@@ -164,6 +164,31 @@ struct StepVars {
   float *lse = nullptr;
 };
 
+// A decode graph's own staging (stage_from_ring, kernels/table_cuda.hpp):
+// the host writes each replayed step's variables, query and run table into
+// the next slot of a ring in pinned, mapped host memory, then launches the
+// graph; the graph's first kernel reads the slot that a device counter
+// names and moves the counter on. A slot is this header, then the run
+// table (DevRun[n_runs]), 8-byte aligned.
+struct StageSlot {
+  StepVars vars;
+  const void *q = nullptr;  // [n_seqs][n_q_heads][d] of the engine's dtype
+  int64_t q_seq_stride = 0, q_head_stride = 0;  // elements
+  uint32_t n_runs = 0, n_seqs = 0;
+};
+
+// The ring: slot i at slots + i * slot_bytes (device addresses of mapped
+// memory); `taken` counts the slots the graphs have taken (device word,
+// slot taken % n_slots next) and `ctas` the staging's finished CTAs
+// (device word, zero between launches).
+struct StageRing {
+  const uint8_t *slots = nullptr;
+  uint64_t slot_bytes = 0;
+  uint32_t n_slots = 0;
+  unsigned int *taken = nullptr;
+  unsigned int *ctas = nullptr;
+};
+
 // The output of lookup for all runs (device):
 //   ret_ids[ret_off + i], i < n_ret     retrieval cluster ids, ascending
 //   ret_pos[ret_off + i]                exclusive prefix sum of their sizes:

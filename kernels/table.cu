@@ -182,6 +182,37 @@ __global__ void stage_lookup_kernel(const __grid_constant__ RunChunk<N> chunk, D
   for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) o[i] = DevType<T>::to_f(row[i]);
 }
 
+// stage_lookup_kernel's work from a ring's slot (StageRing): every CTA
+// reads the counter first; the last CTA to finish moves it on, after every
+// CTA has read it and its share of the slot.
+template <typename T>
+__global__ void stage_ring_kernel(const StageRing ring, uint32_t n_runs, uint32_t nq, uint32_t d, uint32_t q_rows,
+                                  float *q_dst, DevRun *dst, StepVars *vars_dst) {
+  __shared__ unsigned int taken;
+  if (threadIdx.x == 0) taken = *reinterpret_cast<volatile unsigned int *>(ring.taken);
+  __syncthreads();
+  const uint8_t *slot = ring.slots + size_t(taken % ring.n_slots) * ring.slot_bytes;
+  const StageSlot *h = reinterpret_cast<const StageSlot *>(slot);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *vars_dst = h->vars;
+  const uint64_t *src = reinterpret_cast<const uint64_t *>(slot + sizeof(StageSlot));
+  uint64_t *out = reinterpret_cast<uint64_t *>(dst);
+  const uint32_t words = n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8);
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) out[i] = src[i];
+  if (blockIdx.x < q_rows) {
+    const uint32_t sq = blockIdx.x / nq, hq = blockIdx.x % nq;
+    const typename DevType<T>::type *row =
+        static_cast<const typename DevType<T>::type *>(h->q) + sq * h->q_seq_stride + hq * h->q_head_stride;
+    float *o = q_dst + static_cast<size_t>(blockIdx.x) * d;
+    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) o[i] = DevType<T>::to_f(row[i]);
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicAdd(ring.ctas, 1u) != gridDim.x - 1) return;
+  *ring.ctas = 0;  // for the next launch (stream order)
+  *reinterpret_cast<volatile unsigned int *>(ring.taken) = taken + 1;
+}
+
 // f32 to f16, round to nearest even, elements first, first + stride, ...
 // of n; *overflow |= 1 where a value is outside f16's range (NaN
 // included), as the CPU engine's compact mirror tests it. Every thread of
@@ -244,6 +275,7 @@ __global__ void apply_spans_kernel(const __grid_constant__ SpanChunk chunk) {
 }  // namespace
 
 static_assert(sizeof(DevRun) % 8 == 0, "DevRun is copied in 8-byte words");
+static_assert(sizeof(StageSlot) % 8 == 0, "a slot's run table is 8-byte aligned");
 
 namespace {
 template <typename T, uint32_t N>
@@ -263,6 +295,26 @@ cudaError_t launch_stage(const DevRun *runs, uint32_t n, DevRun *dst, const void
   return cudaSuccess;
 }
 }  // namespace
+
+cudaError_t stage_from_ring(DType t, const StageRing &ring, uint32_t n_runs, uint32_t n_seqs, uint32_t n_q_heads,
+                            uint32_t d, float *q_dst, DevRun *dst, StepVars *vars_dst, void *stream) {
+  if (!ring.slots || ring.n_slots == 0 || !ring.taken || !ring.ctas || !vars_dst || (n_runs > 0 && !dst) ||
+      (n_seqs > 0 && !q_dst))
+    return cudaErrorInvalidValue;
+  if (ring.slot_bytes < sizeof(StageSlot) + uint64_t(n_runs) * sizeof(DevRun) || ring.slot_bytes % 8 != 0)
+    return cudaErrorInvalidValue;
+  if (static_cast<uint64_t>(n_seqs) * n_q_heads > INT32_MAX) return cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return WKV_DISPATCH_DTYPE(t, T, cudaErrorNotSupported, [&]() -> cudaError_t {
+    constexpr uint32_t threads = 128;
+    const uint32_t q_rows = n_seqs * n_q_heads;
+    const uint32_t word_ctas = (n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8) + threads - 1) / threads;
+    const uint32_t ctas = std::max<uint32_t>({q_rows, word_ctas, 1u});
+    stage_ring_kernel<T><<<ctas, threads, 0, s>>>(ring, n_runs, n_q_heads, d, q_rows, q_dst, dst, vars_dst);
+    WKV_CUDA_CHECK_LAUNCH("stage_from_ring");
+    return cudaSuccess;
+  });
+}
 
 cudaError_t stage_lookup(DType t, const void *q, int64_t seq_stride, int64_t head_stride, uint32_t n_seqs,
                          uint32_t n_q_heads, uint32_t d, float *q_dst, const DevRun *host_runs, uint32_t n,

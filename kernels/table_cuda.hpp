@@ -1,6 +1,8 @@
 // Small device-side table updates of the CUDA backend. Every value travels
 // as a kernel parameter, never through a host staging buffer, so that the
-// host may reuse its memory at once: no host wait, no staging hazard.
+// host may reuse its memory at once: no host wait, no staging hazard. The
+// one exception is stage_from_ring, a decode graph's staging, whose ring
+// the caller reuses only once the step that read a slot has ended.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +24,15 @@ namespace wkv::kernels {
 cudaError_t stage_lookup(DType t, const void *q, int64_t seq_stride, int64_t head_stride, uint32_t n_seqs,
                          uint32_t n_q_heads, uint32_t d, float *q_dst, const DevRun *host_runs, uint32_t n,
                          DevRun *dst, void *stream, const StepVars *vars = nullptr, StepVars *vars_dst = nullptr);
+
+// A decode graph's staging from its ring (StageRing, device_layout.hpp):
+// what stage_lookup does with values a launch carries, from the slot the
+// ring's counter names (n_runs runs, n_seqs sequences of n_q_heads query
+// rows, as the slot says too); its last CTA moves the counter on. For
+// capture in a graph whose launches each follow the host's write of the
+// next slot.
+cudaError_t stage_from_ring(DType t, const StageRing &ring, uint32_t n_runs, uint32_t n_seqs, uint32_t n_q_heads,
+                            uint32_t d, float *q_dst, DevRun *dst, StepVars *vars_dst, void *stream);
 
 // Writes `epoch` to *done once the work enqueued on `stream` before it has
 // ended (StepMark without a kernel of its own to carry it).

@@ -60,7 +60,7 @@ struct PlanDevice {
   // while the index grows and its tails fill and empty.
   uint32_t bound_clusters = 0, bound_ret = 0, bound_run = 0;
   size_t bound_logits = 0;
-  using GraphKey = std::array<uint64_t, 24>;
+  using GraphKey = std::array<uint64_t, 26>;
   struct Graph {
     GraphKey key{};
     void *exec = nullptr;
@@ -69,6 +69,17 @@ struct PlanDevice {
   std::array<Graph, kMaxGraphs> graphs{};
   GraphKey seen_key{}, refused_key{};
   uint32_t retry_in = 0, backoff = 0;
+  // The ring a replay stages from (kernels::StageSlot): kStageSlots slots
+  // of pinned, mapped host memory, the backend's (recycled, never freed
+  // under a reader); the host writes slot stage_next % kStageSlots and
+  // launches the graph, whose first kernel reads the slot that the device's
+  // count names, the same. A slot is written again once the step that last
+  // wrote it (stage_epochs) has ended.
+  static constexpr uint32_t kStageSlots = 64;
+  uint8_t *stage_host = nullptr, *stage_dev = nullptr;
+  size_t stage_bytes = 0, stage_slot_bytes = 0;
+  uint32_t stage_next = 0;
+  std::array<uint64_t, kStageSlots> stage_epochs{};
 };
 
 // wkv_decode's output, for a backend that runs a whole step at once.

@@ -68,6 +68,7 @@ Status PinnedBlocks::alloc(size_t bytes, void **host, void **dev) {
     return cuda_error(err, "cudaHostGetDevicePointer", __FILE__, __LINE__);
   }
   try {
+    std::lock_guard<std::mutex> lock(mu_);
     blocks_.push_back(p);
   } catch (...) {
     cudaFreeHost(p);
@@ -197,9 +198,11 @@ struct PlanSizes {
   size_t retrieved = 0, estimated = 0;
 };
 
-// The plan's kernel counters (PlanDevice::counters): the gather's three, and
-// the finished CTAs of attend's, merge's and the lookup's last kernels.
-constexpr uint32_t kGatherWork = 0, kAttendCtas = 3, kMergeCtas = 4, kLookupCtas = 5, kCounterWords = 8;
+// The plan's kernel counters (PlanDevice::counters): the gather's three,
+// the finished CTAs of attend's, merge's and the lookup's last kernels, and
+// a replay's staging: its finished CTAs and the ring's count of slots taken.
+constexpr uint32_t kGatherWork = 0, kAttendCtas = 3, kMergeCtas = 4, kLookupCtas = 5, kStageCtas = 6,
+                   kStageTaken = 7, kCounterWords = 8;
 
 // A growth's k-means batch: its outputs in device memory, what the host
 // reads of them (counts, first members, sizes, value totals) and the
@@ -305,6 +308,9 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // The kernels of a decode after its staging, on s (captured or not).
   struct DecodeBody;
   cudaError_t launch_decode(const DecodeBody &b, cudaStream_t s);
+  // A ring for the plan's replays with slots for R runs (PlanDevice::stage_host).
+  Status stage_ring(PlanDevice &pd, uint32_t R);
+  void release_stage(PlanDevice &pd);
   // Captures them into an executable graph.
   cudaError_t capture_decode(const DecodeBody &b, cudaGraphExec_t *out);
   // The k-means workspace, grow only (one growth at a time uses it).
@@ -344,6 +350,15 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   bool graphs_ = true;
   std::mutex cap_mu_;
   cudaStream_t cap_ = nullptr;
+  // The plans' staging rings (PlanDevice::stage_host): pinned blocks, never
+  // freed before close (that would synchronize the device); a plan's old
+  // ring comes back here once the steps that may read it have ended.
+  struct StageBlock {
+    uint8_t *host = nullptr, *dev = nullptr;
+    size_t bytes = 0;
+  };
+  std::mutex stage_mu_;
+  std::vector<StageBlock> stage_free_;
 
   // The k-means of growths: on a stream of their own (grow_), one batch
   // after another, sharing one workspace; each batch has its outputs
@@ -1160,6 +1175,7 @@ void CudaBackend::release_plan(Plan &plan) {
     DeviceGuard guard(dev_);
     for (PlanDevice::Graph &g : pd.graphs) drop_graph(&g);
   }
+  release_stage(pd);
   for (Region *r : {&pd.runs, &pd.q, &pd.ret_ids, &pd.ret_pos, &pd.est_ids, &pd.run_tokens, &pd.est_out, &pd.est_lse,
                     &pd.offsets, &pd.logits, &pd.zones, &pd.xk, &pd.xv, &pd.scratch, &pd.counters, &pd.est_extra,
                     &pd.vars})
@@ -1318,20 +1334,23 @@ Status CudaBackend::lookup(Plan &plan) {
 // the plan's StepVars, written by the staging, so that a graph of these
 // kernels serves every step whose key (below) is the same.
 struct CudaBackend::DecodeBody {
-  const kernels::DevRun *runs = nullptr;
+  kernels::DevRun *runs = nullptr;  // written by a replay's staging, as q and vars
   uint32_t R = 0, G = 0, H = 0, d = 0, max_clusters = 0, max_ret = 0, max_run = 0;
   float scale = 0.f;
   DType dtype{};
-  const float *q = nullptr;
+  float *q = nullptr;
   float *scores = nullptr, *scratch = nullptr;
   size_t scratch_floats = 0;
   kernels::DevLookup lookup{};
   uint8_t *xk = nullptr, *xv = nullptr;
   uint32_t *counters = nullptr;
-  const kernels::StepVars *vars = nullptr;
+  kernels::StepVars *vars = nullptr;
   unsigned long long *done = nullptr;
 
   uint32_t split_clusters = 0;  // the real largest run: decides the selection's split
+  // A replay's staging: its ring, and the query rows it converts.
+  kernels::StageRing ring{};
+  uint32_t n_seqs = 0, nq = 0;
 
   // What a graph of these kernels fixed: the bounds, the selection's split
   // and every address.
@@ -1360,7 +1379,9 @@ struct CudaBackend::DecodeBody {
             a(xv),
             a(counters),
             a(vars),
-            a(done)};
+            a(done),
+            a(ring.slots),
+            ring.slot_bytes};
   }
 };
 
@@ -1388,7 +1409,9 @@ cudaError_t CudaBackend::capture_decode(const DecodeBody &b, cudaGraphExec_t *ou
   // Relaxed: the launches' wrappers may ask the device's attributes.
   cudaError_t err = cudaStreamBeginCapture(cap_, cudaStreamCaptureModeRelaxed);
   if (err != cudaSuccess) return err;
-  err = launch_decode(b, cap_);
+  // The staging from the ring's next slot, then the step's kernels.
+  err = kernels::stage_from_ring(b.dtype, b.ring, b.R, b.n_seqs, b.nq, b.d, b.q, b.runs, b.vars, cap_);
+  if (err == cudaSuccess) err = launch_decode(b, cap_);
   cudaGraph_t g = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(cap_, &g);
   if (err == cudaSuccess) err = ended;
@@ -1396,6 +1419,60 @@ cudaError_t CudaBackend::capture_decode(const DecodeBody &b, cudaGraphExec_t *ou
   if (g) cudaGraphDestroy(g);
   if (err != cudaSuccess) (void)cudaGetLastError();
   return err;
+}
+
+Status CudaBackend::stage_ring(PlanDevice &pd, uint32_t R) {
+  const size_t need = (sizeof(kernels::StageSlot) + size_t(R) * sizeof(kernels::DevRun) + 63) & ~size_t{63};
+  if (need <= pd.stage_slot_bytes) return Status::ok();
+  // Slots half again as large as the last ring's, so that a batch that
+  // grows a sequence at a time does not replace its ring at every step.
+  const size_t slot_bytes = std::max(need, (pd.stage_slot_bytes + pd.stage_slot_bytes / 2 + 63) & ~size_t{63});
+  const size_t bytes = slot_bytes * PlanDevice::kStageSlots;
+  StageBlock blk;
+  {
+    // The smallest free block that holds it.
+    std::lock_guard<std::mutex> lock(stage_mu_);
+    size_t best = stage_free_.size();
+    for (size_t i = 0; i < stage_free_.size(); ++i)
+      if (stage_free_[i].bytes >= bytes && (best == stage_free_.size() || stage_free_[i].bytes < stage_free_[best].bytes))
+        best = i;
+    if (best < stage_free_.size()) {
+      blk = stage_free_[best];
+      stage_free_.erase(stage_free_.begin() + static_cast<ptrdiff_t>(best));
+    }
+  }
+  if (!blk.host) {
+    void *h = nullptr, *dv = nullptr;
+    WKV_RETURN_IF_ERROR(pinned_.alloc(bytes, &h, &dv));
+    blk = StageBlock{static_cast<uint8_t *>(h), static_cast<uint8_t *>(dv), bytes};
+  }
+  release_stage(pd);
+  pd.stage_host = blk.host;
+  pd.stage_dev = blk.dev;
+  pd.stage_bytes = blk.bytes;
+  pd.stage_slot_bytes = slot_bytes;
+  pd.stage_epochs.fill(0);  // slots no step of this plan has written
+  return Status::ok();
+}
+
+void CudaBackend::release_stage(PlanDevice &pd) {
+  if (!pd.stage_host) return;
+  const StageBlock blk{pd.stage_host, pd.stage_dev, pd.stage_bytes};
+  pd.stage_host = pd.stage_dev = nullptr;
+  pd.stage_bytes = pd.stage_slot_bytes = 0;
+  try {
+    // Back to the free blocks once no step that may read it is in flight.
+    e_.buffers().defer([this, blk] {
+      std::lock_guard<std::mutex> lock(stage_mu_);
+      try {
+        stage_free_.push_back(blk);
+      } catch (...) {
+        // Kept (freed at close) rather than reused.
+      }
+    });
+  } catch (...) {
+    // Out of memory for the release itself: kept until close.
+  }
 }
 
 Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
@@ -1437,6 +1514,18 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   b.vars = pd.vars.as<kernels::StepVars>();
   b.done = reinterpret_cast<unsigned long long *>(plan.tracker().done_device());
   b.split_clusters = z.max_clusters;
+  // The ring a replay stages from; without one (no pinned memory for it),
+  // the step's kernels launch one by one.
+  const bool ring = stage_ring(pd, R).is_ok();
+  if (ring) {
+    b.ring.slots = pd.stage_dev;
+    b.ring.slot_bytes = pd.stage_slot_bytes;
+    b.ring.n_slots = PlanDevice::kStageSlots;
+    b.ring.taken = pd.counters.as<unsigned int>() + kStageTaken;
+    b.ring.ctas = pd.counters.as<unsigned int>() + kStageCtas;
+  }
+  b.n_seqs = plan.n_seqs;
+  b.nq = nq;
   const PlanDevice::GraphKey key = b.key();
 
   // 2. The step's variables: its epoch (one for the whole step, reported
@@ -1456,24 +1545,24 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   v.out_seq_stride = out.seq_stride;
   v.out_head_stride = out.head_stride;
 
-  // 3. The staging (query, run table, variables), then the kernels: the
-  //    plan's graph for this key where it has one; else one by one, and a
-  //    graph is made when the same key comes twice in a row.
-  cudaError_t err = kernels::stage_lookup(cfg.dtype(), plan.q_src, plan.q_seq_stride, plan.q_head_stride,
-                                          plan.n_seqs, nq, d, pd.q.as<float>(), pd.host_runs.data(), R,
-                                          pd.runs.as<kernels::DevRun>(), s, &v, pd.vars.as<kernels::StepVars>());
-  bool replayed = false;
-  if (err == cudaSuccess) {
-    // A key whose graph could not be made or launched is tried again once
-    // another key has come (and then this one twice in a row), or once its
-    // backoff has passed (PlanDevice::retry_in).
-    if (pd.refused_key != key || --pd.retry_in == 0) pd.refused_key = PlanDevice::GraphKey{};
-    auto refuse = [&pd, &key] {
-      pd.refused_key = key;
-      pd.backoff = std::min<uint32_t>(pd.backoff ? 2 * pd.backoff : 64, 4096);
-      pd.retry_in = pd.backoff;
-    };
-    PlanDevice::Graph *g = find_graph(pd, key);
+  // 3. A replay where the plan has a graph for this key (made when the same
+  //    key comes twice in a row) and the ring's next slot is free: the
+  //    step's staging (variables, query, run table) written to the slot,
+  //    then one launch, the graph's first kernel staging from the slot.
+  //    Else the staging in a launch of its own and the kernels one by one.
+  //    A key whose graph could not be made or launched is tried again once
+  //    another key has come (and then this one twice in a row), or once its
+  //    backoff has passed (PlanDevice::retry_in).
+  if (pd.refused_key != key || --pd.retry_in == 0) pd.refused_key = PlanDevice::GraphKey{};
+  auto refuse = [&pd, &key] {
+    pd.refused_key = key;
+    pd.backoff = std::min<uint32_t>(pd.backoff ? 2 * pd.backoff : 64, 4096);
+    pd.retry_in = pd.backoff;
+  };
+  const uint32_t slot = pd.stage_next % PlanDevice::kStageSlots;
+  PlanDevice::Graph *g = nullptr;
+  if (ring && plan.tracker().done() >= pd.stage_epochs[slot]) {
+    g = find_graph(pd, key);
     if (!g && pd.seen_key == key && pd.refused_key != key) {
       cudaGraphExec_t exec = nullptr;
       if (!e_.faults().fail(FaultInjector::kGraph) && capture_decode(b, &exec) == cudaSuccess) {
@@ -1482,22 +1571,42 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
         refuse();
       }
     }
-    if (g) {
-      err = e_.faults().fail(FaultInjector::kGraph) ? cudaErrorLaunchFailure
-                                                    : cudaGraphLaunch(static_cast<cudaGraphExec_t>(g->exec), s);
-      replayed = err == cudaSuccess;
-      if (replayed) {
-        pd.backoff = 0;
-      } else {
-        // Not launched (nothing of it enqueued): dropped, and the step's
-        // kernels launched one by one.
-        (void)cudaGetLastError();
-        drop_graph(g);
-        refuse();
-      }
+  }
+  pd.seen_key = key;
+  bool replayed = false;
+  cudaError_t err = cudaSuccess;
+  if (g) {
+    uint8_t *at = pd.stage_host + size_t(slot) * pd.stage_slot_bytes;
+    kernels::StageSlot head;
+    head.vars = v;
+    head.q = plan.q_src;
+    head.q_seq_stride = plan.q_seq_stride;
+    head.q_head_stride = plan.q_head_stride;
+    head.n_runs = R;
+    head.n_seqs = plan.n_seqs;
+    std::memcpy(at, &head, sizeof head);
+    std::memcpy(at + sizeof head, pd.host_runs.data(), size_t(R) * sizeof(kernels::DevRun));
+    err = e_.faults().fail(FaultInjector::kGraph) ? cudaErrorLaunchFailure
+                                                  : cudaGraphLaunch(static_cast<cudaGraphExec_t>(g->exec), s);
+    replayed = err == cudaSuccess;
+    if (replayed) {
+      pd.stage_epochs[slot] = epoch;
+      ++pd.stage_next;  // as the device's count will be once the staging has run
+      pd.backoff = 0;
+    } else {
+      // Not launched (nothing of it enqueued, the slot not taken): dropped,
+      // and the step's kernels launched one by one.
+      (void)cudaGetLastError();
+      drop_graph(g);
+      refuse();
+      err = cudaSuccess;
     }
-    if (!replayed) err = launch_decode(b, s);
-    pd.seen_key = key;
+  }
+  if (!replayed) {
+    err = kernels::stage_lookup(cfg.dtype(), plan.q_src, plan.q_seq_stride, plan.q_head_stride, plan.n_seqs, nq, d,
+                                pd.q.as<float>(), pd.host_runs.data(), R, pd.runs.as<kernels::DevRun>(), s, &v,
+                                pd.vars.as<kernels::StepVars>());
+    if (err == cudaSuccess) err = launch_decode(b, s);
   }
   // On a failure, the stream is waited for and the step ended on the host
   // (finish); the record is then taken as the kernels that ran left it (its

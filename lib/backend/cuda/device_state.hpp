@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <mutex>
 #include <vector>
 
 #include "lib/common/status.hpp"
@@ -48,10 +49,11 @@ class PinnedBlocks {
   ~PinnedBlocks();
   PinnedBlocks(const PinnedBlocks &) = delete;
   PinnedBlocks &operator=(const PinnedBlocks &) = delete;
-  // A zeroed block of `bytes`; *dev its device address.
+  // A zeroed block of `bytes`; *dev its device address. Any thread.
   Status alloc(size_t bytes, void **host, void **dev);
 
  private:
+  std::mutex mu_;  // blocks_: the buffer manager, growths and plans allocate from their own threads
   std::vector<void *> blocks_;
 };
 
