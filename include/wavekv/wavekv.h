@@ -799,16 +799,20 @@ WKV_API int wkv_update(wkv_plan *plan, void *stream);
 /*
  * Decode: lookup, assemble, attend and update in one call. Arguments as in
  * wkv_lookup and wkv_attend. On a CUDA engine (without cold pages) the step
- * is two host calls: a staging launch, which writes what changes between
- * steps (run table, epoch, access record, out and its strides) to the plan's
- * device memory, and a replay of the plan's CUDA graph of the step's other
- * kernels. The graph is made the second time in a row the batch's shape
- * comes (its sequences' count and the bounds of their indexes, rounded up)
- * and made again when the shape or a buffer of the plan changes, so a plan
- * whose batch changes at every step launches its kernels one by one.
- * Results are the same either way; wkv_stats.decode_graphs counts the
- * replays, and WKV_DECODE_GRAPHS=0 in the environment (read when the engine
- * opens) turns graphs off.
+ * is one launch: a replay of the plan's CUDA graph of the step's kernels,
+ * whose first kernel reads what changes between steps (query, run table,
+ * epoch, access record, out and its strides) from the slot of a ring in
+ * pinned host memory that the call has just written. The graph is made the
+ * second time in a row the batch's shape comes (its sequences' count and
+ * the bounds of their indexes, rounded up) and made again when the shape or
+ * a buffer of the plan changes, so a plan whose batch changes at every step
+ * launches its kernels one by one; so does a step whose slot (of 64) is
+ * still read by a step 64 replays earlier that has not ended. A graph the
+ * driver refuses is tried again after a backoff. Results are the same
+ * either way; wkv_stats.decode_graphs counts the replays. In the
+ * environment, read when the engine opens: WKV_DECODE_GRAPHS=0 turns graphs
+ * off; WKV_DECODE_RING=0 stages each replay in a launch of its own instead
+ * of the ring (two launches a step).
  */
 WKV_API int wkv_decode(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
                        uint32_t layer, const void *q, int64_t q_seq_stride,

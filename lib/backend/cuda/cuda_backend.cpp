@@ -348,6 +348,9 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // Decode graphs (CudaBackend::decode): on unless WKV_DECODE_GRAPHS=0;
   // captured on a stream of their own, one capture at a time.
   bool graphs_ = true;
+  // Replays staged from the plan's ring (one launch a step) unless
+  // WKV_DECODE_RING=0: then a staging launch before each replay (two).
+  bool rings_ = true;
   std::mutex cap_mu_;
   cudaStream_t cap_ = nullptr;
   // The plans' staging rings (PlanDevice::stage_host): pinned blocks, never
@@ -452,6 +455,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
   WKV_CU(cudaStreamCreateWithFlags(&grow_, cudaStreamNonBlocking));
   WKV_CU(cudaStreamCreateWithFlags(&cap_, cudaStreamNonBlocking));
   if (const char *g = std::getenv("WKV_DECODE_GRAPHS")) graphs_ = std::strcmp(g, "0") != 0;
+  if (const char *r = std::getenv("WKV_DECODE_RING")) rings_ = std::strcmp(r, "0") != 0;
 
   // The shared block cache: device_cache_bytes, or 5% of the device's memory
   // while the KV held is unknown at open time (the DESIGN's 5% of KV held).
@@ -1409,8 +1413,9 @@ cudaError_t CudaBackend::capture_decode(const DecodeBody &b, cudaGraphExec_t *ou
   // Relaxed: the launches' wrappers may ask the device's attributes.
   cudaError_t err = cudaStreamBeginCapture(cap_, cudaStreamCaptureModeRelaxed);
   if (err != cudaSuccess) return err;
-  // The staging from the ring's next slot, then the step's kernels.
-  err = kernels::stage_from_ring(b.dtype, b.ring, b.R, b.n_seqs, b.nq, b.d, b.q, b.runs, b.vars, cap_);
+  // The staging from the ring's next slot (where the plan has a ring),
+  // then the step's kernels.
+  if (b.ring.slots) err = kernels::stage_from_ring(b.dtype, b.ring, b.R, b.n_seqs, b.nq, b.d, b.q, b.runs, b.vars, cap_);
   if (err == cudaSuccess) err = launch_decode(b, cap_);
   cudaGraph_t g = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(cap_, &g);
@@ -1514,9 +1519,9 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   b.vars = pd.vars.as<kernels::StepVars>();
   b.done = reinterpret_cast<unsigned long long *>(plan.tracker().done_device());
   b.split_clusters = z.max_clusters;
-  // The ring a replay stages from; without one (no pinned memory for it),
-  // the step's kernels launch one by one.
-  const bool ring = stage_ring(pd, R).is_ok();
+  // The ring a replay stages from; without one (WKV_DECODE_RING=0, or no
+  // pinned memory for it), a replay follows a staging launch.
+  const bool ring = rings_ && stage_ring(pd, R).is_ok();
   if (ring) {
     b.ring.slots = pd.stage_dev;
     b.ring.slot_bytes = pd.stage_slot_bytes;
@@ -1548,8 +1553,9 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   // 3. A replay where the plan has a graph for this key (made when the same
   //    key comes twice in a row) and the ring's next slot is free: the
   //    step's staging (variables, query, run table) written to the slot,
-  //    then one launch, the graph's first kernel staging from the slot.
-  //    Else the staging in a launch of its own and the kernels one by one.
+  //    then one launch, the graph's first kernel staging from the slot
+  //    (without a ring: a staging launch, then the graph). Else the
+  //    staging launch and the kernels one by one.
   //    A key whose graph could not be made or launched is tried again once
   //    another key has come (and then this one twice in a row), or once its
   //    backoff has passed (PlanDevice::retry_in).
@@ -1561,7 +1567,7 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   };
   const uint32_t slot = pd.stage_next % PlanDevice::kStageSlots;
   PlanDevice::Graph *g = nullptr;
-  if (ring && plan.tracker().done() >= pd.stage_epochs[slot]) {
+  if (!ring || plan.tracker().done() >= pd.stage_epochs[slot]) {
     g = find_graph(pd, key);
     if (!g && pd.seen_key == key && pd.refused_key != key) {
       cudaGraphExec_t exec = nullptr;
@@ -1573,39 +1579,51 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
     }
   }
   pd.seen_key = key;
-  bool replayed = false;
+  auto stage_launch = [&] {
+    return kernels::stage_lookup(cfg.dtype(), plan.q_src, plan.q_seq_stride, plan.q_head_stride, plan.n_seqs, nq, d,
+                                 pd.q.as<float>(), pd.host_runs.data(), R, pd.runs.as<kernels::DevRun>(), s, &v,
+                                 pd.vars.as<kernels::StepVars>());
+  };
+  bool replayed = false, staged = false;
   cudaError_t err = cudaSuccess;
   if (g) {
-    uint8_t *at = pd.stage_host + size_t(slot) * pd.stage_slot_bytes;
-    kernels::StageSlot head;
-    head.vars = v;
-    head.q = plan.q_src;
-    head.q_seq_stride = plan.q_seq_stride;
-    head.q_head_stride = plan.q_head_stride;
-    head.n_runs = R;
-    head.n_seqs = plan.n_seqs;
-    std::memcpy(at, &head, sizeof head);
-    std::memcpy(at + sizeof head, pd.host_runs.data(), size_t(R) * sizeof(kernels::DevRun));
-    err = e_.faults().fail(FaultInjector::kGraph) ? cudaErrorLaunchFailure
-                                                  : cudaGraphLaunch(static_cast<cudaGraphExec_t>(g->exec), s);
-    replayed = err == cudaSuccess;
-    if (replayed) {
-      pd.stage_epochs[slot] = epoch;
-      ++pd.stage_next;  // as the device's count will be once the staging has run
-      pd.backoff = 0;
+    if (ring) {
+      uint8_t *at = pd.stage_host + size_t(slot) * pd.stage_slot_bytes;
+      kernels::StageSlot head;
+      head.vars = v;
+      head.q = plan.q_src;
+      head.q_seq_stride = plan.q_seq_stride;
+      head.q_head_stride = plan.q_head_stride;
+      head.n_runs = R;
+      head.n_seqs = plan.n_seqs;
+      std::memcpy(at, &head, sizeof head);
+      std::memcpy(at + sizeof head, pd.host_runs.data(), size_t(R) * sizeof(kernels::DevRun));
     } else {
-      // Not launched (nothing of it enqueued, the slot not taken): dropped,
-      // and the step's kernels launched one by one.
-      (void)cudaGetLastError();
-      drop_graph(g);
-      refuse();
-      err = cudaSuccess;
+      err = stage_launch();
+      staged = true;
+    }
+    if (err == cudaSuccess) {
+      err = e_.faults().fail(FaultInjector::kGraph) ? cudaErrorLaunchFailure
+                                                    : cudaGraphLaunch(static_cast<cudaGraphExec_t>(g->exec), s);
+      replayed = err == cudaSuccess;
+      if (replayed) {
+        if (ring) {
+          pd.stage_epochs[slot] = epoch;
+          ++pd.stage_next;  // as the device's count will be once the staging has run
+        }
+        pd.backoff = 0;
+      } else {
+        // Not launched (nothing of it enqueued, no slot taken): dropped,
+        // and the step's kernels launched one by one.
+        (void)cudaGetLastError();
+        drop_graph(g);
+        refuse();
+        err = cudaSuccess;
+      }
     }
   }
-  if (!replayed) {
-    err = kernels::stage_lookup(cfg.dtype(), plan.q_src, plan.q_seq_stride, plan.q_head_stride, plan.n_seqs, nq, d,
-                                pd.q.as<float>(), pd.host_runs.data(), R, pd.runs.as<kernels::DevRun>(), s, &v,
-                                pd.vars.as<kernels::StepVars>());
+  if (!replayed && err == cudaSuccess) {
+    if (!staged) err = stage_launch();
     if (err == cudaSuccess) err = launch_decode(b, s);
   }
   // On a failure, the stream is waited for and the step ended on the host
