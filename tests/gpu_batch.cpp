@@ -718,3 +718,79 @@ TEST(GpuBatch, DecodeGraphsStayExactWithTheSelectionSplit) {
   EXPECT_EQ(t.run(steps, 47), 0u) << "steps whose replayed output differs from the kernels launched one by one";
   EXPECT_GE(t.on.stats().decode_graphs, steps * 8 / 10) << "steps replayed as graphs";
 }
+
+// More replays in flight than the staging ring has slots (64): with the
+// stream held, a runtime's loop enqueues 100 steps (an append and a decode
+// each) without a wait; the steps whose slot is still unread launch one by
+// one instead of replaying. Once the stream runs, every output is bit for
+// bit an engine's without graphs, and replays resume. (No growth commits in
+// the loop: a commit waits for its k-means, which follows the held stream;
+// ADecodeLoopAcrossGrowthsNeverWaitsForTheStream opens the stream between.)
+TEST(GpuBatch, DecodeGraphsPastTheRingsSlotsInFlightLaunchOneByOne) {
+  REQUIRE_GPU();
+  wkv_config c = graph_config(kQ, kKV);
+  c.update_segment_tokens = 4096;
+  Twin t(c, kN);
+  t.append(2100);
+  t.end_prompt();
+  constexpr uint32_t kSteps = 100;
+  const uint32_t H = kKV, d = kD;
+  const size_t tok_elems = size_t(kN) * H * d, q_elems = size_t(kN) * kQ * d;
+  // Inputs staged ahead (a copy would wait for the held stream).
+  std::vector<float> k, v, q;
+  for (uint32_t st = 0; st < kSteps; ++st)
+    for (uint32_t i = 0; i < kN; ++i) t.gens[i].next(1, &k, &v);
+  KeyGen qgen(kKV, kD, 53);
+  for (uint32_t st = 0; st < kSteps; ++st)
+    for (uint32_t i = 0; i < kN; ++i)
+      for (uint32_t h = 0; h < kKV; ++h) qgen.query(h, kQ / kKV, &q);
+  for (float &x : q) x = round_to(kDT, x);
+  const std::vector<uint8_t> kb = pack(kDT, k), vb = pack(kDT, v), qb = pack(kDT, q);
+  Dev dk(kb.size()), dv(vb.size()), dq(qb.size()), out_on(qb.size()), out_off(qb.size());
+  ASSERT_EQ(cudaMemcpy(dk.p, kb.data(), kb.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dv.p, vb.data(), vb.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dq.p, qb.data(), qb.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  auto loop = [&](std::vector<wkv_seq *> &seqs, wavekv::Plan &plan, Dev &out) {
+    for (uint32_t st = 0; st < kSteps; ++st) {
+      const size_t tok = size_t(st) * tok_elems * 2, qo = size_t(st) * q_elems * 2;
+      wavekv::append_batch(seqs.data(), kN, 0, static_cast<uint8_t *>(dk.p) + tok, static_cast<uint8_t *>(dv.p) + tok,
+                           1, H * d, 0, d, t.stream);
+      plan.decode(seqs.data(), kN, 0, static_cast<uint8_t *>(dq.p) + qo, static_cast<uint8_t *>(out.p) + qo, t.stream);
+    }
+  };
+  wavekv::Plan p_on(t.on), p_off(t.off);
+  // Warm-up, ungated: the kernels' modules loaded (a first launch may
+  // synchronize), the graph made.
+  for (int w = 0; w < 3; ++w) {
+    p_on.decode(t.hon.data(), kN, 0, dq.p, out_on.p, t.stream);
+    p_off.decode(t.hoff.data(), kN, 0, dq.p, out_off.p, t.stream);
+  }
+  ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
+  const uint64_t before = t.on.stats().decode_graphs;
+  Gate gate;
+  const bool gated = !under_sanitizer();  // the sanitizer's launch hook waits (see above)
+  bool unforced = true;
+  if (gated)
+    unforced = gate.run_closed(t.stream, [&] { loop(t.hon, p_on, out_on); }, std::chrono::seconds(30));
+  else
+    loop(t.hon, p_on, out_on);
+  EXPECT_TRUE(unforced) << "the loop waited for the held stream";
+  const uint64_t in_loop = t.on.stats().decode_graphs - before;
+  loop(t.hoff, p_off, out_off);
+  ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
+  std::vector<uint8_t> a(qb.size()), b(qb.size());
+  ASSERT_EQ(cudaMemcpy(a.data(), out_on.p, a.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(b.data(), out_off.p, b.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_TRUE(a == b) << "outputs differ from the engine without graphs";
+  const char *ring_env = std::getenv("WKV_DECODE_RING");
+  const bool ring = !(ring_env && std::strcmp(ring_env, "0") == 0);
+  if (gated && ring) {
+    EXPECT_LE(in_loop, 64u) << "replays while the ring's every slot was unread";
+    EXPECT_GE(in_loop, 40u) << "the loop's first steps replay";
+  }
+  // The stream has run: the slots are free again, and the plan replays.
+  const uint64_t after = t.on.stats().decode_graphs;
+  EXPECT_TRUE(t.decode(qgen, p_on, p_off));
+  EXPECT_TRUE(t.decode(qgen, p_on, p_off));
+  EXPECT_GE(t.on.stats().decode_graphs, after + 1) << "replays resume once the stream has run";
+}
