@@ -794,3 +794,110 @@ TEST(GpuBatch, DecodeGraphsPastTheRingsSlotsInFlightLaunchOneByOne) {
   EXPECT_TRUE(t.decode(qgen, p_on, p_off));
   EXPECT_GE(t.on.stats().decode_graphs, after + 1) << "replays resume once the stream has run";
 }
+
+// Four threads decode batches of their own on one engine, each with its own
+// plan and non-blocking stream, their appends and decodes (and the growths
+// they begin and commit) interleaved with the others': decode graphs, their
+// captures, the plans' staging rings and the shared device cache under
+// threads. Every output is bit for bit that of an engine without graphs fed
+// each thread's steps in turn.
+TEST(GpuBatch, DecodeGraphsOfFourThreadsOnOneEngineStayExact) {
+  REQUIRE_GPU();
+  constexpr uint32_t kThreads = 4, kSeqs = 2, kPrompt = 1500;
+  const uint32_t steps = under_sanitizer() ? 30 : 150;
+  const wkv_config c = graph_config(kQ, kKV);
+  wavekv::Engine on = engine_with_graphs(c, true), off = engine_with_graphs(c, false);
+  const size_t tok = size_t(kSeqs) * kKV * kD * 2, qbytes = size_t(kSeqs) * kQ * kD * 2;  // bytes a step
+  struct Lane {
+    std::vector<wavekv::Sequence> son, soff;
+    std::vector<wkv_seq *> hon, hoff;
+    std::unique_ptr<Dev> dk, dv, dq, out_on, out_off;
+    cudaStream_t stream = nullptr;
+    std::string failure;
+  };
+  std::vector<Lane> lanes(kThreads);
+  for (uint32_t l = 0; l < kThreads; ++l) {
+    Lane &ln = lanes[l];
+    ASSERT_EQ(cudaStreamCreateWithFlags(&ln.stream, cudaStreamNonBlocking), cudaSuccess);
+    std::vector<KeyGen> gens;
+    for (uint32_t i = 0; i < kSeqs; ++i) {
+      ln.son.emplace_back(on);
+      ln.soff.emplace_back(off);
+      ln.hon.push_back(ln.son.back().get());
+      ln.hoff.push_back(ln.soff.back().get());
+      gens.emplace_back(kKV, kD, 700 + 10 * l + i);
+    }
+    // The prompts, then every step's token and query, staged in device
+    // memory ([step][sequence][...]).
+    std::vector<float> k, v, q;
+    for (uint32_t i = 0; i < kSeqs; ++i) gens[i].next(kPrompt, &k, &v);
+    for (uint32_t st = 0; st < steps; ++st)
+      for (uint32_t i = 0; i < kSeqs; ++i) gens[i].next(1, &k, &v);
+    KeyGen qgen(kKV, kD, 900 + l);
+    for (uint32_t st = 0; st < steps; ++st)
+      for (uint32_t i = 0; i < kSeqs; ++i)
+        for (uint32_t h = 0; h < kKV; ++h) qgen.query(h, kQ / kKV, &q);
+    const std::vector<uint8_t> kb = pack(kDT, k), vb = pack(kDT, v), qb = pack(kDT, q);
+    ln.dk = std::make_unique<Dev>(kb.size());
+    ln.dv = std::make_unique<Dev>(vb.size());
+    ln.dq = std::make_unique<Dev>(qb.size());
+    ln.out_on = std::make_unique<Dev>(qb.size());
+    ln.out_off = std::make_unique<Dev>(qb.size());
+    // On the lane's (non-blocking) stream: a plain cudaMemcpy from pageable
+    // memory may still be landing when a non-blocking stream reads.
+    ASSERT_EQ(cudaMemcpyAsync(ln.dk->p, kb.data(), kb.size(), cudaMemcpyHostToDevice, ln.stream), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(ln.dv->p, vb.data(), vb.size(), cudaMemcpyHostToDevice, ln.stream), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(ln.dq->p, qb.data(), qb.size(), cudaMemcpyHostToDevice, ln.stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(ln.stream), cudaSuccess);
+    // Prompts [sequence][token][head][d]: sequence i at i * kPrompt tokens.
+    const int64_t seq_stride = int64_t(kPrompt) * kKV * kD;
+    wavekv::append_batch(ln.hon.data(), kSeqs, 0, ln.dk->p, ln.dv->p, kPrompt, seq_stride, kKV * kD, kD, ln.stream);
+    wavekv::append_batch(ln.hoff.data(), kSeqs, 0, ln.dk->p, ln.dv->p, kPrompt, seq_stride, kKV * kD, kD, ln.stream);
+    for (uint32_t i = 0; i < kSeqs; ++i) {
+      ln.son[i].end_prompt(0, ln.stream);
+      ln.soff[i].end_prompt(0, ln.stream);
+    }
+    ASSERT_EQ(cudaStreamSynchronize(ln.stream), cudaSuccess);
+  }
+  const size_t prompt_bytes = size_t(kSeqs) * kPrompt * kKV * kD * 2;
+  // A lane's steps on one engine: an append and a decode a step, a wait for
+  // the stream every 16 steps (a runtime that samples now and then).
+  auto run = [&](Lane &ln, wavekv::Engine &e, std::vector<wkv_seq *> &seqs, Dev &out) {
+    try {
+      wavekv::Plan plan(e);
+      for (uint32_t st = 0; st < steps; ++st) {
+        const uint8_t *k = static_cast<uint8_t *>(ln.dk->p) + prompt_bytes + st * tok;
+        const uint8_t *v = static_cast<uint8_t *>(ln.dv->p) + prompt_bytes + st * tok;
+        wavekv::append_batch(seqs.data(), kSeqs, 0, k, v, 1, kKV * kD, 0, kD, ln.stream);
+        plan.decode(seqs.data(), kSeqs, 0, static_cast<uint8_t *>(ln.dq->p) + st * qbytes,
+                    static_cast<uint8_t *>(out.p) + st * qbytes, ln.stream);
+        if (st % 16 == 15 && cudaStreamSynchronize(ln.stream) != cudaSuccess) throw std::runtime_error("stream");
+      }
+      if (cudaStreamSynchronize(ln.stream) != cudaSuccess) throw std::runtime_error("stream");
+    } catch (const std::exception &x) {
+      ln.failure = x.what();
+    }
+  };
+  {
+    std::vector<std::thread> threads;
+    for (Lane &ln : lanes) threads.emplace_back([&] { run(ln, on, ln.hon, *ln.out_on); });
+    for (std::thread &th : threads) th.join();
+  }
+  for (Lane &ln : lanes) run(ln, off, ln.hoff, *ln.out_off);
+  for (uint32_t l = 0; l < kThreads; ++l) {
+    Lane &ln = lanes[l];
+    EXPECT_EQ(ln.failure, "") << "thread " << l;
+    const size_t n = size_t(steps) * qbytes;
+    std::vector<uint8_t> a(n), b(n);
+    ASSERT_EQ(cudaMemcpy(a.data(), ln.out_on->p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(b.data(), ln.out_off->p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    uint32_t differ = 0;
+    for (uint32_t st = 0; st < steps; ++st)
+      differ += std::memcmp(a.data() + st * qbytes, b.data() + st * qbytes, qbytes) != 0;
+    EXPECT_EQ(differ, 0u) << "thread " << l << ": steps whose output differs from the engine without graphs";
+    EXPECT_EQ(ln.son[0].info(0).segments, ln.soff[0].info(0).segments);
+    EXPECT_GE(ln.son[0].info(0).segments, 1u + steps / 50) << "the steps crossed growths";
+  }
+  EXPECT_GE(on.stats().decode_graphs, uint64_t(kThreads) * steps * 8 / 10) << "steps replayed as graphs";
+  for (Lane &ln : lanes) cudaStreamDestroy(ln.stream);
+}
