@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/cuda_common.cuh"
 #include "kernels/table_cuda.hpp"
@@ -73,15 +74,22 @@ struct CopyChunk {
 static_assert(sizeof(CopyChunk) <= 4000, "kernel parameters are limited to 4 KiB");
 
 // A small append's copies and its steps' ends in one launch of one CTA
-// (copy_rows_marked): up to 48 marks and 512 rows.
+// (copy_rows_marked): up to 96 copies, 48 marks and 512 rows, in a block no
+// larger than they need (a launch's cost grows with its parameters: the
+// largest block, near 4 KiB, took some 8 us of host time to launch): 16
+// copies and 16 marks (a sequence or two), 64 and 16, or 96 and 48.
 constexpr uint32_t kCopyMarks = 48, kCopyMarkRows = 512;
+template <uint32_t C, uint32_t M>
 struct CopyMarkChunk {
-  CopyChunk copy;
-  unsigned long long *done[kCopyMarks];
-  unsigned long long epoch[kCopyMarks];
+  RowCopyDesc c[C];
+  const uint8_t *k, *v;
+  uint64_t pitch;
+  uint32_t row_bytes, n;
+  unsigned long long *done[M];
+  unsigned long long epoch[M];
   uint32_t n_marks;
 };
-static_assert(sizeof(CopyMarkChunk) <= 4000, "kernel parameters are limited to 4 KiB");
+static_assert(sizeof(CopyMarkChunk<kCopiesPerLaunch, kCopyMarks>) <= 4000, "kernel parameters are limited to 4 KiB");
 
 struct MarkChunk {
   unsigned long long *done[kMarksPerLaunch];
@@ -110,9 +118,10 @@ template <typename W> __global__ void copy_rows_kernel(const __grid_constant__ C
 
 // One CTA copies every row of every copy (K and V, word by word, the rows
 // of all copies numbered in one sequence), then reports the steps' ends.
-template <typename W> __global__ void copy_mark_kernel(const __grid_constant__ CopyMarkChunk m) {
-  __shared__ uint32_t first[kCopiesPerLaunch + 1];  // copy x's rows are first[x] .. first[x + 1] - 1
-  const CopyChunk &chunk = m.copy;
+template <typename W, uint32_t C, uint32_t M>
+__global__ void copy_mark_kernel(const __grid_constant__ CopyMarkChunk<C, M> m) {
+  __shared__ uint32_t first[C + 1];  // copy x's rows are first[x] .. first[x + 1] - 1
+  const CopyMarkChunk<C, M> &chunk = m;
   if (threadIdx.x == 0) {
     first[0] = 0;
     for (uint32_t x = 0; x < chunk.n; ++x) first[x + 1] = first[x] + chunk.c[x].rows;
@@ -373,27 +382,37 @@ cudaError_t copy_rows_marked(const RowCopyDesc *copies, uint32_t n, const uint8_
   if (rows > kCopyMarkRows) return cudaErrorNotSupported;
   for (uint32_t i = 0; i < n_marks; ++i)
     if (!done[i]) return cudaErrorInvalidValue;
-  CopyMarkChunk m;
-  m.copy.n = n;
-  for (uint32_t i = 0; i < n; ++i) m.copy.c[i] = copies[i];
-  m.copy.k = k;
-  m.copy.v = v;
-  m.copy.pitch = src_pitch;
-  m.copy.row_bytes = row_bytes;
-  m.n_marks = n_marks;
-  for (uint32_t i = 0; i < n_marks; ++i) {
-    m.done[i] = done[i];
-    m.epoch[i] = epochs[i];
-  }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  constexpr uint32_t threads = 256;
-  switch (widest_word(bits)) {
-    case 16: copy_mark_kernel<uint4><<<1, threads, 0, s>>>(m); break;
-    case 8: copy_mark_kernel<uint2><<<1, threads, 0, s>>>(m); break;
-    case 4: copy_mark_kernel<uint32_t><<<1, threads, 0, s>>>(m); break;
-    case 2: copy_mark_kernel<uint16_t><<<1, threads, 0, s>>>(m); break;
-    default: copy_mark_kernel<uint8_t><<<1, threads, 0, s>>>(m); break;
-  }
+  const uint32_t word = widest_word(bits);
+  auto launch = [&](auto *type) {  // type: a null Chunk *, for the block's type alone
+    using Chunk = std::remove_pointer_t<decltype(type)>;
+    Chunk m;
+    m.n = n;
+    for (uint32_t i = 0; i < n; ++i) m.c[i] = copies[i];
+    m.k = k;
+    m.v = v;
+    m.pitch = src_pitch;
+    m.row_bytes = row_bytes;
+    m.n_marks = n_marks;
+    for (uint32_t i = 0; i < n_marks; ++i) {
+      m.done[i] = done[i];
+      m.epoch[i] = epochs[i];
+    }
+    constexpr uint32_t threads = 256;
+    switch (word) {
+      case 16: copy_mark_kernel<uint4><<<1, threads, 0, s>>>(m); break;
+      case 8: copy_mark_kernel<uint2><<<1, threads, 0, s>>>(m); break;
+      case 4: copy_mark_kernel<uint32_t><<<1, threads, 0, s>>>(m); break;
+      case 2: copy_mark_kernel<uint16_t><<<1, threads, 0, s>>>(m); break;
+      default: copy_mark_kernel<uint8_t><<<1, threads, 0, s>>>(m); break;
+    }
+  };
+  if (n <= 16 && n_marks <= 16)
+    launch(static_cast<CopyMarkChunk<16, 16> *>(nullptr));
+  else if (n <= 64 && n_marks <= 16)
+    launch(static_cast<CopyMarkChunk<64, 16> *>(nullptr));
+  else
+    launch(static_cast<CopyMarkChunk<kCopiesPerLaunch, kCopyMarks> *>(nullptr));
   WKV_CUDA_CHECK_LAUNCH("copy_rows_marked");
   return cudaSuccess;
 }
@@ -492,6 +511,27 @@ cudaError_t mark_steps_end(unsigned long long *const *done, const unsigned long 
 }
 
 __global__ void add_to_word_kernel(unsigned long long *word, unsigned long long n) { atomicAdd(word, n); }
+
+__global__ void publish_slots_kernel(const uint32_t *src, uint32_t *dst, uint64_t first, uint64_t n, uint32_t cap,
+                                     unsigned long long *avail) {
+  for (uint64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const uint64_t at = (first + i) % cap;
+    dst[at] = src[at];
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();  // the slots before the count: a gather that reserves a frame reads its slot
+  atomicAdd(avail, static_cast<unsigned long long>(n));
+}
+
+cudaError_t publish_slots(const uint32_t *src, uint32_t *dst, uint64_t first, uint64_t n, uint32_t cap,
+                          unsigned long long *avail, void *stream) {
+  if (!src || !dst || !avail || cap == 0 || n > cap) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  publish_slots_kernel<<<1, 256, 0, static_cast<cudaStream_t>(stream)>>>(src, dst, first, n, cap, avail);
+  WKV_CUDA_CHECK_LAUNCH("publish_slots");
+  return cudaSuccess;
+}
 
 cudaError_t add_to_word(unsigned long long *word, unsigned long long n, void *stream) {
   if (!word) return cudaErrorInvalidValue;

@@ -68,6 +68,13 @@ cudaError_t mark_steps_end(unsigned long long *const *done, const unsigned long 
 // Adds n to the 8-byte word at device address `word` (in stream order).
 cudaError_t add_to_word(unsigned long long *word, unsigned long long n, void *stream);
 
+// Publishes n frames to the device cache's pool (the buffer manager's
+// publish): src[i % cap] to dst[i % cap] for i in [first, first + n), src
+// being the device address of the manager's host copy (mapped memory), then
+// n added to *avail once those stores are visible: one launch of one CTA.
+cudaError_t publish_slots(const uint32_t *src, uint32_t *dst, uint64_t first, uint64_t n, uint32_t cap,
+                          unsigned long long *avail, void *stream);
+
 // Stores `value` into n 4-byte words at the device addresses in addrs (a
 // host array), in launches of up to 480 addresses passed by value.
 cudaError_t store_words(const uint64_t *addrs, uint32_t n, uint32_t value, void *stream);
