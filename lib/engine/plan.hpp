@@ -80,6 +80,7 @@ struct PlanDevice {
   size_t stage_bytes = 0, stage_slot_bytes = 0;
   uint32_t stage_next = 0;
   std::array<uint64_t, kStageSlots> stage_epochs{};
+  uint32_t stage_retry_in = 0;  // decodes before a ring that could not be had is asked for again
 };
 
 // wkv_decode's output, for a backend that runs a whole step at once.

@@ -309,6 +309,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   struct DecodeBody;
   cudaError_t launch_decode(const DecodeBody &b, cudaStream_t s);
   // A ring for the plan's replays with slots for R runs (PlanDevice::stage_host).
+  static size_t stage_slot_bytes(uint32_t R);
   Status stage_ring(PlanDevice &pd, uint32_t R);
   void release_stage(PlanDevice &pd);
   // Captures them into an executable graph.
@@ -363,7 +364,8 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   std::mutex stage_mu_;
   std::vector<StageBlock> stage_free_;
   // The buffer manager's rings (alloc_ring: its records, its pool's host
-  // copy), host and device addresses; written at its start only.
+  // copy), host and device addresses. Written by BufferManager::start only,
+  // before its thread and any step: read without a lock.
   std::vector<StageBlock> ring_blocks_;
 
   // The k-means of growths: on a stream of their own (grow_), one batch
@@ -860,9 +862,12 @@ Status CudaBackend::publish_frames(const uint32_t *host_slots, uint32_t *dev_slo
   DeviceGuard guard(dev_);
   // One launch that reads the host copy where it is (mapped memory) and
   // counts the frames after: the decoding path publishes too (open_record).
+  // Its one CTA reads over PCIe; a large publish (the pool's first, a
+  // burst of evictions) takes the copy below.
   const uint8_t *h = reinterpret_cast<const uint8_t *>(host_slots);
-  for (const StageBlock &b : ring_blocks_) {
-    if (h < b.host || h >= b.host + b.bytes) continue;
+  for (size_t i = 0; n <= 4096 && i < ring_blocks_.size(); ++i) {
+    const StageBlock &b = ring_blocks_[i];
+    if (h < b.host || size_t(h - b.host) + size_t(cap) * sizeof(uint32_t) > b.bytes) continue;
     const uint32_t *src = reinterpret_cast<const uint32_t *>(b.dev + (h - b.host));
     WKV_KERNEL(kernels::publish_slots(src, dev_slots, first, n, cap, reinterpret_cast<unsigned long long *>(avail),
                                       pool_stream_));
@@ -1446,8 +1451,12 @@ cudaError_t CudaBackend::capture_decode(const DecodeBody &b, cudaGraphExec_t *ou
   return err;
 }
 
+size_t CudaBackend::stage_slot_bytes(uint32_t R) {
+  return (sizeof(kernels::StageSlot) + size_t(R) * sizeof(kernels::DevRun) + 63) & ~size_t{63};
+}
+
 Status CudaBackend::stage_ring(PlanDevice &pd, uint32_t R) {
-  const size_t need = (sizeof(kernels::StageSlot) + size_t(R) * sizeof(kernels::DevRun) + 63) & ~size_t{63};
+  const size_t need = stage_slot_bytes(R);
   if (need <= pd.stage_slot_bytes) return Status::ok();
   // Slots half again as large as the last ring's, so that a batch that
   // grows a sequence at a time does not replace its ring at every step.
@@ -1540,8 +1549,22 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   b.done = reinterpret_cast<unsigned long long *>(plan.tracker().done_device());
   b.split_clusters = z.max_clusters;
   // The ring a replay stages from; without one (WKV_DECODE_RING=0, or no
-  // pinned memory for it), a replay follows a staging launch.
-  const bool ring = rings_ && stage_ring(pd, R).is_ok();
+  // pinned memory for it), a replay follows a staging launch. It is had at
+  // the plan's first decode (and grown with its batch), not first at a
+  // later step, where a runtime may be holding its stream: pinned memory's
+  // allocation may wait for the device. One that could not be had is asked
+  // for again 256 of the plan's decodes later, not at every step.
+  b.n_seqs = plan.n_seqs;
+  b.nq = nq;
+  bool ring = rings_ && pd.stage_slot_bytes >= stage_slot_bytes(R);
+  if (rings_ && !ring) {
+    if (pd.stage_retry_in > 0) {
+      --pd.stage_retry_in;
+    } else {
+      ring = stage_ring(pd, R).is_ok();
+      if (!ring) pd.stage_retry_in = 256;
+    }
+  }
   if (ring) {
     b.ring.slots = pd.stage_dev;
     b.ring.slot_bytes = pd.stage_slot_bytes;
@@ -1549,8 +1572,6 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
     b.ring.taken = pd.counters.as<unsigned int>() + kStageTaken;
     b.ring.ctas = pd.counters.as<unsigned int>() + kStageCtas;
   }
-  b.n_seqs = plan.n_seqs;
-  b.nq = nq;
   const PlanDevice::GraphKey key = b.key();
 
   // 2. The step's variables: its epoch (one for the whole step, reported
