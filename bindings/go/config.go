@@ -94,7 +94,7 @@ type Config struct {
 	Flags               uint32  // Config* bits (0)
 	HostBudgetBytes     uint64  // cap on host page memory; 0 = unlimited (0)
 	HostChunkBytes      uint64  // host arena chunk size (64 MiB)
-	DeviceCacheBytes    uint64  // GPU block cache; 0 = 5% of the KV held (0)
+	DeviceCacheBytes    uint64  // GPU block cache; 0 = 5% of the device's memory (0)
 	Seed                uint64  // seed of k-means initialisation (0x5eed)
 	Method              uint32  // Method* bits (MethodDefault)
 	SpillDir            string  // directory of the spill file ("": no spill tier; Sequence.Evict)

@@ -285,7 +285,7 @@ typedef struct wkv_config {
   uint64_t host_budget_bytes;  /* cap on host page memory; 0 = unlimited (0) */
   uint64_t host_chunk_bytes;   /* host arena chunk size, at most 1 TiB; below
                                   1 MiB raised to 1 MiB (64 MiB) */
-  uint64_t device_cache_bytes; /* GPU block cache; 0 = 5% of the KV held (0) */
+  uint64_t device_cache_bytes; /* GPU block cache; 0 = 5% of the device's memory (0) */
   uint64_t seed;               /* seed of k-means initialisation (0x5eed) */
   const char *stats_path;      /* statistics file, or NULL for none (NULL);
                                   wkv_engine_config returns the engine's copy */

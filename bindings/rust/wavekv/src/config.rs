@@ -131,7 +131,7 @@ impl Config {
         host_budget_bytes: u64;
         /// Host arena chunk size (64 MiB).
         host_chunk_bytes: u64;
-        /// GPU block cache; 0 = 5% of the KV held (0).
+        /// GPU block cache; 0 = 5% of the device's memory (0).
         device_cache_bytes: u64;
         /// Seed of k-means initialisation (0x5eed).
         seed: u64;
