@@ -174,21 +174,30 @@ __global__ void mark_kernel(unsigned long long *done, unsigned long long epoch) 
 // table (8-byte words: DevRun is 8-byte aligned) to dst, CTA b < q_rows
 // converts query row b (sequence b / nq, head b % nq) to f32 at q_dst, and
 // where vars_dst is set, CTA 0 stores the step's variables there.
+// (stage_lookup_kernel's and stage_ring_kernel's part: n runs from src.)
+template <typename T>
+__device__ __forceinline__ void stage_part(const DevRun *src, uint32_t n, DevRun *dst,
+                                           const typename DevType<T>::type *q, int64_t seq_stride,
+                                           int64_t head_stride, uint32_t nq, uint32_t d, uint32_t q_rows,
+                                           float *q_dst) {
+  const uint64_t *from = reinterpret_cast<const uint64_t *>(src);
+  uint64_t *out = reinterpret_cast<uint64_t *>(dst);
+  const uint32_t words = n * static_cast<uint32_t>(sizeof(DevRun) / 8);
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) out[i] = from[i];
+  if (blockIdx.x >= q_rows) return;
+  const uint32_t s = blockIdx.x / nq, h = blockIdx.x % nq;
+  const typename DevType<T>::type *row = q + s * seq_stride + h * head_stride;
+  float *o = q_dst + static_cast<size_t>(blockIdx.x) * d;
+  for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) o[i] = DevType<T>::to_f(row[i]);
+}
+
 template <typename T, uint32_t N>
 __global__ void stage_lookup_kernel(const __grid_constant__ RunChunk<N> chunk, DevRun *dst,
                                     const typename DevType<T>::type *q, int64_t seq_stride, int64_t head_stride,
                                     uint32_t nq, uint32_t d, uint32_t q_rows, float *q_dst,
                                     const __grid_constant__ StepVars vars, StepVars *vars_dst) {
   if (vars_dst && blockIdx.x == 0 && threadIdx.x == 0) *vars_dst = vars;
-  const uint64_t *src = reinterpret_cast<const uint64_t *>(chunk.runs);
-  uint64_t *out = reinterpret_cast<uint64_t *>(dst);
-  const uint32_t words = chunk.n * static_cast<uint32_t>(sizeof(DevRun) / 8);
-  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) out[i] = src[i];
-  if (blockIdx.x >= q_rows) return;
-  const uint32_t s = blockIdx.x / nq, h = blockIdx.x % nq;
-  const typename DevType<T>::type *row = q + s * seq_stride + h * head_stride;
-  float *o = q_dst + static_cast<size_t>(blockIdx.x) * d;
-  for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) o[i] = DevType<T>::to_f(row[i]);
+  stage_part<T>(chunk.runs, chunk.n, dst, q, seq_stride, head_stride, nq, d, q_rows, q_dst);
 }
 
 // stage_lookup_kernel's work from a ring's slot (StageRing): every CTA
@@ -203,17 +212,9 @@ __global__ void stage_ring_kernel(const StageRing ring, uint32_t n_runs, uint32_
   const uint8_t *slot = ring.slots + size_t(taken % ring.n_slots) * ring.slot_bytes;
   const StageSlot *h = reinterpret_cast<const StageSlot *>(slot);
   if (blockIdx.x == 0 && threadIdx.x == 0) *vars_dst = h->vars;
-  const uint64_t *src = reinterpret_cast<const uint64_t *>(slot + sizeof(StageSlot));
-  uint64_t *out = reinterpret_cast<uint64_t *>(dst);
-  const uint32_t words = n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8);
-  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) out[i] = src[i];
-  if (blockIdx.x < q_rows) {
-    const uint32_t sq = blockIdx.x / nq, hq = blockIdx.x % nq;
-    const typename DevType<T>::type *row =
-        static_cast<const typename DevType<T>::type *>(h->q) + sq * h->q_seq_stride + hq * h->q_head_stride;
-    float *o = q_dst + static_cast<size_t>(blockIdx.x) * d;
-    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) o[i] = DevType<T>::to_f(row[i]);
-  }
+  stage_part<T>(reinterpret_cast<const DevRun *>(slot + sizeof(StageSlot)), n_runs, dst,
+                static_cast<const typename DevType<T>::type *>(h->q), h->q_seq_stride, h->q_head_stride, nq, d,
+                q_rows, q_dst);
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence();
