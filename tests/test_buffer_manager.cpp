@@ -50,8 +50,8 @@ class FakeDevice : public BufferManager::Device {
     return Status::ok();
   }
   // The copy, then the count (the device's stream order).
-  Status publish_frames(const uint32_t *host_slots, uint32_t *dev_slots, uint64_t first, uint64_t n, uint32_t cap,
-                        uint64_t *avail) override {
+  Status publish_frames(const uint32_t *host_slots, const uint32_t *, uint32_t *dev_slots, uint64_t first,
+                        uint64_t n, uint32_t cap, uint64_t *avail) override {
     for (uint64_t i = first; i < first + n; ++i) __atomic_store_n(&dev_slots[i % cap], host_slots[i % cap], __ATOMIC_RELAXED);
     __atomic_add_fetch(avail, n, __ATOMIC_ACQ_REL);
     return Status::ok();

@@ -62,6 +62,7 @@ Status BufferManager::start() {
     WKV_RETURN_IF_ERROR(dev_->alloc_device(4 * cap, &slots));
     WKV_RETURN_IF_ERROR(dev_->alloc_device(2 * sizeof(uint64_t), &counts));
     pool_slots_ = reinterpret_cast<uint32_t *>(host);
+    pool_slots_dev_ = reinterpret_cast<const uint32_t *>(dev);
     pool_seen_ = reinterpret_cast<uint64_t *>(host + slot_bytes);
     pool_dev_.slots = static_cast<const uint32_t *>(slots);
     pool_dev_.seen = reinterpret_cast<unsigned long long *>(dev + slot_bytes);
@@ -543,7 +544,8 @@ void BufferManager::publish(bool wait) {
   if (n == 0) return;
   // The host copy of these slots is not written again before their takers
   // have ended (put_free), so the copy reads them as they are now.
-  if (!dev_->publish_frames(pool_slots_, const_cast<uint32_t *>(pool_dev_.slots), first, n, pool_dev_.cap,
+  if (!dev_->publish_frames(pool_slots_, pool_slots_dev_, const_cast<uint32_t *>(pool_dev_.slots), first, n,
+                            pool_dev_.cap,
                             reinterpret_cast<uint64_t *>(pool_dev_.avail))
            .is_ok())
     lost_ += n;

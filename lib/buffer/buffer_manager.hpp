@@ -152,10 +152,11 @@ class BufferManager {
     virtual Status alloc_device(size_t bytes, void **dev) = 0;
     // Publishes n frames to the pool: copies host_slots[i % cap] to
     // dev_slots[i % cap] for i in [first, first + n), then adds n to
-    // *avail, in that order, with work enqueued now (no wait). Calls are
+    // *avail, in that order, with work enqueued now (no wait). host_slots
+    // is alloc_ring memory and host_slots_dev its device address. Calls are
     // serialized by the caller.
-    virtual Status publish_frames(const uint32_t *host_slots, uint32_t *dev_slots, uint64_t first, uint64_t n,
-                                  uint32_t cap, uint64_t *avail) = 0;
+    virtual Status publish_frames(const uint32_t *host_slots, const uint32_t *host_slots_dev, uint32_t *dev_slots,
+                                  uint64_t first, uint64_t n, uint32_t cap, uint64_t *avail) = 0;
     // Stores kNoFrame at n unit map entries (device addresses) and waits for
     // the stores: afterwards no step that begins reads those frames.
     virtual Status clear_entries(const uint64_t *entries, uint32_t n) = 0;
@@ -318,6 +319,7 @@ class BufferManager {
   };
   FramePool pool_dev_;
   uint32_t *pool_slots_ = nullptr;  // host copy of the slots (pinned), written under mu_
+  const uint32_t *pool_slots_dev_ = nullptr;  // its device address (mapped)
   uint64_t *pool_seen_ = nullptr;
   uint64_t produced_ = 0, published_ = 0, taken_known_ = 0, read_mark_ = 0;
   std::mutex publish_mu_;  // serializes publish(): ranges reach the device in order (before mu_)

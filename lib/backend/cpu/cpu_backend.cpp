@@ -137,7 +137,8 @@ class CpuBackend final : public Backend, public BufferManager::Device {
   Status alloc_device(size_t, void **) override {
     return WKV_ERROR(WKV_ERR_INTERNAL, "the CPU backend has no device cache");
   }
-  Status publish_frames(const uint32_t *, uint32_t *, uint64_t, uint64_t, uint32_t, uint64_t *) override {
+  Status publish_frames(const uint32_t *, const uint32_t *, uint32_t *, uint64_t, uint64_t, uint32_t,
+                        uint64_t *) override {
     return WKV_ERROR(WKV_ERR_INTERNAL, "the CPU backend has no device cache");
   }
   Status clear_entries(const uint64_t *, uint32_t) override {

@@ -275,7 +275,8 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Status alloc_words(size_t n, uint64_t **host, uint64_t **dev) override;
   Status alloc_ring(size_t bytes, uint8_t **host, uint8_t **dev) override;
   Status alloc_device(size_t bytes, void **dev) override;
-  Status publish_frames(const uint32_t *host_slots, uint32_t *dev_slots, uint64_t first, uint64_t n, uint32_t cap,
+  Status publish_frames(const uint32_t *host_slots, const uint32_t *host_slots_dev, uint32_t *dev_slots,
+                        uint64_t first, uint64_t n, uint32_t cap,
                         uint64_t *avail) override;
   Status clear_entries(const uint64_t *entries, uint32_t n) override;
 
@@ -363,10 +364,6 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   };
   std::mutex stage_mu_;
   std::vector<StageBlock> stage_free_;
-  // The buffer manager's rings (alloc_ring: its records, its pool's host
-  // copy), host and device addresses. Written by BufferManager::start only,
-  // before its thread and any step: read without a lock.
-  std::vector<StageBlock> ring_blocks_;
 
   // The k-means of growths: on a stream of their own (grow_), one batch
   // after another, sharing one workspace; each batch has its outputs
@@ -815,13 +812,7 @@ Status CudaBackend::alloc_words(size_t n, uint64_t **host, uint64_t **dev) {
 Status CudaBackend::alloc_ring(size_t bytes, uint8_t **host, uint8_t **dev) {
   DeviceGuard guard(dev_);
   void *h = nullptr, *d = nullptr;
-  try {
-    ring_blocks_.reserve(ring_blocks_.size() + 1);
-  } catch (const std::bad_alloc &) {
-    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the buffer manager's rings");
-  }
   WKV_RETURN_IF_ERROR(pinned_.alloc(bytes, &h, &d));
-  ring_blocks_.push_back(StageBlock{static_cast<uint8_t *>(h), static_cast<uint8_t *>(d), bytes});  // reserved
   *host = static_cast<uint8_t *>(h);
   *dev = static_cast<uint8_t *>(d);
   return Status::ok();
@@ -857,24 +848,20 @@ Status CudaBackend::alloc_device(size_t bytes, void **dev) {
   return Status::ok();
 }
 
-Status CudaBackend::publish_frames(const uint32_t *host_slots, uint32_t *dev_slots, uint64_t first, uint64_t n,
-                                   uint32_t cap, uint64_t *avail) {
+Status CudaBackend::publish_frames(const uint32_t *host_slots, const uint32_t *host_slots_dev, uint32_t *dev_slots,
+                                   uint64_t first, uint64_t n, uint32_t cap, uint64_t *avail) {
   DeviceGuard guard(dev_);
   // One launch that reads the host copy where it is (mapped memory) and
   // counts the frames after: the decoding path publishes too (open_record).
   // Its one CTA reads over PCIe; a large publish (the pool's first, a
   // burst of evictions) takes the copy below.
-  const uint8_t *h = reinterpret_cast<const uint8_t *>(host_slots);
-  for (size_t i = 0; n <= 4096 && i < ring_blocks_.size(); ++i) {
-    const StageBlock &b = ring_blocks_[i];
-    if (h < b.host || size_t(h - b.host) + size_t(cap) * sizeof(uint32_t) > b.bytes) continue;
-    const uint32_t *src = reinterpret_cast<const uint32_t *>(b.dev + (h - b.host));
-    WKV_KERNEL(kernels::publish_slots(src, dev_slots, first, n, cap, reinterpret_cast<unsigned long long *>(avail),
-                                      pool_stream_));
+  if (n <= 4096) {
+    WKV_KERNEL(kernels::publish_slots(host_slots_dev, dev_slots, first, n, cap,
+                                      reinterpret_cast<unsigned long long *>(avail), pool_stream_));
     return Status::ok();
   }
-  // A host copy not of alloc_ring's: one copy, or two where the range
-  // wraps; then the count, in stream order.
+  // One copy, or two where the range wraps; then the count, in stream
+  // order.
   for (uint64_t done = 0; done < n;) {
     const uint64_t at = (first + done) % cap, len = std::min<uint64_t>(n - done, cap - at);
     WKV_CU(cudaMemcpyAsync(dev_slots + at, host_slots + at, len * sizeof(uint32_t), cudaMemcpyHostToDevice,
