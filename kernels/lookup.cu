@@ -27,6 +27,9 @@
 //                       step's mark has a CTA counter (StepMark::ctas), the
 //                       estimate's last CTA does it instead (end_lookup),
 //                       and the lookup takes one launch fewer.
+// lookup_select and lookup_estimate enqueue the same work in two parts
+// (1, 2 and 4; then 3), for a caller that runs the estimate on a stream of
+// its own beside the gather (a decode graph's fork).
 // Each kernel is launched with programmatic dependent launch and waits for
 // the grid before it (griddepcontrol.wait) before touching memory, so that
 // its launch overlaps the tail of the one before.
@@ -1198,10 +1201,11 @@ uint32_t select_split(uint32_t R, uint32_t clusters) {
 
 namespace {
 
+// 1 and 2: the logits and the selection.
 template <uint32_t D>
-cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
-                   const DevLookup &out, float *scores, uint32_t max_clusters, uint32_t split_clusters,
-                   const StepMark &mark, cudaStream_t s) {
+cudaError_t select_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
+                        const DevLookup &out, float *scores, uint32_t max_clusters, uint32_t split_clusters,
+                        cudaStream_t s) {
   static std::atomic<uint64_t> select_smem_set{0};
   if (R > 0 && max_clusters > 0) {
     // 1. Logits.
@@ -1209,37 +1213,70 @@ cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
     WKV_CUDA_TRY(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), 0, s, 1, runs, G, scale, q,
                             out.logits));
   }
-  if (R > 0) {
-    // 2. Scores and selection: each run split over a cluster of CTAs while
-    //    that keeps slices of kSelectMinSlice clusters and the grid within
-    //    one wave (a CTA per multiprocessor).
-    const uint32_t split = select_split(R, split_clusters ? split_clusters : max_clusters);
-    const uint32_t share = (max_clusters + split - 1) / split;
-    const uint32_t cap = share < kLookupSmemClusters ? share : kLookupSmemClusters;
-    WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(select_kernel), select_smem(kLookupSmemClusters),
-                                    &select_smem_set));
-    cudaError_t err = launch_pdl(select_kernel, dim3(R * split), dim3(kSelectThreads), select_smem(cap), s, split,
-                                 runs, G, out, scores, cap, split);
-    if (err == cudaErrorInvalidClusterSize && split > 1) {
-      // No room for the cluster (a device shared by limit): one CTA a run.
-      (void)cudaGetLastError();
-      const uint32_t cap1 = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
-      err = launch_pdl(select_kernel, dim3(R), dim3(kSelectThreads), select_smem(cap1), s, 1, runs, G, out, scores,
-                       cap1, 1u);
-    }
-    WKV_CUDA_TRY(err);
-
-    static const bool clusters_ok =
-        built_for_clusters(reinterpret_cast<const void *>(estimate_kernel<D, kEstSplits, 1>));
-    // 3. Estimate; where mark has a CTA counter, its last CTA lays out the
-    //    offsets and ends the step (one launch fewer).
-    const LookupEnd end{mark.ctas, R, mark};
-    WKV_CUDA_TRY(launch_estimate<D>(runs, R, G, out, clusters_ok, end, s));
-    if (end.ctas) return cudaSuccess;
+  if (R == 0) return cudaSuccess;
+  // 2. Scores and selection: each run split over a cluster of CTAs while
+  //    that keeps slices of kSelectMinSlice clusters and the grid within
+  //    one wave (a CTA per multiprocessor).
+  const uint32_t split = select_split(R, split_clusters ? split_clusters : max_clusters);
+  const uint32_t share = (max_clusters + split - 1) / split;
+  const uint32_t cap = share < kLookupSmemClusters ? share : kLookupSmemClusters;
+  WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(select_kernel), select_smem(kLookupSmemClusters),
+                           &select_smem_set));
+  cudaError_t err = launch_pdl(select_kernel, dim3(R * split), dim3(kSelectThreads), select_smem(cap), s, split,
+                               runs, G, out, scores, cap, split);
+  if (err == cudaErrorInvalidClusterSize && split > 1) {
+    // No room for the cluster (a device shared by limit): one CTA a run.
+    (void)cudaGetLastError();
+    const uint32_t cap1 = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
+    err = launch_pdl(select_kernel, dim3(R), dim3(kSelectThreads), select_smem(cap1), s, 1, runs, G, out, scores,
+                     cap1, 1u);
   }
-  // 4. Offsets.
+  return err;
+}
+
+// 3. The estimate; where end has a CTA counter, its last CTA lays out the
+//    offsets and ends the step.
+template <uint32_t D>
+cudaError_t estimate_impl(const DevRun *runs, uint32_t R, uint32_t G, const DevLookup &out, const LookupEnd &end,
+                          cudaStream_t s) {
+  static const bool clusters_ok =
+      built_for_clusters(reinterpret_cast<const void *>(estimate_kernel<D, kEstSplits, 1>));
+  return launch_estimate<D>(runs, R, G, out, clusters_ok, end, s);
+}
+
+// 4. The offsets, and the step's end where mark has one.
+cudaError_t offsets_launch(const DevLookup &out, uint32_t R, const StepMark &mark, cudaStream_t s) {
   return launch_pdl(offsets_kernel, dim3(1), dim3(kOffsetThreads), 0, s, 1,
                     static_cast<const uint32_t *>(out.run_tokens), R, out.offsets, mark);
+}
+
+template <uint32_t D>
+cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
+                   const DevLookup &out, float *scores, uint32_t max_clusters, uint32_t split_clusters,
+                   const StepMark &mark, cudaStream_t s) {
+  WKV_CUDA_TRY(select_impl<D>(runs, R, G, scale, q, out, scores, max_clusters, split_clusters, s));
+  if (R > 0) {
+    // The estimate's last CTA lays out the offsets and ends the step where
+    // mark has a CTA counter (one launch fewer).
+    const LookupEnd end{mark.ctas, R, mark};
+    WKV_CUDA_TRY(estimate_impl<D>(runs, R, G, out, end, s));
+    if (end.ctas) return cudaSuccess;
+  }
+  return offsets_launch(out, R, mark, s);
+}
+
+// lookup_zones' checks of its arguments.
+cudaError_t check_lookup(const DevRun *runs, uint32_t R, uint32_t G, const float *q, const DevLookup &out,
+                         const float *scores, uint32_t max_clusters) {
+  if (G == 0 || G > kMaxGroup) return cudaErrorNotSupported;
+  if (max_clusters > kLookupSmemClusters && scores == nullptr) return cudaErrorInvalidValue;
+  if (R > 0 && (runs == nullptr || q == nullptr || out.ret_ids == nullptr || out.ret_pos == nullptr ||
+                out.est_ids == nullptr || out.run_tokens == nullptr || out.est_out == nullptr ||
+                out.est_lse == nullptr || (max_clusters > 0 && (out.logits == nullptr || out.zones == nullptr))))
+    return cudaErrorInvalidValue;
+  if (out.offsets == nullptr) return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return cudaErrorInvalidValue;
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -1247,20 +1284,33 @@ cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
 cudaError_t lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale,
                     const float *q, const DevLookup &out, float *scores, uint32_t max_clusters,
                     void *stream, const StepMark &mark, uint32_t split_clusters) {
-  if (G == 0 || G > kMaxGroup)
-    return cudaErrorNotSupported;
-  if (max_clusters > kLookupSmemClusters && scores == nullptr)
-    return cudaErrorInvalidValue;
-  if (R > 0 && (runs == nullptr || q == nullptr || out.ret_ids == nullptr || out.ret_pos == nullptr ||
-                out.est_ids == nullptr || out.run_tokens == nullptr || out.est_out == nullptr ||
-                out.est_lse == nullptr || (max_clusters > 0 && (out.logits == nullptr || out.zones == nullptr))))
-    return cudaErrorInvalidValue;
-  if (out.offsets == nullptr) return cudaErrorInvalidValue;
-  if (reinterpret_cast<uintptr_t>(q) % 16 != 0)
-    return cudaErrorInvalidValue;
+  WKV_CUDA_TRY(check_lookup(runs, R, G, q, out, scores, max_clusters));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> cudaError_t {
     return lookup_impl<HEAD_DIM>(runs, R, G, scale, q, out, scores, max_clusters, split_clusters, mark, s);
+  });
+}
+
+cudaError_t lookup_select(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale, const float *q,
+                          const DevLookup &out, float *scores, uint32_t max_clusters, void *stream,
+                          uint32_t split_clusters) {
+  WKV_CUDA_TRY(check_lookup(runs, R, G, q, out, scores, max_clusters));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> cudaError_t {
+    WKV_CUDA_TRY(select_impl<HEAD_DIM>(runs, R, G, scale, q, out, scores, max_clusters, split_clusters, s));
+    return offsets_launch(out, R, StepMark{}, s);
+  });
+}
+
+cudaError_t lookup_estimate(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, const DevLookup &out,
+                            void *stream) {
+  if (G == 0 || G > kMaxGroup) return cudaErrorNotSupported;
+  if (R == 0) return cudaSuccess;
+  if (runs == nullptr || out.est_ids == nullptr || out.est_out == nullptr || out.est_lse == nullptr)
+    return cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> cudaError_t {
+    return estimate_impl<HEAD_DIM>(runs, R, G, out, LookupEnd{nullptr, R, StepMark{}}, s);
   });
 }
 

@@ -69,6 +69,21 @@ cudaError_t lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d,
                     const float *q, const DevLookup &out, float *scores, uint32_t max_clusters,
                     void *stream, const StepMark &mark = StepMark{}, uint32_t split_clusters = 0);
 
+// The same lookup in two parts, for a caller that runs the estimate beside
+// the work that does not need it (a decode graph forks after the selection:
+// the gather and the exact attention read the zones and the offsets, only
+// the merge reads est_out and est_lse). lookup_select enqueues the logits,
+// the selection and the offsets on `stream` (no mark: a caller ends the step
+// later); lookup_estimate enqueues the estimate alone, which must follow
+// lookup_select's selection (an event between the streams) and end before
+// anything reads est_out or est_lse, or writes the logits again. Same arguments
+// and errors as lookup_zones; together they write what it writes.
+cudaError_t lookup_select(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale, const float *q,
+                          const DevLookup &out, float *scores, uint32_t max_clusters, void *stream,
+                          uint32_t split_clusters = 0);
+cudaError_t lookup_estimate(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, const DevLookup &out,
+                            void *stream);
+
 // The CTAs a selection of R runs of up to `clusters` clusters is split over.
 uint32_t select_split(uint32_t R, uint32_t clusters);
 

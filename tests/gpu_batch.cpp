@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -484,14 +485,16 @@ TEST(GpuBatch, DecodeGraphsReplayExactlyAsTheStateChanges) {
   c.window_tokens = 16;
   c.retrieval_frac = 0.25f;
   c.estimation_frac = 0.25f;
-  const char *was = std::getenv("WKV_DECODE_GRAPHS");
-  const std::string saved = was ? was : "";
-  unsetenv("WKV_DECODE_GRAPHS");
-  Pair on(c);
-  setenv("WKV_DECODE_GRAPHS", "0", 1);
-  Pair off(c);
-  if (was) setenv("WKV_DECODE_GRAPHS", saved.c_str(), 1);
-  else unsetenv("WKV_DECODE_GRAPHS");
+  std::optional<Pair> on_opened, off_opened;
+  {
+    wkvtest::ScopedEnv graphs("WKV_DECODE_GRAPHS", nullptr);
+    on_opened.emplace(c);
+  }
+  {
+    wkvtest::ScopedEnv graphs("WKV_DECODE_GRAPHS", "0");
+    off_opened.emplace(c);
+  }
+  Pair &on = *on_opened, &off = *off_opened;
   for (Pair *p : {&on, &off}) {
     for (int part = 0; part < 2; ++part) p->append(1025, 1025 * kKV * kD, kKV * kD, kD);
     for (uint32_t i = 0; i < kN; ++i) p->bs[i].end_prompt(0, p->stream);
@@ -561,16 +564,12 @@ TEST(GpuBatch, DecodeGraphsReplayExactlyAsTheStateChanges) {
 namespace {
 
 // An engine of config c with decode graphs on or off (WKV_DECODE_GRAPHS,
-// read when the engine opens; restored after).
-wavekv::Engine engine_with_graphs(const wkv_config &c, bool graphs) {
-  const char *was = std::getenv("WKV_DECODE_GRAPHS");
-  const std::string saved = was ? was : "";
-  if (graphs) unsetenv("WKV_DECODE_GRAPHS");
-  else setenv("WKV_DECODE_GRAPHS", "0", 1);
-  wavekv::Engine e(c);
-  if (was) setenv("WKV_DECODE_GRAPHS", saved.c_str(), 1);
-  else unsetenv("WKV_DECODE_GRAPHS");
-  return e;
+// read when the engine opens), and with the graphs' fork on or off
+// (WKV_DECODE_FORK: the estimate beside the gather).
+wavekv::Engine engine_with_graphs(const wkv_config &c, bool graphs, bool fork = true) {
+  wkvtest::ScopedEnv g("WKV_DECODE_GRAPHS", graphs ? nullptr : "0");
+  wkvtest::ScopedEnv f("WKV_DECODE_FORK", fork ? nullptr : "0");
+  return wavekv::Engine(c);
 }
 
 // Two engines of one config fed the same tokens and queries, n sequences
@@ -584,8 +583,10 @@ struct Twin {
   std::vector<wkv_seq *> hon, hoff;
   std::vector<KeyGen> gens;
   cudaStream_t stream = nullptr;
-  Twin(const wkv_config &cfg, uint32_t n_seqs)
-      : c(cfg), n(n_seqs), on(engine_with_graphs(cfg, true)), off(engine_with_graphs(cfg, false)) {
+  // `fork`: whether on's graphs run the estimate beside the gather;
+  // `priority`: the stream's (cudaStreamCreateWithPriority).
+  Twin(const wkv_config &cfg, uint32_t n_seqs, bool fork = true, int priority = 0)
+      : c(cfg), n(n_seqs), on(engine_with_graphs(cfg, true, fork)), off(engine_with_graphs(cfg, false)) {
     for (uint32_t i = 0; i < n; ++i) {
       son.emplace_back(on);
       soff.emplace_back(off);
@@ -593,7 +594,7 @@ struct Twin {
       hoff.push_back(soff.back().get());
       gens.emplace_back(c.n_kv_heads, c.head_dim, 300 + i);
     }
-    cudaStreamCreate(&stream);
+    EXPECT_EQ(cudaStreamCreateWithPriority(&stream, cudaStreamDefault, priority), cudaSuccess);
   }
   ~Twin() { cudaStreamDestroy(stream); }
 
@@ -719,6 +720,21 @@ TEST(GpuBatch, DecodeGraphsStayExactWithTheSelectionSplit) {
   EXPECT_GE(t.on.stats().decode_graphs, steps * 8 / 10) << "steps replayed as graphs";
 }
 
+// A graph forks after the selection: the estimate runs on a stream of its
+// own beside the gather and the exact attention (WKV_DECODE_FORK, on unless
+// 0). The tests above run with the fork; this one without, where a graph's
+// kernels are the one-by-one launches' in one stream order. Both stay bit
+// for bit an engine's without graphs.
+TEST(GpuBatch, DecodeGraphsStayExactWithoutTheFork) {
+  REQUIRE_GPU();
+  Twin t(graph_config(kQ, kKV), kN, /*fork=*/false);
+  t.append(2100);
+  t.end_prompt();
+  const uint32_t steps = under_sanitizer() ? 40 : 150;
+  EXPECT_EQ(t.run(steps, 53), 0u) << "steps whose replayed output differs from the kernels launched one by one";
+  EXPECT_GE(t.on.stats().decode_graphs, steps * 8 / 10) << "steps replayed as graphs";
+}
+
 // More replays in flight than the staging ring has slots (64): with the
 // stream held, a runtime's loop enqueues 100 steps (an append and a decode
 // each) without a wait; the steps whose slot is still unread launch one by
@@ -799,8 +815,11 @@ TEST(GpuBatch, DecodeGraphsPastTheRingsSlotsInFlightLaunchOneByOne) {
 // plan and non-blocking stream, their appends and decodes (and the growths
 // they begin and commit) interleaved with the others': decode graphs, their
 // captures, the plans' staging rings and the shared device cache under
-// threads. Every output is bit for bit that of an engine without graphs fed
-// each thread's steps in turn.
+// threads. Two of the threads run on streams of the device's highest
+// priority, whose steps are captured on a capture stream of that priority
+// (a graph's kernels keep the priority it was captured for). Every output
+// is bit for bit that of an engine without graphs fed each thread's steps
+// in turn.
 TEST(GpuBatch, DecodeGraphsOfFourThreadsOnOneEngineStayExact) {
   REQUIRE_GPU();
   constexpr uint32_t kThreads = 4, kSeqs = 2, kPrompt = 1500;
@@ -816,9 +835,11 @@ TEST(GpuBatch, DecodeGraphsOfFourThreadsOnOneEngineStayExact) {
     std::string failure;
   };
   std::vector<Lane> lanes(kThreads);
+  int least = 0, greatest = 0;
+  ASSERT_EQ(cudaDeviceGetStreamPriorityRange(&least, &greatest), cudaSuccess);
   for (uint32_t l = 0; l < kThreads; ++l) {
     Lane &ln = lanes[l];
-    ASSERT_EQ(cudaStreamCreateWithFlags(&ln.stream, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithPriority(&ln.stream, cudaStreamNonBlocking, l % 2 ? greatest : least), cudaSuccess);
     std::vector<KeyGen> gens;
     for (uint32_t i = 0; i < kSeqs; ++i) {
       ln.son.emplace_back(on);

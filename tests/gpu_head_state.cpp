@@ -357,14 +357,8 @@ TEST(GpuHeadState, DeviceMemoryAndPinningFailuresAreReportedAndTheEngineGoesOn) 
 TEST(GpuHeadState, DecodeGraphFailuresFallBackToLaunchesAndStayExact) {
   REQUIRE_GPU();
   auto open = [](bool graphs) {
-    const char *was = std::getenv("WKV_DECODE_GRAPHS");
-    const std::string saved = was ? was : "";
-    if (graphs) unsetenv("WKV_DECODE_GRAPHS");
-    else setenv("WKV_DECODE_GRAPHS", "0", 1);
-    Engine e(WKV_DEVICE_CUDA, 0.25f, 0.25f);
-    if (was) setenv("WKV_DECODE_GRAPHS", saved.c_str(), 1);
-    else unsetenv("WKV_DECODE_GRAPHS");
-    return e;
+    wkvtest::ScopedEnv g("WKV_DECODE_GRAPHS", graphs ? nullptr : "0");
+    return Engine(WKV_DEVICE_CUDA, 0.25f, 0.25f);
   };
   Engine on = open(true), off = open(false);
   auto s_on = on.sequence(), s_off = off.sequence();

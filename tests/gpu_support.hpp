@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace wkvtest {
@@ -21,6 +22,30 @@ inline bool have_gpu() {
   }();
   return ok;
 }
+
+// Sets (value not null) or unsets an environment variable for its scope,
+// then restores it: the engine reads its switches (WKV_DECODE_GRAPHS, ...)
+// when it opens.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char *name, const char *value) : name_(name) {
+    const char *was = std::getenv(name);
+    had_ = was != nullptr;
+    if (had_) saved_ = was;
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_.c_str(), saved_.c_str(), 1);
+    else unsetenv(name_.c_str());
+  }
+  ScopedEnv(const ScopedEnv &) = delete;
+  ScopedEnv &operator=(const ScopedEnv &) = delete;
+
+ private:
+  std::string name_, saved_;
+  bool had_ = false;
+};
 
 // Bytes on the engine's device (or host memory for a CPU engine).
 struct Buf {

@@ -60,7 +60,7 @@ struct PlanDevice {
   // while the index grows and its tails fill and empty.
   uint32_t bound_clusters = 0, bound_ret = 0, bound_run = 0;
   size_t bound_logits = 0;
-  using GraphKey = std::array<uint64_t, 26>;
+  using GraphKey = std::array<uint64_t, 27>;
   struct Graph {
     GraphKey key{};
     void *exec = nullptr;

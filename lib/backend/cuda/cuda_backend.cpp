@@ -308,7 +308,10 @@ class CudaBackend final : public Backend, public BufferManager::Device {
                                   uint32_t max_ret, uint8_t *xk, uint8_t *xv, uint32_t *counters) const;
   // The kernels of a decode after its staging, on s (captured or not).
   struct DecodeBody;
-  cudaError_t launch_decode(const DecodeBody &b, cudaStream_t s);
+  // With `side` (a capture's), the estimate runs there, beside the gather
+  // and the exact attention: a fork after the selection, joined before the
+  // attention.
+  cudaError_t launch_decode(const DecodeBody &b, cudaStream_t s, cudaStream_t side = nullptr);
   // A ring for the plan's replays with slots for R runs (PlanDevice::stage_host).
   static size_t stage_slot_bytes(uint32_t R);
   Status stage_ring(PlanDevice &pd, uint32_t R);
@@ -355,6 +358,18 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   bool rings_ = true;
   std::mutex cap_mu_;
   cudaStream_t cap_ = nullptr;
+  // A graph's estimate beside its gather (launch_decode's fork) unless
+  // WKV_DECODE_FORK=0; captured on cap_side_, at the device's highest
+  // priority, so that its CTAs are placed as soon as the gather's leave
+  // room.
+  // The graph's other kernels keep the priority of the caller's stream:
+  // they are captured on a stream of that priority (cap_by_priority, made
+  // when first asked; cap_ is the default's).
+  bool fork_ = true;
+  int least_priority_ = 0, greatest_priority_ = 0;
+  std::vector<cudaStream_t> cap_priority_;  // [least - priority]
+  cudaStream_t cap_side_ = nullptr;
+  cudaEvent_t fork_ev_ = nullptr, join_ev_ = nullptr;
   // The plans' staging rings (PlanDevice::stage_host): pinned blocks, never
   // freed before close (that would synchronize the device); a plan's old
   // ring comes back here once the steps that may read it have ended.
@@ -445,7 +460,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
   // decoding steps have queued. Waiting behind a step's gather, an eviction
   // took about 0.5 ms (1.4 ms at p90) at batch 7, and its frames reached
   // the pool that much later.
-  int least_priority = 0, greatest_priority = 0;
+  int &least_priority = least_priority_, &greatest_priority = greatest_priority_;
   WKV_CU(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
   WKV_CU(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, greatest_priority));
   WKV_CU(cudaStreamCreateWithFlags(&free_, cudaStreamNonBlocking));
@@ -458,6 +473,10 @@ Status CudaBackend::init(HostArena::Options *ao) {
   WKV_CU(cudaStreamCreateWithFlags(&cap_, cudaStreamNonBlocking));
   if (const char *g = std::getenv("WKV_DECODE_GRAPHS")) graphs_ = std::strcmp(g, "0") != 0;
   if (const char *r = std::getenv("WKV_DECODE_RING")) rings_ = std::strcmp(r, "0") != 0;
+  if (const char *f = std::getenv("WKV_DECODE_FORK")) fork_ = std::strcmp(f, "0") != 0;
+  WKV_CU(cudaStreamCreateWithPriority(&cap_side_, cudaStreamNonBlocking, greatest_priority));
+  WKV_CU(cudaEventCreateWithFlags(&fork_ev_, cudaEventDisableTiming));
+  WKV_CU(cudaEventCreateWithFlags(&join_ev_, cudaEventDisableTiming));
 
   // The shared block cache: device_cache_bytes, or 5% of the device's memory
   // while the KV held is unknown at open time (the DESIGN's 5% of KV held).
@@ -477,11 +496,18 @@ CudaBackend::~CudaBackend() {
   // The engine's buffer manager is gone: no step is in flight and nothing
   // else uses the device memory below. Close may synchronize.
   DeviceGuard guard(dev_);
-  for (cudaStream_t s : {side_, free_, io_, pool_stream_, grow_, cap_}) {
+  for (cudaStream_t s : {side_, free_, io_, pool_stream_, grow_, cap_, cap_side_}) {
     if (!s) continue;
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
   }
+  for (cudaStream_t s : cap_priority_) {
+    if (!s) continue;
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+  }
+  for (cudaEvent_t ev : {fork_ev_, join_ev_})
+    if (ev) cudaEventDestroy(ev);
   if (km_ws_.p) cudaFree(km_ws_.p);
   for (auto &b : batches_) {
     for (Region *r : {&b->n, &b->begin, &b->order, &b->size, &b->cent, &b->vsum, &b->spread, &b->vtot})
@@ -1364,6 +1390,7 @@ struct CudaBackend::DecodeBody {
   unsigned long long *done = nullptr;
 
   uint32_t split_clusters = 0;  // the real largest run: decides the selection's split
+  int priority = 0;             // the caller's stream's, where the graph forks (its nodes keep it)
   // A replay's staging: its ring, and the query rows it converts.
   kernels::StageRing ring{};
   uint32_t n_seqs = 0, nq = 0;
@@ -1397,21 +1424,36 @@ struct CudaBackend::DecodeBody {
             a(vars),
             a(done),
             a(ring.slots),
-            ring.slot_bytes};
+            ring.slot_bytes,
+            static_cast<uint64_t>(static_cast<int64_t>(priority))};
   }
 };
 
-cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s) {
-  // The lookup: its last CTA lays out the offsets (no mark: the step ends
-  // with the attention).
-  const kernels::StepMark lookup_end{nullptr, 0, reinterpret_cast<unsigned int *>(b.counters) + kLookupCtas};
-  cudaError_t err = kernels::lookup_zones(b.runs, b.R, b.G, b.d, b.scale, b.q, b.lookup, b.scores, b.max_clusters,
-                                          s, lookup_end, b.split_clusters);
+cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cudaStream_t side) {
+  cudaError_t err = cudaSuccess;
+  if (side) {
+    // The selection and the offsets; then the estimate on `side`, which
+    // only the merge (the attention's second kernel) reads: it runs while
+    // the gather waits on PCIe.
+    err = kernels::lookup_select(b.runs, b.R, b.G, b.d, b.scale, b.q, b.lookup, b.scores, b.max_clusters, s,
+                                 b.split_clusters);
+    if (err == cudaSuccess) err = cudaEventRecord(fork_ev_, s);
+    if (err == cudaSuccess) err = cudaStreamWaitEvent(side, fork_ev_, 0);
+    if (err == cudaSuccess) err = kernels::lookup_estimate(b.runs, b.R, b.G, b.d, b.lookup, side);
+    if (err == cudaSuccess) err = cudaEventRecord(join_ev_, side);
+  } else {
+    // The lookup: its last CTA lays out the offsets (no mark: the step
+    // ends with the attention).
+    const kernels::StepMark lookup_end{nullptr, 0, reinterpret_cast<unsigned int *>(b.counters) + kLookupCtas};
+    err = kernels::lookup_zones(b.runs, b.R, b.G, b.d, b.scale, b.q, b.lookup, b.scores, b.max_clusters, s,
+                                lookup_end, b.split_clusters);
+  }
   if (err != cudaSuccess) return err;
   kernels::GatherArgs a = gather_args(b.runs, b.R, b.lookup, b.max_ret, b.xk, b.xv, b.counters);
   if (frames_) a.pool = e_.buffers().pool();
   a.vars = b.vars;
   err = kernels::gather_cuda(a, s);
+  if (err == cudaSuccess && side) err = cudaStreamWaitEvent(s, join_ev_, 0);
   if (err != cudaSuccess) return err;
   kernels::StepMark end{b.done, 0, reinterpret_cast<unsigned int *>(b.counters) + kAttendCtas};
   end.epoch_at = &b.vars->epoch;
@@ -1423,16 +1465,35 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s) {
 cudaError_t CudaBackend::capture_decode(const DecodeBody &b, cudaGraphExec_t *out) {
   std::lock_guard<std::mutex> lock(cap_mu_);
   // Relaxed: the launches' wrappers may ask the device's attributes.
-  cudaError_t err = cudaStreamBeginCapture(cap_, cudaStreamCaptureModeRelaxed);
+  cudaStream_t cap = cap_;
+  if (fork_ && b.priority != least_priority_) {
+    // A capture stream of the caller's priority (between the device's
+    // least and greatest, as cudaStreamGetPriority reports them).
+    const size_t at = static_cast<size_t>(least_priority_ - b.priority);
+    if (at >= cap_priority_.size()) cap_priority_.resize(at + 1, nullptr);
+    if (!cap_priority_[at]) {
+      const cudaError_t made = cudaStreamCreateWithPriority(&cap_priority_[at], cudaStreamNonBlocking, b.priority);
+      if (made != cudaSuccess) {
+        cap_priority_[at] = nullptr;
+        (void)cudaGetLastError();
+        return made;
+      }
+    }
+    cap = cap_priority_[at];
+  }
+  cudaError_t err = cudaStreamBeginCapture(cap, cudaStreamCaptureModeRelaxed);
   if (err != cudaSuccess) return err;
   // The staging from the ring's next slot (where the plan has a ring),
   // then the step's kernels.
-  if (b.ring.slots) err = kernels::stage_from_ring(b.dtype, b.ring, b.R, b.n_seqs, b.nq, b.d, b.q, b.runs, b.vars, cap_);
-  if (err == cudaSuccess) err = launch_decode(b, cap_);
+  if (b.ring.slots) err = kernels::stage_from_ring(b.dtype, b.ring, b.R, b.n_seqs, b.nq, b.d, b.q, b.runs, b.vars, cap);
+  if (err == cudaSuccess) err = launch_decode(b, cap, fork_ ? cap_side_ : nullptr);
   cudaGraph_t g = nullptr;
-  const cudaError_t ended = cudaStreamEndCapture(cap_, &g);
+  const cudaError_t ended = cudaStreamEndCapture(cap, &g);
   if (err == cudaSuccess) err = ended;
-  if (err == cudaSuccess) err = cudaGraphInstantiate(out, g, 0);
+  // With the fork, each kernel runs at its node's priority, copied from its
+  // capture stream's: the estimate's the highest, the others' that of the
+  // stream the step was captured for (part of the graph's key).
+  if (err == cudaSuccess) err = cudaGraphInstantiate(out, g, fork_ ? cudaGraphInstantiateFlagUseNodePriority : 0);
   if (g) cudaGraphDestroy(g);
   if (err != cudaSuccess) (void)cudaGetLastError();
   return err;
@@ -1535,6 +1596,12 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   b.vars = pd.vars.as<kernels::StepVars>();
   b.done = reinterpret_cast<unsigned long long *>(plan.tracker().done_device());
   b.split_clusters = z.max_clusters;
+  b.priority = least_priority_;
+  if (fork_ && cudaStreamGetPriority(s, &b.priority) != cudaSuccess) {
+    (void)cudaGetLastError();
+    b.priority = least_priority_;
+  }
+  b.priority = std::min(least_priority_, std::max(greatest_priority_, b.priority));
   // The ring a replay stages from; without one (WKV_DECODE_RING=0, or no
   // pinned memory for it), a replay follows a staging launch. It is had at
   // the plan's first decode (and grown with its batch), not first at a
