@@ -27,9 +27,9 @@
 //                       step's mark has a CTA counter (StepMark::ctas), the
 //                       estimate's last CTA does it instead (end_lookup),
 //                       and the lookup takes one launch fewer.
-// lookup_select and lookup_estimate enqueue the same work in two parts
-// (1, 2 and 4; then 3), for a caller that runs the estimate on a stream of
-// its own beside the gather (a decode graph's fork).
+// lookup_select, lookup_estimate and lookup_offsets enqueue the same work
+// in three parts (1 and 2; 3; 4), for a caller that runs the estimate on a
+// stream of its own beside the gather (a decode graph's fork).
 // Each kernel is launched with programmatic dependent launch and waits for
 // the grid before it (griddepcontrol.wait) before touching memory, so that
 // its launch overlaps the tail of the one before.
@@ -1297,16 +1297,21 @@ cudaError_t lookup_select(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d
   WKV_CUDA_TRY(check_lookup(runs, R, G, q, out, scores, max_clusters));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> cudaError_t {
-    WKV_CUDA_TRY(select_impl<HEAD_DIM>(runs, R, G, scale, q, out, scores, max_clusters, split_clusters, s));
-    return offsets_launch(out, R, StepMark{}, s);
+    return select_impl<HEAD_DIM>(runs, R, G, scale, q, out, scores, max_clusters, split_clusters, s);
   });
+}
+
+cudaError_t lookup_offsets(const DevLookup &out, uint32_t R, void *stream) {
+  if (out.offsets == nullptr || (R > 0 && out.run_tokens == nullptr)) return cudaErrorInvalidValue;
+  return offsets_launch(out, R, StepMark{}, static_cast<cudaStream_t>(stream));
 }
 
 cudaError_t lookup_estimate(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, const DevLookup &out,
                             void *stream) {
   if (G == 0 || G > kMaxGroup) return cudaErrorNotSupported;
   if (R == 0) return cudaSuccess;
-  if (runs == nullptr || out.est_ids == nullptr || out.est_out == nullptr || out.est_lse == nullptr)
+  if (runs == nullptr || out.est_ids == nullptr || out.est_out == nullptr || out.est_lse == nullptr ||
+      out.logits == nullptr || out.zones == nullptr)
     return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> cudaError_t {

@@ -721,7 +721,7 @@ TEST(GpuBatch, DecodeGraphsStayExactWithTheSelectionSplit) {
 }
 
 // A graph forks after the selection: the estimate runs on a stream of its
-// own beside the gather and the exact attention (WKV_DECODE_FORK, on unless
+// own beside the offsets and the gather (WKV_DECODE_FORK, on unless
 // 0). The tests above run with the fork; this one without, where a graph's
 // kernels are the one-by-one launches' in one stream order. Both stay bit
 // for bit an engine's without graphs.

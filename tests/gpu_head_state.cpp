@@ -397,8 +397,9 @@ TEST(GpuHeadState, DecodeGraphFailuresFallBackToLaunchesAndStayExact) {
   {
     wkv::Plan p_on(on.e, t_on), p_off(off.e, t_off);
     // Step 40: a launch fails (retried 64 steps later). Step 150: a launch
-    // fails, and the capture 64 steps later too (retried 128 steps after
-    // that). The last 40 steps come after every retry.
+    // fails, and the capture 64 steps later too, from inside, after the
+    // graph's fork (retried 128 steps after that). The last 40 steps come
+    // after every retry.
     const uint32_t kSteps = 400, kWindow = 360;
     uint32_t differ = 0;
     uint64_t window0 = 0;

@@ -308,16 +308,18 @@ class CudaBackend final : public Backend, public BufferManager::Device {
                                   uint32_t max_ret, uint8_t *xk, uint8_t *xv, uint32_t *counters) const;
   // The kernels of a decode after its staging, on s (captured or not).
   struct DecodeBody;
-  // With `side` (a capture's), the estimate runs there, beside the gather
-  // and the exact attention: a fork after the selection, joined before the
-  // attention.
-  cudaError_t launch_decode(const DecodeBody &b, cudaStream_t s, cudaStream_t side = nullptr);
+  // With `side` (a capture's), the estimate runs there, beside the offsets
+  // and the gather: a fork after the selection, joined before the
+  // attention. `fail_in_fork` (fault injection) fails the capture there.
+  cudaError_t launch_decode(const DecodeBody &b, cudaStream_t s, cudaStream_t side = nullptr,
+                            bool fail_in_fork = false);
   // A ring for the plan's replays with slots for R runs (PlanDevice::stage_host).
   static size_t stage_slot_bytes(uint32_t R);
   Status stage_ring(PlanDevice &pd, uint32_t R);
   void release_stage(PlanDevice &pd);
-  // Captures them into an executable graph.
-  cudaError_t capture_decode(const DecodeBody &b, cudaGraphExec_t *out);
+  // Captures them into an executable graph (`fail`: fault injection, a
+  // failure inside the capture).
+  cudaError_t capture_decode(const DecodeBody &b, cudaGraphExec_t *out, bool fail = false);
   // The k-means workspace, grow only (one growth at a time uses it).
   Status km_region(Region *r, size_t bytes, cudaStream_t s);
   // A step's verb failed after taking its epoch: its kernels will not all
@@ -363,8 +365,10 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // priority, so that its CTAs are placed as soon as the gather's leave
   // room.
   // The graph's other kernels keep the priority of the caller's stream:
-  // they are captured on a stream of that priority (cap_by_priority, made
-  // when first asked; cap_ is the default's).
+  // they are captured on a stream of that priority (cap_priority_, made
+  // when first asked; cap_ is the least's, the default). A plan whose steps
+  // alternate between streams of two priorities changes its graph's key at
+  // every step, and launches one by one.
   bool fork_ = true;
   int least_priority_ = 0, greatest_priority_ = 0;
   std::vector<cudaStream_t> cap_priority_;  // [least - priority]
@@ -470,7 +474,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
   WKV_CU(cudaMemsetAsync(d_stats_, 0, 3 * sizeof(unsigned long long), side_));
   WKV_CU(cudaStreamSynchronize(side_));
   WKV_CU(cudaStreamCreateWithFlags(&grow_, cudaStreamNonBlocking));
-  WKV_CU(cudaStreamCreateWithFlags(&cap_, cudaStreamNonBlocking));
+  WKV_CU(cudaStreamCreateWithPriority(&cap_, cudaStreamNonBlocking, least_priority));
   if (const char *g = std::getenv("WKV_DECODE_GRAPHS")) graphs_ = std::strcmp(g, "0") != 0;
   if (const char *r = std::getenv("WKV_DECODE_RING")) rings_ = std::strcmp(r, "0") != 0;
   if (const char *f = std::getenv("WKV_DECODE_FORK")) fork_ = std::strcmp(f, "0") != 0;
@@ -1429,18 +1433,24 @@ struct CudaBackend::DecodeBody {
   }
 };
 
-cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cudaStream_t side) {
+cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cudaStream_t side, bool fail_in_fork) {
   cudaError_t err = cudaSuccess;
+  bool forked = false;
   if (side) {
-    // The selection and the offsets; then the estimate on `side`, which
-    // only the merge (the attention's second kernel) reads: it runs while
-    // the gather waits on PCIe.
+    // The selection; then the estimate on `side`, which only the
+    // attention's combine reads, while the offsets and the gather (which
+    // waits on PCIe) run on `s`.
     err = kernels::lookup_select(b.runs, b.R, b.G, b.d, b.scale, b.q, b.lookup, b.scores, b.max_clusters, s,
                                  b.split_clusters);
     if (err == cudaSuccess) err = cudaEventRecord(fork_ev_, s);
-    if (err == cudaSuccess) err = cudaStreamWaitEvent(side, fork_ev_, 0);
+    if (err == cudaSuccess) {
+      // From here `side` may be in the capture: it is joined whatever fails.
+      forked = true;
+      err = cudaStreamWaitEvent(side, fork_ev_, 0);
+    }
     if (err == cudaSuccess) err = kernels::lookup_estimate(b.runs, b.R, b.G, b.d, b.lookup, side);
-    if (err == cudaSuccess) err = cudaEventRecord(join_ev_, side);
+    if (err == cudaSuccess && fail_in_fork) err = cudaErrorLaunchFailure;
+    if (err == cudaSuccess) err = kernels::lookup_offsets(b.lookup, b.R, s);
   } else {
     // The lookup: its last CTA lays out the offsets (no mark: the step
     // ends with the attention).
@@ -1448,12 +1458,19 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cuda
     err = kernels::lookup_zones(b.runs, b.R, b.G, b.d, b.scale, b.q, b.lookup, b.scores, b.max_clusters, s,
                                 lookup_end, b.split_clusters);
   }
-  if (err != cudaSuccess) return err;
-  kernels::GatherArgs a = gather_args(b.runs, b.R, b.lookup, b.max_ret, b.xk, b.xv, b.counters);
-  if (frames_) a.pool = e_.buffers().pool();
-  a.vars = b.vars;
-  err = kernels::gather_cuda(a, s);
-  if (err == cudaSuccess && side) err = cudaStreamWaitEvent(s, join_ev_, 0);
+  if (err == cudaSuccess) {
+    kernels::GatherArgs a = gather_args(b.runs, b.R, b.lookup, b.max_ret, b.xk, b.xv, b.counters);
+    if (frames_) a.pool = e_.buffers().pool();
+    a.vars = b.vars;
+    err = kernels::gather_cuda(a, s);
+  }
+  if (forked) {
+    // The join, also after a failure, so that a capture ends with every
+    // stream it forked into joined (its error is the failure's).
+    cudaError_t joined = cudaEventRecord(join_ev_, side);
+    if (joined == cudaSuccess) joined = cudaStreamWaitEvent(s, join_ev_, 0);
+    if (err == cudaSuccess) err = joined;
+  }
   if (err != cudaSuccess) return err;
   kernels::StepMark end{b.done, 0, reinterpret_cast<unsigned int *>(b.counters) + kAttendCtas};
   end.epoch_at = &b.vars->epoch;
@@ -1462,7 +1479,7 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cuda
                                 b.scratch_floats, s, end, b.vars);
 }
 
-cudaError_t CudaBackend::capture_decode(const DecodeBody &b, cudaGraphExec_t *out) {
+cudaError_t CudaBackend::capture_decode(const DecodeBody &b, cudaGraphExec_t *out, bool fail) {
   std::lock_guard<std::mutex> lock(cap_mu_);
   // Relaxed: the launches' wrappers may ask the device's attributes.
   cudaStream_t cap = cap_;
@@ -1481,12 +1498,15 @@ cudaError_t CudaBackend::capture_decode(const DecodeBody &b, cudaGraphExec_t *ou
     }
     cap = cap_priority_[at];
   }
+  if (fail && !fork_) return cudaErrorLaunchFailure;
   cudaError_t err = cudaStreamBeginCapture(cap, cudaStreamCaptureModeRelaxed);
   if (err != cudaSuccess) return err;
   // The staging from the ring's next slot (where the plan has a ring),
   // then the step's kernels.
   if (b.ring.slots) err = kernels::stage_from_ring(b.dtype, b.ring, b.R, b.n_seqs, b.nq, b.d, b.q, b.runs, b.vars, cap);
-  if (err == cudaSuccess) err = launch_decode(b, cap, fork_ ? cap_side_ : nullptr);
+  // (Without the fork, an injected failure refuses the capture before it
+  // begins, as it always did.)
+  if (err == cudaSuccess) err = launch_decode(b, cap, fork_ ? cap_side_ : nullptr, fail);
   cudaGraph_t g = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(cap, &g);
   if (err == cudaSuccess) err = ended;
@@ -1666,7 +1686,9 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
     g = find_graph(pd, key);
     if (!g && pd.seen_key == key && pd.refused_key != key) {
       cudaGraphExec_t exec = nullptr;
-      if (!e_.faults().fail(FaultInjector::kGraph) && capture_decode(b, &exec) == cudaSuccess) {
+      // An injected refusal fails the capture from inside (after the fork,
+      // where the graph forks): the path of a launch that fails there.
+      if (capture_decode(b, &exec, e_.faults().fail(FaultInjector::kGraph)) == cudaSuccess) {
         g = add_graph(pd, key, exec);
       } else {
         refuse();
