@@ -813,11 +813,12 @@ WKV_API int wkv_update(wkv_plan *plan, void *stream);
  * environment, read when the engine opens: WKV_DECODE_GRAPHS=0 turns graphs
  * off; WKV_DECODE_RING=0 stages each replay in a launch of its own instead
  * of the ring (two launches a step). Inside the graph the estimate runs
- * beside the gather, at the device's highest stream priority; the other
- * kernels keep the priority of `stream`, which is part of what the graph
- * is made for (a plan whose steps alternate between streams of two
- * priorities launches one by one). WKV_DECODE_FORK=0: one stream order, at
- * the priority of the stream a replay is launched on.
+ * beside the gather, one stream priority below the device's highest (which
+ * the engine's cache management keeps); the other kernels keep the
+ * priority of `stream`, which is part of what the graph is made for (a
+ * plan whose steps alternate between streams of two priorities launches
+ * one by one). WKV_DECODE_FORK=0: one stream order, at the priority of the
+ * stream a replay is launched on.
  */
 WKV_API int wkv_decode(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
                        uint32_t layer, const void *q, int64_t q_seq_stride,

@@ -361,9 +361,11 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   std::mutex cap_mu_;
   cudaStream_t cap_ = nullptr;
   // A graph's estimate beside its gather (launch_decode's fork) unless
-  // WKV_DECODE_FORK=0; captured on cap_side_, at the device's highest
-  // priority, so that its CTAs are placed as soon as the gather's leave
-  // room.
+  // WKV_DECODE_FORK=0; captured on cap_side_, one priority below the
+  // device's highest (where the range has two), so that its CTAs are placed
+  // as soon as the gather's leave room, yet after the buffer manager's
+  // clears and publishes of free frames (side_ and pool_stream_, at the
+  // highest), which no step's CTAs may hold up.
   // The graph's other kernels keep the priority of the caller's stream:
   // they are captured on a stream of that priority (cap_priority_, made
   // when first asked; cap_ is the least's, the default). A plan whose steps
@@ -478,7 +480,8 @@ Status CudaBackend::init(HostArena::Options *ao) {
   if (const char *g = std::getenv("WKV_DECODE_GRAPHS")) graphs_ = std::strcmp(g, "0") != 0;
   if (const char *r = std::getenv("WKV_DECODE_RING")) rings_ = std::strcmp(r, "0") != 0;
   if (const char *f = std::getenv("WKV_DECODE_FORK")) fork_ = std::strcmp(f, "0") != 0;
-  WKV_CU(cudaStreamCreateWithPriority(&cap_side_, cudaStreamNonBlocking, greatest_priority));
+  const int side_priority = greatest_priority < least_priority ? greatest_priority + 1 : greatest_priority;
+  WKV_CU(cudaStreamCreateWithPriority(&cap_side_, cudaStreamNonBlocking, side_priority));
   WKV_CU(cudaEventCreateWithFlags(&fork_ev_, cudaEventDisableTiming));
   WKV_CU(cudaEventCreateWithFlags(&join_ev_, cudaEventDisableTiming));
 
