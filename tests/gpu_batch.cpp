@@ -641,6 +641,11 @@ struct Twin {
       if (!std::isfinite(x)) return false;
     return a == b;
   }
+  // The prompt: T tokens a sequence, then its end.
+  void prompt(uint32_t T) {
+    append(T);
+    end_prompt();
+  }
   // `steps` steps of one token a sequence; the steps whose outputs differ.
   uint32_t run(uint32_t steps, uint64_t seed) {
     wavekv::Plan pon(on), poff(off);
@@ -651,6 +656,14 @@ struct Twin {
       if (!decode(qgen, pon, poff)) ++off_steps;
     }
     return off_steps;
+  }
+  // `steps` steps (fewer under a sanitizer: `sanitized`), every output bit
+  // for bit off's, at least eight in ten replayed as graphs; the steps run.
+  uint32_t expect_exact_replays(uint32_t steps, uint32_t sanitized, uint64_t seed) {
+    if (under_sanitizer()) steps = sanitized;
+    EXPECT_EQ(run(steps, seed), 0u) << "steps whose replayed output differs from the kernels launched one by one";
+    EXPECT_GE(on.stats().decode_graphs, steps * 8 / 10) << "steps replayed as graphs";
+    return steps;
   }
 };
 
@@ -676,11 +689,8 @@ wkv_config graph_config(uint32_t q_heads, uint32_t kv_heads) {
 TEST(GpuBatch, DecodeGraphsStayExactOverMoreRunsThanOneStagingLaunchTakes) {
   REQUIRE_GPU();
   Twin t(graph_config(32, 8), 24);
-  t.append(700);
-  t.end_prompt();
-  const uint32_t steps = under_sanitizer() ? 40 : 150;
-  EXPECT_EQ(t.run(steps, 41), 0u) << "steps whose replayed output differs from the kernels launched one by one";
-  EXPECT_GE(t.on.stats().decode_graphs, steps * 8 / 10) << "steps replayed as graphs";
+  t.prompt(700);
+  const uint32_t steps = t.expect_exact_replays(150, 40, 41);
   // The prompt's segment, then one a 32 tokens, less the growth lag.
   EXPECT_GE(t.son[0].info(0).segments, 1u + steps / 50) << "the steps crossed growths";
 }
@@ -692,14 +702,11 @@ TEST(GpuBatch, DecodeGraphsStayExactWithoutADeviceCache) {
   wkv_config c = graph_config(kQ, kKV);
   c.device_cache_bytes = 1;
   Twin t(c, kN);
-  t.append(2100);
-  t.end_prompt();
-  const uint32_t steps = under_sanitizer() ? 60 : 200;
-  EXPECT_EQ(t.run(steps, 43), 0u) << "steps whose replayed output differs from the kernels launched one by one";
+  t.prompt(2100);
+  t.expect_exact_replays(200, 60, 43);
   const wkv_stats s = t.on.stats();
   EXPECT_EQ(s.device_cache_bytes, 0u) << "the engine has no device cache";
   EXPECT_EQ(s.cache_hits + s.cache_admissions, 0u);
-  EXPECT_GE(s.decode_graphs, steps * 8 / 10) << "steps replayed as graphs";
 }
 
 // A selection split over several CTAs a run (a cluster of CTAs): runs of
@@ -715,9 +722,7 @@ TEST(GpuBatch, DecodeGraphsStayExactWithTheSelectionSplit) {
   for (int part = 0; part < 9; ++part) t.append(2050);
   t.end_prompt();
   EXPECT_GE(t.son[0].info(0).clusters, 2u * 8192u) << "runs (KV heads) of 8192 clusters or more: a split of four";
-  const uint32_t steps = under_sanitizer() ? 40 : 150;
-  EXPECT_EQ(t.run(steps, 47), 0u) << "steps whose replayed output differs from the kernels launched one by one";
-  EXPECT_GE(t.on.stats().decode_graphs, steps * 8 / 10) << "steps replayed as graphs";
+  t.expect_exact_replays(150, 40, 47);
 }
 
 // A graph forks after the selection: the estimate runs on a stream of its
@@ -728,11 +733,8 @@ TEST(GpuBatch, DecodeGraphsStayExactWithTheSelectionSplit) {
 TEST(GpuBatch, DecodeGraphsStayExactWithoutTheFork) {
   REQUIRE_GPU();
   Twin t(graph_config(kQ, kKV), kN, /*fork=*/false);
-  t.append(2100);
-  t.end_prompt();
-  const uint32_t steps = under_sanitizer() ? 40 : 150;
-  EXPECT_EQ(t.run(steps, 53), 0u) << "steps whose replayed output differs from the kernels launched one by one";
-  EXPECT_GE(t.on.stats().decode_graphs, steps * 8 / 10) << "steps replayed as graphs";
+  t.prompt(2100);
+  t.expect_exact_replays(150, 40, 53);
 }
 
 // More replays in flight than the staging ring has slots (64): with the
@@ -747,8 +749,7 @@ TEST(GpuBatch, DecodeGraphsPastTheRingsSlotsInFlightLaunchOneByOne) {
   wkv_config c = graph_config(kQ, kKV);
   c.update_segment_tokens = 4096;
   Twin t(c, kN);
-  t.append(2100);
-  t.end_prompt();
+  t.prompt(2100);
   constexpr uint32_t kSteps = 100;
   const uint32_t H = kKV, d = kD;
   const size_t tok_elems = size_t(kN) * H * d, q_elems = size_t(kN) * kQ * d;
