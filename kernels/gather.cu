@@ -84,6 +84,17 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
   const uint32_t base = static_cast<uint32_t>(a.lookup.offsets[r]);
   const uint32_t sink = run.sink_tokens, tail = run.tail_tokens;
 
+  // This step reads unit map entries from here on: said before the first
+  // (GatherArgs::reading). The fence orders the word before this CTA's
+  // loads of entries; the barrier, every thread's after thread 0's fence.
+  if (a.reading.done) {
+    if (threadIdx.x == 0) {
+      *reinterpret_cast<volatile unsigned long long *>(a.reading.done) = mark_epoch(a.reading);
+      __threadfence_system();
+    }
+    __syncthreads();
+  }
+
   // Steady zone: sink rows then tail rows, device to device.
   const uint32_t steady = (sink + tail) * cpr;
   for (uint32_t q = blockIdx.y * blockDim.x + threadIdx.x; q < steady; q += gridDim.y * blockDim.x) {

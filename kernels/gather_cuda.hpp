@@ -75,6 +75,12 @@ struct GatherArgs {
   // stats[2] += the tokens gathered (offsets[n_runs]). May be null.
   unsigned long long *stats = nullptr;
   StepMark mark{};  // mark.ctas is unused: work[2] counts the CTAs
+  // Where reading.done is set, every CTA writes its step's epoch there
+  // (reading.epoch, or *reading.epoch_at) and fences it at system scope
+  // before it reads a unit map entry: the tracker's reading word, which
+  // the buffer manager reads after it clears entries (a step it does not
+  // see there reads the cleared entries). reading.ctas is unused.
+  StepMark reading{};
   // Where set (a decode graph), admit_cap, admits, hits, hit_cap and
   // record_counts are read from this device block when the kernel runs,
   // in place of the fields above.

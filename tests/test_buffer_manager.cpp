@@ -78,14 +78,16 @@ struct Fixture {
   BufferManager bm;
   uint32_t head = 0, gen = 0;
 
-  explicit Fixture(uint32_t units, size_t ring_bytes = 1 << 20) : bm(options(units, ring_bytes), &dev) {
+  explicit Fixture(uint32_t units, size_t ring_bytes = 1 << 20, bool reader_quarantine = true)
+      : bm(options(units, ring_bytes, reader_quarantine), &dev) {
     EXPECT_TRUE(bm.start().is_ok());
     head = bm.head_created(&gen);
   }
-  static BufferManager::Options options(uint32_t units, size_t ring_bytes) {
+  static BufferManager::Options options(uint32_t units, size_t ring_bytes, bool reader_quarantine) {
     BufferManager::Options o;
     o.units = units;
     o.ring_bytes = ring_bytes;
+    o.reader_quarantine = reader_quarantine;
     return o;
   }
   std::shared_ptr<StepTracker> tracker() {
@@ -101,11 +103,13 @@ struct Fixture {
   // the pool (unit u mapped at unit_map[u]), hits logged, then the step's
   // end.
   struct Step {
+    StepTracker *tracker = nullptr;
     uint64_t epoch = 0;
     StepRecord rec;
   };
   Step begin_step(StepTracker &t, uint32_t want, uint32_t hit_cap = 64, uint32_t key = 0) {
     Step s;
+    s.tracker = &t;
     s.epoch = bm.begin(t);
     const uint64_t h = head_word();
     s.rec = bm.open_record(t, s.epoch, &h, 1, want, hit_cap, key);
@@ -122,11 +126,13 @@ struct Fixture {
     const unsigned long long t = __atomic_fetch_add(p.taken, 1ull, __ATOMIC_ACQ_REL);
     return __atomic_load_n(p.slots + t % p.cap, __ATOMIC_ACQUIRE);
   }
-  // Misses units `units`, admitting each into a frame from the pool while
-  // it has one (a unit in `lost` loses its swap: another step mapped it),
-  // and logs `hits`. Returns the frames mapped.
+  // Says the step reads unit map entries from now on, as its gather's CTAs
+  // do first; then misses units `units`, admitting each into a frame from
+  // the pool while it has one (a unit in `lost` loses its swap: another
+  // step mapped it), and logs `hits`. Returns the frames mapped.
   std::vector<uint32_t> run_step(const Step &s, const std::vector<uint32_t> &units,
                                  const std::vector<uint32_t> &hits, const std::set<uint32_t> &lost = {}) {
+    BufferManager::reading_on_host(*s.tracker, s.epoch);
     std::vector<uint32_t> frames;
     uint32_t used = 0;
     if (s.rec.header) {
@@ -231,8 +237,10 @@ TEST(BufferManager, QuarantinedFramesWaitForStepsInFlight) {
   std::vector<uint32_t> all(8);
   for (uint32_t u = 0; u < 8; ++u) all[u] = u;
   const auto frames = f.run_step(a, all, {});
-  // A step of another plan begins before the evictions and stays in flight.
+  // A step of another plan begins reading before the evictions and stays
+  // in flight.
   const uint64_t e = f.bm.begin(*reader);
+  BufferManager::reading_on_host(*reader, e);
   f.end_step(*t, a);
   ASSERT_TRUE(f.bm.quiesce(5000));
   for (int i = 0; i < 500 && f.bm.stats().evictions < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -251,6 +259,89 @@ TEST(BufferManager, QuarantinedFramesWaitForStepsInFlight) {
   EXPECT_EQ(s.quarantined, 0u);
 }
 
+// Only a gather reads frames, through unit map entries, and it says so
+// before its first (the tracker's reading word). A step that has begun but
+// not yet reached its gather when the entries are cleared reads the cleared
+// entries: it does not hold the evicted frames. One seen reading does.
+// (WKV_QUARANTINE=steps, reader_quarantine false: every step begun holds
+// them.)
+TEST(BufferManager, EvictedFramesWaitOnlyForStepsSeenReading) {
+  for (const bool readers : {true, false}) {
+    SCOPED_TRACE(readers ? "reader quarantine" : "every step in flight");
+    Fixture f(8, 1 << 20, readers);  // a reserve of 2
+    auto t = f.tracker(), reading = f.tracker(), queued = f.tracker();
+    auto a = f.begin_step(*t, 8);
+    std::vector<uint32_t> all(8);
+    for (uint32_t u = 0; u < 8; ++u) all[u] = u;
+    f.run_step(a, all, {});
+    const uint64_t er = f.bm.begin(*reading), eq = f.bm.begin(*queued);
+    BufferManager::reading_on_host(*reading, er);  // the other is enqueued, not yet at its gather
+    f.end_step(*t, a);
+    for (int i = 0; i < 500 && f.bm.stats().evictions < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ASSERT_GE(f.bm.stats().evictions, 2u);
+    ASSERT_TRUE(f.bm.quiesce(5000));
+    EXPECT_EQ(f.bm.stats().free, 0u) << "a step that may have read the entries holds the frames";
+    f.bm.end_on_host(*reading, er);
+    for (int i = 0; i < 200 && f.bm.stats().free < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (readers)
+      EXPECT_GE(f.bm.stats().free, 2u) << "the step not yet reading does not hold them";
+    else
+      EXPECT_EQ(f.bm.stats().free, 0u) << "every step begun holds them";
+    f.bm.end_on_host(*queued, eq);
+    for (int i = 0; i < 500 && f.bm.stats().free < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_GE(f.bm.stats().free, 2u);
+    EXPECT_EQ(f.bm.stats().quarantined, 0u);
+  }
+}
+
+// A token's burst of layers, enqueued back to back, misses more than the
+// reserve (at most a quarter of the cache) holds: twice as much here. The
+// manager evicts as each step's record is taken; the frames it clears
+// while the burst's later steps are still queued are free for them, so the
+// burst admits what it misses. (Held until every step of the burst had
+// ended, as they were before the reading word, the frames ready when the
+// burst began were all it could admit: under half.)
+TEST(BufferManager, FramesEvictedDuringABurstServeItsLaterSteps) {
+  constexpr uint32_t kUnits = 8192, kLayers = 8, kMiss = 512, kRounds = 24;  // 4096 a burst, the reserve 2048
+  for (const bool readers : {true, false}) {
+    SCOPED_TRACE(readers ? "reader quarantine" : "every step in flight");
+    Fixture f(kUnits, 1 << 20, readers);
+    f.unit_map.assign(1 << 17, kNoFrame);
+    auto t = f.tracker();
+    uint32_t next = 0;
+    uint64_t admitted_late = 0, missed_late = 0, taken = 0;
+    for (uint32_t round = 0; round < kRounds; ++round) {
+      std::vector<Fixture::Step> steps;
+      for (uint32_t l = 0; l < kLayers; ++l) steps.push_back(f.begin_step(*t, 2 * kMiss));
+      for (const Fixture::Step &s : steps) {
+        std::vector<uint32_t> units(kMiss);
+        for (uint32_t &u : units) u = next++ % (1 << 17);
+        const uint32_t got = static_cast<uint32_t>(f.run_step(s, units, {}).size());
+        if (round >= kRounds / 2) {
+          admitted_late += got;
+          missed_late += kMiss;
+        }
+        f.end_step(*t, s);
+        // The manager takes the record, evicts and (with the reading word)
+        // frees before the next step reaches its gather: a step's lookup
+        // takes longer than a manager's pass.
+        taken += kMiss;
+        for (int w = 0; w < 5000 && f.bm.stats().missed != taken; ++w)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        ASSERT_EQ(f.bm.stats().missed, taken);
+        for (int w = 0; readers && w < 5000 && f.bm.stats().free < kMiss; ++w)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    std::printf("%s: a burst admitted %llu of %llu misses\n", readers ? "reader quarantine" : "every step in flight",
+                static_cast<unsigned long long>(admitted_late), static_cast<unsigned long long>(missed_late));
+    if (readers)
+      EXPECT_GE(admitted_late, missed_late * 95 / 100);
+    else
+      EXPECT_LE(admitted_late, missed_late * 6 / 10);
+  }
+}
+
 // Defect 1 of the redesign: a plan destroyed between lookup and update (or
 // never updated) left its epoch in flight for ever, so quarantined frames
 // were never released and the cache drained. A step's pins end when its
@@ -263,7 +354,8 @@ TEST(BufferManager, AStepOfADestroyedPlanStillEndsItsPins) {
   for (uint32_t u = 0; u < 8; ++u) all[u] = u;
   f.run_step(a, all, {});
   auto plan = f.tracker();
-  const uint64_t e = f.bm.begin(*plan);  // looked up, never updated
+  const uint64_t e = f.bm.begin(*plan);  // looked up and assembled, never updated
+  BufferManager::reading_on_host(*plan, e);
   f.end_step(*t, a);
   StepTracker *raw = plan.get();
   plan.reset();                           // the plan is destroyed
@@ -286,6 +378,7 @@ TEST(BufferManager, EpochsStayOrderedPastTwoToThe32) {
   for (uint32_t u = 0; u < 8; ++u) all[u] = u;
   f.run_step(a, all, {});
   const uint64_t e = f.bm.begin(*reader);
+  BufferManager::reading_on_host(*reader, e);
   f.end_step(*t, a);
   for (int i = 0; i < 5; ++i) f.end_step(*t, f.begin_step(*t, 0));  // epochs past 2^32
   EXPECT_GT(f.bm.epoch(), uint64_t{1} << 32);

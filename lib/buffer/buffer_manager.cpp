@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 
 #include "lib/index/head.hpp"
 
@@ -107,13 +108,15 @@ Status BufferManager::new_tracker(std::shared_ptr<StepTracker> *out) {
   if (free_words_.empty()) {
     uint64_t *host = nullptr, *dev = nullptr;
     WKV_RETURN_IF_ERROR(dev_->alloc_words(kWordsPerSlab, &host, &dev));
-    free_words_.reserve(free_words_.size() + kWordsPerSlab);
-    // Device addresses follow from the host ones by a constant offset.
-    for (size_t i = kWordsPerSlab; i-- > 0;) free_words_.push_back(host + i);
+    free_words_.reserve(free_words_.size() + kWordsPerSlab / 2);
+    // Two words a tracker: done, then reading. Device addresses follow
+    // from the host ones by a constant offset.
+    for (size_t i = kWordsPerSlab; i > 0; i -= 2) free_words_.push_back(host + i - 2);
     slab_offsets_.push_back({host, dev});
   }
   uint64_t *w = free_words_.back();
   __atomic_store_n(w, 0, __ATOMIC_RELEASE);
+  __atomic_store_n(w + 1, 0, __ATOMIC_RELEASE);
   t->done_ = w;
   t->done_dev_ = device_word(w);
   trackers_.push_back(t);
@@ -146,15 +149,18 @@ void BufferManager::wait_idle(const StepTracker &t) {
   }
 }
 
-uint64_t BufferManager::oldest_in_flight(std::unique_lock<std::mutex> &) {
+uint64_t BufferManager::oldest_in_flight(std::unique_lock<std::mutex> &, uint64_t *reading) {
   uint64_t oldest = epoch_.load(std::memory_order_seq_cst) + 1;
+  if (reading) *reading = oldest;
   size_t kept = 0;
   for (size_t i = 0; i < trackers_.size(); ++i) {
     std::shared_ptr<StepTracker> &t = trackers_[i];
     const uint64_t issued = t->issued_.load(std::memory_order_seq_cst);
+    const uint64_t read = reading ? t->reading() : 0;  // before done: newest_reader says why
     const uint64_t done = t->done();
     const bool idle = issued != StepTracker::kTaking && done >= issued;
     if (!idle) oldest = std::min(oldest, done + 1);
+    if (reading && read > done) *reading = std::min(*reading, done + 1);
     // Forgotten once its owner is gone, its steps have ended and no record
     // in the ring names it.
     if (idle && t.use_count() == 1 && t->records_ == 0) {
@@ -215,8 +221,12 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   // a burst that begins right after the steps before it ended (a runtime
   // that waits for a token, then enqueues the next) finds the frames its
   // predecessors' evictions made ready.
-  const bool release = !quarantine_.empty() && pool_free() < admit_cap;
-  if (release) release_quarantined(oldest_in_flight(lock));
+  const bool release = (!quarantine_.empty() || !evicted_.empty()) && pool_free() < admit_cap;
+  if (release) {
+    uint64_t oldest_reading;
+    const uint64_t oldest = oldest_in_flight(lock, &oldest_reading);
+    release_quarantined(oldest, oldest_reading);
+  }
   const size_t bytes = record_bytes(admit_cap, hit_cap, n_runs);
   // 1. Room in the ring: after the newest record, else from the start.
   size_t at = SIZE_MAX;
@@ -303,7 +313,7 @@ void BufferManager::run() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (stop_) return;
-      const bool waiting = !open_.empty() || !pending_.empty() || !quarantine_.empty();
+      const bool waiting = !open_.empty() || !pending_.empty() || !quarantine_.empty() || !evicted_.empty();
       // Steps end on the device, which tells no one: while some are
       // awaited, look again every 50 us.
       if (waiting)
@@ -479,29 +489,58 @@ void BufferManager::evict() {
   }
   const size_t n_victims = victims.size();
   std::lock_guard<std::mutex> lock(mu_);
-  quarantine(std::move(victims));
+  // Read after the stores have completed (clear_entries waited for them):
+  // a step not seen reading now reads the cleared entries (the header).
+  if (opts_.reader_quarantine)
+    quarantine_evicted(std::move(victims), newest_reader());
+  else
+    quarantine(std::move(victims));
   evictions_ += n_victims;
 }
 
-void BufferManager::release_quarantined(uint64_t oldest) {
-  // Stamps never decrease along the queue (only the manager's thread
-  // appends, each time with the epoch counter as it is then): the frames
-  // whose readers have ended are a prefix, and the decoding path pays for
-  // what it frees, not for what stays.
-  while (!quarantine_.empty() && quarantine_.front().stamp < oldest) {
-    const std::vector<uint32_t> &units = quarantine_.front().units;
-    put_free(units.data(), units.size());
-    quarantined_ -= units.size();
-    quarantine_.pop_front();
+uint64_t BufferManager::newest_reader() const {
+  uint64_t newest = 0;
+  for (const std::shared_ptr<StepTracker> &t : trackers_) {
+    // The reading word first: a step that ends between the two loads is
+    // not counted, one that begins reading after them reads cleared
+    // entries.
+    const uint64_t reading = t->reading();
+    if (reading > t->done()) newest = std::max(newest, reading);
+  }
+  return newest;
+}
+
+void BufferManager::release_quarantined(uint64_t oldest, uint64_t oldest_reading) {
+  // Stamps never decrease along a queue: the frames whose readers have
+  // ended are a prefix, and the decoding path pays for what it frees, not
+  // for what stays.
+  for (auto [queue, past] : {std::pair{&quarantine_, oldest}, std::pair{&evicted_, oldest_reading}}) {
+    while (!queue->empty() && queue->front().stamp < past) {
+      const std::vector<uint32_t> &units = queue->front().units;
+      put_free(units.data(), units.size());
+      quarantined_ -= units.size();
+      queue->pop_front();
+    }
   }
 }
 
 void BufferManager::quarantine(std::vector<uint32_t> &&units) {
   // Stamped with the epoch counter as it is now: every step that may still
-  // read these frames began before.
+  // read these frames began before. Only the manager's thread queues, with
+  // a counter that only grows: in stamp order.
   const uint64_t stamp = epoch_.load(std::memory_order_seq_cst);
   const size_t n = units.size();
   quarantine_.push_back({stamp, std::move(units)});
+  quarantined_ += n;
+}
+
+void BufferManager::quarantine_evicted(std::vector<uint32_t> &&units, uint64_t stamp) {
+  const size_t n = units.size();
+  // In stamp order: the newest reader at a later eviction may be older
+  // than at an earlier one (a tracker's step ended, another's is reading).
+  auto at = evicted_.end();
+  while (at != evicted_.begin() && std::prev(at)->stamp > stamp) --at;
+  evicted_.insert(at, Quarantined{stamp, std::move(units)});
   quarantined_ += n;
 }
 
@@ -586,7 +625,8 @@ bool BufferManager::release_ready() {
   uint64_t oldest;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    oldest = oldest_in_flight(lock);
+    uint64_t oldest_reading;
+    oldest = oldest_in_flight(lock, &oldest_reading);
     size_t kept = 0;
     for (size_t i = 0; i < pending_.size(); ++i) {
       if (pending_[i].stamp < oldest)
@@ -597,7 +637,7 @@ bool BufferManager::release_ready() {
     pending_.resize(kept);
     // Quarantined frames whose readers have ended are free again.
     advance_pool(oldest);
-    release_quarantined(oldest);
+    release_quarantined(oldest, oldest_reading);
   }
   for (Pending &p : ready) p.release();
   return !ready.empty();

@@ -16,10 +16,24 @@
 // when its kernels end, whatever happens to its plan: destroyed, abandoned
 // between lookup and update, or never updated, nothing stays pinned.
 //
-// Quarantine. A frame given up at epoch S (a cache unit evicted after its
-// unit map entry was cleared, a destroyed sequence's pages and device
-// arrays) is released only once the oldest epoch in flight is past S:
-// every step that could have seen it has ended.
+// Quarantine. A frame given up at epoch S (a destroyed sequence's pages and
+// device arrays, a frame mapped in a head that is gone) is released only
+// once the oldest epoch in flight is past S: every step that could have
+// seen it has ended. A cache unit evicted by the manager waits for fewer
+// steps: only a gather reads frames, and it reads a frame only through its
+// unit map entry. Every gather CTA writes its step's epoch into its
+// tracker's reading word (fenced, at system scope) before it reads an
+// entry; the manager clears the victims' entries, waits for the stores,
+// then reads the reading words. A step whose mark it does not see reads the
+// cleared entries (the two sides' fences: one of them sees the other's
+// write), so the frames wait only for the steps it sees reading: stamped
+// with the newest of those not yet ended (0: none), they are released once
+// the oldest epoch in flight of the trackers then seen reading is past the
+// stamp (oldest_in_flight says why that suffices). A token's burst of layers,
+// enqueued back to back, thus reuses within the burst what the manager
+// evicted after its first steps ended, rather than only at the next token.
+// (Options::reader_quarantine false: S is the epoch counter, every step
+// begun so far, as before.)
 //
 // The device cache (CUDA engines). Free frames sit in one pool for every
 // step (kernels/device_layout.hpp, FramePool: a ring of frame ids in device
@@ -83,12 +97,16 @@ class StepTracker {
   // (The word is written by a kernel, or by the host on a CPU engine: atomic
   // loads and stores on the host side.)
   uint64_t done() const { return __atomic_load_n(done_, __ATOMIC_ACQUIRE); }
+  // Where a gather writes the epoch of its step before it reads a unit map
+  // entry (the word after the done word), and the last epoch written there.
+  uint64_t *reading_device() const { return done_dev_ + 1; }
+  uint64_t reading() const { return __atomic_load_n(done_ + 1, __ATOMIC_ACQUIRE); }
 
  private:
   friend class BufferManager;
   static constexpr uint64_t kTaking = ~uint64_t{0};  // taking an epoch now
   std::atomic<uint64_t> issued_{0};
-  uint64_t *done_ = nullptr;
+  uint64_t *done_ = nullptr;  // and the reading word after it
   uint64_t *done_dev_ = nullptr;
   uint32_t records_ = 0;  // records in the ring that name it (guarded by the manager's mu_)
   // Per record key: what the last record taken with that key missed, plus
@@ -167,6 +185,9 @@ class BufferManager {
     size_t ring_bytes = 32u << 20;
     uint32_t max_admits = 16384;  // units one step admits at most
     std::string policy = "lru";  // the replacement policy (make_policy)
+    // An evicted frame waits for the steps seen reading when its entry was
+    // cleared (true), or for every step begun by then (false).
+    bool reader_quarantine = true;
   };
 
   struct Stats {
@@ -193,6 +214,11 @@ class BufferManager {
   uint64_t begin(StepTracker &t);
   // The step of `t` at `epoch` ended on the host (the CPU backend's verbs).
   void end_on_host(StepTracker &t, uint64_t epoch) { __atomic_store_n(t.done_, epoch, __ATOMIC_RELEASE); }
+  // The step of `t` at `epoch` is about to read unit map entries, written
+  // from the host as a gather writes it (tests that play the device).
+  static void reading_on_host(StepTracker &t, uint64_t epoch) {
+    __atomic_store_n(t.done_ + 1, epoch, __ATOMIC_SEQ_CST);
+  }
   // Waits until every step of `t` begun so far has ended: its done word has
   // caught up with its last epoch. For reading an owner's memory from the
   // host without knowing the streams its work went to (a sequence saved to
@@ -257,7 +283,12 @@ class BufferManager {
   void run();
   // Pre: mu_ held. The oldest epoch in flight (or the next one if none);
   // forgets trackers whose owners are gone and whose steps have ended.
-  uint64_t oldest_in_flight(std::unique_lock<std::mutex> &held);
+  // Where `reading` is set, also the oldest epoch in flight of the trackers
+  // seen reading (reading word past done word), or the next one if none:
+  // a step seen reading when entries were cleared, not yet ended, is one
+  // of theirs (the words only grow), so an eviction stamped with
+  // newest_reader() then is free once this is past the stamp.
+  uint64_t oldest_in_flight(std::unique_lock<std::mutex> &held, uint64_t *reading = nullptr);
   // The device address of a done word. Pre: mu_ held.
   uint64_t *device_word(uint64_t *host) const;
   // Takes the ended records at the ring's tail. Pre: mu_ not held.
@@ -269,12 +300,22 @@ class BufferManager {
   // Runs releases whose steps have ended. Pre: mu_ not held.
   bool release_ready();
   // Frees the quarantined frames stamped before `oldest` (the oldest epoch
-  // in flight), from the front of the queue, a batch at a time: the
-  // decoding path calls it (open_record), so its cost is a few copies, not
-  // a loop over frames. Pre: mu_ held.
-  void release_quarantined(uint64_t oldest);
-  // Queues a batch of frames given up now. Pre: mu_ held.
+  // in flight) and the evicted ones stamped before `oldest_reading` (the
+  // oldest of a tracker seen reading), from the front of their queues, a
+  // batch at a time: the decoding path calls it (open_record), so its cost
+  // is a few copies, not a loop over frames. Pre: mu_ held.
+  void release_quarantined(uint64_t oldest, uint64_t oldest_reading);
+  // The newest epoch of a step seen reading unit map entries and not yet
+  // ended (0: none). Pre: mu_ held.
+  uint64_t newest_reader() const;
+  // Queues a batch of frames given up now, released once the oldest epoch
+  // in flight is past the epoch counter as it is now (every step begun so
+  // far). Pre: mu_ held.
   void quarantine(std::vector<uint32_t> &&units);
+  // Queues a batch of evicted frames whose entries are cleared, released
+  // once the oldest epoch in flight of a tracker seen reading is past
+  // `stamp` (newest_reader() after the clear). Pre: mu_ held.
+  void quarantine_evicted(std::vector<uint32_t> &&units, uint64_t stamp);
   // Writes frames into the pool's next slots (or holds them while their
   // slots may still be read) for publish(), in at most two copies. Pre:
   // mu_ held.
@@ -325,7 +366,8 @@ class BufferManager {
   std::mutex publish_mu_;  // serializes publish(): ranges reach the device in order (before mu_)
   std::deque<PoolCheckpoint> checkpoints_;
   std::vector<uint32_t> held_;
-  std::deque<Quarantined> quarantine_;  // frames given up, until their readers end (stamps in order)
+  std::deque<Quarantined> quarantine_;  // frames given up, until the steps begun by then end (stamps in order)
+  std::deque<Quarantined> evicted_;     // frames evicted, until the steps seen reading end (stamps in order)
   std::vector<HeadSlot> heads_;  // [0] unused
   std::vector<uint32_t> free_heads_;
   uint8_t *ring_ = nullptr, *ring_dev_ = nullptr;

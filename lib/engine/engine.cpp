@@ -39,6 +39,13 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
                      "environment variable WKV_CACHE_POLICY='%s' is not a replacement policy (lru, clock or slru)",
                      policy);
+  // Which steps a frame evicted from the device cache waits for before it
+  // is reused (lib/buffer/buffer_manager.hpp, "Quarantine"): those seen
+  // reading unit map entries when it was cleared, or every step begun.
+  const char *quarantine = std::getenv("WKV_QUARANTINE");
+  if (quarantine && std::strcmp(quarantine, "readers") != 0 && std::strcmp(quarantine, "steps") != 0)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
+                     "environment variable WKV_QUARANTINE='%s' is neither 'readers' nor 'steps'", quarantine);
   // The metadata allocator is loaded here (a dlopen, once a process), on
   // the opening thread, before the engine's pool and the callers' threads
   // append: not on the first append, where several threads may meet it.
@@ -69,6 +76,7 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
     BufferManager::Options bo;
     bo.units = e->backend_->cache_units();
     bo.policy = policy;
+    bo.reader_quarantine = !quarantine || std::strcmp(quarantine, "steps") != 0;
     e->buffers_ = std::make_unique<BufferManager>(bo, e->backend_->buffer_device());
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory opening an engine");

@@ -1391,6 +1391,7 @@ struct CudaBackend::DecodeBody {
   uint32_t *counters = nullptr;
   kernels::StepVars *vars = nullptr;
   unsigned long long *done = nullptr;
+  unsigned long long *reading = nullptr;  // the tracker's word after `done` (in the key through it)
 
   uint32_t split_clusters = 0;  // the real largest run: decides the selection's split
   int priority = 0;             // the caller's stream's, where the graph forks (its nodes keep it)
@@ -1461,6 +1462,8 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cuda
     kernels::GatherArgs a = gather_args(b.runs, b.R, b.lookup, b.max_ret, b.xk, b.xv, b.counters);
     if (frames_) a.pool = e_.buffers().pool();
     a.vars = b.vars;
+    a.reading.done = b.reading;
+    a.reading.epoch_at = &b.vars->epoch;
     err = kernels::gather_cuda(a, s);
   }
   if (forked) {
@@ -1614,6 +1617,7 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   b.counters = pd.counters.as<uint32_t>();
   b.vars = pd.vars.as<kernels::StepVars>();
   b.done = reinterpret_cast<unsigned long long *>(plan.tracker().done_device());
+  b.reading = reinterpret_cast<unsigned long long *>(plan.tracker().reading_device());
   b.split_clusters = z.max_clusters;
   b.priority = least_priority_;
   if (fork_ && cudaStreamGetPriority(s, &b.priority) != cudaSuccess) {
@@ -1800,6 +1804,8 @@ Status CudaBackend::assemble(Plan &plan) {
     a.record_counts = &rec.header->used;
   }
   a.mark = kernels::StepMark{reinterpret_cast<unsigned long long *>(plan.tracker().done_device()), epoch, nullptr};
+  a.reading = kernels::StepMark{reinterpret_cast<unsigned long long *>(plan.tracker().reading_device()), epoch,
+                                nullptr};
   // On a failure the step is ended on the host once the stream is idle
   // (finish) and the record taken as the gather left it: never cancelled,
   // since a launch's error may be an earlier call's, the gather enqueued.
