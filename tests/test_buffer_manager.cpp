@@ -342,6 +342,81 @@ TEST(BufferManager, FramesEvictedDuringABurstServeItsLaterSteps) {
   }
 }
 
+// A 32-layer model's token: 32 steps enqueued back to back, each ending
+// some time after the one before (the manager takes each record before the
+// next step ends). With reader quarantine, frames evicted after a step are
+// free again for the next steps of the same token, so the reserve of free
+// frames covers a few steps' misses, not the token's: the rest of the cache
+// stays resident. With the burst's reserve (WKV_CACHE_RESERVE=burst), a
+// token's misses are kept free. Both admit what they miss.
+TEST(BufferManager, TheReserveCoversTheStepsBesideEachOtherNotTheWholeToken) {
+  constexpr uint32_t kUnits = 32768, kLayers = 32, kMiss = 200, kRounds = 12;  // 6400 a token; full by round 6
+  for (const auto reserve : {BufferManager::Options::Reserve::kReaders, BufferManager::Options::Reserve::kBurst}) {
+    const bool readers = reserve == BufferManager::Options::Reserve::kReaders;
+    SCOPED_TRACE(readers ? "readers" : "burst");
+    FakeDevice dev;
+    std::vector<uint32_t> unit_map(1 << 17, kNoFrame);
+    BufferManager::Options o = Fixture::options(kUnits, 1 << 20, true);
+    o.reserve = reserve;
+    BufferManager bm(o, &dev);
+    ASSERT_TRUE(bm.start().is_ok());
+    uint32_t gen = 0;
+    const uint32_t head = bm.head_created(&gen);
+    const uint64_t head_word = (static_cast<uint64_t>(head) << 32) | gen;
+    std::shared_ptr<StepTracker> t;
+    ASSERT_TRUE(bm.new_tracker(&t).is_ok());
+    const FramePool pool = bm.pool();
+    uint32_t next = 0;
+    uint64_t missed = 0, admitted = 0, taken = 0;
+    size_t free_at_token_end = 0;
+    for (uint32_t round = 0; round < kRounds; ++round) {
+      std::vector<std::pair<uint64_t, StepRecord>> steps;
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        const uint64_t e = bm.begin(*t);
+        steps.emplace_back(e, bm.open_record(*t, e, &head_word, 1, 4 * kMiss, 64, l + 1));
+      }
+      for (const auto &[epoch, rec] : steps) {
+        ASSERT_NE(rec.header, nullptr);
+        BufferManager::reading_on_host(*t, epoch);
+        uint32_t used = 0, got = 0;
+        for (uint32_t i = 0; i < kMiss; ++i) {
+          const uint32_t u = next++ % (1 << 17);
+          const uint32_t f = Fixture::take_frame(pool);
+          uint64_t entry = 0;
+          if (f != kNoFrame) {
+            __atomic_store_n(&unit_map[u], f, __ATOMIC_RELAXED);
+            entry = reinterpret_cast<uint64_t>(&unit_map[u]);
+            ++got;
+          }
+          rec.admits[used++] = AdmitEntry{entry, f, 0};
+        }
+        rec.header->used = used;
+        rec.header->missed = kMiss;
+        __atomic_store_n(pool.seen, __atomic_load_n(pool.taken, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
+        bm.end_on_host(*t, epoch);
+        if (round >= kRounds / 2) {
+          missed += kMiss;
+          admitted += got;
+        }
+        taken += kMiss;
+        for (int w = 0; w < 5000 && bm.stats().missed != taken; ++w)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        ASSERT_EQ(bm.stats().missed, taken);
+      }
+      ASSERT_TRUE(bm.quiesce(5000));
+      free_at_token_end = bm.stats().free + bm.stats().quarantined;
+    }
+    std::printf("%s: admitted %llu of %llu misses; %zu frames kept free of %u\n", readers ? "readers" : "burst",
+                static_cast<unsigned long long>(admitted), static_cast<unsigned long long>(missed),
+                free_at_token_end, kUnits);
+    EXPECT_GE(admitted, missed * 95 / 100);
+    if (readers)
+      EXPECT_LE(free_at_token_end, size_t{5} * kMiss) << "a few steps' misses";
+    else
+      EXPECT_GE(free_at_token_end, size_t{kLayers} * kMiss) << "a token's misses";
+  }
+}
+
 // Defect 1 of the redesign: a plan destroyed between lookup and update (or
 // never updated) left its epoch in flight for ever, so quarantined frames
 // were never released and the cache drained. A step's pins end when its

@@ -339,17 +339,21 @@ bool BufferManager::take_records() {
     open_records_ = std::max(static_cast<double>(std::max<size_t>(open_peak_, 1)), 0.875 * open_records_);
     open_peak_ = open_.size();
   }
-  bool any = false;
-  for (;;) {
+  size_t taken = 0;
+  for (;; ++taken) {
     RecordHeader *h;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (open_.empty()) return any;
+      const bool ended = !open_.empty() && open_.front()->tracker->done() >= open_.front()->epoch;
+      if (!ended) {
+        // Steps that ended between two passes ran beside each other as far
+        // as the reserve can tell (Reserve::kReaders).
+        if (taken > 0) ended_peak_ = std::max(static_cast<double>(taken), 0.875 * ended_peak_);
+        return taken > 0;
+      }
       h = open_.front();
-      if (h->tracker->done() < h->epoch) return any;
     }
     take_record(*h);
-    any = true;
     std::lock_guard<std::mutex> lock(mu_);
     --const_cast<StepTracker *>(h->tracker)->records_;
     open_.pop_front();
@@ -431,6 +435,7 @@ void BufferManager::take_record(const RecordHeader &hc) {
     }
   }
   record_missed_ = 0.75 * record_missed_ + 0.25 * missed;
+  record_peak_ = std::max(static_cast<double>(missed), 0.995 * record_peak_);
   given_ += taken;
 }
 
@@ -448,9 +453,17 @@ void BufferManager::evict() {
   size_t need;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const size_t keyed = static_cast<size_t>(1.25 * std::max(static_cast<double>(keyed_missed_), keyed_peak_));
-    const size_t target = std::min<size_t>(
-        opts_.units / 4, std::max(static_cast<size_t>(1.5 * record_missed_ * open_records_), keyed) + 32);
+    size_t want;
+    if (opts_.reader_quarantine && opts_.reserve == Options::Reserve::kReaders) {
+      size_t readers = 0;
+      (void)newest_reader(&readers);
+      if (readers > 0) readers_peak_ = std::max(static_cast<double>(readers), 0.875 * readers_peak_);
+      want = static_cast<size_t>(1.25 * record_peak_ * (2 + std::max(readers_peak_, ended_peak_)));
+    } else {
+      const size_t keyed = static_cast<size_t>(1.25 * std::max(static_cast<double>(keyed_missed_), keyed_peak_));
+      want = std::max(static_cast<size_t>(1.5 * record_missed_ * open_records_), keyed);
+    }
+    const size_t target = std::min<size_t>(opts_.units / 4, want + 32);
     const size_t have = pool_free() + quarantined_.load();  // pool_free counts held frames
     if (have >= target) return;
     need = target - have;
@@ -498,15 +511,20 @@ void BufferManager::evict() {
   evictions_ += n_victims;
 }
 
-uint64_t BufferManager::newest_reader() const {
+uint64_t BufferManager::newest_reader(size_t *n) const {
   uint64_t newest = 0;
+  size_t readers = 0;
   for (const std::shared_ptr<StepTracker> &t : trackers_) {
     // The reading word first: a step that ends between the two loads is
     // not counted, one that begins reading after them reads cleared
     // entries.
     const uint64_t reading = t->reading();
-    if (reading > t->done()) newest = std::max(newest, reading);
+    if (reading > t->done()) {
+      newest = std::max(newest, reading);
+      ++readers;
+    }
   }
+  if (n) *n = readers;
   return newest;
 }
 

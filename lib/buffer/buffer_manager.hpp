@@ -188,6 +188,12 @@ class BufferManager {
     // An evicted frame waits for the steps seen reading when its entry was
     // cleared (true), or for every step begun by then (false).
     bool reader_quarantine = true;
+    // The reserve of free frames (evict): what the steps that may take
+    // frames before an eviction's frames are free would miss (kReaders,
+    // with reader_quarantine: a few steps), or what a whole burst of steps
+    // would (kBurst: every layer of a token, as step quarantine needs).
+    enum class Reserve { kReaders, kBurst };
+    Reserve reserve = Reserve::kReaders;
   };
 
   struct Stats {
@@ -306,8 +312,9 @@ class BufferManager {
   // is a few copies, not a loop over frames. Pre: mu_ held.
   void release_quarantined(uint64_t oldest, uint64_t oldest_reading);
   // The newest epoch of a step seen reading unit map entries and not yet
-  // ended (0: none). Pre: mu_ held.
-  uint64_t newest_reader() const;
+  // ended (0: none); *n (where set) the trackers seen reading. Pre: mu_
+  // held.
+  uint64_t newest_reader(size_t *n = nullptr) const;
   // Queues a batch of frames given up now, released once the oldest epoch
   // in flight is past the epoch counter as it is now (every step begun so
   // far). Pre: mu_ held.
@@ -406,6 +413,19 @@ class BufferManager {
   // admitted a fifth of their misses; with the peak, hit ratio 0.67 ->
   // 0.75 at batch 1 and 0.58-0.60 -> 0.63-0.66 at batch 7 on the H100.)
   double keyed_peak_ = 0;
+  // With reader quarantine (Reserve::kReaders), frames evicted once a step
+  // has ended are free again when the steps then reading have ended, not
+  // the burst: the reserve covers the steps that may take frames
+  // meanwhile: those running beside each other (the steps seen reading at
+  // an eviction, or the records taken in one pass, steps that ended
+  // between two passes; each a peak decaying by an eighth a pass that saw
+  // some) and two more (the one reaching its gather as the eviction runs,
+  // and the next), each missing what the most missing record did (a peak
+  // decaying as keyed_peak_ does: a change of topic's first step), a
+  // quarter more. A 32-layer model's burst would otherwise keep a quarter
+  // of the cache free for a token's misses.
+  double record_peak_ = 0;
+  double readers_peak_ = 0, ended_peak_ = 0;
   double open_records_ = 1;
   size_t open_peak_ = 0;  // records open at once since the last pass (guarded by mu_)
   std::thread thread_;

@@ -46,6 +46,13 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
   if (quarantine && std::strcmp(quarantine, "readers") != 0 && std::strcmp(quarantine, "steps") != 0)
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
                      "environment variable WKV_QUARANTINE='%s' is neither 'readers' nor 'steps'", quarantine);
+  // The reserve of free frames it keeps (BufferManager::Options::Reserve):
+  // for the steps that may take frames before an eviction's are free
+  // (readers), or for a whole burst of a token's layers (burst).
+  const char *reserve = std::getenv("WKV_CACHE_RESERVE");
+  if (reserve && std::strcmp(reserve, "readers") != 0 && std::strcmp(reserve, "burst") != 0)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
+                     "environment variable WKV_CACHE_RESERVE='%s' is neither 'readers' nor 'burst'", reserve);
   // The metadata allocator is loaded here (a dlopen, once a process), on
   // the opening thread, before the engine's pool and the callers' threads
   // append: not on the first append, where several threads may meet it.
@@ -77,6 +84,8 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
     bo.units = e->backend_->cache_units();
     bo.policy = policy;
     bo.reader_quarantine = !quarantine || std::strcmp(quarantine, "steps") != 0;
+    bo.reserve = reserve && std::strcmp(reserve, "burst") == 0 ? BufferManager::Options::Reserve::kBurst
+                                                                : BufferManager::Options::Reserve::kReaders;
     e->buffers_ = std::make_unique<BufferManager>(bo, e->backend_->buffer_device());
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory opening an engine");
