@@ -56,6 +56,8 @@
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "wavekv/wavekv.h"
 
 namespace {
@@ -236,6 +238,13 @@ struct Row {
   uint64_t pin_fallbacks = 0;    // host arena chunks left pageable (read through HMM, slowly)
   uint64_t growths = 0, growth_waits = 0;  // growths deferred in the timed run, and commits that waited
   uint64_t graphs = 0;  // decodes of the timed run replayed as their plan's graph (of steps * L)
+  // The buffer manager's thread in the timed run: its busy share of the
+  // wall time (and of that, taking records, clearing entries, publishing),
+  // its mean pass, records a pass; the reserve it aimed for at the end and
+  // the frames resident then.
+  double manager_busy = 0, manager_take = 0, manager_clear = 0, manager_publish = 0;
+  double manager_pass_us = 0, records_per_pass = 0;
+  uint64_t reserve = 0, resident = 0;
   double split_us[5] = {0, 0, 0, 0, 0};  // append, lookup, assemble, attend, update
   double device_us[5] = {0, 0, 0, 0, 0};  // the same verbs' device time (events around each)
   double device_mean_us[5] = {0, 0, 0, 0, 0};
@@ -246,6 +255,15 @@ struct Row {
   double read_per_token = 0, written_per_token = 0, estimated_per_token = 0;
   uint64_t read_errors = 0, write_errors = 0;
 };
+
+// The engine's "buffer_manager" figures (wkv_engine_stats_json).
+nlohmann::json manager_stats(wkv_engine *e) {
+  char *json = nullptr;
+  CHECK(wkv_engine_stats_json(e, &json));
+  nlohmann::json j = nlohmann::json::parse(json)["buffer_manager"];
+  wkv_free(json);
+  return j;
+}
 
 // Per token: units missed, frames handed to the token's steps and units
 // admitted (deltas of wkv_stats, read once the manager is caught up), then
@@ -379,6 +397,7 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   wkv_stats st0;
   wkv_stats_init(&st0);
   CHECK(wkv_engine_stats(e, &st0));
+  const nlohmann::json manager0 = manager_stats(e);
 
   // WKV_SERVING_TOKEN_STATS=1 (a diagnostic: timings then include it): the
   // cache's figures token by token, once the buffer manager has taken the
@@ -413,7 +432,24 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   wkv_stats st1;
   wkv_stats_init(&st1);
   CHECK(wkv_engine_stats(e, &st1));
+  const nlohmann::json manager1 = manager_stats(e);
   row.step_ms = wall_us / 1e3 / steps;
+  {
+    // The buffer manager's thread over the timed run (its share of the
+    // wall time): whether it keeps up with the steps.
+    const auto delta = [&](const char *k) {
+      return double(manager1[k].get<uint64_t>() - manager0[k].get<uint64_t>());
+    };
+    const double wall_ns = wall_us * L * 1e3, passes = std::max(delta("passes"), 1.0);
+    row.manager_busy = delta("busy_ns") / wall_ns;
+    row.manager_take = delta("take_ns") / wall_ns;
+    row.manager_clear = delta("clear_ns") / wall_ns;
+    row.manager_publish = delta("publish_ns") / wall_ns;
+    row.manager_pass_us = delta("busy_ns") / passes / 1e3;
+    row.records_per_pass = delta("records_taken") / passes;
+    row.reserve = manager1["reserve_target"].get<uint64_t>();
+    row.resident = manager1["resident_frames"].get<uint64_t>();
+  }
   row.host_med_us = quantile(host, 0.5);
   row.append_us = quantile(host_append, 0.5);
   std::vector<double> host_decode(steps);
@@ -603,6 +639,11 @@ int main(int argc, char **argv) {
                 static_cast<unsigned long long>(r.records_dropped), static_cast<unsigned long long>(r.pin_fallbacks),
                 static_cast<unsigned long long>(r.growths), static_cast<unsigned long long>(r.growth_waits),
                 static_cast<unsigned long long>(r.graphs));
+    std::printf("      buffer manager: busy %.0f%% of the wall time (taking records %.0f%%, clearing entries %.0f%%, "
+                "publishing %.0f%%), %.1f us a pass, %.2f records a pass; reserve %llu frames, %llu resident\n",
+                100 * r.manager_busy, 100 * r.manager_take, 100 * r.manager_clear, 100 * r.manager_publish,
+                r.manager_pass_us, r.records_per_pass, static_cast<unsigned long long>(r.reserve),
+                static_cast<unsigned long long>(r.resident));
     std::printf("      host us (medians): wkv_append_batch %.1f, wkv_decode %.1f; split form: append %.1f, lookup %.1f, "
                 "assemble %.1f, attend %.1f, update %.1f\n",
                 r.append_us, r.decode_us, r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3], r.split_us[4]);

@@ -31,7 +31,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     {
       echo "== round $round, setting [${settings[$i]}], rc=$rc"
       # The table's rows, and the lines under them that say what a step did.
-      grep -E '^ +[0-9]+ +[0-9.]+ |decodes replayed|host us \(medians\)|device us \(medians' "$log"
+      grep -E '^ +[0-9]+ +[0-9.]+ |decodes replayed|buffer manager:|host us \(medians\)|device us \(medians' "$log"
     } >> "$summary"
   done
 done

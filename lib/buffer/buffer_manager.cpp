@@ -290,6 +290,13 @@ BufferManager::Stats BufferManager::stats() {
   s.free = pool_free();
   s.quarantined = quarantined_.load();
   s.resident = resident_.load();
+  s.passes = passes_.load();
+  s.records_taken = records_taken_.load();
+  s.busy_ns = busy_ns_.load();
+  s.take_ns = take_ns_.load();
+  s.clear_ns = clear_ns_.load();
+  s.publish_ns = publish_ns_.load();
+  s.reserve_target = reserve_target_.load();
   return s;
 }
 
@@ -323,15 +330,30 @@ void BufferManager::run() {
       if (stop_) return;
       busy_.store(true);
     }
-    take_records();
-    evict();
+    using Clock = std::chrono::steady_clock;
+    const auto ns = [](Clock::time_point a, Clock::time_point b) {
+      return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
+    };
+    const auto t0 = Clock::now();
+    const size_t taken = take_records();
+    const auto t1 = Clock::now();
+    const bool evicted = evict();
     release_ready();
+    const auto t2 = Clock::now();
     publish();
+    const auto t3 = Clock::now();
+    if (taken > 0 || evicted) {
+      passes_.fetch_add(1, std::memory_order_relaxed);
+      records_taken_.fetch_add(taken, std::memory_order_relaxed);
+      take_ns_.fetch_add(ns(t0, t1), std::memory_order_relaxed);
+      publish_ns_.fetch_add(ns(t2, t3), std::memory_order_relaxed);
+      busy_ns_.fetch_add(ns(t0, t3), std::memory_order_relaxed);
+    }
     busy_.store(false);
   }
 }
 
-bool BufferManager::take_records() {
+size_t BufferManager::take_records() {
   {
     // The records open at once since the last pass: a peak that decays by
     // an eighth a pass that saw fewer.
@@ -349,7 +371,7 @@ bool BufferManager::take_records() {
         // Steps that ended between two passes ran beside each other as far
         // as the reserve can tell (Reserve::kReaders).
         if (taken > 0) ended_peak_ = std::max(static_cast<double>(taken), 0.875 * ended_peak_);
-        return taken > 0;
+        return taken;
       }
       h = open_.front();
     }
@@ -439,8 +461,8 @@ void BufferManager::take_record(const RecordHeader &hc) {
   given_ += taken;
 }
 
-void BufferManager::evict() {
-  if (opts_.units == 0) return;
+bool BufferManager::evict() {
+  if (opts_.units == 0) return false;
   // Free frames to keep ready: what a burst of steps misses (the header
   // says why), at most a quarter of the cache. (Keeping four times the
   // recent admissions let a shortage feed itself: steps admitted what they
@@ -464,8 +486,9 @@ void BufferManager::evict() {
       want = std::max(static_cast<size_t>(1.5 * record_missed_ * open_records_), keyed);
     }
     const size_t target = std::min<size_t>(opts_.units / 4, want + 32);
+    reserve_target_.store(target, std::memory_order_relaxed);
     const size_t have = pool_free() + quarantined_.load();  // pool_free counts held frames
-    if (have >= target) return;
+    if (have >= target) return false;
     need = target - have;
   }
   // The victims from this thread's own state, without the lock; whose
@@ -488,16 +511,21 @@ void BufferManager::evict() {
     for (const Owner &o : owners)
       if (o.head < heads_.size() && heads_[o.head].alive && heads_[o.head].gen == o.gen) entries.push_back(o.entry);
   }
-  if (victims.empty()) return;
+  if (victims.empty()) return false;
   // 1. Clear the unit map entries and wait: steps that begin after this
   //    read the host pages. 2. Quarantine until the steps that began before
   //    have ended. If the stores failed, the entries may still point at the
   //    frames: they are lost to the cache rather than reused under a reader.
   if (!entries.empty()) {
+    const auto t0 = std::chrono::steady_clock::now();
     Status st = dev_->clear_entries(entries.data(), static_cast<uint32_t>(entries.size()));
+    clear_ns_.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                  std::chrono::steady_clock::now() - t0)
+                                                  .count()),
+                        std::memory_order_relaxed);
     if (!st.is_ok()) {
       lost_ += victims.size();
-      return;
+      return true;
     }
   }
   const size_t n_victims = victims.size();
@@ -509,6 +537,7 @@ void BufferManager::evict() {
   else
     quarantine(std::move(victims));
   evictions_ += n_victims;
+  return true;
 }
 
 uint64_t BufferManager::newest_reader(size_t *n) const {

@@ -203,6 +203,14 @@ class BufferManager {
     uint64_t backlog = 0;          // records not yet taken
     uint64_t dropped_records = 0;  // steps that got no record (ring full)
     uint64_t resident = 0, free = 0, quarantined = 0;
+    // The manager's thread: passes that took a record or evicted, the
+    // records it took, its time in them (steady clock), of which taking
+    // records, clearing entries (the device's stores and the wait for
+    // them) and publishing frees; the reserve it last aimed for. A busy
+    // time near the wall time says the manager falls behind the steps.
+    uint64_t passes = 0, records_taken = 0;
+    uint64_t busy_ns = 0, take_ns = 0, clear_ns = 0, publish_ns = 0;
+    uint64_t reserve_target = 0;
   };
 
   BufferManager(Options opts, Device *device);
@@ -297,12 +305,14 @@ class BufferManager {
   uint64_t oldest_in_flight(std::unique_lock<std::mutex> &held, uint64_t *reading = nullptr);
   // The device address of a done word. Pre: mu_ held.
   uint64_t *device_word(uint64_t *host) const;
-  // Takes the ended records at the ring's tail. Pre: mu_ not held.
-  bool take_records();
+  // Takes the ended records at the ring's tail; how many. Pre: mu_ not
+  // held.
+  size_t take_records();
   // Applies one record: recency, admissions, and what its step missed.
   void take_record(const RecordHeader &h);
-  // Evicts until the reserve is met. Pre: mu_ not held.
-  void evict();
+  // Evicts until the reserve is met; whether it evicted. Pre: mu_ not
+  // held.
+  bool evict();
   // Runs releases whose steps have ended. Pre: mu_ not held.
   bool release_ready();
   // Frees the quarantined frames stamped before `oldest` (the oldest epoch
@@ -430,6 +440,9 @@ class BufferManager {
   size_t open_peak_ = 0;  // records open at once since the last pass (guarded by mu_)
   std::thread thread_;
   std::atomic<bool> busy_{false};
+  // Stats: the manager's passes and time (written by its thread).
+  std::atomic<uint64_t> passes_{0}, records_taken_{0}, busy_ns_{0}, take_ns_{0}, clear_ns_{0}, publish_ns_{0};
+  std::atomic<uint64_t> reserve_target_{0};
 };
 
 }  // namespace wkv

@@ -278,12 +278,28 @@ std::string Engine::stats_json() {
       {"growth_waits", s.growth_waits},
       {"decode_graphs", s.decode_graphs},
   };
+  // The buffer manager's own figures (BufferManager::Stats): whether its
+  // thread keeps up with the steps.
+  const BufferManager::Stats b = buffers_->stats();
+  nlohmann::ordered_json manager = {
+      {"passes", b.passes},
+      {"records_taken", b.records_taken},
+      {"busy_ns", b.busy_ns},
+      {"take_ns", b.take_ns},
+      {"clear_ns", b.clear_ns},
+      {"publish_ns", b.publish_ns},
+      {"reserve_target", b.reserve_target},
+      {"free_frames", b.free},
+      {"quarantined_frames", b.quarantined},
+      {"resident_frames", b.resident},
+  };
   const auto now = std::chrono::system_clock::now().time_since_epoch();
   nlohmann::ordered_json j = {
       {"version", format("%d.%d.%d", WKV_VERSION_MAJOR, WKV_VERSION_MINOR, WKV_VERSION_PATCH)},
       {"unix_ms", std::chrono::duration_cast<std::chrono::milliseconds>(now).count()},
       {"config", std::move(config)},
       {"stats", std::move(stats)},
+      {"buffer_manager", std::move(manager)},
   };
   return j.dump();
 }
