@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstring>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -788,6 +789,35 @@ TEST(Replacement, LruGivesUpTheLeastRecentlyRead) {
   p->on_access(0);
   p->on_access(2);
   EXPECT_EQ(drain(*p), (std::vector<uint32_t>{1, 3, 0, 2}));
+}
+
+// A record's hits go to the policy in one call (on_access_all, which LRU
+// serves with its links fetched ahead): the same order of victims as one
+// call a hit, frames that are not resident (evicted meanwhile) and frames
+// past the cache ignored.
+TEST(Replacement, AStepsHitsInOneCallLeaveTheSameOrder) {
+  constexpr uint32_t kFrames = 4096;
+  for (const char *name : {"lru", "clock", "slru"}) {
+    SCOPED_TRACE(name);
+    auto one = make_policy(name, kFrames), all = make_policy(name, kFrames);
+    for (uint32_t f = 0; f < kFrames; f += 2) {  // odd frames never resident
+      one->on_insert(f);
+      all->on_insert(f);
+    }
+    uint64_t x = 88172645463325252ull;
+    std::vector<uint32_t> hits;
+    for (int record = 0; record < 20; ++record) {
+      hits.clear();
+      for (int i = 0; i < 700; ++i) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;  // xorshift
+        hits.push_back(static_cast<uint32_t>(x % kFrames));
+      }
+      for (uint32_t h : hits) one->on_access(h);
+      if (std::string(name) == "lru") hits.push_back(kFrames + 5);  // past the cache: LRU checks itself
+      all->on_access_all(hits.data(), hits.size());
+    }
+    EXPECT_EQ(drain(*one), drain(*all));
+  }
 }
 
 TEST(Replacement, ClockKeepsFramesReadOftenThroughASweep) {

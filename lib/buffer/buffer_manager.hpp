@@ -399,6 +399,7 @@ class BufferManager {
   std::vector<Owner> owner_;  // [units]
   std::vector<uint8_t> scratch_live_;  // take_record: whether each run's head is live
   std::vector<uint32_t> scratch_free_, scratch_quarantine_;  // take_record: frames taken back
+  std::vector<uint32_t> scratch_hits_;                        // take_record: the hits in the cache
   // What steps miss, and how many begin before the manager can act on it.
   // A frame evicted while steps are in flight is free again only once they
   // have ended, so the frames ready when a burst of steps begins (a token's

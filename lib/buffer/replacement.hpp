@@ -7,6 +7,7 @@
 // not): no policy is thread-safe on its own.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -19,8 +20,16 @@ class ReplacementPolicy {
   virtual ~ReplacementPolicy() = default;
   // A frame became resident.
   virtual void on_insert(uint32_t frame) = 0;
-  // A resident frame was read by a step.
+  // A frame was read by a step; ignored unless it is resident (a frame
+  // evicted while the step ran).
   virtual void on_access(uint32_t frame) = 0;
+  // on_access of each of n frames (each below the policy's frame count),
+  // in order. A step's hits are thousands of frames spread over the cache:
+  // a policy may fetch the state of the next ones ahead while it updates
+  // the current one.
+  virtual void on_access_all(const uint32_t *frames, size_t n) {
+    for (size_t i = 0; i < n; ++i) on_access(frames[i]);
+  }
   // A frame stopped being resident.
   virtual void on_erase(uint32_t frame) = 0;
   // The next victim among resident frames, or -1 if none is resident.
@@ -33,6 +42,7 @@ class LruPolicy final : public ReplacementPolicy {
   explicit LruPolicy(uint32_t frames);
   void on_insert(uint32_t frame) override;
   void on_access(uint32_t frame) override;
+  void on_access_all(const uint32_t *frames, size_t n) override;
   void on_erase(uint32_t frame) override;
   int64_t victim() override;
 
