@@ -547,6 +547,58 @@ TEST(BufferManager, AdmissionsForADestroyedHeadAreQuarantinedNotResident) {
   EXPECT_EQ(s.free, 16u);
 }
 
+// A frame of a head that is gone is evicted without its entry cleared (its
+// unit map is not written again): a step enqueued before the head went may
+// still read that entry, however late it reaches its gather. Such frames
+// wait for every step begun by then, not only for those seen reading.
+TEST(BufferManager, FramesOfADeadHeadWaitForEveryStepBegun) {
+  Fixture f(64);  // a reserve of 16
+  auto t = f.tracker(), queued = f.tracker();
+  auto a = f.begin_step(*t, 64);
+  std::vector<uint32_t> all(64);
+  for (uint32_t u = 0; u < 64; ++u) all[u] = u;
+  f.run_step(a, all, {});
+  f.end_step(*t, a);
+  for (int i = 0; i < 500 && f.bm.stats().free < 16; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_TRUE(f.bm.quiesce(5000));
+  ASSERT_EQ(f.bm.stats().free, 16u);
+  // A step of the head's plan is enqueued, not yet at its gather; the
+  // sequence goes; a step of another head takes the free frames, and the
+  // manager evicts the dead head's.
+  const uint64_t e = f.bm.begin(*queued);
+  f.bm.head_destroyed(f.head);
+  const uint32_t cleared = f.dev.cleared;
+  const uint64_t evicted = f.bm.stats().evictions;
+  uint32_t gen2 = 0;
+  const uint32_t head2 = f.bm.head_created(&gen2);
+  const uint64_t word2 = (static_cast<uint64_t>(head2) << 32) | gen2;
+  std::vector<uint32_t> map2(16, kNoFrame);
+  const uint64_t eb = f.bm.begin(*t);
+  const StepRecord rec = f.bm.open_record(*t, eb, &word2, 1, 16, 64);
+  ASSERT_NE(rec.header, nullptr);
+  BufferManager::reading_on_host(*t, eb);
+  const FramePool pool = f.bm.pool();
+  for (uint32_t i = 0; i < 16; ++i) {
+    const uint32_t fr = Fixture::take_frame(pool);
+    ASSERT_NE(fr, kNoFrame);
+    map2[i] = fr;
+    rec.admits[i] = AdmitEntry{reinterpret_cast<uint64_t>(&map2[i]), fr, 0};
+  }
+  rec.header->used = 16;
+  rec.header->missed = 16;
+  __atomic_store_n(pool.seen, __atomic_load_n(pool.taken, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
+  f.bm.end_on_host(*t, eb);
+  for (int i = 0; i < 500 && f.bm.stats().evictions < evicted + 16; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_GE(f.bm.stats().evictions, evicted + 16);
+  ASSERT_TRUE(f.bm.quiesce(5000));
+  EXPECT_EQ(f.dev.cleared, cleared) << "a dead head's entries are not written";
+  EXPECT_EQ(f.bm.stats().free, 0u) << "the queued step may still read them";
+  f.bm.end_on_host(*queued, e);
+  for (int i = 0; i < 500 && f.bm.stats().free < 16; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_GE(f.bm.stats().free, 16u);
+}
+
 // Steps that each miss more than they are handed, several in flight before
 // the manager takes their records (a runtime enqueues a token's layers back
 // to back): the free frames kept ready follow what steps miss, not what they

@@ -512,12 +512,29 @@ bool BufferManager::evict() {
     --resident_;
     victims.push_back(u);
   }
+  // Frames of dead heads: their entries are not cleared, and a step
+  // enqueued before its head died may still read one, however late it
+  // reaches its gather: they wait for every step begun by now.
+  std::vector<uint32_t> of_dead;
   if (!victims.empty()) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const Owner &o : owners)
-      if (o.head < heads_.size() && heads_[o.head].alive && heads_[o.head].gen == o.gen) entries.push_back(o.entry);
+    size_t kept = 0;
+    for (size_t i = 0; i < victims.size(); ++i) {
+      const Owner &o = owners[i];
+      if (o.head < heads_.size() && heads_[o.head].alive && heads_[o.head].gen == o.gen) {
+        entries.push_back(o.entry);
+        victims[kept++] = victims[i];
+      } else {
+        of_dead.push_back(victims[i]);
+      }
+    }
+    victims.resize(kept);
+    if (!of_dead.empty()) {
+      evictions_ += of_dead.size();
+      quarantine(std::move(of_dead));
+    }
   }
-  if (victims.empty()) return false;
+  if (victims.empty()) return !owners.empty();
   // 1. Clear the unit map entries and wait: steps that begin after this
   //    read the host pages. 2. Quarantine until the steps that began before
   //    have ended. If the stores failed, the entries may still point at the

@@ -19,9 +19,10 @@
 // Quarantine. A frame given up at epoch S (a destroyed sequence's pages and
 // device arrays, a frame mapped in a head that is gone) is released only
 // once the oldest epoch in flight is past S: every step that could have
-// seen it has ended. A cache unit evicted by the manager waits for fewer
-// steps: only a gather reads frames, and it reads a frame only through its
-// unit map entry. Every gather CTA writes its step's epoch into its
+// seen it has ended (a frame of a head that is gone is evicted so too: its
+// entry is not cleared). A cache unit of a live head evicted by the manager
+// waits for fewer steps: only a gather reads frames, and it reads a frame
+// only through its unit map entry. Every gather CTA writes its step's epoch into its
 // tracker's reading word (fenced, at system scope) before it reads an
 // entry; the manager clears the victims' entries, waits for the stores,
 // then reads the reading words. A step whose mark it does not see reads the
