@@ -179,7 +179,10 @@ uint64_t BufferManager::oldest_in_flight(std::unique_lock<std::mutex> &, uint64_
 void BufferManager::defer(std::function<void()> release) {
   std::unique_lock<std::mutex> lock(mu_);
   const uint64_t stamp = epoch_.load(std::memory_order_seq_cst);
-  if (oldest_in_flight(lock) > stamp) {
+  // Not while the manager clears entries: the memory may be a unit map it
+  // is storing into (it checked the head alive before a caller destroyed
+  // it); its thread runs the release after the clear.
+  if (!clearing_ && oldest_in_flight(lock) > stamp) {
     lock.unlock();
     release();
     return;
@@ -518,6 +521,7 @@ bool BufferManager::evict() {
   std::vector<uint32_t> of_dead;
   if (!victims.empty()) {
     std::lock_guard<std::mutex> lock(mu_);
+    clearing_ = true;  // until the stores have landed: defer() holds releases
     size_t kept = 0;
     for (size_t i = 0; i < victims.size(); ++i) {
       const Owner &o = owners[i];
@@ -534,7 +538,11 @@ bool BufferManager::evict() {
       quarantine(std::move(of_dead));
     }
   }
-  if (victims.empty()) return !owners.empty();
+  if (victims.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    clearing_ = false;
+    return !owners.empty();
+  }
   // 1. Clear the unit map entries and wait: steps that begin after this
   //    read the host pages. 2. Quarantine until the steps that began before
   //    have ended. If the stores failed, the entries may still point at the
@@ -548,11 +556,14 @@ bool BufferManager::evict() {
                         std::memory_order_relaxed);
     if (!st.is_ok()) {
       lost_ += victims.size();
+      std::lock_guard<std::mutex> lock(mu_);
+      clearing_ = false;
       return true;
     }
   }
   const size_t n_victims = victims.size();
   std::lock_guard<std::mutex> lock(mu_);
+  clearing_ = false;
   // Read after the stores have completed (clear_entries waited for them):
   // a step not seen reading now reads the cleared entries (the header).
   if (opts_.reader_quarantine)

@@ -364,6 +364,7 @@ class BufferManager {
   std::vector<uint64_t *> free_words_;  // done words of dropped trackers
   std::vector<std::pair<uint64_t *, uint64_t *>> slab_offsets_;  // word slabs: host, device
   std::vector<Pending> pending_;
+  bool clearing_ = false;  // the manager's thread is storing into unit maps (evict)
   // The pool (FramePool): 2 x units slots on the device (and their host
   // copy), its counts on the device. `produced_` positions written so far,
   // `published_` of them copied and counted on the device; `taken_known_` the frames
