@@ -19,7 +19,8 @@ const char *const kVariables[] = {
     "WKV_CLUSTER_TOKENS",  "WKV_KMEANS_ITERS",      "WKV_SINK_TOKENS",
     "WKV_WINDOW_TOKENS",   "WKV_RETRIEVAL_FRAC",    "WKV_ESTIMATION_FRAC",
     "WKV_HOST_BUDGET_BYTES", "WKV_HOST_CHUNK_BYTES", "WKV_DEVICE_CACHE_BYTES",
-    "WKV_METHOD",          "WKV_CACHE_POLICY",
+    "WKV_METHOD",          "WKV_CACHE_POLICY",      "WKV_QUARANTINE",
+    "WKV_CACHE_RESERVE",
 };
 const char *const kFractions[] = {"WKV_RETRIEVAL_FRAC", "WKV_ESTIMATION_FRAC"};
 
@@ -313,6 +314,28 @@ TEST_F(ResolveConfig, CachePolicyVariableTakesKnownNamesOnly) {
     EXPECT_EQ(open(minimal_config()), WKV_ERR_INVALID_ARGUMENT) << "'" << bad << "'";
     EXPECT_TRUE(contains(error(), "WKV_CACHE_POLICY")) << error();
     EXPECT_TRUE(contains(error(), "lru, clock or slru")) << error();
+  }
+}
+
+// WKV_QUARANTINE and WKV_CACHE_RESERVE pick how the buffer manager frees
+// and keeps frames (no config fields): their two names open, anything else
+// fails the open naming the variable and its choices.
+TEST_F(ResolveConfig, QuarantineAndReserveVariablesTakeTheirNamesOnly) {
+  const struct {
+    const char *var, *a, *b, *choices;
+  } cases[] = {{"WKV_QUARANTINE", "readers", "steps", "neither 'readers' nor 'steps'"},
+               {"WKV_CACHE_RESERVE", "readers", "burst", "neither 'readers' nor 'burst'"}};
+  for (const auto &c : cases) {
+    for (const char *name : {c.a, c.b}) {
+      EnvGuard g(c.var, name);
+      EXPECT_EQ(open(minimal_config()), WKV_OK) << c.var << "=" << name << ": " << error();
+    }
+    for (const char *bad : {"", "Readers", "all", "steps "}) {
+      EnvGuard g(c.var, bad);
+      EXPECT_EQ(open(minimal_config()), WKV_ERR_INVALID_ARGUMENT) << c.var << "='" << bad << "'";
+      EXPECT_TRUE(contains(error(), c.var)) << error();
+      EXPECT_TRUE(contains(error(), c.choices)) << error();
+    }
   }
 }
 

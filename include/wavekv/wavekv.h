@@ -196,7 +196,13 @@ enum {
  * WKV_RETRIEVAL_FRAC, WKV_ESTIMATION_FRAC, WKV_HOST_BUDGET_BYTES,
  * WKV_HOST_CHUNK_BYTES, WKV_DEVICE_CACHE_BYTES, WKV_METHOD. WKV_CACHE_POLICY
  * (no field) picks the device cache's replacement policy: lru (the
- * default), clock or slru. Other values are plain numbers:
+ * default), clock or slru. WKV_QUARANTINE (no field): which steps a frame
+ * evicted from the device cache waits for before it is reused, readers (the
+ * default: the steps seen reading unit map entries when its entry was
+ * cleared) or steps (every step begun by then). WKV_CACHE_RESERVE (no
+ * field): the free frames the buffer manager keeps, readers (the default:
+ * what the steps running beside each other would miss) or burst (what every
+ * layer's next step would). Other values are plain numbers:
  * integers in decimal or 0x hexadecimal that fit the field (32 or 64 bits),
  * fractions in decimal (0.05, 5e-2); no sign, spaces, size suffixes ("64M")
  * or anything after the number. A variable that is set but empty or
