@@ -79,16 +79,20 @@ struct Fixture {
   BufferManager bm;
   uint32_t head = 0, gen = 0;
 
-  explicit Fixture(uint32_t units, size_t ring_bytes = 1 << 20, bool reader_quarantine = true)
-      : bm(options(units, ring_bytes, reader_quarantine), &dev) {
+  using Reserve = BufferManager::Options::Reserve;
+  explicit Fixture(uint32_t units, size_t ring_bytes = 1 << 20, bool reader_quarantine = true,
+                   Reserve reserve = Reserve::kReaders)
+      : bm(options(units, ring_bytes, reader_quarantine, reserve), &dev) {
     EXPECT_TRUE(bm.start().is_ok());
     head = bm.head_created(&gen);
   }
-  static BufferManager::Options options(uint32_t units, size_t ring_bytes, bool reader_quarantine) {
+  static BufferManager::Options options(uint32_t units, size_t ring_bytes, bool reader_quarantine,
+                                        Reserve reserve) {
     BufferManager::Options o;
     o.units = units;
     o.ring_bytes = ring_bytes;
     o.reader_quarantine = reader_quarantine;
+    o.reserve = reserve;
     return o;
   }
   std::shared_ptr<StepTracker> tracker() {
@@ -158,6 +162,13 @@ struct Fixture {
     return frames;
   }
   void end_step(StepTracker &t, const Step &s) { bm.end_on_host(t, s.epoch); }
+  // Runs step s missing n units not read lately (*next, *next + 1, ...,
+  // modulo span; *next moves on). Returns how many it admitted.
+  uint32_t miss_fresh(const Step &s, uint32_t n, uint32_t *next, uint32_t span) {
+    std::vector<uint32_t> units(n);
+    for (uint32_t &u : units) u = (*next)++ % span;
+    return static_cast<uint32_t>(run_step(s, units, {}).size());
+  }
 };
 
 }  // namespace
@@ -315,9 +326,7 @@ TEST(BufferManager, FramesEvictedDuringABurstServeItsLaterSteps) {
       std::vector<Fixture::Step> steps;
       for (uint32_t l = 0; l < kLayers; ++l) steps.push_back(f.begin_step(*t, 2 * kMiss));
       for (const Fixture::Step &s : steps) {
-        std::vector<uint32_t> units(kMiss);
-        for (uint32_t &u : units) u = next++ % (1 << 17);
-        const uint32_t got = static_cast<uint32_t>(f.run_step(s, units, {}).size());
+        const uint32_t got = f.miss_fresh(s, kMiss, &next, 1 << 17);
         if (round >= kRounds / 2) {
           admitted_late += got;
           missed_late += kMiss;
@@ -352,60 +361,33 @@ TEST(BufferManager, FramesEvictedDuringABurstServeItsLaterSteps) {
 // token's misses are kept free. Both admit what they miss.
 TEST(BufferManager, TheReserveCoversTheStepsBesideEachOtherNotTheWholeToken) {
   constexpr uint32_t kUnits = 32768, kLayers = 32, kMiss = 200, kRounds = 12;  // 6400 a token; full by round 6
-  for (const auto reserve : {BufferManager::Options::Reserve::kReaders, BufferManager::Options::Reserve::kBurst}) {
-    const bool readers = reserve == BufferManager::Options::Reserve::kReaders;
+  for (const auto reserve : {Fixture::Reserve::kReaders, Fixture::Reserve::kBurst}) {
+    const bool readers = reserve == Fixture::Reserve::kReaders;
     SCOPED_TRACE(readers ? "readers" : "burst");
-    FakeDevice dev;
-    std::vector<uint32_t> unit_map(1 << 17, kNoFrame);
-    BufferManager::Options o = Fixture::options(kUnits, 1 << 20, true);
-    o.reserve = reserve;
-    BufferManager bm(o, &dev);
-    ASSERT_TRUE(bm.start().is_ok());
-    uint32_t gen = 0;
-    const uint32_t head = bm.head_created(&gen);
-    const uint64_t head_word = (static_cast<uint64_t>(head) << 32) | gen;
-    std::shared_ptr<StepTracker> t;
-    ASSERT_TRUE(bm.new_tracker(&t).is_ok());
-    const FramePool pool = bm.pool();
+    Fixture f(kUnits, 1 << 20, true, reserve);
+    f.unit_map.assign(1 << 17, kNoFrame);
+    auto t = f.tracker();
     uint32_t next = 0;
     uint64_t missed = 0, admitted = 0, taken = 0;
     size_t free_at_token_end = 0;
     for (uint32_t round = 0; round < kRounds; ++round) {
-      std::vector<std::pair<uint64_t, StepRecord>> steps;
-      for (uint32_t l = 0; l < kLayers; ++l) {
-        const uint64_t e = bm.begin(*t);
-        steps.emplace_back(e, bm.open_record(*t, e, &head_word, 1, 4 * kMiss, 64, l + 1));
-      }
-      for (const auto &[epoch, rec] : steps) {
-        ASSERT_NE(rec.header, nullptr);
-        BufferManager::reading_on_host(*t, epoch);
-        uint32_t used = 0, got = 0;
-        for (uint32_t i = 0; i < kMiss; ++i) {
-          const uint32_t u = next++ % (1 << 17);
-          const uint32_t f = Fixture::take_frame(pool);
-          uint64_t entry = 0;
-          if (f != kNoFrame) {
-            __atomic_store_n(&unit_map[u], f, __ATOMIC_RELAXED);
-            entry = reinterpret_cast<uint64_t>(&unit_map[u]);
-            ++got;
-          }
-          rec.admits[used++] = AdmitEntry{entry, f, 0};
-        }
-        rec.header->used = used;
-        rec.header->missed = kMiss;
-        __atomic_store_n(pool.seen, __atomic_load_n(pool.taken, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
-        bm.end_on_host(*t, epoch);
+      std::vector<Fixture::Step> steps;
+      for (uint32_t l = 0; l < kLayers; ++l) steps.push_back(f.begin_step(*t, 4 * kMiss, 64, l + 1));
+      for (const Fixture::Step &s : steps) {
+        ASSERT_NE(s.rec.header, nullptr);
+        const uint32_t got = f.miss_fresh(s, kMiss, &next, 1 << 17);
+        f.end_step(*t, s);
         if (round >= kRounds / 2) {
           missed += kMiss;
           admitted += got;
         }
         taken += kMiss;
-        for (int w = 0; w < 5000 && bm.stats().missed != taken; ++w)
+        for (int w = 0; w < 5000 && f.bm.stats().missed != taken; ++w)
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        ASSERT_EQ(bm.stats().missed, taken);
+        ASSERT_EQ(f.bm.stats().missed, taken);
       }
-      ASSERT_TRUE(bm.quiesce(5000));
-      free_at_token_end = bm.stats().free + bm.stats().quarantined;
+      ASSERT_TRUE(f.bm.quiesce(5000));
+      free_at_token_end = f.bm.stats().free + f.bm.stats().quarantined;
     }
     std::printf("%s: admitted %llu of %llu misses; %zu frames kept free of %u\n", readers ? "readers" : "burst",
                 static_cast<unsigned long long>(admitted), static_cast<unsigned long long>(missed),
@@ -616,9 +598,7 @@ TEST(BufferManager, FreeFramesFollowDemandWithStepsInFlight) {
     std::vector<Fixture::Step> steps;
     for (uint32_t i = 0; i < kInFlight; ++i) steps.push_back(f.begin_step(*t, kMiss));
     for (const Fixture::Step &s : steps) {
-      std::vector<uint32_t> units(kMiss);
-      for (uint32_t &u : units) u = next++ % (1 << 16);
-      const uint32_t got = static_cast<uint32_t>(f.run_step(s, units, {}).size());
+      const uint32_t got = f.miss_fresh(s, kMiss, &next, 1 << 16);
       if (round >= kRounds / 2) {
         admitted_late += got;
         missed_late += kMiss;
@@ -651,9 +631,7 @@ TEST(BufferManager, FreeFramesCoverABurstOfStepsEndingOneByOne) {
     for (uint32_t i = 0; i < kLayers; ++i) steps.push_back(f.begin_step(*t, 4 * kMiss));
     for (size_t i = 0; i < steps.size(); ++i) {
       const Fixture::Step &s = steps[i];
-      std::vector<uint32_t> units(kMiss);
-      for (uint32_t &u : units) u = next++ % (1 << 17);
-      const uint32_t got = static_cast<uint32_t>(f.run_step(s, units, {}).size());
+      const uint32_t got = f.miss_fresh(s, kMiss, &next, 1 << 17);
       if (round >= kRounds / 2) {
         admitted_late += got;
         missed_late += kMiss;
@@ -744,9 +722,7 @@ TEST(BufferManager, StepsOfABurstTakeWhatTheyMissFromOnePool) {
     for (uint32_t l = 0; l < kLayers; ++l) steps.push_back(f.begin_step(*t, kWant, 64, l + 1));
     for (uint32_t l = 0; l < kLayers; ++l) {
       const uint32_t miss = l == round % kLayers ? kBig : kSmall;
-      std::vector<uint32_t> units(miss);
-      for (uint32_t &u : units) u = next++ % (1 << 17);
-      const uint32_t got = static_cast<uint32_t>(f.run_step(steps[l], units, {}).size());
+      const uint32_t got = f.miss_fresh(steps[l], miss, &next, 1 << 17);
       if (round >= kRounds / 2) {
         (miss == kBig ? admitted_big : admitted_small) += got;
         (miss == kBig ? missed_big : missed_small) += miss;
@@ -783,9 +759,7 @@ TEST(BufferManager, AChangeOfTopicAfterQuietTokensFindsFramesReady) {
       std::vector<Fixture::Step> steps;
       for (uint32_t l = 0; l < kLayers; ++l) steps.push_back(f.begin_step(*t, kWant, 64, l + 1));
       for (uint32_t l = 0; l < kLayers; ++l) {
-        std::vector<uint32_t> units(miss);
-        for (uint32_t &u : units) u = next++ % (1 << 18);
-        const uint32_t got = static_cast<uint32_t>(f.run_step(steps[l], units, {}).size());
+        const uint32_t got = f.miss_fresh(steps[l], miss, &next, 1 << 18);
         if (cycle >= kCycles / 2 && miss == kTopic) {
           admitted += got;
           missed += miss;
