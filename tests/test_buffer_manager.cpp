@@ -306,6 +306,38 @@ TEST(BufferManager, EvictedFramesWaitOnlyForStepsSeenReading) {
   }
 }
 
+// Two plans' steps in flight at once. An eviction waits for each tracker's
+// step seen reading at its clear, not for an epoch: a step of one plan that
+// begins reading after the clear (it reads the cleared entries) does not
+// hold the frames, even though the other plan's reader had a newer epoch.
+// (Stamped with the newest reader's epoch and released once every tracker
+// seen reading had passed it, these frames waited for plan A's second step
+// too: with two plans overlapping, no better than every step begun.)
+TEST(BufferManager, EvictedFramesWaitForEachPlansReaderNotForAnEpoch) {
+  Fixture f(8);  // a reserve of 2
+  auto t = f.tracker(), a = f.tracker(), b = f.tracker();
+  auto fill = f.begin_step(*t, 8);
+  std::vector<uint32_t> all(8);
+  for (uint32_t u = 0; u < 8; ++u) all[u] = u;
+  f.run_step(fill, all, {});
+  // Plan A enqueues two steps, then plan B one; A's first and B's are reading.
+  const uint64_t a1 = f.bm.begin(*a), a2 = f.bm.begin(*a), b1 = f.bm.begin(*b);
+  BufferManager::reading_on_host(*a, a1);
+  BufferManager::reading_on_host(*b, b1);
+  f.end_step(*t, fill);  // the manager takes it and evicts under both readers
+  for (int i = 0; i < 500 && f.bm.stats().evictions < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_GE(f.bm.stats().evictions, 2u);
+  ASSERT_TRUE(f.bm.quiesce(5000));
+  EXPECT_EQ(f.bm.stats().free, 0u) << "A's and B's readers hold them";
+  // Both readers end; A's second step begins reading, after the clear.
+  f.bm.end_on_host(*a, a1);
+  f.bm.end_on_host(*b, b1);
+  BufferManager::reading_on_host(*a, a2);
+  for (int i = 0; i < 500 && f.bm.stats().free < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_GE(f.bm.stats().free, 2u) << "A's second step read the cleared entries";
+  f.bm.end_on_host(*a, a2);
+}
+
 // A token's burst of layers, enqueued back to back, misses more than the
 // reserve (at most a quarter of the cache) holds: twice as much here. The
 // manager evicts as each step's record is taken; the frames it clears

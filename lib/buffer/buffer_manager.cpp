@@ -150,18 +150,15 @@ void BufferManager::wait_idle(const StepTracker &t) {
   }
 }
 
-uint64_t BufferManager::oldest_in_flight(std::unique_lock<std::mutex> &, uint64_t *reading) {
+uint64_t BufferManager::oldest_in_flight(std::unique_lock<std::mutex> &) {
   uint64_t oldest = epoch_.load(std::memory_order_seq_cst) + 1;
-  if (reading) *reading = oldest;
   size_t kept = 0;
   for (size_t i = 0; i < trackers_.size(); ++i) {
     std::shared_ptr<StepTracker> &t = trackers_[i];
     const uint64_t issued = t->issued_.load(std::memory_order_seq_cst);
-    const uint64_t read = reading ? t->reading() : 0;  // before done: newest_reader says why
     const uint64_t done = t->done();
     const bool idle = issued != StepTracker::kTaking && done >= issued;
     if (!idle) oldest = std::min(oldest, done + 1);
-    if (reading && read > done) *reading = std::min(*reading, done + 1);
     // Forgotten once its owner is gone, its steps have ended and no record
     // in the ring names it.
     if (idle && t.use_count() == 1 && t->records_ == 0) {
@@ -226,11 +223,7 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   // that waits for a token, then enqueues the next) finds the frames its
   // predecessors' evictions made ready.
   const bool release = (!quarantine_.empty() || !evicted_.empty()) && pool_free() < admit_cap;
-  if (release) {
-    uint64_t oldest_reading;
-    const uint64_t oldest = oldest_in_flight(lock, &oldest_reading);
-    release_quarantined(oldest, oldest_reading);
-  }
+  if (release) release_quarantined(oldest_in_flight(lock));
   const size_t bytes = record_bytes(admit_cap, hit_cap, n_runs);
   // 1. Room in the ring: after the newest record, else from the start.
   size_t at = SIZE_MAX;
@@ -486,10 +479,13 @@ bool BufferManager::evict() {
     std::lock_guard<std::mutex> lock(mu_);
     size_t want;
     if (opts_.reader_quarantine && opts_.reserve == Options::Reserve::kReaders) {
-      size_t readers = 0;
-      (void)newest_reader(&readers);
+      const size_t readers = steps_reading(nullptr);
       if (readers > 0) readers_peak_ = std::max(static_cast<double>(readers), 0.875 * readers_peak_);
-      want = static_cast<size_t>(1.25 * record_peak_ * (2 + std::max(readers_peak_, ended_peak_)));
+      // Steps beside each other: at most the records open at once (a pass
+      // that takes a backlog does not raise the reserve past the steps
+      // that exist).
+      const double beside = std::min(std::max(readers_peak_, ended_peak_), open_records_);
+      want = static_cast<size_t>(1.25 * record_peak_ * (2 + beside));
     } else {
       const size_t keyed = static_cast<size_t>(1.25 * std::max(static_cast<double>(keyed_missed_), keyed_peak_));
       want = std::max(static_cast<size_t>(1.5 * record_missed_ * open_records_), keyed);
@@ -564,44 +560,59 @@ bool BufferManager::evict() {
   const size_t n_victims = victims.size();
   std::lock_guard<std::mutex> lock(mu_);
   clearing_ = false;
-  // Read after the stores have completed (clear_entries waited for them):
-  // a step not seen reading now reads the cleared entries (the header).
-  if (opts_.reader_quarantine)
-    quarantine_evicted(std::move(victims), newest_reader());
-  else
+  // Read after the stores have completed (clear_entries waited for them;
+  // the fence pairs with each gather CTA's): a step not seen reading now
+  // reads the cleared entries (the header).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (opts_.reader_quarantine) {
+    std::vector<Reader> readers;
+    steps_reading(&readers);
+    quarantine_evicted(std::move(victims), std::move(readers));
+  } else {
     quarantine(std::move(victims));
+  }
   evictions_ += n_victims;
   return true;
 }
 
-uint64_t BufferManager::newest_reader(size_t *n) const {
-  uint64_t newest = 0;
-  size_t readers = 0;
+size_t BufferManager::steps_reading(std::vector<Reader> *out) const {
+  size_t n = 0;
   for (const std::shared_ptr<StepTracker> &t : trackers_) {
     // The reading word first: a step that ends between the two loads is
     // not counted, one that begins reading after them reads cleared
     // entries.
     const uint64_t reading = t->reading();
     if (reading > t->done()) {
-      newest = std::max(newest, reading);
-      ++readers;
+      ++n;
+      if (out) out->push_back({t, reading});
     }
   }
-  if (n) *n = readers;
-  return newest;
+  return n;
 }
 
-void BufferManager::release_quarantined(uint64_t oldest, uint64_t oldest_reading) {
-  // Stamps never decrease along a queue: the frames whose readers have
+void BufferManager::release_quarantined(uint64_t oldest) {
+  // Stamps never decrease along the queue: the frames whose readers have
   // ended are a prefix, and the decoding path pays for what it frees, not
   // for what stays.
-  for (auto [queue, past] : {std::pair{&quarantine_, oldest}, std::pair{&evicted_, oldest_reading}}) {
-    while (!queue->empty() && queue->front().stamp < past) {
-      const std::vector<uint32_t> &units = queue->front().units;
-      put_free(units.data(), units.size());
-      quarantined_ -= units.size();
-      queue->pop_front();
+  while (!quarantine_.empty() && quarantine_.front().stamp < oldest) {
+    const std::vector<uint32_t> &units = quarantine_.front().units;
+    put_free(units.data(), units.size());
+    quarantined_ -= units.size();
+    quarantine_.pop_front();
+  }
+  // Evicted batches, each once every step seen reading at its clear has
+  // ended (its tracker's done word past the step's epoch). A few batches,
+  // each of a few readers: one per manager pass, freed a step or two later.
+  for (auto it = evicted_.begin(); it != evicted_.end();) {
+    bool ended = true;
+    for (const Reader &r : it->readers) ended = ended && r.tracker->done() >= r.epoch;
+    if (!ended) {
+      ++it;
+      continue;
     }
+    put_free(it->units.data(), it->units.size());
+    quarantined_ -= it->units.size();
+    it = evicted_.erase(it);
   }
 }
 
@@ -615,13 +626,9 @@ void BufferManager::quarantine(std::vector<uint32_t> &&units) {
   quarantined_ += n;
 }
 
-void BufferManager::quarantine_evicted(std::vector<uint32_t> &&units, uint64_t stamp) {
+void BufferManager::quarantine_evicted(std::vector<uint32_t> &&units, std::vector<Reader> &&readers) {
   const size_t n = units.size();
-  // In stamp order: the newest reader at a later eviction may be older
-  // than at an earlier one (a tracker's step ended, another's is reading).
-  auto at = evicted_.end();
-  while (at != evicted_.begin() && std::prev(at)->stamp > stamp) --at;
-  evicted_.insert(at, Quarantined{stamp, std::move(units)});
+  evicted_.push_back(Evicted{std::move(readers), std::move(units)});
   quarantined_ += n;
 }
 
@@ -706,8 +713,7 @@ bool BufferManager::release_ready() {
   uint64_t oldest;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    uint64_t oldest_reading;
-    oldest = oldest_in_flight(lock, &oldest_reading);
+    oldest = oldest_in_flight(lock);
     size_t kept = 0;
     for (size_t i = 0; i < pending_.size(); ++i) {
       if (pending_[i].stamp < oldest)
@@ -718,7 +724,7 @@ bool BufferManager::release_ready() {
     pending_.resize(kept);
     // Quarantined frames whose readers have ended are free again.
     advance_pool(oldest);
-    release_quarantined(oldest, oldest_reading);
+    release_quarantined(oldest);
   }
   for (Pending &p : ready) p.release();
   return !ready.empty();

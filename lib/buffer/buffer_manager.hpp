@@ -27,14 +27,13 @@
 // entry; the manager clears the victims' entries, waits for the stores,
 // then reads the reading words. A step whose mark it does not see reads the
 // cleared entries (the two sides' fences: one of them sees the other's
-// write), so the frames wait only for the steps it sees reading: stamped
-// with the newest of those not yet ended (0: none), they are released once
-// the oldest epoch in flight of the trackers then seen reading is past the
-// stamp (oldest_in_flight says why that suffices). A token's burst of layers,
+// write), so the frames wait only for the steps it sees reading: each
+// batch keeps, for every tracker then seen reading (its reading word past
+// its done word), the epoch it was reading, and is released once each of
+// those trackers' done words has reached it. A token's burst of layers,
 // enqueued back to back, thus reuses within the burst what the manager
 // evicted after its first steps ended, rather than only at the next token.
-// (Options::reader_quarantine false: S is the epoch counter, every step
-// begun so far, as before.)
+// (Options::reader_quarantine false: every step begun so far, as before.)
 //
 // The device cache (CUDA engines). Free frames sit in one pool for every
 // step (kernels/device_layout.hpp, FramePool: a ring of frame ids in device
@@ -298,12 +297,7 @@ class BufferManager {
   void run();
   // Pre: mu_ held. The oldest epoch in flight (or the next one if none);
   // forgets trackers whose owners are gone and whose steps have ended.
-  // Where `reading` is set, also the oldest epoch in flight of the trackers
-  // seen reading (reading word past done word), or the next one if none:
-  // a step seen reading when entries were cleared, not yet ended, is one
-  // of theirs (the words only grow), so an eviction stamped with
-  // newest_reader() then is free once this is past the stamp.
-  uint64_t oldest_in_flight(std::unique_lock<std::mutex> &held, uint64_t *reading = nullptr);
+  uint64_t oldest_in_flight(std::unique_lock<std::mutex> &held);
   // The device address of a done word. Pre: mu_ held.
   uint64_t *device_word(uint64_t *host) const;
   // Takes the ended records at the ring's tail; how many. Pre: mu_ not
@@ -317,23 +311,28 @@ class BufferManager {
   // Runs releases whose steps have ended. Pre: mu_ not held.
   bool release_ready();
   // Frees the quarantined frames stamped before `oldest` (the oldest epoch
-  // in flight) and the evicted ones stamped before `oldest_reading` (the
-  // oldest of a tracker seen reading), from the front of their queues, a
-  // batch at a time: the decoding path calls it (open_record), so its cost
-  // is a few copies, not a loop over frames. Pre: mu_ held.
-  void release_quarantined(uint64_t oldest, uint64_t oldest_reading);
-  // The newest epoch of a step seen reading unit map entries and not yet
-  // ended (0: none); *n (where set) the trackers seen reading. Pre: mu_
+  // in flight) and the evicted batches whose readers have ended, a batch
+  // at a time: the decoding path calls it (open_record), so its cost is a
+  // few copies, not a loop over frames. Pre: mu_ held.
+  void release_quarantined(uint64_t oldest);
+  // A step seen reading unit map entries and not yet ended: its tracker
+  // (held until the batch is freed) and its epoch.
+  struct Reader {
+    std::shared_ptr<StepTracker> tracker;
+    uint64_t epoch;
+  };
+  // The steps seen reading now, one a tracker (the newest: a tracker's
+  // steps end in order), appended to *out where set; how many. Pre: mu_
   // held.
-  uint64_t newest_reader(size_t *n = nullptr) const;
+  size_t steps_reading(std::vector<Reader> *out) const;
   // Queues a batch of frames given up now, released once the oldest epoch
   // in flight is past the epoch counter as it is now (every step begun so
   // far). Pre: mu_ held.
   void quarantine(std::vector<uint32_t> &&units);
   // Queues a batch of evicted frames whose entries are cleared, released
-  // once the oldest epoch in flight of a tracker seen reading is past
-  // `stamp` (newest_reader() after the clear). Pre: mu_ held.
-  void quarantine_evicted(std::vector<uint32_t> &&units, uint64_t stamp);
+  // once each of `readers` (steps_reading() after the clear) has ended.
+  // Pre: mu_ held.
+  void quarantine_evicted(std::vector<uint32_t> &&units, std::vector<Reader> &&readers);
   // Writes frames into the pool's next slots (or holds them while their
   // slots may still be read) for publish(), in at most two copies. Pre:
   // mu_ held.
@@ -386,7 +385,11 @@ class BufferManager {
   std::deque<PoolCheckpoint> checkpoints_;
   std::vector<uint32_t> held_;
   std::deque<Quarantined> quarantine_;  // frames given up, until the steps begun by then end (stamps in order)
-  std::deque<Quarantined> evicted_;     // frames evicted, until the steps seen reading end (stamps in order)
+  struct Evicted {  // frames evicted together, waiting for the steps seen reading at their clear
+    std::vector<Reader> readers;
+    std::vector<uint32_t> units;
+  };
+  std::deque<Evicted> evicted_;
   std::vector<HeadSlot> heads_;  // [0] unused
   std::vector<uint32_t> free_heads_;
   uint8_t *ring_ = nullptr, *ring_dev_ = nullptr;

@@ -1460,10 +1460,12 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cuda
   }
   if (err == cudaSuccess) {
     kernels::GatherArgs a = gather_args(b.runs, b.R, b.lookup, b.max_ret, b.xk, b.xv, b.counters);
-    if (frames_) a.pool = e_.buffers().pool();
     a.vars = b.vars;
-    a.reading.done = b.reading;
-    a.reading.epoch_at = &b.vars->epoch;
+    if (frames_) {
+      a.pool = e_.buffers().pool();
+      a.reading.done = b.reading;  // frames are read: said before the entries (buffer_manager.hpp)
+      a.reading.epoch_at = &b.vars->epoch;
+    }
     err = kernels::gather_cuda(a, s);
   }
   if (forked) {
@@ -1804,8 +1806,9 @@ Status CudaBackend::assemble(Plan &plan) {
     a.record_counts = &rec.header->used;
   }
   a.mark = kernels::StepMark{reinterpret_cast<unsigned long long *>(plan.tracker().done_device()), epoch, nullptr};
-  a.reading = kernels::StepMark{reinterpret_cast<unsigned long long *>(plan.tracker().reading_device()), epoch,
-                                nullptr};
+  if (frames_)
+    a.reading = kernels::StepMark{reinterpret_cast<unsigned long long *>(plan.tracker().reading_device()), epoch,
+                                  nullptr};
   // On a failure the step is ended on the host once the stream is idle
   // (finish) and the record taken as the gather left it: never cancelled,
   // since a launch's error may be an earlier call's, the gather enqueued.
