@@ -376,8 +376,14 @@ TEST(GpuHeadState, DecodeGraphFailuresFallBackToLaunchesAndStayExact) {
   // the buffers it was captured with).
   const size_t q_bytes = size_t(kQ) * kD * 2;
   Buf dq(true, std::vector<uint8_t>(q_bytes)), dout(true, std::vector<uint8_t>(q_bytes));
+  // Every step's gather says it reads unit map entries (the tracker's
+  // reading word, which the buffer manager's eviction relies on: a step it
+  // does not see there must not read a frame), whichever path ran it: a
+  // graph's replay, launches one by one, or the split verbs.
+  uint32_t unmarked = 0;
   auto decode = [&](Engine &e, wkv::Plan &plan, const std::shared_ptr<wkv::Sequence> &s,
                     const std::vector<float> &q) {
+    const uint64_t done_before = plan.tracker().done();
     const std::vector<uint8_t> qb = pack(kDT, q);
     EXPECT_EQ(cudaMemcpy(dq.p, qb.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
     const wkv::DecodeOut whole{dout.p, kQ * kD, kD};
@@ -389,6 +395,8 @@ TEST(GpuHeadState, DecodeGraphFailuresFallBackToLaunchesAndStayExact) {
     }
     EXPECT_TRUE(st.is_ok()) << st.message();
     EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const uint64_t reading = plan.tracker().reading();
+    if (reading <= done_before || reading > plan.tracker().done()) ++unmarked;
     return dout.host();
   };
   std::shared_ptr<wkv::StepTracker> t_on, t_off;
@@ -415,6 +423,7 @@ TEST(GpuHeadState, DecodeGraphFailuresFallBackToLaunchesAndStayExact) {
       if (decode(on, p_on, s_on, q) != decode(off, p_off, s_off, q)) ++differ;
     }
     EXPECT_EQ(differ, 0u) << "steps whose output differs from the engine without graphs";
+    EXPECT_EQ(unmarked, 0u) << "steps whose gather did not write its epoch to the reading word";
     EXPECT_LE(replays(), uint64_t(kSteps) - 150) << "the failures and their backoffs kept steps from replaying";
     EXPECT_GE(replays() - window0, uint64_t(kSteps - kWindow) - 2) << "once the failures stop, the plan replays again";
     EXPECT_EQ(off.e->counters().decode_graphs.load(), 0u);
