@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <numeric>
 #include <set>
 #include <string>
 #include <thread>
@@ -24,6 +25,13 @@
 using namespace wkv;
 
 namespace {
+
+// Units 0 to n - 1.
+std::vector<uint32_t> first_units(uint32_t n) {
+  std::vector<uint32_t> u(n);
+  std::iota(u.begin(), u.end(), 0u);
+  return u;
+}
 
 // Host memory for the manager's words and ring; unit map entries are host
 // words the test owns.
@@ -246,8 +254,7 @@ TEST(BufferManager, QuarantinedFramesWaitForStepsInFlight) {
   Fixture f(8);  // a reserve of 2
   auto t = f.tracker(), reader = f.tracker();
   auto a = f.begin_step(*t, 8);
-  std::vector<uint32_t> all(8);
-  for (uint32_t u = 0; u < 8; ++u) all[u] = u;
+  const std::vector<uint32_t> all = first_units(8);
   const auto frames = f.run_step(a, all, {});
   // A step of another plan begins reading before the evictions and stays
   // in flight.
@@ -283,8 +290,7 @@ TEST(BufferManager, EvictedFramesWaitOnlyForStepsSeenReading) {
     Fixture f(8, 1 << 20, readers);  // a reserve of 2
     auto t = f.tracker(), reading = f.tracker(), queued = f.tracker();
     auto a = f.begin_step(*t, 8);
-    std::vector<uint32_t> all(8);
-    for (uint32_t u = 0; u < 8; ++u) all[u] = u;
+    const std::vector<uint32_t> all = first_units(8);
     f.run_step(a, all, {});
     const uint64_t er = f.bm.begin(*reading), eq = f.bm.begin(*queued);
     BufferManager::reading_on_host(*reading, er);  // the other is enqueued, not yet at its gather
@@ -317,8 +323,7 @@ TEST(BufferManager, EvictedFramesWaitForEachPlansReaderNotForAnEpoch) {
   Fixture f(8);  // a reserve of 2
   auto t = f.tracker(), a = f.tracker(), b = f.tracker();
   auto fill = f.begin_step(*t, 8);
-  std::vector<uint32_t> all(8);
-  for (uint32_t u = 0; u < 8; ++u) all[u] = u;
+  const std::vector<uint32_t> all = first_units(8);
   f.run_step(fill, all, {});
   // Plan A enqueues two steps, then plan B one; A's first and B's are reading.
   const uint64_t a1 = f.bm.begin(*a), a2 = f.bm.begin(*a), b1 = f.bm.begin(*b);
@@ -440,8 +445,7 @@ TEST(BufferManager, AStepOfADestroyedPlanStillEndsItsPins) {
   Fixture f(8);
   auto t = f.tracker();
   auto a = f.begin_step(*t, 8);
-  std::vector<uint32_t> all(8);
-  for (uint32_t u = 0; u < 8; ++u) all[u] = u;
+  const std::vector<uint32_t> all = first_units(8);
   f.run_step(a, all, {});
   auto plan = f.tracker();
   const uint64_t e = f.bm.begin(*plan);  // looked up and assembled, never updated
@@ -464,8 +468,7 @@ TEST(BufferManager, EpochsStayOrderedPastTwoToThe32) {
   auto t = f.tracker(), reader = f.tracker();
   auto a = f.begin_step(*t, 8);
   EXPECT_EQ(a.epoch, (uint64_t{1} << 32) - 2);
-  std::vector<uint32_t> all(8);
-  for (uint32_t u = 0; u < 8; ++u) all[u] = u;
+  const std::vector<uint32_t> all = first_units(8);
   f.run_step(a, all, {});
   const uint64_t e = f.bm.begin(*reader);
   BufferManager::reading_on_host(*reader, e);
@@ -569,8 +572,7 @@ TEST(BufferManager, FramesOfADeadHeadWaitForEveryStepBegun) {
   Fixture f(64);  // a reserve of 16
   auto t = f.tracker(), queued = f.tracker();
   auto a = f.begin_step(*t, 64);
-  std::vector<uint32_t> all(64);
-  for (uint32_t u = 0; u < 64; ++u) all[u] = u;
+  const std::vector<uint32_t> all = first_units(64);
   f.run_step(a, all, {});
   f.end_step(*t, a);
   for (int i = 0; i < 500 && f.bm.stats().free < 16; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <iterator>
 
 #include "lib/index/head.hpp"
 
@@ -12,6 +11,11 @@ namespace {
 
 constexpr size_t kWordsPerSlab = 4096;
 constexpr size_t kRecordAlign = 64;
+
+using Clock = std::chrono::steady_clock;
+uint64_t ns_between(Clock::time_point a, Clock::time_point b) {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
+}
 
 size_t record_bytes(uint32_t admit_cap, uint32_t hit_cap, uint32_t n_runs) {
   size_t b = sizeof(RecordHeader) + 4ull * hit_cap;
@@ -327,10 +331,6 @@ void BufferManager::run() {
       if (stop_) return;
       busy_.store(true);
     }
-    using Clock = std::chrono::steady_clock;
-    const auto ns = [](Clock::time_point a, Clock::time_point b) {
-      return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
-    };
     const auto t0 = Clock::now();
     const size_t taken = take_records();
     const auto t1 = Clock::now();
@@ -342,9 +342,9 @@ void BufferManager::run() {
     if (taken > 0 || evicted) {
       passes_.fetch_add(1, std::memory_order_relaxed);
       records_taken_.fetch_add(taken, std::memory_order_relaxed);
-      take_ns_.fetch_add(ns(t0, t1), std::memory_order_relaxed);
-      publish_ns_.fetch_add(ns(t2, t3), std::memory_order_relaxed);
-      busy_ns_.fetch_add(ns(t0, t3), std::memory_order_relaxed);
+      take_ns_.fetch_add(ns_between(t0, t1), std::memory_order_relaxed);
+      publish_ns_.fetch_add(ns_between(t2, t3), std::memory_order_relaxed);
+      busy_ns_.fetch_add(ns_between(t0, t3), std::memory_order_relaxed);
     }
     busy_.store(false);
   }
@@ -534,32 +534,25 @@ bool BufferManager::evict() {
       quarantine(std::move(of_dead));
     }
   }
-  if (victims.empty()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    clearing_ = false;
-    return !owners.empty();
-  }
-  // 1. Clear the unit map entries and wait: steps that begin after this
-  //    read the host pages. 2. Quarantine until the steps that began before
-  //    have ended. If the stores failed, the entries may still point at the
-  //    frames: they are lost to the cache rather than reused under a reader.
+  // 1. Clear the live victims' unit map entries (one each) and wait: steps
+  //    that begin after this read the host pages. 2. Quarantine until the
+  //    steps that began before have ended. If the stores failed, the
+  //    entries may still point at the frames: they are lost to the cache
+  //    rather than reused under a reader.
+  Status st = Status::ok();
   if (!entries.empty()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    Status st = dev_->clear_entries(entries.data(), static_cast<uint32_t>(entries.size()));
-    clear_ns_.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                                  std::chrono::steady_clock::now() - t0)
-                                                  .count()),
-                        std::memory_order_relaxed);
-    if (!st.is_ok()) {
-      lost_ += victims.size();
-      std::lock_guard<std::mutex> lock(mu_);
-      clearing_ = false;
-      return true;
-    }
+    const auto t0 = Clock::now();
+    st = dev_->clear_entries(entries.data(), static_cast<uint32_t>(entries.size()));
+    clear_ns_.fetch_add(ns_between(t0, Clock::now()), std::memory_order_relaxed);
   }
-  const size_t n_victims = victims.size();
   std::lock_guard<std::mutex> lock(mu_);
   clearing_ = false;
+  if (victims.empty()) return !owners.empty();
+  if (!st.is_ok()) {
+    lost_ += victims.size();
+    return true;
+  }
+  const size_t n_victims = victims.size();
   // Read after the stores have completed (clear_entries waited for them;
   // the fence pairs with each gather CTA's): a step not seen reading now
   // reads the cleared entries (the header).

@@ -29,6 +29,18 @@ bool cuda_device_usable(int device_id);
 // (LayerState::grown_epoch).
 static size_t layer_pages(const LayerState &L) { return L.heads.empty() ? 0 : L.heads[0].map.pages.size(); }
 
+// An environment variable that picks one of two behaviours: *second is
+// whether it names `second` (unset: `first`); any other value is an error
+// naming the variable and both choices.
+static Status env_choice(const char *var, const char *first, const char *second, bool *is_second) {
+  const char *v = std::getenv(var);
+  *is_second = v && std::strcmp(v, second) == 0;
+  if (v && !*is_second && std::strcmp(v, first) != 0)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "environment variable %s='%s' is neither '%s' nor '%s'", var, v,
+                     first, second);
+  return Status::ok();
+}
+
 Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
   Config cfg;
   WKV_RETURN_IF_ERROR(resolve_config(user, &cfg));
@@ -42,17 +54,13 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
   // Which steps a frame evicted from the device cache waits for before it
   // is reused (lib/buffer/buffer_manager.hpp, "Quarantine"): those seen
   // reading unit map entries when it was cleared, or every step begun.
-  const char *quarantine = std::getenv("WKV_QUARANTINE");
-  if (quarantine && std::strcmp(quarantine, "readers") != 0 && std::strcmp(quarantine, "steps") != 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
-                     "environment variable WKV_QUARANTINE='%s' is neither 'readers' nor 'steps'", quarantine);
+  bool every_step = false;
+  WKV_RETURN_IF_ERROR(env_choice("WKV_QUARANTINE", "readers", "steps", &every_step));
   // The reserve of free frames it keeps (BufferManager::Options::Reserve):
   // for the steps that may take frames before an eviction's are free
   // (readers), or for a whole burst of a token's layers (burst).
-  const char *reserve = std::getenv("WKV_CACHE_RESERVE");
-  if (reserve && std::strcmp(reserve, "readers") != 0 && std::strcmp(reserve, "burst") != 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
-                     "environment variable WKV_CACHE_RESERVE='%s' is neither 'readers' nor 'burst'", reserve);
+  bool burst = false;
+  WKV_RETURN_IF_ERROR(env_choice("WKV_CACHE_RESERVE", "readers", "burst", &burst));
   // The metadata allocator is loaded here (a dlopen, once a process), on
   // the opening thread, before the engine's pool and the callers' threads
   // append: not on the first append, where several threads may meet it.
@@ -83,9 +91,8 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
     BufferManager::Options bo;
     bo.units = e->backend_->cache_units();
     bo.policy = policy;
-    bo.reader_quarantine = !quarantine || std::strcmp(quarantine, "steps") != 0;
-    bo.reserve = reserve && std::strcmp(reserve, "burst") == 0 ? BufferManager::Options::Reserve::kBurst
-                                                                : BufferManager::Options::Reserve::kReaders;
+    bo.reader_quarantine = !every_step;
+    bo.reserve = burst ? BufferManager::Options::Reserve::kBurst : BufferManager::Options::Reserve::kReaders;
     e->buffers_ = std::make_unique<BufferManager>(bo, e->backend_->buffer_device());
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory opening an engine");
