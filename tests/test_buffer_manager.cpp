@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "lib/buffer/buffer_manager.hpp"
+#include "lib/buffer/host_device.hpp"
 #include "lib/buffer/replacement.hpp"
 #include "lib/index/head.hpp"
 
@@ -33,50 +34,18 @@ std::vector<uint32_t> first_units(uint32_t n) {
   return u;
 }
 
-// Host memory for the manager's words and ring; unit map entries are host
-// words the test owns.
-class FakeDevice : public BufferManager::Device {
+// The host device, with an injected store failure and a count of the
+// entries cleared.
+class FakeDevice : public HostDevice {
  public:
-  ~FakeDevice() override {
-    for (auto *p : blocks_) delete[] p;
-  }
-  Status alloc_words(size_t n, uint64_t **host, uint64_t **dev) override {
-    auto *p = new uint64_t[n]();
-    blocks_.push_back(reinterpret_cast<uint8_t *>(p));
-    *host = *dev = p;
-    return Status::ok();
-  }
-  Status alloc_ring(size_t bytes, uint8_t **host, uint8_t **dev) override {
-    auto *p = reinterpret_cast<uint8_t *>(new uint64_t[(bytes + 7) / 8]());
-    blocks_.push_back(p);
-    *host = *dev = p;
-    return Status::ok();
-  }
-  Status alloc_device(size_t bytes, void **dev) override {
-    auto *p = reinterpret_cast<uint8_t *>(new uint64_t[(bytes + 7) / 8]());
-    blocks_.push_back(p);
-    *dev = p;
-    return Status::ok();
-  }
-  // The copy, then the count (the device's stream order).
-  Status publish_frames(const uint32_t *host_slots, const uint32_t *, uint32_t *dev_slots, uint64_t first,
-                        uint64_t n, uint32_t cap, uint64_t *avail) override {
-    for (uint64_t i = first; i < first + n; ++i) __atomic_store_n(&dev_slots[i % cap], host_slots[i % cap], __ATOMIC_RELAXED);
-    __atomic_add_fetch(avail, n, __ATOMIC_ACQ_REL);
-    return Status::ok();
-  }
   Status clear_entries(const uint64_t *entries, uint32_t n) override {
     if (fail_clears.load()) return WKV_ERROR(WKV_ERR_DEVICE, "injected store failure");
-    // The device's stores, as atomics: the test reads the map meanwhile.
-    for (uint32_t i = 0; i < n; ++i) __atomic_store_n(reinterpret_cast<uint32_t *>(entries[i]), kNoFrame, __ATOMIC_RELAXED);
+    const Status st = HostDevice::clear_entries(entries, n);
     cleared += n;
-    return Status::ok();
+    return st;
   }
   std::atomic<bool> fail_clears{false};
   uint32_t cleared = 0;
-
- private:
-  std::vector<uint8_t *> blocks_;
 };
 
 struct Fixture {
@@ -128,17 +97,6 @@ struct Fixture {
     s.rec = bm.open_record(t, s.epoch, &h, 1, want, hit_cap, key);
     return s;
   }
-  // A frame from the pool as the gather takes one (kernels/gather.cu,
-  // take_frame), or kNoFrame when it is empty.
-  static uint32_t take_frame(const FramePool &p) {
-    const auto before = static_cast<long long>(__atomic_fetch_sub(p.avail, 1ull, __ATOMIC_ACQ_REL));
-    if (before <= 0) {
-      __atomic_fetch_add(p.avail, 1ull, __ATOMIC_ACQ_REL);
-      return kNoFrame;
-    }
-    const unsigned long long t = __atomic_fetch_add(p.taken, 1ull, __ATOMIC_ACQ_REL);
-    return __atomic_load_n(p.slots + t % p.cap, __ATOMIC_ACQUIRE);
-  }
   // Says the step reads unit map entries from now on, as its gather's CTAs
   // do first; then misses units `units`, admitting each into a frame from
   // the pool while it has one (a unit in `lost` loses its swap: another
@@ -152,7 +110,7 @@ struct Fixture {
       const FramePool pool = bm.pool();
       for (uint32_t u : units) {
         if (used == s.rec.admit_cap) break;
-        const uint32_t f = take_frame(pool);
+        const uint32_t f = take_pool_frame(pool);
         uint64_t entry = 0;
         if (f != kNoFrame && !lost.count(u)) {
           __atomic_store_n(&unit_map[u], f, __ATOMIC_RELAXED);
@@ -595,7 +553,7 @@ TEST(BufferManager, FramesOfADeadHeadWaitForEveryStepBegun) {
   BufferManager::reading_on_host(*t, eb);
   const FramePool pool = f.bm.pool();
   for (uint32_t i = 0; i < 16; ++i) {
-    const uint32_t fr = Fixture::take_frame(pool);
+    const uint32_t fr = take_pool_frame(pool);
     ASSERT_NE(fr, kNoFrame);
     map2[i] = fr;
     rec.admits[i] = AdmitEntry{reinterpret_cast<uint64_t>(&map2[i]), fr, 0};

@@ -274,6 +274,30 @@ TEST(Cli, BenchSpillEvictsRestoresAndComparesWithFio) {
   EXPECT_TRUE(dir.names().empty()) << "the spill file and fio's leave nothing behind";
 }
 
+// `wavekv bench manager` at a small size: each policy's run takes every
+// step's record, admits the misses the pool could serve, and reports its
+// time a record; an unknown policy is a usage error.
+TEST(Cli, BenchManagerTakesEveryRecordAndReportsItsLoad) {
+  const Outcome r = run_cli({"bench", "manager", "--frames", "4096", "--hits", "300", "--misses", "100", "--layers",
+                             "2", "--steps", "200", "--step-us", "200", "--policy", "lru,clock", "--json"});
+  ASSERT_TRUE(r.exited) << r.out;
+  ASSERT_EQ(r.status, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"command\"")), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  ASSERT_EQ(j["runs"].size(), 2u);
+  for (const auto &run : j["runs"]) {
+    EXPECT_EQ(run["records_taken"].get<uint64_t>() + run["dropped_records"].get<uint64_t>(), 200u) << run.dump();
+    EXPECT_GE(run["missed"].get<uint64_t>(), 200u * 100u) << "every step reads 100 units for the first time";
+    EXPECT_GT(run["admissions"].get<uint64_t>(), 0u);
+    EXPECT_LE(run["admissions"].get<uint64_t>(), run["given"].get<uint64_t>());
+    EXPECT_GT(run["hit_ratio"].get<double>(), 0.0) << "the working set is read again";
+    EXPECT_GT(run["busy_us_a_record"].get<double>(), 0.0);
+  }
+  const Outcome bad = run_cli({"bench", "manager", "--policy", "mru"});
+  EXPECT_EQ(bad.status, 2) << bad.out;
+  EXPECT_NE(bad.out.find("not a replacement policy"), std::string::npos) << bad.out;
+}
+
 // The demo's small version of a context beyond host memory: two layers
 // under a host budget of a fifth of their KV, with a spill directory. It
 // spills, keeps decoding, and reports the spill tier's figures beside the

@@ -27,6 +27,9 @@ int run_bench_files(const Options &o);
 void declare_bench_spill(CLI::App &cmd, Options *o);
 int run_bench_spill(const Options &o);
 
+void declare_bench_manager(CLI::App &cmd, Options *o);
+int run_bench_manager(const Options &o);
+
 void declare_accuracy(CLI::App &cmd, Options *o);
 int run_accuracy(const Options &o);
 

@@ -65,6 +65,11 @@ struct Options {
   std::string spill_dir;        // demo: wkv_config.spill_dir (empty: none)
   uint64_t repeat = 1;          // demo: steps each query holds for
   bool compare_in_memory = false;  // demo: a pass with everything in memory first
+  uint64_t frames = 0;          // bench manager: device cache frames
+  uint64_t hits = 0;            // bench manager: units a step finds cached (sampled)
+  uint64_t misses = 0;          // bench manager: units a step reads first
+  uint64_t step_us = 0;         // bench manager: interval between steps
+  std::string policy;           // bench manager: replacement policies
 
   uint32_t dtype_id() const;
   // threads, or the number of cores when 0.

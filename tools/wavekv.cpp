@@ -25,6 +25,8 @@ const Command kCommands[] = {
      declare_bench_files, run_bench_files},
     {"spill", "bench", "evict and restore a long sequence through the spill file against fio on the same disk",
      declare_bench_spill, run_bench_spill},
+    {"manager", "bench", "the buffer manager's thread against a stream of decoding steps (host only)",
+     declare_bench_manager, run_bench_manager},
     {"accuracy", nullptr, "methods side by side on the needles, diffuse and real-attention workloads",
      declare_accuracy, run_accuracy},
     {"stats", nullptr, "engine statistics after a small synthetic session (text and JSON)", declare_stats,

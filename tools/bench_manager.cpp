@@ -1,0 +1,245 @@
+// `wavekv bench manager`: the buffer manager's thread against a stream of
+// decoding steps, on the host. The manager runs as in an engine (its
+// thread, policy, reserve, quarantine, pool); this command plays the
+// device's side as a gather would: each step reads a layer's working set,
+// logs the units it finds in the cache as hits, takes a frame from the pool
+// for each unit it misses and maps it, then ends. Steps come every
+// --step-us (a serving step's length on the GPU); the figure is the
+// manager's time a record against that interval: a load at or above 1 says
+// the manager falls behind, and steps find fewer free frames (the GPU's
+// "frames given" drops below its misses). Unit map clears are host stores
+// here, not a device kernel and its wait: the clear's share on a GPU is
+// the serving benchmark's "buffer manager" line.
+//
+// Workload: per layer (a record key), a working set the steps sample their
+// hits from (--hits units a step, spread over the cache as a gather's
+// are), plus --misses units never read before; each step's new units join
+// the working set in place of random old ones. The defaults are the serving
+// benchmark's batch 7 at 128K tokens (bench/RESULTS.md): a 5% cache of
+// 230K frames, about 14000 hits and 6400 misses a layer-step, 4 layers,
+// 600 us a step.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lib/buffer/buffer_manager.hpp"
+#include "lib/buffer/host_device.hpp"
+#include "lib/buffer/replacement.hpp"
+#include "tools/commands.hpp"
+
+namespace wkv_tool {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Result {
+  std::string policy;
+  uint64_t steps = 0;
+  double wall_s = 0;
+  uint64_t hits = 0, misses = 0;  // as the steps found them
+  wkv::BufferManager::Stats stats;
+};
+
+void ok(const wkv::Status &st, const char *what) {
+  if (!st.is_ok()) throw WkvError(std::string(what) + ": " + st.message());
+}
+
+Result run_policy(const Options &o, const std::string &policy) {
+  wkv::HostDevice dev;
+  wkv::BufferManager::Options mo;
+  mo.units = static_cast<uint32_t>(o.frames);
+  mo.policy = policy;
+  wkv::BufferManager bm(mo, &dev);
+  ok(bm.start(), "starting the buffer manager");
+  std::shared_ptr<wkv::StepTracker> t;
+  ok(bm.new_tracker(&t), "a tracker");
+  uint32_t gen = 0;
+  const uint32_t head = bm.head_created(&gen);
+  const uint64_t head_word = (static_cast<uint64_t>(head) << 32) | gen;
+
+  // Each layer's units live in a region of the unit map; fresh ones come
+  // from a cursor that wraps (a unit read again after a wrap misses, as a
+  // unit evicted long ago would).
+  const uint32_t L = static_cast<uint32_t>(o.layers), H = static_cast<uint32_t>(o.hits),
+                 M = static_cast<uint32_t>(o.misses);
+  const uint64_t region = std::max<uint64_t>(4 * (o.frames + H + M), 1u << 20);
+  std::vector<uint32_t> unit_map(region * L, wkv::kNoFrame);
+  std::vector<std::vector<uint32_t>> working(L);
+  std::vector<uint64_t> cursor(L, 0);
+  const size_t ws_size = 2 * (static_cast<size_t>(H) + M);
+  std::mt19937_64 rng(o.seed);
+  // The first steps fill each working set with units never read.
+  auto fresh = [&](uint32_t l) { return static_cast<uint32_t>(l * region + cursor[l]++ % region); };
+  for (uint32_t l = 0; l < L; ++l)
+    while (working[l].size() < ws_size) working[l].push_back(fresh(l));
+
+  Result r;
+  r.policy = policy;
+  std::vector<uint32_t> reads, hit_log;
+  const wkv::FramePool pool = bm.pool();
+  const auto interval = std::chrono::microseconds(o.step_us);
+  const auto t0 = Clock::now();
+  auto next = t0;
+  for (uint64_t s = 0; s < o.steps; ++s) {
+    const uint32_t l = static_cast<uint32_t>(s % L);
+    // What the step reads: hits sampled from the working set, then units
+    // never read, which replace random members of the set.
+    reads.clear();
+    std::vector<uint32_t> &ws = working[l];
+    for (uint32_t i = 0; i < H; ++i) reads.push_back(ws[rng() % ws.size()]);
+    for (uint32_t i = 0; i < M; ++i) {
+      const uint32_t u = fresh(l);
+      reads.push_back(u);
+      ws[rng() % ws.size()] = u;
+    }
+    const uint64_t epoch = bm.begin(*t);
+    const wkv::StepRecord rec =
+        bm.open_record(*t, epoch, &head_word, 1, std::min<uint32_t>(2 * M + 1024, mo.max_admits), H + M, l + 1);
+    wkv::BufferManager::reading_on_host(*t, epoch);
+    uint32_t used = 0, missed = 0, hits = 0;
+    for (uint32_t u : reads) {
+      const uint32_t f = __atomic_load_n(&unit_map[u], __ATOMIC_RELAXED);
+      if (f != wkv::kNoFrame) {
+        if (rec.header && hits < rec.hit_cap) rec.hits[hits] = f;
+        ++hits;
+        continue;
+      }
+      ++missed;
+      if (!rec.header || used == rec.admit_cap) continue;
+      const uint32_t fr = wkv::take_pool_frame(pool);
+      uint64_t entry = 0;
+      if (fr != wkv::kNoFrame) {
+        uint32_t expect = wkv::kNoFrame;  // the gather's swap: the first step to map a unit wins
+        if (__atomic_compare_exchange_n(&unit_map[u], &expect, fr, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+          entry = reinterpret_cast<uint64_t>(&unit_map[u]);
+      }
+      rec.admits[used++] = wkv::AdmitEntry{entry, fr, 0};
+      if (fr == wkv::kNoFrame) break;  // the pool is empty: the rest of the misses are not admitted
+    }
+    if (rec.header) {
+      rec.header->used = used;
+      rec.header->hits = std::min(hits, rec.hit_cap);
+      rec.header->missed = missed;
+      __atomic_store_n(pool.seen, __atomic_load_n(pool.taken, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
+    }
+    bm.end_on_host(*t, epoch);
+    r.hits += hits;
+    r.misses += missed;
+    next += interval;
+    std::this_thread::sleep_until(next);
+  }
+  r.wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.steps = o.steps;
+  bm.quiesce(10000);
+  r.stats = bm.stats();
+  bm.head_destroyed(head);
+  return r;
+}
+
+}  // namespace
+
+void declare_bench_manager(CLI::App &cmd, Options *o) {
+  o->frames = 230000;
+  o->hits = 14000;
+  o->misses = 6400;
+  o->layers = 4;
+  o->steps = 4000;
+  o->step_us = 600;
+  o->policy = "lru,clock";
+  cmd.add_option("--frames", o->frames, "device cache frames")->check(CLI::Range(64, 1 << 26))->capture_default_str();
+  cmd.add_option("--hits", o->hits, "units a step samples from its layer's working set")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
+  cmd.add_option("--misses", o->misses, "units a step reads for the first time")
+      ->check(CLI::Range(0, 16384))
+      ->capture_default_str();
+  cmd.add_option("--layers", o->layers, "layers (record keys), stepped in turn")->check(CLI::Range(1, 4096))->capture_default_str();
+  cmd.add_option("--steps", o->steps, "steps")->check(CLI::Range(1, 10000000))->capture_default_str();
+  cmd.add_option("--step-us", o->step_us, "microseconds from one step's start to the next's (0: back to back)")
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  cmd.add_option("--policy", o->policy, "replacement policies, comma-separated (lru, clock, slru)")->capture_default_str();
+  cmd.add_option("--seed", o->seed, "seed of the workload")->capture_default_str();
+  cmd.add_flag("--json", o->json, "print one JSON object instead of the table");
+}
+
+int run_bench_manager(const Options &o) {
+  std::vector<std::string> policies;
+  {
+    std::stringstream ss(o.policy);
+    for (std::string p; std::getline(ss, p, ',');) {
+      if (!wkv::make_policy(p, 1)) throw UsageError("bench manager: --policy: '" + p + "' is not a replacement policy");
+      policies.push_back(p);
+    }
+  }
+  if (policies.empty()) throw UsageError("bench manager: --policy names no policy");
+  std::vector<Result> results;
+  for (const std::string &p : policies) results.push_back(run_policy(o, p));
+
+  auto per_record_us = [](const Result &r, uint64_t ns) {
+    return r.stats.records_taken ? ns / 1e3 / r.stats.records_taken : 0.0;
+  };
+  auto load = [&](const Result &r) {
+    // The manager's time a record over the time a step had.
+    const double step_us = r.wall_s * 1e6 / r.steps;
+    return per_record_us(r, r.stats.busy_ns) / step_us;
+  };
+  if (o.json) {
+    nlohmann::ordered_json runs = nlohmann::ordered_json::array();
+    for (const Result &r : results) {
+      const auto &s = r.stats;
+      runs.push_back({{"policy", r.policy},
+                      {"steps", r.steps},
+                      {"wall_s", r.wall_s},
+                      {"hit_ratio", double(r.hits) / std::max<uint64_t>(1, r.hits + r.misses)},
+                      {"missed", s.missed},
+                      {"given", s.given},
+                      {"admissions", s.admissions},
+                      {"evictions", s.evictions},
+                      {"records_taken", s.records_taken},
+                      {"dropped_records", s.dropped_records},
+                      {"passes", s.passes},
+                      {"busy_us_a_record", per_record_us(r, s.busy_ns)},
+                      {"take_us_a_record", per_record_us(r, s.take_ns)},
+                      {"clear_us_a_record", per_record_us(r, s.clear_ns)},
+                      {"publish_us_a_record", per_record_us(r, s.publish_ns)},
+                      {"load", load(r)}});
+    }
+    const nlohmann::ordered_json j = {{"command", "bench manager"}, {"frames", o.frames}, {"hits", o.hits},
+                                      {"misses", o.misses},         {"layers", o.layers}, {"step_us", o.step_us},
+                                      {"runs", runs}};
+    std::cout << j.dump() << std::endl;
+    return 0;
+  }
+  std::printf("wavekv bench manager: %llu frames, %llu hits + %llu new units a step, %llu layers, a step every %llu us, "
+              "%llu steps (host device: clears are host stores)\n",
+              static_cast<unsigned long long>(o.frames), static_cast<unsigned long long>(o.hits),
+              static_cast<unsigned long long>(o.misses), static_cast<unsigned long long>(o.layers),
+              static_cast<unsigned long long>(o.step_us), static_cast<unsigned long long>(o.steps));
+  Table t;
+  t.row({"policy", "hit ratio", "admitted / missed", "us a record", "taking", "clearing", "publishing", "records a pass",
+         "load"});
+  for (const Result &r : results) {
+    const auto &s = r.stats;
+    t.row({r.policy, fixed(double(r.hits) / std::max<uint64_t>(1, r.hits + r.misses), 3),
+           fixed(double(s.admissions) / std::max<uint64_t>(1, s.missed), 3), fixed(per_record_us(r, s.busy_ns), 1),
+           fixed(per_record_us(r, s.take_ns), 1), fixed(per_record_us(r, s.clear_ns), 1),
+           fixed(per_record_us(r, s.publish_ns), 1), fixed(double(s.records_taken) / std::max<uint64_t>(1, s.passes), 2),
+           fixed(load(r), 2)});
+  }
+  std::cout << t.str();
+  std::printf("load: the manager's time a record over the interval between steps (1 or more: it falls behind)\n");
+  return 0;
+}
+
+}  // namespace wkv_tool
