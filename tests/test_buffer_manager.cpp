@@ -801,12 +801,41 @@ TEST(Replacement, EveryPolicyGivesUpEachResidentFrameOnceAndNoOther) {
   EXPECT_EQ(make_policy("fifo", 4), nullptr);
 }
 
-TEST(Replacement, LruGivesUpTheLeastRecentlyRead) {
-  auto p = make_policy("lru", 4);
-  for (uint32_t f = 0; f < 4; ++f) p->on_insert(f);
-  p->on_access(0);
-  p->on_access(2);
-  EXPECT_EQ(drain(*p), (std::vector<uint32_t>{1, 3, 0, 2}));
+// LRU's promotion threshold: a frame read once it may have reached the
+// list's last quarter (more moves to the front since its own than three
+// quarters of the resident frames) moves to the front; one read nearer the
+// front keeps its place.
+TEST(Replacement, LruMovesAFrameReadInItsLastQuarterToTheFront) {
+  auto p = make_policy("lru", 8);
+  for (uint32_t f = 0; f < 8; ++f) p->on_insert(f);  // 0 is the least recent
+  p->on_access(0);  // 8 moves since its own: moves
+  p->on_access(1);  // 8 (7 and 0's): moves
+  p->on_access(5);  // 4 since: stays
+  EXPECT_EQ(drain(*p), (std::vector<uint32_t>{2, 3, 4, 5, 6, 7, 0, 1}));
+}
+
+// A frame read every few admissions is never given up while new frames
+// stream through the cache and push the others out, as with exact LRU.
+TEST(Replacement, LruKeepsAFrameReadOftenWhileNewFramesStreamThrough) {
+  constexpr uint32_t kFrames = 128, kResident = 100;
+  auto p = make_policy("lru", kFrames);
+  for (uint32_t f = 0; f < kResident; ++f) p->on_insert(f);
+  const uint32_t hot = 0;  // the least recent until read
+  p->on_access(hot);
+  std::vector<uint32_t> free_frames;
+  for (uint32_t f = kResident; f < kFrames; ++f) free_frames.push_back(f);
+  for (int i = 1; i <= 5000; ++i) {
+    if (i % 10 == 0) p->on_access(hot);
+    // One new frame in, the victim out.
+    const uint32_t in = free_frames.back();
+    free_frames.pop_back();
+    p->on_insert(in);
+    const int64_t v = p->victim();
+    ASSERT_GE(v, 0);
+    ASSERT_NE(static_cast<uint32_t>(v), hot) << "after " << i << " admissions";
+    p->on_erase(static_cast<uint32_t>(v));
+    free_frames.push_back(static_cast<uint32_t>(v));
+  }
 }
 
 // A record's hits go to the policy in one call (on_access_all, which LRU

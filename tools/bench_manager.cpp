@@ -11,13 +11,15 @@
 // here, not a device kernel and its wait: the clear's share on a GPU is
 // the serving benchmark's "buffer manager" line.
 //
-// Workload: per layer (a record key), a working set the steps sample their
-// hits from (--hits units a step, spread over the cache as a gather's
-// are), plus --misses units never read before; each step's new units join
-// the working set in place of random old ones. The defaults are the serving
-// benchmark's batch 7 at 128K tokens (bench/RESULTS.md): a 5% cache of
-// 230K frames, about 14000 hits and 6400 misses a layer-step, 4 layers,
-// 600 us a step.
+// Workload, as the serving benchmark's queries: per layer (a record key),
+// the set of units the layer's last step read; the next step reads it
+// again with --misses of its units replaced by units never read before
+// (a query close to the last one), and every --repeat steps of the layer
+// the query changes topic and the step reads --hits + --misses units
+// never read. The defaults are the serving benchmark's batch 7 at 128K
+// tokens (bench/RESULTS.md): a 5% cache of 230K frames, 20400 units a
+// layer-step of which 2000 new, a topic held 8 steps (about 4500 misses
+// a layer-step on average), 4 layers, 600 us a step.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -74,39 +76,34 @@ Result run_policy(const Options &o, const std::string &policy) {
                  M = static_cast<uint32_t>(o.misses);
   const uint64_t region = std::max<uint64_t>(4 * (o.frames + H + M), 1u << 20);
   std::vector<uint32_t> unit_map(region * L, wkv::kNoFrame);
-  std::vector<std::vector<uint32_t>> working(L);
+  std::vector<std::vector<uint32_t>> last(L);  // what each layer's last step read
   std::vector<uint64_t> cursor(L, 0);
-  const size_t ws_size = 2 * (static_cast<size_t>(H) + M);
   std::mt19937_64 rng(o.seed);
-  // The first steps fill each working set with units never read.
   auto fresh = [&](uint32_t l) { return static_cast<uint32_t>(l * region + cursor[l]++ % region); };
-  for (uint32_t l = 0; l < L; ++l)
-    while (working[l].size() < ws_size) working[l].push_back(fresh(l));
 
   Result r;
   r.policy = policy;
-  std::vector<uint32_t> reads, hit_log;
   const wkv::FramePool pool = bm.pool();
   const auto interval = std::chrono::microseconds(o.step_us);
   const auto t0 = Clock::now();
   auto next = t0;
   for (uint64_t s = 0; s < o.steps; ++s) {
     const uint32_t l = static_cast<uint32_t>(s % L);
-    // What the step reads: hits sampled from the working set, then units
-    // never read, which replace random members of the set.
-    reads.clear();
-    std::vector<uint32_t> &ws = working[l];
-    for (uint32_t i = 0; i < H; ++i) reads.push_back(ws[rng() % ws.size()]);
-    for (uint32_t i = 0; i < M; ++i) {
-      const uint32_t u = fresh(l);
-      reads.push_back(u);
-      ws[rng() % ws.size()] = u;
+    // What the step reads: the layer's last set with M units new, or a new
+    // topic.
+    std::vector<uint32_t> &reads = last[l];
+    if ((s / L) % o.repeat == 0) {
+      reads.clear();
+      for (uint32_t i = 0; i < H + M; ++i) reads.push_back(fresh(l));
+    } else {
+      for (uint32_t i = 0; i < M; ++i) reads[rng() % reads.size()] = fresh(l);
     }
     const uint64_t epoch = bm.begin(*t);
     const wkv::StepRecord rec =
-        bm.open_record(*t, epoch, &head_word, 1, std::min<uint32_t>(2 * M + 1024, mo.max_admits), H + M, l + 1);
+        bm.open_record(*t, epoch, &head_word, 1, std::min<uint32_t>(H + M, mo.max_admits), H + M, l + 1);
     wkv::BufferManager::reading_on_host(*t, epoch);
     uint32_t used = 0, missed = 0, hits = 0;
+    bool dry = false;  // the pool ran out: the step's other misses are not admitted
     for (uint32_t u : reads) {
       const uint32_t f = __atomic_load_n(&unit_map[u], __ATOMIC_RELAXED);
       if (f != wkv::kNoFrame) {
@@ -115,7 +112,7 @@ Result run_policy(const Options &o, const std::string &policy) {
         continue;
       }
       ++missed;
-      if (!rec.header || used == rec.admit_cap) continue;
+      if (!rec.header || used == rec.admit_cap || dry) continue;
       const uint32_t fr = wkv::take_pool_frame(pool);
       uint64_t entry = 0;
       if (fr != wkv::kNoFrame) {
@@ -124,7 +121,7 @@ Result run_policy(const Options &o, const std::string &policy) {
           entry = reinterpret_cast<uint64_t>(&unit_map[u]);
       }
       rec.admits[used++] = wkv::AdmitEntry{entry, fr, 0};
-      if (fr == wkv::kNoFrame) break;  // the pool is empty: the rest of the misses are not admitted
+      dry = fr == wkv::kNoFrame;
     }
     if (rec.header) {
       rec.header->used = used;
@@ -150,19 +147,21 @@ Result run_policy(const Options &o, const std::string &policy) {
 
 void declare_bench_manager(CLI::App &cmd, Options *o) {
   o->frames = 230000;
-  o->hits = 14000;
-  o->misses = 6400;
+  o->hits = 18400;
+  o->misses = 2000;
+  o->repeat = 8;
   o->layers = 4;
   o->steps = 4000;
   o->step_us = 600;
   o->policy = "lru,clock";
   cmd.add_option("--frames", o->frames, "device cache frames")->check(CLI::Range(64, 1 << 26))->capture_default_str();
-  cmd.add_option("--hits", o->hits, "units a step samples from its layer's working set")
+  cmd.add_option("--hits", o->hits, "units a step reads again from its layer's last step")
       ->check(CLI::Range(0, 1 << 20))
       ->capture_default_str();
-  cmd.add_option("--misses", o->misses, "units a step reads for the first time")
+  cmd.add_option("--misses", o->misses, "units a step reads for the first time (all of them at a change of topic)")
       ->check(CLI::Range(0, 16384))
       ->capture_default_str();
+  cmd.add_option("--repeat", o->repeat, "steps of a layer a topic lasts")->check(CLI::Range(1, 1000000))->capture_default_str();
   cmd.add_option("--layers", o->layers, "layers (record keys), stepped in turn")->check(CLI::Range(1, 4096))->capture_default_str();
   cmd.add_option("--steps", o->steps, "steps")->check(CLI::Range(1, 10000000))->capture_default_str();
   cmd.add_option("--step-us", o->step_us, "microseconds from one step's start to the next's (0: back to back)")
@@ -216,15 +215,16 @@ int run_bench_manager(const Options &o) {
                       {"load", load(r)}});
     }
     const nlohmann::ordered_json j = {{"command", "bench manager"}, {"frames", o.frames}, {"hits", o.hits},
-                                      {"misses", o.misses},         {"layers", o.layers}, {"step_us", o.step_us},
+                                      {"misses", o.misses},         {"repeat", o.repeat}, {"layers", o.layers}, {"step_us", o.step_us},
                                       {"runs", runs}};
     std::cout << j.dump() << std::endl;
     return 0;
   }
-  std::printf("wavekv bench manager: %llu frames, %llu hits + %llu new units a step, %llu layers, a step every %llu us, "
-              "%llu steps (host device: clears are host stores)\n",
+  std::printf("wavekv bench manager: %llu frames, %llu units read again + %llu new a step, a topic for %llu steps, "
+              "%llu layers, a step every %llu us, %llu steps (host device: clears are host stores)\n",
               static_cast<unsigned long long>(o.frames), static_cast<unsigned long long>(o.hits),
-              static_cast<unsigned long long>(o.misses), static_cast<unsigned long long>(o.layers),
+              static_cast<unsigned long long>(o.misses), static_cast<unsigned long long>(o.repeat),
+              static_cast<unsigned long long>(o.layers),
               static_cast<unsigned long long>(o.step_us), static_cast<unsigned long long>(o.steps));
   Table t;
   t.row({"policy", "hit ratio", "admitted / missed", "us a record", "taking", "clearing", "publishing", "records a pass",

@@ -63,7 +63,7 @@ struct Options {
   std::string save;             // demo, stats: save the sequence to this file
   uint64_t host_budget = 0;     // demo: wkv_config.host_budget_bytes (0: none)
   std::string spill_dir;        // demo: wkv_config.spill_dir (empty: none)
-  uint64_t repeat = 1;          // demo: steps each query holds for
+  uint64_t repeat = 1;          // demo: steps each query holds for; bench manager: a topic's steps
   bool compare_in_memory = false;  // demo: a pass with everything in memory first
   uint64_t frames = 0;          // bench manager: device cache frames
   uint64_t hits = 0;            // bench manager: units a step finds cached (sampled)

@@ -411,10 +411,17 @@ void BufferManager::take_record(const RecordHeader &hc) {
   // A head that dies after this check leaves its frames owned by a dead
   // head, as one that dies after they became resident does: the eviction
   // quarantines them without clearing entries.
+  // Frames are spread over the cache: each owner_ entry is a cache miss,
+  // fetched a few admissions ahead; the policy fetches its own state
+  // (on_insert_all), and resident_ is counted once.
   scratch_free_.clear();
   scratch_quarantine_.clear();
+  scratch_admitted_.clear();
   uint32_t taken = 0;
+  constexpr uint32_t kAhead = 16;
   for (uint32_t i = 0; i < used; ++i) {
+    if (i + kAhead < used && a.admits[i + kAhead].frame < opts_.units)
+      __builtin_prefetch(&owner_[a.admits[i + kAhead].frame], 1);
     const AdmitEntry e = a.admits[i];
     const uint32_t u = e.frame;
     if (u >= opts_.units) continue;  // the pool was empty
@@ -426,14 +433,15 @@ void BufferManager::take_record(const RecordHeader &hc) {
     if (e.run < h->n_runs && scratch_live_[e.run]) {
       const uint64_t head = a.heads[e.run];
       owner_[u] = Owner{static_cast<uint32_t>(head >> 32), static_cast<uint32_t>(head), e.entry};
-      policy_->on_insert(u);
-      ++resident_;
-      ++admitted;
+      scratch_admitted_.push_back(u);
     } else {
       // Mapped in a head that is gone: steps in flight may still read it.
       scratch_quarantine_.push_back(u);
     }
   }
+  policy_->on_insert_all(scratch_admitted_.data(), scratch_admitted_.size());
+  admitted = static_cast<uint32_t>(scratch_admitted_.size());
+  resident_ += admitted;
   std::lock_guard<std::mutex> lock(mu_);
   taken_known_ += taken;
   put_free(scratch_free_.data(), scratch_free_.size());
@@ -472,8 +480,12 @@ bool BufferManager::evict() {
   // misses left three of four steps of a burst without frames.)
   // With keyed records, at least what the next steps of every key would
   // miss were they to miss what the last ones did, a quarter more.
-  std::vector<uint32_t> victims;
-  std::vector<uint64_t> entries;
+  std::vector<uint32_t> victims;  // moved into the quarantine
+  std::vector<uint64_t> &entries = scratch_entries_;
+  std::vector<Owner> &owners = scratch_owners_;
+  victims.clear();
+  entries.clear();
+  owners.clear();
   size_t need;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -500,17 +512,24 @@ bool BufferManager::evict() {
   // entries to clear (live heads only: a dead head's unit map is not
   // written again, it is freed once the steps in flight have ended) under
   // it, briefly.
-  std::vector<Owner> owners;
+  // The policy's victims first, then their owners: each owner_ entry is a
+  // cache miss, fetched a few victims ahead rather than one after another.
+  victims.reserve(need);
   while (need-- > 0) {
     const int64_t v = policy_->victim();
     if (v < 0) break;
     const uint32_t u = static_cast<uint32_t>(v);
     policy_->on_erase(u);
-    owners.push_back(owner_[u]);
-    owner_[u] = Owner{};
-    --resident_;
     victims.push_back(u);
   }
+  constexpr size_t kAhead = 16;
+  for (size_t i = 0; i < victims.size(); ++i) {
+    if (i + kAhead < victims.size()) __builtin_prefetch(&owner_[victims[i + kAhead]], 1);
+    Owner &o = owner_[victims[i]];
+    owners.push_back(o);
+    o = Owner{};
+  }
+  resident_ -= victims.size();
   // Frames of dead heads: their entries are not cleared, and a step
   // enqueued before its head died may still read one, however late it
   // reaches its gather: they wait for every step begun by now.

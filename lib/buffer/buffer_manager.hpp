@@ -405,6 +405,9 @@ class BufferManager {
   std::vector<uint8_t> scratch_live_;  // take_record: whether each run's head is live
   std::vector<uint32_t> scratch_free_, scratch_quarantine_;  // take_record: frames taken back
   std::vector<uint32_t> scratch_hits_;                        // take_record: the hits in the cache
+  std::vector<uint32_t> scratch_admitted_;                    // take_record: frames that became resident
+  std::vector<Owner> scratch_owners_;                         // evict: the victims' owners
+  std::vector<uint64_t> scratch_entries_;                     // evict: the live victims' unit map entries
   // What steps miss, and how many begin before the manager can act on it.
   // A frame evicted while steps are in flight is free again only once they
   // have ended, so the frames ready when a burst of steps begins (a token's

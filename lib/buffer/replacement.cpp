@@ -2,52 +2,56 @@
 
 namespace wkv {
 
-LruPolicy::LruPolicy(uint32_t frames) : prev_(frames, kNil), next_(frames, kNil), linked_(frames, 0) {}
+LruPolicy::LruPolicy(uint32_t frames) : links_(frames), stamps_(frames, 0) {}
 
 void LruPolicy::unlink(uint32_t f) {
-  if (!linked_[f]) return;
-  if (prev_[f] != kNil) next_[prev_[f]] = next_[f]; else head_ = next_[f];
-  if (next_[f] != kNil) prev_[next_[f]] = prev_[f]; else tail_ = prev_[f];
-  prev_[f] = next_[f] = kNil;
-  linked_[f] = 0;
+  Link &l = links_[f];
+  if (l.prev == kOut) return;
+  if (l.prev != kNil) links_[l.prev].next = l.next; else head_ = l.next;
+  if (l.next != kNil) links_[l.next].prev = l.prev; else tail_ = l.prev;
+  l = Link{};
+  --resident_;
 }
 
 void LruPolicy::push_front(uint32_t f) {
-  prev_[f] = kNil;
-  next_[f] = head_;
-  if (head_ != kNil) prev_[head_] = f;
+  links_[f] = Link{kNil, head_};
+  stamps_[f] = moves_++;
+  if (head_ != kNil) links_[head_].prev = f;
   head_ = f;
   if (tail_ == kNil) tail_ = f;
-  linked_[f] = 1;
+  ++resident_;
 }
 
 void LruPolicy::on_insert(uint32_t frame) { unlink(frame); push_front(frame); }
+
 void LruPolicy::on_access(uint32_t frame) {
-  if (linked_[frame]) {
-    unlink(frame);
-    push_front(frame);
+  // Not far enough from the front to move, or not resident (a frame
+  // evicted while the step ran).
+  if (static_cast<uint32_t>(moves_ - stamps_[frame]) <= resident_ / 4 * 3 || !linked(frame)) return;
+  unlink(frame);
+  push_front(frame);
+}
+
+void LruPolicy::on_access_all(const uint32_t *frames, size_t n) {
+  // Stamps a few frames ahead: each is a cache miss when the stamps
+  // outgrow the CPU's caches.
+  constexpr size_t kAhead = 16;
+  const uint32_t units = static_cast<uint32_t>(links_.size());
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n && frames[i + kAhead] < units) __builtin_prefetch(&stamps_[frames[i + kAhead]]);
+    if (frames[i] < units) on_access(frames[i]);
   }
 }
-void LruPolicy::on_access_all(const uint32_t *frames, size_t n) {
-  // A frame's links are read before they are written: fetch them, and the
-  // list neighbours they name, a few frames ahead (the arrays are a few MB
-  // at a large cache: each access would otherwise wait on DRAM in turn).
-  constexpr size_t kAhead = 16, kNear = 8;
-  const uint32_t units = static_cast<uint32_t>(linked_.size());
+
+void LruPolicy::on_insert_all(const uint32_t *frames, size_t n) {
+  // An admitted frame's links are read (it may be listed) and written.
+  constexpr size_t kAhead = 16;
   for (size_t i = 0; i < n; ++i) {
-    if (i + kAhead < n && frames[i + kAhead] < units) {
-      const uint32_t f = frames[i + kAhead];
-      __builtin_prefetch(&linked_[f]);
-      __builtin_prefetch(&prev_[f]);
-      __builtin_prefetch(&next_[f]);
+    if (i + kAhead < n) {
+      __builtin_prefetch(&links_[frames[i + kAhead]], 1);
+      __builtin_prefetch(&stamps_[frames[i + kAhead]], 1);
     }
-    if (i + kNear < n && frames[i + kNear] < units) {
-      const uint32_t f = frames[i + kNear];
-      const uint32_t p = prev_[f], q = next_[f];
-      if (p != kNil) __builtin_prefetch(&next_[p], 1);
-      if (q != kNil) __builtin_prefetch(&prev_[q], 1);
-    }
-    if (frames[i] < units) on_access(frames[i]);
+    on_insert(frames[i]);
   }
 }
 
