@@ -239,10 +239,12 @@ struct Row {
   uint64_t growths = 0, growth_waits = 0;  // growths deferred in the timed run, and commits that waited
   uint64_t graphs = 0;  // decodes of the timed run replayed as their plan's graph (of steps * L)
   // The buffer manager's thread in the timed run: its busy share of the
-  // wall time (and of that, taking records, clearing entries, publishing),
+  // wall time (and of that, taking records, choosing victims, clearing
+  // entries, releasing quarantined frames, publishing),
   // its mean pass, records a pass; the reserve it aimed for at the end and
   // the frames resident then.
-  double manager_busy = 0, manager_take = 0, manager_clear = 0, manager_publish = 0;
+  double manager_busy = 0, manager_take = 0, manager_victims = 0, manager_clear = 0, manager_release = 0,
+         manager_publish = 0;
   double manager_pass_us = 0, records_per_pass = 0;
   uint64_t reserve = 0, resident = 0;
   double split_us[5] = {0, 0, 0, 0, 0};  // append, lookup, assemble, attend, update
@@ -443,7 +445,9 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
     const double wall_ns = wall_us * L * 1e3, passes = std::max(delta("passes"), 1.0);
     row.manager_busy = delta("busy_ns") / wall_ns;
     row.manager_take = delta("take_ns") / wall_ns;
+    row.manager_victims = delta("victims_ns") / wall_ns;
     row.manager_clear = delta("clear_ns") / wall_ns;
+    row.manager_release = delta("release_ns") / wall_ns;
     row.manager_publish = delta("publish_ns") / wall_ns;
     row.manager_pass_us = delta("busy_ns") / passes / 1e3;
     row.records_per_pass = delta("records_taken") / passes;
@@ -639,9 +643,11 @@ int main(int argc, char **argv) {
                 static_cast<unsigned long long>(r.records_dropped), static_cast<unsigned long long>(r.pin_fallbacks),
                 static_cast<unsigned long long>(r.growths), static_cast<unsigned long long>(r.growth_waits),
                 static_cast<unsigned long long>(r.graphs));
-    std::printf("      buffer manager: busy %.0f%% of the wall time (taking records %.0f%%, clearing entries %.0f%%, "
-                "publishing %.0f%%), %.1f us a pass, %.2f records a pass; reserve %llu frames, %llu resident\n",
-                100 * r.manager_busy, 100 * r.manager_take, 100 * r.manager_clear, 100 * r.manager_publish,
+    std::printf("      buffer manager: busy %.0f%% of the wall time (taking records %.0f%%, choosing victims %.0f%%, "
+                "clearing entries %.0f%%, releasing %.0f%%, publishing %.0f%%), %.1f us a pass, %.2f records a pass; "
+                "reserve %llu frames, %llu resident\n",
+                100 * r.manager_busy, 100 * r.manager_take, 100 * r.manager_victims, 100 * r.manager_clear,
+                100 * r.manager_release, 100 * r.manager_publish,
                 r.manager_pass_us, r.records_per_pass, static_cast<unsigned long long>(r.reserve),
                 static_cast<unsigned long long>(r.resident));
     std::printf("      host us (medians): wkv_append_batch %.1f, wkv_decode %.1f; split form: append %.1f, lookup %.1f, "

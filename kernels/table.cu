@@ -160,6 +160,11 @@ __global__ void store_words_kernel(const WordChunk chunk) {
     *reinterpret_cast<volatile uint32_t *>(chunk.addrs[i]) = chunk.value;
 }
 
+__global__ void store_words_at_kernel(const uint64_t *__restrict__ addrs, uint32_t n, uint32_t value) {
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    *reinterpret_cast<volatile uint32_t *>(addrs[i]) = value;
+}
+
 __global__ void store_pairs_kernel(const PairChunk chunk) {
   for (uint32_t i = threadIdx.x; i < chunk.n; i += blockDim.x)
     *reinterpret_cast<volatile uint64_t *>(chunk.addrs[i]) = chunk.values[i];
@@ -551,6 +556,16 @@ cudaError_t store_words(const uint64_t *addrs, uint32_t n, uint32_t value, void 
     store_words_kernel<<<1, 256, 0, s>>>(c);
     WKV_CUDA_CHECK_LAUNCH("store_words");
   }
+  return cudaSuccess;
+}
+
+cudaError_t store_words_at(const uint64_t *addrs, uint32_t n, uint32_t value, void *stream) {
+  if (n == 0) return cudaSuccess;
+  if (!addrs) return cudaErrorInvalidValue;
+  constexpr uint32_t kThreads = 256, kMaxCtas = 64;
+  const uint32_t ctas = std::min<uint32_t>(kMaxCtas, (n + kThreads - 1) / kThreads);
+  store_words_at_kernel<<<ctas, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(addrs, n, value);
+  WKV_CUDA_CHECK_LAUNCH("store_words_at");
   return cudaSuccess;
 }
 

@@ -79,6 +79,10 @@ cudaError_t publish_slots(const uint32_t *src, uint32_t *dst, uint64_t first, ui
 // host array), in launches of up to 480 addresses passed by value.
 cudaError_t store_words(const uint64_t *addrs, uint32_t n, uint32_t value, void *stream);
 
+// The same in one launch whatever n: addrs is device-visible memory (a
+// mapped host array: each thread reads its addresses across the bus).
+cudaError_t store_words_at(const uint64_t *addrs, uint32_t n, uint32_t value, void *stream);
+
 // Stores values[i] into the 8-byte word at device address addrs[i] (host
 // arrays), i < n, in launches of up to 240 pairs passed by value.
 cudaError_t store_pairs(const uint64_t *addrs, const uint64_t *values, uint32_t n, void *stream);

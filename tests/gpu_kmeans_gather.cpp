@@ -1280,5 +1280,36 @@ TEST(GatherCuda, RejectsMisalignedRowsAndAdmissionsWithoutCounters) {
   EXPECT_EQ(gather_cuda(a, nullptr), cudaErrorInvalidValue) << "a mark needs the work counters";
 }
 
+// The buffer manager's clear of evicted frames' unit map entries: one
+// launch stores the value at every address of a mapped array (thousands,
+// in any order), and nowhere else.
+TEST(TableCuda, StoreWordsAtStoresAtEveryAddressAndNowhereElse) {
+  REQUIRE_GPU();
+  constexpr uint32_t kWords = 20000, kValue = 0xffffffffu;
+  DevBuf words(kWords * sizeof(uint32_t));
+  ASSERT_NE(words.p, nullptr);
+  std::vector<uint32_t> init(kWords);
+  std::iota(init.begin(), init.end(), 0u);
+  ASSERT_EQ(cudaMemcpy(words.p, init.data(), kWords * sizeof(uint32_t), cudaMemcpyHostToDevice), cudaSuccess);
+  // Every third word, shuffled: more than one CTA's worth and past the
+  // by-value launch's 480.
+  std::vector<uint32_t> at;
+  for (uint32_t i = 0; i < kWords; i += 3) at.push_back(i);
+  std::shuffle(at.begin(), at.end(), std::mt19937(7));
+  HostBuf addrs(at.size() * sizeof(uint64_t));
+  ASSERT_NE(addrs.p, nullptr);
+  for (size_t i = 0; i < at.size(); ++i)
+    static_cast<uint64_t *>(addrs.p)[i] = reinterpret_cast<uint64_t>(words.as<uint32_t>() + at[i]);
+  uint64_t *dev_addrs = nullptr;
+  ASSERT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void **>(&dev_addrs), addrs.p, 0), cudaSuccess);
+  EXPECT_EQ(store_words_at(dev_addrs, 0, kValue, nullptr), cudaSuccess) << "nothing to store";
+  EXPECT_EQ(store_words_at(nullptr, 1, kValue, nullptr), cudaErrorInvalidValue);
+  ASSERT_EQ(store_words_at(dev_addrs, static_cast<uint32_t>(at.size()), kValue, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint32_t> got(kWords);
+  ASSERT_EQ(cudaMemcpy(got.data(), words.p, kWords * sizeof(uint32_t), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (uint32_t i = 0; i < kWords; ++i) ASSERT_EQ(got[i], i % 3 == 0 ? kValue : i) << "word " << i;
+}
+
 }  // namespace
 }  // namespace wkv::kernels

@@ -292,6 +292,14 @@ TEST(Cli, BenchManagerTakesEveryRecordAndReportsItsLoad) {
     EXPECT_LE(run["admissions"].get<uint64_t>(), run["given"].get<uint64_t>());
     EXPECT_GT(run["hit_ratio"].get<double>(), 0.0) << "the working set is read again";
     EXPECT_GT(run["busy_us_a_record"].get<double>(), 0.0);
+    EXPECT_GT(run["evictions"].get<uint64_t>(), 0u) << "new units keep coming: the cache turns over";
+    EXPECT_GT(run["victims_us_a_record"].get<double>(), 0.0);
+    EXPECT_GT(run["release_us_a_record"].get<double>(), 0.0);
+    EXPECT_LE(run["take_us_a_record"].get<double>() + run["victims_us_a_record"].get<double>() +
+                  run["clear_us_a_record"].get<double>() + run["release_us_a_record"].get<double>() +
+                  run["publish_us_a_record"].get<double>(),
+              run["busy_us_a_record"].get<double>() * 1.001)
+        << "the parts of the manager's time are within its busy time";
   }
   const Outcome bad = run_cli({"bench", "manager", "--policy", "mru"});
   EXPECT_EQ(bad.status, 2) << bad.out;

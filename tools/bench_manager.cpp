@@ -210,7 +210,9 @@ int run_bench_manager(const Options &o) {
                       {"passes", s.passes},
                       {"busy_us_a_record", per_record_us(r, s.busy_ns)},
                       {"take_us_a_record", per_record_us(r, s.take_ns)},
+                      {"victims_us_a_record", per_record_us(r, s.victims_ns)},
                       {"clear_us_a_record", per_record_us(r, s.clear_ns)},
+                      {"release_us_a_record", per_record_us(r, s.release_ns)},
                       {"publish_us_a_record", per_record_us(r, s.publish_ns)},
                       {"load", load(r)}});
     }
@@ -227,13 +229,14 @@ int run_bench_manager(const Options &o) {
               static_cast<unsigned long long>(o.layers),
               static_cast<unsigned long long>(o.step_us), static_cast<unsigned long long>(o.steps));
   Table t;
-  t.row({"policy", "hit ratio", "admitted / missed", "us a record", "taking", "clearing", "publishing", "records a pass",
-         "load"});
+  t.row({"policy", "hit ratio", "admitted / missed", "us a record", "taking", "victims", "clearing", "releasing",
+         "publishing", "records a pass", "load"});
   for (const Result &r : results) {
     const auto &s = r.stats;
     t.row({r.policy, fixed(double(r.hits) / std::max<uint64_t>(1, r.hits + r.misses), 3),
            fixed(double(s.admissions) / std::max<uint64_t>(1, s.missed), 3), fixed(per_record_us(r, s.busy_ns), 1),
-           fixed(per_record_us(r, s.take_ns), 1), fixed(per_record_us(r, s.clear_ns), 1),
+           fixed(per_record_us(r, s.take_ns), 1), fixed(per_record_us(r, s.victims_ns), 1),
+           fixed(per_record_us(r, s.clear_ns), 1), fixed(per_record_us(r, s.release_ns), 1),
            fixed(per_record_us(r, s.publish_ns), 1), fixed(double(s.records_taken) / std::max<uint64_t>(1, s.passes), 2),
            fixed(load(r), 2)});
   }

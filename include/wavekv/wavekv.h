@@ -434,8 +434,8 @@ WKV_API int wkv_engine_stats(wkv_engine *engine, wkv_stats *stats);
  * NUL-terminated string that the caller releases with wkv_free(): "config",
  * "stats" (the fields of wkv_stats) and "buffer_manager" (its thread's
  * passes, records taken, busy time and the parts of it spent taking
- * records, clearing unit map entries and publishing free frames, in
- * nanoseconds; the reserve of free frames it aims for; free, quarantined
+ * records, choosing victims, clearing unit map entries, releasing
+ * quarantined frames and publishing free frames, in nanoseconds; the reserve of free frames it aims for; free, quarantined
  * and resident frames). A busy time close to the wall time says the
  * manager falls behind the decoding steps.
  */

@@ -295,7 +295,9 @@ BufferManager::Stats BufferManager::stats() {
   s.records_taken = records_taken_.load();
   s.busy_ns = busy_ns_.load();
   s.take_ns = take_ns_.load();
+  s.victims_ns = victims_ns_.load();
   s.clear_ns = clear_ns_.load();
+  s.release_ns = release_ns_.load();
   s.publish_ns = publish_ns_.load();
   s.reserve_target = reserve_target_.load();
   return s;
@@ -335,6 +337,7 @@ void BufferManager::run() {
     const size_t taken = take_records();
     const auto t1 = Clock::now();
     const bool evicted = evict();
+    const auto t_release = Clock::now();
     release_ready();
     const auto t2 = Clock::now();
     publish();
@@ -343,6 +346,7 @@ void BufferManager::run() {
       passes_.fetch_add(1, std::memory_order_relaxed);
       records_taken_.fetch_add(taken, std::memory_order_relaxed);
       take_ns_.fetch_add(ns_between(t0, t1), std::memory_order_relaxed);
+      release_ns_.fetch_add(ns_between(t_release, t2), std::memory_order_relaxed);
       publish_ns_.fetch_add(ns_between(t2, t3), std::memory_order_relaxed);
       busy_ns_.fetch_add(ns_between(t0, t3), std::memory_order_relaxed);
     }
@@ -514,6 +518,7 @@ bool BufferManager::evict() {
   // it, briefly.
   // The policy's victims first, then their owners: each owner_ entry is a
   // cache miss, fetched a few victims ahead rather than one after another.
+  const auto t_victims = Clock::now();
   victims.reserve(need);
   while (need-- > 0) {
     const int64_t v = policy_->victim();
@@ -530,6 +535,7 @@ bool BufferManager::evict() {
     o = Owner{};
   }
   resident_ -= victims.size();
+  victims_ns_.fetch_add(ns_between(t_victims, Clock::now()), std::memory_order_relaxed);
   // Frames of dead heads: their entries are not cleared, and a step
   // enqueued before its head died may still read one, however late it
   // reaches its gather: they wait for every step begun by now.

@@ -205,11 +205,13 @@ class BufferManager {
     uint64_t resident = 0, free = 0, quarantined = 0;
     // The manager's thread: passes that took a record or evicted, the
     // records it took, its time in them (steady clock), of which taking
-    // records, clearing entries (the device's stores and the wait for
-    // them) and publishing frees; the reserve it last aimed for. A busy
-    // time near the wall time says the manager falls behind the steps.
+    // records, choosing victims (the policy's, and their owners), clearing
+    // entries (the device's stores and the wait for them), releasing
+    // quarantined frames and publishing frees; the reserve it last aimed
+    // for. A busy time near the wall time says the manager falls behind
+    // the steps.
     uint64_t passes = 0, records_taken = 0;
-    uint64_t busy_ns = 0, take_ns = 0, clear_ns = 0, publish_ns = 0;
+    uint64_t busy_ns = 0, take_ns = 0, victims_ns = 0, clear_ns = 0, release_ns = 0, publish_ns = 0;
     uint64_t reserve_target = 0;
   };
 
@@ -450,7 +452,8 @@ class BufferManager {
   std::thread thread_;
   std::atomic<bool> busy_{false};
   // Stats: the manager's passes and time (written by its thread).
-  std::atomic<uint64_t> passes_{0}, records_taken_{0}, busy_ns_{0}, take_ns_{0}, clear_ns_{0}, publish_ns_{0};
+  std::atomic<uint64_t> passes_{0}, records_taken_{0}, busy_ns_{0}, take_ns_{0}, victims_ns_{0}, clear_ns_{0},
+      release_ns_{0}, publish_ns_{0};
   std::atomic<uint64_t> reserve_target_{0};
 };
 
