@@ -12,7 +12,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <numeric>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -802,39 +804,104 @@ TEST(Replacement, EveryPolicyGivesUpEachResidentFrameOnceAndNoOther) {
 }
 
 // LRU's promotion threshold: a frame read once it may have reached the
-// list's last quarter (more moves to the front since its own than three
+// queue's last quarter (more moves to the front since its own than three
 // quarters of the resident frames) moves to the front; one read nearer the
-// front keeps its place.
+// front keeps its place. Positions count moves and wrap at 2^32: the same
+// from a start just below the wrap.
 TEST(Replacement, LruMovesAFrameReadInItsLastQuarterToTheFront) {
-  auto p = make_policy("lru", 8);
-  for (uint32_t f = 0; f < 8; ++f) p->on_insert(f);  // 0 is the least recent
-  p->on_access(0);  // 8 moves since its own: moves
-  p->on_access(1);  // 8 (7 and 0's): moves
-  p->on_access(5);  // 4 since: stays
-  EXPECT_EQ(drain(*p), (std::vector<uint32_t>{2, 3, 4, 5, 6, 7, 0, 1}));
+  for (uint32_t first : {0u, 0xfffffffau}) {
+    SCOPED_TRACE(first);
+    LruPolicy p(8, first);
+    for (uint32_t f = 0; f < 8; ++f) p.on_insert(f);  // 0 is the least recent
+    p.on_access(0);  // 8 moves since its own: moves
+    p.on_access(1);  // 8 (7 and 0's): moves
+    p.on_access(5);  // 4 since: stays
+    EXPECT_EQ(drain(p), (std::vector<uint32_t>{2, 3, 4, 5, 6, 7, 0, 1}));
+  }
 }
 
 // A frame read every few admissions is never given up while new frames
-// stream through the cache and push the others out, as with exact LRU.
+// stream through the cache and push the others out, as with exact LRU;
+// each victim is the frame admitted longest ago among those not read.
+// Across the positions' wrap and the ring's compactions.
 TEST(Replacement, LruKeepsAFrameReadOftenWhileNewFramesStreamThrough) {
   constexpr uint32_t kFrames = 128, kResident = 100;
-  auto p = make_policy("lru", kFrames);
-  for (uint32_t f = 0; f < kResident; ++f) p->on_insert(f);
-  const uint32_t hot = 0;  // the least recent until read
-  p->on_access(hot);
-  std::vector<uint32_t> free_frames;
-  for (uint32_t f = kResident; f < kFrames; ++f) free_frames.push_back(f);
-  for (int i = 1; i <= 5000; ++i) {
-    if (i % 10 == 0) p->on_access(hot);
-    // One new frame in, the victim out.
-    const uint32_t in = free_frames.back();
-    free_frames.pop_back();
-    p->on_insert(in);
-    const int64_t v = p->victim();
-    ASSERT_GE(v, 0);
-    ASSERT_NE(static_cast<uint32_t>(v), hot) << "after " << i << " admissions";
-    p->on_erase(static_cast<uint32_t>(v));
-    free_frames.push_back(static_cast<uint32_t>(v));
+  for (uint32_t first : {0u, 0xffffff00u}) {
+    SCOPED_TRACE(first);
+    LruPolicy p(kFrames, first);
+    std::deque<uint32_t> order;  // admissions of frames other than `hot`, oldest first
+    for (uint32_t f = 0; f < kResident; ++f) {
+      p.on_insert(f);
+      if (f != 0) order.push_back(f);
+    }
+    const uint32_t hot = 0;  // the least recent until read
+    p.on_access(hot);
+    std::vector<uint32_t> free_frames;
+    for (uint32_t f = kResident; f < kFrames; ++f) free_frames.push_back(f);
+    for (int i = 1; i <= 5000; ++i) {
+      if (i % 10 == 0) p.on_access(hot);
+      // One new frame in, the victim out.
+      const uint32_t in = free_frames.back();
+      free_frames.pop_back();
+      p.on_insert(in);
+      order.push_back(in);
+      const int64_t v = p.victim();
+      ASSERT_GE(v, 0);
+      ASSERT_NE(static_cast<uint32_t>(v), hot) << "after " << i << " admissions";
+      ASSERT_EQ(static_cast<uint32_t>(v), order.front()) << "after " << i << " admissions";
+      order.pop_front();
+      p.on_erase(static_cast<uint32_t>(v));
+      free_frames.push_back(static_cast<uint32_t>(v));
+    }
+  }
+}
+
+// LRU against a model of its rule with 64-bit counts (no wrap, no ring):
+// a read frame moves to the front once more moves than three quarters of
+// the resident frames have happened since its own, and the victim is the
+// frame that moved to the front longest ago. Random admissions, reads and
+// evictions of a small cache, many moves without an eviction (the ring
+// fills with skipped entries and is compacted) and the wrap of the 32-bit
+// counts: the same victims throughout.
+TEST(Replacement, LruFollowsItsRuleThroughCompactionsAndTheWrap) {
+  constexpr uint32_t kFrames = 96;
+  for (uint32_t first : {0u, 0xfffff000u}) {
+    SCOPED_TRACE(first);
+    LruPolicy p(kFrames, first);
+    std::vector<uint64_t> stamp(kFrames, 0), order(kFrames, 0);
+    std::vector<bool> resident(kFrames, false);
+    uint64_t moves = first, seq = 0;
+    uint32_t n_resident = 0;
+    auto move = [&](uint32_t f) {
+      if (static_cast<uint32_t>(moves) == 0xffffffffu) ++moves;  // the policy's count skips its marker
+      stamp[f] = moves++;
+      order[f] = seq++;
+    };
+    std::mt19937 rng(first + 1);
+    for (int op = 0; op < 20000; ++op) {
+      const uint32_t f = rng() % kFrames;
+      // A stretch of reads alone: moves without an eviction.
+      const uint32_t kind = op >= 5000 && op < 9000 ? 0 : rng() % 20;
+      if (kind < 10) {  // a read
+        p.on_access(f);
+        if (resident[f] && moves - stamp[f] > n_resident / 4 * 3) move(f);
+      } else if (kind < 17) {  // admissions outnumber evictions: about 55 frames resident
+        p.on_insert(f);
+        if (!resident[f]) ++n_resident;
+        resident[f] = true;
+        move(f);
+      } else {
+        int64_t want = -1;
+        for (uint32_t g = 0; g < kFrames; ++g)
+          if (resident[g] && (want < 0 || order[g] < order[want])) want = g;
+        ASSERT_EQ(p.victim(), want) << "operation " << op;
+        if (want >= 0) {
+          p.on_erase(static_cast<uint32_t>(want));
+          resident[want] = false;
+          --n_resident;
+        }
+      }
+    }
   }
 }
 

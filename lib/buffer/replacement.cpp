@@ -2,41 +2,58 @@
 
 namespace wkv {
 
-LruPolicy::LruPolicy(uint32_t frames) : links_(frames), stamps_(frames, 0) {}
-
-void LruPolicy::unlink(uint32_t f) {
-  Link &l = links_[f];
-  if (l.prev == kOut) return;
-  if (l.prev != kNil) links_[l.prev].next = l.next; else head_ = l.next;
-  if (l.next != kNil) links_[l.next].prev = l.prev; else tail_ = l.prev;
-  l = Link{};
-  --resident_;
+LruPolicy::LruPolicy(uint32_t frames, uint32_t first)
+    : stamps_(frames, kOut), at_(frames, kOut), tail_(first), head_(first), moves_(first) {
+  size_t cap = 64;
+  while (cap < 2 * static_cast<size_t>(frames)) cap *= 2;
+  ring_.assign(cap, kOut);
+  mask_ = static_cast<uint32_t>(cap - 1);
 }
 
-void LruPolicy::push_front(uint32_t f) {
-  links_[f] = Link{kNil, head_};
+void LruPolicy::push(uint32_t f) {
+  if (static_cast<size_t>(head_ - tail_) + 2 > ring_.size()) compact();
+  if (head_ == kOut) ring_[head_++ & mask_] = kOut;  // kOut is no frame's place
+  ring_[head_ & mask_] = f;
+  at_[f] = head_++;
+  if (moves_ == kOut) ++moves_;  // nor its stamp
   stamps_[f] = moves_++;
-  if (head_ != kNil) links_[head_].prev = f;
-  head_ = f;
-  if (tail_ == kNil) tail_ = f;
-  ++resident_;
 }
 
-void LruPolicy::on_insert(uint32_t frame) { unlink(frame); push_front(frame); }
+void LruPolicy::compact() {
+  // The live entries, oldest first, at places from 0: at most one a frame,
+  // so at most half the ring, and the next compaction is half a ring of
+  // moves away. Stamps stay.
+  kept_.clear();
+  const uint32_t n = static_cast<uint32_t>(at_.size());
+  for (uint32_t p = tail_; p != head_; ++p) {
+    const uint32_t f = ring_[p & mask_];
+    if (f < n && at_[f] == p) kept_.push_back(f);
+  }
+  tail_ = head_ = 0;
+  for (uint32_t f : kept_) {
+    ring_[head_ & mask_] = f;
+    at_[f] = head_++;
+  }
+}
+
+void LruPolicy::on_insert(uint32_t frame) {
+  if (stamps_[frame] == kOut) ++resident_;
+  push(frame);
+}
 
 void LruPolicy::on_access(uint32_t frame) {
-  // Not far enough from the front to move, or not resident (a frame
-  // evicted while the step ran).
-  if (static_cast<uint32_t>(moves_ - stamps_[frame]) <= resident_ / 4 * 3 || !linked(frame)) return;
-  unlink(frame);
-  push_front(frame);
+  // Not resident (evicted while the step ran), or not far enough from the
+  // front to move.
+  const uint32_t s = stamps_[frame];
+  if (s == kOut || static_cast<uint32_t>(moves_ - s) <= resident_ / 4 * 3) return;
+  push(frame);
 }
 
 void LruPolicy::on_access_all(const uint32_t *frames, size_t n) {
-  // Stamps a few frames ahead: each is a cache miss when the stamps
-  // outgrow the CPU's caches.
+  // Stamps a few frames ahead: each is a cache miss when they outgrow the
+  // CPU's caches.
   constexpr size_t kAhead = 16;
-  const uint32_t units = static_cast<uint32_t>(links_.size());
+  const uint32_t units = static_cast<uint32_t>(stamps_.size());
   for (size_t i = 0; i < n; ++i) {
     if (i + kAhead < n && frames[i + kAhead] < units) __builtin_prefetch(&stamps_[frames[i + kAhead]]);
     if (frames[i] < units) on_access(frames[i]);
@@ -44,19 +61,38 @@ void LruPolicy::on_access_all(const uint32_t *frames, size_t n) {
 }
 
 void LruPolicy::on_insert_all(const uint32_t *frames, size_t n) {
-  // An admitted frame's links are read (it may be listed) and written.
   constexpr size_t kAhead = 16;
   for (size_t i = 0; i < n; ++i) {
     if (i + kAhead < n) {
-      __builtin_prefetch(&links_[frames[i + kAhead]], 1);
       __builtin_prefetch(&stamps_[frames[i + kAhead]], 1);
+      __builtin_prefetch(&at_[frames[i + kAhead]], 1);
     }
     on_insert(frames[i]);
   }
 }
 
-void LruPolicy::on_erase(uint32_t frame) { unlink(frame); }
-int64_t LruPolicy::victim() { return tail_ == kNil ? -1 : static_cast<int64_t>(tail_); }
+void LruPolicy::on_erase(uint32_t frame) {
+  if (stamps_[frame] == kOut) return;
+  stamps_[frame] = at_[frame] = kOut;
+  --resident_;
+}
+
+int64_t LruPolicy::victim() {
+  // The oldest live entry; the entries passed are dead (their frames moved
+  // again or left). The caller erases the victim, whose entry the next
+  // call passes.
+  constexpr uint32_t kAhead = 16;
+  const uint32_t n = static_cast<uint32_t>(at_.size());
+  for (; tail_ != head_; ++tail_) {
+    if (static_cast<uint32_t>(head_ - tail_) > kAhead) {
+      const uint32_t ahead = ring_[(tail_ + kAhead) & mask_];
+      if (ahead < n) __builtin_prefetch(&at_[ahead]);
+    }
+    const uint32_t f = ring_[tail_ & mask_];
+    if (f < n && at_[f] == tail_) return f;
+  }
+  return -1;
+}
 
 ClockPolicy::ClockPolicy(uint32_t frames) : count_(frames, kOut) {}
 

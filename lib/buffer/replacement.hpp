@@ -41,20 +41,28 @@ class ReplacementPolicy {
   virtual int64_t victim() = 0;
 };
 
-// Least recently used, as an intrusive doubly linked list over frames,
-// with a promotion threshold: a read frame moves to the front only when
-// more moves to the front than three quarters of the resident frames have
-// happened since its own last one, that is when it may have reached the
-// list's last quarter, where victims come from. A step's hits are mostly
-// the frames the steps just before it read: each costs a read of its
-// stamp (4 bytes a frame, dense enough to stay in the CPU's caches)
-// instead of writes to its two neighbours' links, and a victim is still a
-// frame not read for most of the list's turnover. (Moving every hit, the
-// manager's thread spent about 1 ms a record at batch 7 and fell behind
-// the steps: `wavekv bench manager`, bench/RESULTS.md.)
+// Least recently used, with a promotion threshold, kept as a queue: the
+// frames in the order they last moved to the front, in a ring of frame ids,
+// each frame knowing its current place there; an older entry of a frame
+// that moved again, or of one erased, is skipped when the tail reaches it.
+// A read frame moves to the front only when more moves to the front than
+// three quarters of the resident frames have happened since its own (its
+// stamp), that is when it may have reached the queue's last quarter, where
+// victims come from ("lazy promotion": Yang et al., FIFO queues are all
+// you need for cache eviction, SOSP'23). A step's hits are mostly the
+// frames the steps just before it read: each costs a read of its stamp (4
+// bytes a frame, dense enough to stay in the CPU's caches); admissions
+// append; victims come from a scan along the ring with the next places
+// fetched ahead, where a linked list's tail is a chain of dependent cache
+// misses (about 50 ns a victim on the H100 machine's host, a third of the
+// manager's time at batch 7). When the ring fills with skipped entries it
+// is compacted, in order. Stamps, places and the move count wrap at 2^32:
+// a frame left unmoved for 2^32 moves may look recent once and wait for
+// its next read to move (a choice of victim, never a wrong result).
 class LruPolicy final : public ReplacementPolicy {
  public:
-  explicit LruPolicy(uint32_t frames);
+  // The move count and places start at `first` (tests of their wrap).
+  explicit LruPolicy(uint32_t frames, uint32_t first = 0);
   void on_insert(uint32_t frame) override;
   void on_access(uint32_t frame) override;
   void on_access_all(const uint32_t *frames, size_t n) override;
@@ -63,21 +71,16 @@ class LruPolicy final : public ReplacementPolicy {
   int64_t victim() override;
 
  private:
-  static constexpr uint32_t kNil = 0xffffffffu;  // no neighbour
-  static constexpr uint32_t kOut = 0xfffffffeu;  // prev of a frame not in the list
-  struct Link {  // a frame's two links share 8 bytes: one cache line to touch
-    uint32_t prev = kOut, next = kNil;
-  };
-  bool linked(uint32_t f) const { return links_[f].prev != kOut; }
-  void unlink(uint32_t f);
-  void push_front(uint32_t f);
-  std::vector<Link> links_;
-  // moves_ when each frame last moved to the front. Both wrap at 2^32: a
-  // frame left unmoved for 2^32 moves may look recent once, and waits for
-  // its next read to move (a choice of victim, never a wrong result).
-  std::vector<uint32_t> stamps_;
+  static constexpr uint32_t kOut = 0xffffffffu;  // stamp and place of a frame not resident; no frame's otherwise
+  void push(uint32_t frame);
+  void compact();
+  std::vector<uint32_t> stamps_;  // moves_ when each frame last moved to the front (hits read only these)
+  std::vector<uint32_t> at_;      // each frame's place in the ring (victims read only these)
+  std::vector<uint32_t> ring_;    // frame ids by place (& mask_); a power of two, at least twice the frames
+  std::vector<uint32_t> kept_;    // compact's scratch
+  uint32_t mask_ = 0;
+  uint32_t tail_ = 0, head_ = 0;  // places [tail_, head_) are in the ring; head_ is the next
   uint32_t moves_ = 0;
-  uint32_t head_ = kNil, tail_ = kNil;  // head = most recent
   uint32_t resident_ = 0;
 };
 
