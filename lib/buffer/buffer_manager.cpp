@@ -539,14 +539,22 @@ bool BufferManager::evict() {
   // Frames of dead heads: their entries are not cleared, and a step
   // enqueued before its head died may still read one, however late it
   // reaches its gather: they wait for every step begun by now.
+  // The victims are sorted out against a copy of the heads' state (a slot
+  // a head), taken under the lock with clearing_ set: a head destroyed
+  // after the copy has its unit map's release deferred until the clear has
+  // landed. (Checking each victim under the lock held it, which the
+  // decoding path's open_record takes, for thousands of victims a pass.)
   std::vector<uint32_t> of_dead;
   if (!victims.empty()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    clearing_ = true;  // until the stores have landed: defer() holds releases
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      clearing_ = true;  // until the stores have landed: defer() holds releases
+      scratch_heads_.assign(heads_.begin(), heads_.end());
+    }
     size_t kept = 0;
     for (size_t i = 0; i < victims.size(); ++i) {
       const Owner &o = owners[i];
-      if (o.head < heads_.size() && heads_[o.head].alive && heads_[o.head].gen == o.gen) {
+      if (o.head < scratch_heads_.size() && scratch_heads_[o.head].alive && scratch_heads_[o.head].gen == o.gen) {
         entries.push_back(o.entry);
         victims[kept++] = victims[i];
       } else {
@@ -555,6 +563,7 @@ bool BufferManager::evict() {
     }
     victims.resize(kept);
     if (!of_dead.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
       evictions_ += of_dead.size();
       quarantine(std::move(of_dead));
     }
