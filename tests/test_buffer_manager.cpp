@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <set>
@@ -36,17 +37,19 @@ std::vector<uint32_t> first_units(uint32_t n) {
   return u;
 }
 
-// The host device, with an injected store failure and a count of the
-// entries cleared.
+// The host device, with an injected store failure, something to run as a
+// clear begins, and a count of the entries cleared.
 class FakeDevice : public HostDevice {
  public:
   Status clear_entries(const uint64_t *entries, uint32_t n) override {
+    if (during_clear) during_clear();
     if (fail_clears.load()) return WKV_ERROR(WKV_ERR_DEVICE, "injected store failure");
     const Status st = HostDevice::clear_entries(entries, n);
     cleared += n;
     return st;
   }
   std::atomic<bool> fail_clears{false};
+  std::function<void()> during_clear;  // set before the manager evicts
   uint32_t cleared = 0;
 };
 
@@ -206,6 +209,29 @@ TEST(BufferManager, EvictsLeastRecentlyUsedFirstAndClearsTheirEntries) {
   EXPECT_EQ(f.entry(2), kNoFrame) << "least recently used: evicted, entry cleared";
   EXPECT_EQ(f.entry(3), kNoFrame);
   EXPECT_NE(f.entry(4), kNoFrame);
+}
+
+// A head destroyed while the manager clears its victims' entries (after it
+// found the head alive): the release of the head's memory, deferred by its
+// owner, waits until the clear has landed, since the stores may go into
+// that memory.
+TEST(BufferManager, AHeadDestroyedDuringAClearHasItsMemoryReleasedAfterIt) {
+  Fixture f(16);  // a reserve of 16 / 4 = 4 free frames
+  std::atomic<int> released{0}, released_during_clear{-1};
+  f.dev.during_clear = [&] {
+    f.bm.head_destroyed(f.head);
+    f.bm.defer([&] { ++released; });
+    released_during_clear = released.load();
+  };
+  auto t = f.tracker();
+  auto a = f.begin_step(*t, 14);
+  ASSERT_EQ(f.run_step(a, first_units(14), {}).size(), 14u);
+  f.end_step(*t, a);  // 2 frames free: the manager evicts 2 and clears their entries
+  for (int i = 0; i < 5000 && released_during_clear.load() < 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(released_during_clear.load(), 0) << "the release ran while the clear was storing";
+  ASSERT_TRUE(f.bm.quiesce(5000));
+  EXPECT_EQ(released.load(), 1) << "and ran once the clear had landed";
 }
 
 // A frame evicted while a step is in flight (it may have read the frame's

@@ -57,6 +57,17 @@ void ok(const wkv::Status &st, const char *what) {
 }
 
 Result run_policy(const Options &o, const std::string &policy) {
+  // Each layer's units live in a region of the unit map; fresh ones come
+  // from a cursor that wraps (a unit read again after a wrap misses, as a
+  // unit evicted long ago would). The map is declared before the manager:
+  // its thread clears entries in it until the manager is destroyed.
+  const uint32_t L = static_cast<uint32_t>(o.layers), H = static_cast<uint32_t>(o.hits),
+                 M = static_cast<uint32_t>(o.misses);
+  const uint64_t region = std::max<uint64_t>(4 * (o.frames + H + M), 1u << 20);
+  if (region * L > UINT32_MAX)
+    throw UsageError("bench manager: --frames, --hits and --misses times --layers need more than 2^32 units");
+  std::vector<uint32_t> unit_map(region * L, wkv::kNoFrame);
+
   wkv::HostDevice dev;
   wkv::BufferManager::Options mo;
   mo.units = static_cast<uint32_t>(o.frames);
@@ -69,13 +80,6 @@ Result run_policy(const Options &o, const std::string &policy) {
   const uint32_t head = bm.head_created(&gen);
   const uint64_t head_word = (static_cast<uint64_t>(head) << 32) | gen;
 
-  // Each layer's units live in a region of the unit map; fresh ones come
-  // from a cursor that wraps (a unit read again after a wrap misses, as a
-  // unit evicted long ago would).
-  const uint32_t L = static_cast<uint32_t>(o.layers), H = static_cast<uint32_t>(o.hits),
-                 M = static_cast<uint32_t>(o.misses);
-  const uint64_t region = std::max<uint64_t>(4 * (o.frames + H + M), 1u << 20);
-  std::vector<uint32_t> unit_map(region * L, wkv::kNoFrame);
   std::vector<std::vector<uint32_t>> last(L);  // what each layer's last step read
   std::vector<uint64_t> cursor(L, 0);
   std::mt19937_64 rng(o.seed);
@@ -137,7 +141,7 @@ Result run_policy(const Options &o, const std::string &policy) {
   }
   r.wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
   r.steps = o.steps;
-  bm.quiesce(10000);
+  if (!bm.quiesce(60000)) throw WkvError("bench manager: the buffer manager did not take every record within 60 s");
   r.stats = bm.stats();
   bm.head_destroyed(head);
   return r;

@@ -49,6 +49,14 @@ BufferManager::BufferManager(Options opts, Device *device) : opts_(opts), dev_(d
     owner_.resize(opts_.units);
     held_.reserve(opts_.units);  // every frame at most once: no allocation under the lock
     scratch_hits_.reserve(16384);  // a record's hit log at most (CudaBackend::open_step_record)
+    // A record's admissions at most, and an eviction's victims at most
+    // (the reserve's cap): the manager's thread allocates nothing for them.
+    scratch_admitted_.reserve(opts_.max_admits);
+    const size_t most_victims = opts_.units / 4 + 32;
+    scratch_owners_.reserve(most_victims);
+    scratch_entries_.reserve(most_victims);
+    scratch_keys_.reserve(most_victims);
+    scratch_alive_.reserve(most_victims);
   }
 }
 
@@ -539,22 +547,36 @@ bool BufferManager::evict() {
   // Frames of dead heads: their entries are not cleared, and a step
   // enqueued before its head died may still read one, however late it
   // reaches its gather: they wait for every step begun by now.
-  // The victims are sorted out against a copy of the heads' state (a slot
-  // a head), taken under the lock with clearing_ set: a head destroyed
-  // after the copy has its unit map's release deferred until the clear has
-  // landed. (Checking each victim under the lock held it, which the
-  // decoding path's open_record takes, for thousands of victims a pass.)
+  // The victims are sorted out by their heads' liveness, looked up under
+  // the lock once a distinct head (a few hundred at batch 7, for thousands
+  // of victims), with clearing_ set: a head destroyed after the lookup has
+  // its unit map's release deferred until the clear has landed. (Checking
+  // each victim under the lock held it, which the decoding path's
+  // open_record takes, for thousands of victims a pass.)
   std::vector<uint32_t> of_dead;
   if (!victims.empty()) {
+    std::vector<uint64_t> &keys = scratch_keys_;  // (head << 32 | gen), sorted, distinct
+    keys.clear();
+    for (const Owner &o : owners) keys.push_back(static_cast<uint64_t>(o.head) << 32 | o.gen);
+    std::sort(keys.begin(), keys.end());
+    keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+    scratch_alive_.assign(keys.size(), 0);
     {
       std::lock_guard<std::mutex> lock(mu_);
       clearing_ = true;  // until the stores have landed: defer() holds releases
-      scratch_heads_.assign(heads_.begin(), heads_.end());
+      for (size_t k = 0; k < keys.size(); ++k) {
+        const uint32_t id = static_cast<uint32_t>(keys[k] >> 32), gen = static_cast<uint32_t>(keys[k]);
+        scratch_alive_[k] = id < heads_.size() && heads_[id].alive && heads_[id].gen == gen;
+      }
     }
+    auto alive = [&](const Owner &o) {
+      const uint64_t key = static_cast<uint64_t>(o.head) << 32 | o.gen;
+      return scratch_alive_[std::lower_bound(keys.begin(), keys.end(), key) - keys.begin()] != 0;
+    };
     size_t kept = 0;
     for (size_t i = 0; i < victims.size(); ++i) {
       const Owner &o = owners[i];
-      if (o.head < scratch_heads_.size() && scratch_heads_[o.head].alive && scratch_heads_[o.head].gen == o.gen) {
+      if (alive(o)) {
         entries.push_back(o.entry);
         victims[kept++] = victims[i];
       } else {

@@ -410,7 +410,8 @@ class BufferManager {
   std::vector<uint32_t> scratch_admitted_;                    // take_record: frames that became resident
   std::vector<Owner> scratch_owners_;                         // evict: the victims' owners
   std::vector<uint64_t> scratch_entries_;                     // evict: the live victims' unit map entries
-  std::vector<HeadSlot> scratch_heads_;                       // evict: the heads' state when the clear began
+  std::vector<uint64_t> scratch_keys_;                        // evict: the victims' heads, distinct
+  std::vector<uint8_t> scratch_alive_;                        // evict: whether each of them is alive
   // What steps miss, and how many begin before the manager can act on it.
   // A frame evicted while steps are in flight is free again only once they
   // have ended, so the frames ready when a burst of steps begins (a token's

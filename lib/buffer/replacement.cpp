@@ -8,6 +8,7 @@ LruPolicy::LruPolicy(uint32_t frames, uint32_t first)
   while (cap < 2 * static_cast<size_t>(frames)) cap *= 2;
   ring_.assign(cap, kOut);
   mask_ = static_cast<uint32_t>(cap - 1);
+  kept_.reserve(frames);  // compact allocates nothing
 }
 
 void LruPolicy::push(uint32_t f) {

@@ -346,6 +346,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   uint64_t *clear_host_ = nullptr;
   const uint64_t *clear_dev_ = nullptr;
   uint32_t clear_cap_ = 0;
+  uint32_t clear_retry_ = 0;  // calls until a failed growth is tried again (0: now)
   uint8_t *cache_ = nullptr;              // frames_ frames of frame_bytes_
   size_t frame_bytes_ = 0;
   uint32_t frames_ = 0;
@@ -911,24 +912,33 @@ Status CudaBackend::clear_entries(const uint64_t *entries, uint32_t n) {
   // The addresses go through a mapped buffer, in one launch: by value, a
   // batch of evictions took a launch every 480 entries (nine at batch 7),
   // a quarter of the manager's time. The buffer grows by doubling (old
-  // ones stay with pinned_ until close); where it cannot, by value.
-  if (n > clear_cap_) {
-    const uint32_t cap = std::max(n, 2 * clear_cap_);
+  // ones stay with pinned_ until close); where it cannot, by value, and a
+  // failed growth is tried again only 1024 calls later (pinning is slow).
+  if (n > clear_cap_ && (clear_retry_ == 0 || --clear_retry_ == 0)) {
+    const uint32_t cap = static_cast<uint32_t>(std::min<uint64_t>(UINT32_MAX, std::max<uint64_t>(n, 2ull * clear_cap_)));
     void *host = nullptr, *dev = nullptr;
     if (pinned_.alloc(size_t{cap} * sizeof(uint64_t), &host, &dev).is_ok()) {
       clear_host_ = static_cast<uint64_t *>(host);
       clear_dev_ = static_cast<const uint64_t *>(dev);
       clear_cap_ = cap;
+    } else {
+      clear_retry_ = 1024;
     }
   }
+  cudaError_t err;
   if (n <= clear_cap_) {
-    // The last call's kernel has ended (the wait below): the buffer is free.
+    // Every earlier call's kernel has ended (each waits below, whatever
+    // its launch returned): the buffer is free.
     std::memcpy(clear_host_, entries, size_t{n} * sizeof(uint64_t));
-    WKV_KERNEL(kernels::store_words_at(clear_dev_, n, kNoFrame, side_));
+    err = kernels::store_words_at(clear_dev_, n, kNoFrame, side_);
   } else {
-    WKV_KERNEL(kernels::store_words(entries, n, kNoFrame, side_));
+    err = kernels::store_words(entries, n, kNoFrame, side_);
   }
-  WKV_CU(cudaStreamSynchronize(side_));
+  // Waited for even when the launch reported an error (it may be an
+  // earlier call's): nothing of this call stays queued.
+  const cudaError_t synced = cudaStreamSynchronize(side_);
+  if (err != cudaSuccess) return kernel_status(err, "store_words_at (clearing unit map entries)");
+  WKV_CU(synced);
   return Status::ok();
 }
 
