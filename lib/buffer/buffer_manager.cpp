@@ -55,8 +55,7 @@ BufferManager::BufferManager(Options opts, Device *device) : opts_(opts), dev_(d
     const size_t most_victims = opts_.units / 4 + 32;
     scratch_owners_.reserve(most_victims);
     scratch_entries_.reserve(most_victims);
-    scratch_keys_.reserve(most_victims);
-    scratch_alive_.reserve(most_victims);
+    scratch_ids_.reserve(most_victims);
   }
 }
 
@@ -547,36 +546,53 @@ bool BufferManager::evict() {
   // Frames of dead heads: their entries are not cleared, and a step
   // enqueued before its head died may still read one, however late it
   // reaches its gather: they wait for every step begun by now.
-  // The victims are sorted out by their heads' liveness, looked up under
-  // the lock once a distinct head (a few hundred at batch 7, for thousands
-  // of victims), with clearing_ set: a head destroyed after the lookup has
-  // its unit map's release deferred until the clear has landed. (Checking
-  // each victim under the lock held it, which the decoding path's
-  // open_record takes, for thousands of victims a pass.)
+  // The victims are sorted out by their heads' liveness, read under the
+  // lock once a distinct head (a few hundred at batch 7, for thousands of
+  // victims) into this thread's table of head states, with clearing_ set:
+  // a head destroyed after the read has its unit map's release deferred
+  // until the clear has landed. (Checking each victim under the lock held
+  // it, which the decoding path's open_record takes, for thousands of
+  // victims a pass; where the table cannot grow, that is what happens.)
   std::vector<uint32_t> of_dead;
   if (!victims.empty()) {
-    std::vector<uint64_t> &keys = scratch_keys_;  // (head << 32 | gen), sorted, distinct
-    keys.clear();
-    for (const Owner &o : owners) keys.push_back(static_cast<uint64_t>(o.head) << 32 | o.gen);
-    std::sort(keys.begin(), keys.end());
-    keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
-    scratch_alive_.assign(keys.size(), 0);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      clearing_ = true;  // until the stores have landed: defer() holds releases
-      for (size_t k = 0; k < keys.size(); ++k) {
-        const uint32_t id = static_cast<uint32_t>(keys[k] >> 32), gen = static_cast<uint32_t>(keys[k]);
-        scratch_alive_[k] = id < heads_.size() && heads_[id].alive && heads_[id].gen == gen;
+    uint32_t top = 0;
+    for (const Owner &o : owners) top = std::max(top, o.head);
+    bool table = true;
+    if (head_state_.size() <= top) {
+      try {
+        head_state_.resize(size_t{top} + 1);
+        head_mark_.resize(size_t{top} + 1, 0);
+      } catch (const std::bad_alloc &) {
+        table = false;
       }
     }
-    auto alive = [&](const Owner &o) {
-      const uint64_t key = static_cast<uint64_t>(o.head) << 32 | o.gen;
-      return scratch_alive_[std::lower_bound(keys.begin(), keys.end(), key) - keys.begin()] != 0;
-    };
+    std::vector<uint32_t> &distinct = scratch_ids_;  // reserved: at most one a victim
+    distinct.clear();
+    if (table) {
+      if (++mark_ == 0) {  // the marks wrapped: none may look current
+        std::fill(head_mark_.begin(), head_mark_.end(), 0u);
+        mark_ = 1;
+      }
+      for (const Owner &o : owners)
+        if (head_mark_[o.head] != mark_) {
+          head_mark_[o.head] = mark_;
+          distinct.push_back(o.head);
+        }
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    clearing_ = true;  // until the stores have landed: defer() holds releases
+    const HeadSlot *state = head_state_.data();
+    if (table) {
+      for (uint32_t id : distinct) head_state_[id] = id < heads_.size() ? heads_[id] : HeadSlot{};
+      lock.unlock();
+    } else {
+      state = heads_.data();  // under the lock to the end of the loop
+    }
+    const size_t n_state = table ? head_state_.size() : heads_.size();
     size_t kept = 0;
     for (size_t i = 0; i < victims.size(); ++i) {
       const Owner &o = owners[i];
-      if (alive(o)) {
+      if (o.head < n_state && state[o.head].alive && state[o.head].gen == o.gen) {
         entries.push_back(o.entry);
         victims[kept++] = victims[i];
       } else {
@@ -585,7 +601,7 @@ bool BufferManager::evict() {
     }
     victims.resize(kept);
     if (!of_dead.empty()) {
-      std::lock_guard<std::mutex> lock(mu_);
+      if (!lock.owns_lock()) lock.lock();
       evictions_ += of_dead.size();
       quarantine(std::move(of_dead));
     }

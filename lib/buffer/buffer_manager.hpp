@@ -410,8 +410,13 @@ class BufferManager {
   std::vector<uint32_t> scratch_admitted_;                    // take_record: frames that became resident
   std::vector<Owner> scratch_owners_;                         // evict: the victims' owners
   std::vector<uint64_t> scratch_entries_;                     // evict: the live victims' unit map entries
-  std::vector<uint64_t> scratch_keys_;                        // evict: the victims' heads, distinct
-  std::vector<uint8_t> scratch_alive_;                        // evict: whether each of them is alive
+  std::vector<uint32_t> scratch_ids_;                         // evict: the victims' heads, distinct
+  // evict: heads' states as read at the last clear (by id; read under the
+  // lock for the victims' heads only), and which ids a pass has read
+  // (marked with mark_).
+  std::vector<HeadSlot> head_state_;
+  std::vector<uint32_t> head_mark_;
+  uint32_t mark_ = 0;
   // What steps miss, and how many begin before the manager can act on it.
   // A frame evicted while steps are in flight is free again only once they
   // have ended, so the frames ready when a burst of steps begins (a token's
