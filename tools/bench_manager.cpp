@@ -19,7 +19,8 @@
 // never read. The defaults are the serving benchmark's batch 7 at 128K
 // tokens (bench/RESULTS.md): a 5% cache of 230K frames, 20400 units a
 // layer-step of which 2000 new, a topic held 8 steps (about 4500 misses
-// a layer-step on average), 4 layers, 600 us a step.
+// a layer-step on average), 56 runs a step (7 sequences x 8 KV heads), 4
+// layers, 600 us a step.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -76,9 +77,17 @@ Result run_policy(const Options &o, const std::string &policy) {
   ok(bm.start(), "starting the buffer manager");
   std::shared_ptr<wkv::StepTracker> t;
   ok(bm.new_tracker(&t), "a tracker");
-  uint32_t gen = 0;
-  const uint32_t head = bm.head_created(&gen);
-  const uint64_t head_word = (static_cast<uint64_t>(head) << 32) | gen;
+  // Each layer's step covers --heads runs (a batch's sequences times its KV
+  // heads), each run a head of the cache: unit u of a layer belongs to run
+  // u % heads, as the gather logs its admissions by run.
+  const uint32_t R = static_cast<uint32_t>(o.heads);
+  std::vector<std::vector<uint64_t>> head_words(L, std::vector<uint64_t>(R));
+  for (auto &words : head_words)
+    for (uint64_t &w : words) {
+      uint32_t gen = 0;
+      const uint32_t id = bm.head_created(&gen);
+      w = (static_cast<uint64_t>(id) << 32) | gen;
+    }
 
   std::vector<std::vector<uint32_t>> last(L);  // what each layer's last step read
   std::vector<uint64_t> cursor(L, 0);
@@ -104,7 +113,7 @@ Result run_policy(const Options &o, const std::string &policy) {
     }
     const uint64_t epoch = bm.begin(*t);
     const wkv::StepRecord rec =
-        bm.open_record(*t, epoch, &head_word, 1, std::min<uint32_t>(H + M, mo.max_admits), H + M, l + 1);
+        bm.open_record(*t, epoch, head_words[l].data(), R, std::min<uint32_t>(H + M, mo.max_admits), H + M, l + 1);
     wkv::BufferManager::reading_on_host(*t, epoch);
     uint32_t used = 0, missed = 0, hits = 0;
     bool dry = false;  // the pool ran out: the step's other misses are not admitted
@@ -124,7 +133,7 @@ Result run_policy(const Options &o, const std::string &policy) {
         if (__atomic_compare_exchange_n(&unit_map[u], &expect, fr, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
           entry = reinterpret_cast<uint64_t>(&unit_map[u]);
       }
-      rec.admits[used++] = wkv::AdmitEntry{entry, fr, 0};
+      rec.admits[used++] = wkv::AdmitEntry{entry, fr, static_cast<uint32_t>((u - l * region) % R)};
       dry = fr == wkv::kNoFrame;
     }
     if (rec.header) {
@@ -143,7 +152,8 @@ Result run_policy(const Options &o, const std::string &policy) {
   r.steps = o.steps;
   if (!bm.quiesce(60000)) throw WkvError("bench manager: the buffer manager did not take every record within 60 s");
   r.stats = bm.stats();
-  bm.head_destroyed(head);
+  for (const auto &words : head_words)
+    for (uint64_t w : words) bm.head_destroyed(static_cast<uint32_t>(w >> 32));
   return r;
 }
 
@@ -158,6 +168,7 @@ void declare_bench_manager(CLI::App &cmd, Options *o) {
   o->steps = 4000;
   o->step_us = 600;
   o->policy = "lru,clock";
+  o->heads = 56;
   cmd.add_option("--frames", o->frames, "device cache frames")->check(CLI::Range(64, 1 << 26))->capture_default_str();
   cmd.add_option("--hits", o->hits, "units a step reads again from its layer's last step")
       ->check(CLI::Range(0, 1 << 20))
@@ -166,6 +177,9 @@ void declare_bench_manager(CLI::App &cmd, Options *o) {
       ->check(CLI::Range(0, 16384))
       ->capture_default_str();
   cmd.add_option("--repeat", o->repeat, "steps of a layer a topic lasts")->check(CLI::Range(1, 1000000))->capture_default_str();
+  cmd.add_option("--heads", o->heads, "runs a step covers (sequences x KV heads), each its own cache head")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
   cmd.add_option("--layers", o->layers, "layers (record keys), stepped in turn")->check(CLI::Range(1, 4096))->capture_default_str();
   cmd.add_option("--steps", o->steps, "steps")->check(CLI::Range(1, 10000000))->capture_default_str();
   cmd.add_option("--step-us", o->step_us, "microseconds from one step's start to the next's (0: back to back)")
@@ -221,16 +235,16 @@ int run_bench_manager(const Options &o) {
                       {"load", load(r)}});
     }
     const nlohmann::ordered_json j = {{"command", "bench manager"}, {"frames", o.frames}, {"hits", o.hits},
-                                      {"misses", o.misses},         {"repeat", o.repeat}, {"layers", o.layers}, {"step_us", o.step_us},
+                                      {"misses", o.misses},         {"repeat", o.repeat}, {"heads", o.heads}, {"layers", o.layers}, {"step_us", o.step_us},
                                       {"runs", runs}};
     std::cout << j.dump() << std::endl;
     return 0;
   }
   std::printf("wavekv bench manager: %llu frames, %llu units read again + %llu new a step, a topic for %llu steps, "
-              "%llu layers, a step every %llu us, %llu steps (host device: clears are host stores)\n",
+              "%llu runs a step, %llu layers, a step every %llu us, %llu steps (host device: clears are host stores)\n",
               static_cast<unsigned long long>(o.frames), static_cast<unsigned long long>(o.hits),
               static_cast<unsigned long long>(o.misses), static_cast<unsigned long long>(o.repeat),
-              static_cast<unsigned long long>(o.layers),
+              static_cast<unsigned long long>(o.heads), static_cast<unsigned long long>(o.layers),
               static_cast<unsigned long long>(o.step_us), static_cast<unsigned long long>(o.steps));
   Table t;
   t.row({"policy", "hit ratio", "admitted / missed", "us a record", "taking", "victims", "clearing", "releasing",
