@@ -246,6 +246,7 @@ struct Row {
   double manager_busy = 0, manager_take = 0, manager_victims = 0, manager_clear = 0, manager_release = 0,
          manager_publish = 0;
   double manager_pass_us = 0, records_per_pass = 0;
+  double step_releases = 0;  // of the records taken, those whose opening released frames on the decoding thread
   uint64_t reserve = 0, resident = 0;
   double split_us[5] = {0, 0, 0, 0, 0};  // append, lookup, assemble, attend, update
   double device_us[5] = {0, 0, 0, 0, 0};  // the same verbs' device time (events around each)
@@ -452,6 +453,7 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
     row.manager_pass_us = delta("busy_ns") / passes / 1e3;
     row.records_per_pass = delta("records_taken") / passes;
     row.reserve = manager1["reserve_target"].get<uint64_t>();
+    row.step_releases = delta("step_releases") / std::max(delta("records_taken"), 1.0);
     row.resident = manager1["resident_frames"].get<uint64_t>();
   }
   row.host_med_us = quantile(host, 0.5);
@@ -645,11 +647,11 @@ int main(int argc, char **argv) {
                 static_cast<unsigned long long>(r.graphs));
     std::printf("      buffer manager: busy %.0f%% of the wall time (taking records %.0f%%, choosing victims %.0f%%, "
                 "clearing entries %.0f%%, releasing %.0f%%, publishing %.0f%%), %.1f us a pass, %.2f records a pass; "
-                "reserve %llu frames, %llu resident\n",
+                "reserve %llu frames, %llu resident; %.0f%% of steps released frames on the decoding thread\n",
                 100 * r.manager_busy, 100 * r.manager_take, 100 * r.manager_victims, 100 * r.manager_clear,
                 100 * r.manager_release, 100 * r.manager_publish,
                 r.manager_pass_us, r.records_per_pass, static_cast<unsigned long long>(r.reserve),
-                static_cast<unsigned long long>(r.resident));
+                static_cast<unsigned long long>(r.resident), 100 * r.step_releases);
     std::printf("      host us (medians): wkv_append_batch %.1f, wkv_decode %.1f; split form: append %.1f, lookup %.1f, "
                 "assemble %.1f, attend %.1f, update %.1f\n",
                 r.append_us, r.decode_us, r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3], r.split_us[4]);

@@ -292,6 +292,8 @@ TEST(Cli, BenchManagerTakesEveryRecordAndReportsItsLoad) {
     EXPECT_LE(run["admissions"].get<uint64_t>(), run["given"].get<uint64_t>());
     EXPECT_GT(run["hit_ratio"].get<double>(), 0.0) << "the working set is read again";
     EXPECT_GT(run["busy_us_a_record"].get<double>(), 0.0);
+    EXPECT_GT(run["open_record_us_p99"].get<double>(), 0.0);
+    EXPECT_GE(run["open_record_us_p99"].get<double>(), run["open_record_us_median"].get<double>());
     EXPECT_GT(run["evictions"].get<uint64_t>(), 0u) << "new units keep coming: the cache turns over";
     EXPECT_GT(run["victims_us_a_record"].get<double>(), 0.0);
     EXPECT_GT(run["release_us_a_record"].get<double>(), 0.0);

@@ -50,6 +50,9 @@ struct Result {
   uint64_t steps = 0;
   double wall_s = 0;
   uint64_t hits = 0, misses = 0;  // as the steps found them
+  // What opening a step's record cost the decoding thread (us), each step:
+  // the manager's lock, and the releases and publication it may do.
+  std::vector<double> open_us;
   wkv::BufferManager::Stats stats;
 };
 
@@ -112,8 +115,10 @@ Result run_policy(const Options &o, const std::string &policy) {
       for (uint32_t i = 0; i < M; ++i) reads[rng() % reads.size()] = fresh(l);
     }
     const uint64_t epoch = bm.begin(*t);
+    const auto opening = Clock::now();
     const wkv::StepRecord rec =
         bm.open_record(*t, epoch, head_words[l].data(), R, std::min<uint32_t>(H + M, mo.max_admits), H + M, l + 1);
+    r.open_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - opening).count());
     wkv::BufferManager::reading_on_host(*t, epoch);
     uint32_t used = 0, missed = 0, hits = 0;
     bool dry = false;  // the pool ran out: the step's other misses are not admitted
@@ -232,7 +237,10 @@ int run_bench_manager(const Options &o) {
                       {"clear_us_a_record", per_record_us(r, s.clear_ns)},
                       {"release_us_a_record", per_record_us(r, s.release_ns)},
                       {"publish_us_a_record", per_record_us(r, s.publish_ns)},
-                      {"load", load(r)}});
+                      {"load", load(r)},
+                      {"step_releases", s.step_releases},
+                      {"open_record_us_median", quantile(r.open_us, 0.5)},
+                      {"open_record_us_p99", quantile(r.open_us, 0.99)}});
     }
     const nlohmann::ordered_json j = {{"command", "bench manager"}, {"frames", o.frames}, {"hits", o.hits},
                                       {"misses", o.misses},         {"repeat", o.repeat}, {"heads", o.heads}, {"layers", o.layers}, {"step_us", o.step_us},
@@ -248,7 +256,7 @@ int run_bench_manager(const Options &o) {
               static_cast<unsigned long long>(o.step_us), static_cast<unsigned long long>(o.steps));
   Table t;
   t.row({"policy", "hit ratio", "admitted / missed", "us a record", "taking", "victims", "clearing", "releasing",
-         "publishing", "records a pass", "load"});
+         "publishing", "records a pass", "load", "open_record us (median, p99)", "steps releasing"});
   for (const Result &r : results) {
     const auto &s = r.stats;
     t.row({r.policy, fixed(double(r.hits) / std::max<uint64_t>(1, r.hits + r.misses), 3),
@@ -256,10 +264,12 @@ int run_bench_manager(const Options &o) {
            fixed(per_record_us(r, s.take_ns), 1), fixed(per_record_us(r, s.victims_ns), 1),
            fixed(per_record_us(r, s.clear_ns), 1), fixed(per_record_us(r, s.release_ns), 1),
            fixed(per_record_us(r, s.publish_ns), 1), fixed(double(s.records_taken) / std::max<uint64_t>(1, s.passes), 2),
-           fixed(load(r), 2)});
+           fixed(load(r), 2), fixed(quantile(r.open_us, 0.5), 1) + ", " + fixed(quantile(r.open_us, 0.99), 1),
+           fixed(100.0 * s.step_releases / std::max<uint64_t>(1, r.steps), 1) + "%"});
   }
   std::cout << t.str();
-  std::printf("load: the manager's time a record over the interval between steps (1 or more: it falls behind)\n");
+  std::printf("load: the manager's time a record over the interval between steps (1 or more: it falls behind); "
+              "open_record: the decoding thread's time to open a step's record\n");
   return 0;
 }
 

@@ -435,9 +435,11 @@ WKV_API int wkv_engine_stats(wkv_engine *engine, wkv_stats *stats);
  * "stats" (the fields of wkv_stats) and "buffer_manager" (its thread's
  * passes, records taken, busy time and the parts of it spent taking
  * records, choosing victims, clearing unit map entries, releasing
- * quarantined frames and publishing free frames, in nanoseconds; the reserve of free frames it aims for; free, quarantined
- * and resident frames). A busy time close to the wall time says the
- * manager falls behind the decoding steps.
+ * quarantined frames and publishing free frames, in nanoseconds;
+ * "step_releases", the steps whose opening released quarantined frames
+ * and published them on the calling thread; the reserve of free frames it
+ * aims for; free, quarantined and resident frames). A busy time close to
+ * the wall time says the manager falls behind the decoding steps.
  */
 WKV_API int wkv_engine_stats_json(wkv_engine *engine, char **json);
 

@@ -234,7 +234,10 @@ StepRecord BufferManager::open_record(StepTracker &t, uint64_t epoch, const uint
   // that waits for a token, then enqueues the next) finds the frames its
   // predecessors' evictions made ready.
   const bool release = (!quarantine_.empty() || !evicted_.empty()) && pool_free() < admit_cap;
-  if (release) release_quarantined(oldest_in_flight(lock));
+  if (release) {
+    release_quarantined(oldest_in_flight(lock));
+    step_releases_.fetch_add(1, std::memory_order_relaxed);
+  }
   const size_t bytes = record_bytes(admit_cap, hit_cap, n_runs);
   // 1. Room in the ring: after the newest record, else from the start.
   size_t at = SIZE_MAX;
@@ -307,6 +310,7 @@ BufferManager::Stats BufferManager::stats() {
   s.release_ns = release_ns_.load();
   s.publish_ns = publish_ns_.load();
   s.reserve_target = reserve_target_.load();
+  s.step_releases = step_releases_.load();
   return s;
 }
 

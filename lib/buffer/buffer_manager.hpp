@@ -213,6 +213,10 @@ class BufferManager {
     uint64_t passes = 0, records_taken = 0;
     uint64_t busy_ns = 0, take_ns = 0, victims_ns = 0, clear_ns = 0, release_ns = 0, publish_ns = 0;
     uint64_t reserve_target = 0;
+    // Records opened that released quarantined frames and published the
+    // pool on the decoding thread (open_record, when the pool was below the
+    // step's bound): host time of a step spent on the manager's work.
+    uint64_t step_releases = 0;
   };
 
   BufferManager(Options opts, Device *device);
@@ -462,6 +466,7 @@ class BufferManager {
   std::atomic<uint64_t> passes_{0}, records_taken_{0}, busy_ns_{0}, take_ns_{0}, victims_ns_{0}, clear_ns_{0},
       release_ns_{0}, publish_ns_{0};
   std::atomic<uint64_t> reserve_target_{0};
+  std::atomic<uint64_t> step_releases_{0};
 };
 
 }  // namespace wkv

@@ -298,6 +298,7 @@ std::string Engine::stats_json() {
       {"release_ns", b.release_ns},
       {"publish_ns", b.publish_ns},
       {"reserve_target", b.reserve_target},
+      {"step_releases", b.step_releases},
       {"free_frames", b.free},
       {"quarantined_frames", b.quarantined},
       {"resident_frames", b.resident},
