@@ -76,10 +76,6 @@ void declare_bench_files(CLI::App &cmd, Options *o) {
 
 namespace {
 
-void ok(const wkv::Status &st, const char *what) {
-  if (!st.is_ok()) throw WkvError(std::string(what) + ": " + st.message());
-}
-
 // Runs a program (no shell: the paths are arguments, never interpreted);
 // returns its wall seconds.
 // With `out`, its standard output goes to that file.

@@ -56,10 +56,6 @@ struct Result {
   wkv::BufferManager::Stats stats;
 };
 
-void ok(const wkv::Status &st, const char *what) {
-  if (!st.is_ok()) throw WkvError(std::string(what) + ": " + st.message());
-}
-
 Result run_policy(const Options &o, const std::string &policy) {
   // Each layer's units live in a region of the unit map; fresh ones come
   // from a cursor that wraps (a unit read again after a wrap misses, as a

@@ -14,9 +14,14 @@
 
 #include <CLI/CLI.hpp>
 
+#include "lib/common/status.hpp"
 #include "tools/synth.hpp"
 
 namespace wkv_tool {
+
+void ok(const wkv::Status &st, const char *what) {
+  if (!st.is_ok()) throw WkvError(std::string(what) + ": " + st.message());
+}
 
 void check(int rc, const char *call) {
   if (rc == WKV_OK) return;

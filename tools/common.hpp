@@ -16,6 +16,9 @@
 namespace CLI {
 class App;
 }
+namespace wkv {
+class Status;
+}
 
 namespace wkv_tool {
 
@@ -36,6 +39,9 @@ class WkvError : public std::runtime_error {
 // Throws WkvError naming the call, the status and wkv_last_error() unless
 // rc is WKV_OK.
 void check(int rc, const char *call);
+// The same for a status of the internal API (commands that drive the
+// engine's parts directly): throws WkvError naming `what`.
+void ok(const wkv::Status &st, const char *what);
 
 // The flags of the subcommands: the shape and run of demo, bench and
 // stats, the file of inspect, verify and top.

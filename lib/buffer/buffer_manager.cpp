@@ -498,7 +498,6 @@ bool BufferManager::evict() {
   std::vector<uint32_t> victims;  // moved into the quarantine
   std::vector<uint64_t> &entries = scratch_entries_;
   std::vector<Owner> &owners = scratch_owners_;
-  victims.clear();
   entries.clear();
   owners.clear();
   size_t need;
