@@ -35,6 +35,9 @@
 //   WKV_STREAM_MS        full attention of one layer of T tokens, batch 1,
 //                        with the KV streamed from pinned host memory
 // and WKV_SERVING_CACHE_FRACTION sets the device cache (0.05 of the KV).
+// WKV_SERVING_CAPTURE=1: the timed run is a graph of the bench's own that
+// holds every layer's append and decode (wkv_plan_bind), replayed after a
+// wkv_plan_prepare a token, as a runtime that captures its model's step.
 // The spill tier (cold pages, docs/spill.md): WKV_SERVING_HOST_BUDGET_GIB
 // bounds the engine's host arena and WKV_SERVING_SPILL_DIR names the spill
 // file's directory; with both, the KV beyond the budget goes to disk and the
@@ -107,6 +110,28 @@ __device__ float offset(uint32_t h, uint32_t i) {
 }
 __device__ float rope_angle(uint32_t pos, uint32_t j) {
   return static_cast<float>(pos) * powf(500000.f, -2.f * static_cast<float>(j) / kD);
+}
+
+// A runtime's own kernels around a captured step (WKV_SERVING_CAPTURE=1):
+// the step's new K, V and query copied into the tensors the capture keeps
+// (a model's projections write them), step `*at` of the staged ones; and
+// layer 0's output kept for the accuracy check, the step counted.
+__global__ void load_step(const unsigned *at, const __nv_bfloat16 *nk, const __nv_bfloat16 *nv,
+                          const __nv_bfloat16 *q, uint64_t tok_elems, uint64_t q_elems, __nv_bfloat16 *k_dst,
+                          __nv_bfloat16 *v_dst, __nv_bfloat16 *q_dst) {
+  const uint64_t st = *at;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < tok_elems; i += gridDim.x * blockDim.x) {
+    k_dst[i] = nk[st * tok_elems + i];
+    v_dst[i] = nv[st * tok_elems + i];
+  }
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < q_elems; i += gridDim.x * blockDim.x)
+    q_dst[i] = q[st * q_elems + i];
+}
+__global__ void keep_step(unsigned *at, const __nv_bfloat16 *src, __nv_bfloat16 *out, uint64_t q_elems) {
+  const uint64_t st = *at;
+  for (uint64_t i = threadIdx.x; i < q_elems; i += blockDim.x) out[st * q_elems + i] = src[i];
+  __syncthreads();
+  if (threadIdx.x == 0) *at = static_cast<unsigned>(st + 1);
 }
 
 // Token p of sequence `seq`: K and V rows [kH][kD] of one token.
@@ -228,6 +253,7 @@ std::map<uint32_t, double> parse_ms(const char *env) {
 }
 
 struct Row {
+  bool captured = false;  // WKV_SERVING_CAPTURE=1: the runtime's own graph of the whole step
   uint32_t batch = 0, tokens = 0;
   double step_ms = 0, host_med_us = 0, host_max_us = 0, host_p99_us = 0;
   double hit = 0, miss_mb = 0, gpu_gib = 0, host_gib = 0, err_med = 0, err_p90 = 0;
@@ -410,11 +436,51 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
     token_stats = std::make_unique<TokenStats>();
     token_stats->last = st0;
   }
+  // WKV_SERVING_CAPTURE=1: the step of every layer captured once into a
+  // graph of the bench's own (as a runtime captures its model's step) with
+  // the kernels that load its inputs and keep layer 0's output, replayed
+  // after a wkv_plan_prepare a token: host time is the prepare and one
+  // launch.
+  const bool captured = std::getenv("WKV_SERVING_CAPTURE") && std::atoi(std::getenv("WKV_SERVING_CAPTURE")) > 0;
+  row.captured = captured;
+  cudaGraphExec_t exec = nullptr;
+  __nv_bfloat16 *ck = nullptr, *cv = nullptr, *cq = nullptr, *cout = nullptr;
+  unsigned *at = nullptr;
+  if (captured) {
+    CU(cudaMalloc(&ck, uint64_t(B) * tok * 2));
+    CU(cudaMalloc(&cv, uint64_t(B) * tok * 2));
+    CU(cudaMalloc(&cq, uint64_t(B) * kQ * kD * 2));
+    CU(cudaMalloc(&cout, uint64_t(B) * kQ * kD * 2));
+    CU(cudaMalloc(&at, sizeof(unsigned)));
+    CU(cudaMemset(at, 0, sizeof(unsigned)));
+    CHECK(wkv_plan_bind(plan, seqs.data(), B, steps + 64, s));
+    cudaGraph_t g;
+    CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    load_step<<<64, 256, 0, s>>>(at, nk, nv, q, uint64_t(B) * tok, uint64_t(B) * kQ * kD, ck, cv, cq);
+    for (uint32_t l = 0; l < L; ++l) {
+      CHECK(wkv_append_batch(seqs.data(), B, l, ck, cv, 1, 0, 0, 0, s));
+      CHECK(wkv_decode(plan, seqs.data(), B, l, cq, 0, 0, l == 0 ? cout : scratch_out, 0, 0, s));
+    }
+    keep_step<<<1, 256, 0, s>>>(at, cout, out, uint64_t(B) * kQ * kD);
+    CU(cudaStreamEndCapture(s, &g));
+    CU(cudaGraphInstantiate(&exec, g, 0));
+    CU(cudaGraphDestroy(g));
+    CU(cudaStreamSynchronize(s));
+  }
   // The timed run: per token, append + decode for each layer, then one
   // synchronization. Layer 0's outputs are kept for the accuracy check.
   std::vector<double> host(steps), host_append(steps);
   const auto t0 = Clock::now();
-  for (uint32_t st = 0; st < steps; ++st) {
+  for (uint32_t st = 0; st < steps && captured; ++st) {
+    const auto a = Clock::now();
+    CHECK(wkv_plan_prepare(plan, s));
+    host_append[st] = us_since(a) / L;  // the prepare's share
+    CU(cudaGraphLaunch(exec, s));
+    host[st] = us_since(a) / L;
+    CU(cudaStreamSynchronize(s));
+    if (token_stats) token_stats->take(e);
+  }
+  for (uint32_t st = 0; st < steps && !captured; ++st) {
     double app = 0;
     const auto a = Clock::now();
     for (uint32_t l = 0; l < L; ++l) {
@@ -432,6 +498,13 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   }
   const double wall_us = us_since(t0) / L;
   if (token_stats) token_stats->print(L);
+  if (captured) {
+    CHECK(wkv_plan_unbind(plan, s));  // the split verbs below take the plan unbound
+    CU(cudaGraphExecDestroy(exec));
+    for (void *p : {static_cast<void *>(ck), static_cast<void *>(cv), static_cast<void *>(cq),
+                    static_cast<void *>(cout), static_cast<void *>(at)})
+      CU(cudaFree(p));
+  }
   wkv_stats st1;
   wkv_stats_init(&st1);
   CHECK(wkv_engine_stats(e, &st1));
@@ -622,6 +695,10 @@ int main(int argc, char **argv) {
               "batch, a synchronization per token, device cache %.2f of the KV, queries hold a topic %u steps with "
               "noise %.2f; step = per layer; tokens/s = batch / (32 x step)\n",
               L, kQ, kH, kD, T, steps, frac ? std::atof(frac) : 0.05, focus_steps(), query_noise());
+  if (std::getenv("WKV_SERVING_CAPTURE") && std::atoi(std::getenv("WKV_SERVING_CAPTURE")) > 0)
+    std::printf("steps captured: every layer's append and decode in one graph of the bench's own (with its input "
+                "and output kernels), a wkv_plan_prepare and one launch a token; host_us = (prepare + launch) / "
+                "layers\n");
   std::printf("%5s %9s %9s %9s %9s %9s %6s %8s %7s %7s %9s %9s %9s %9s\n", "batch", "step_ms", "tok/s32", "host_us",
               "host_p99", "host_max", "waits", "hit", "miss_MB", "gpu_GiB", "host_GiB", "err_med", "err_p90",
               "vs_full");
@@ -652,9 +729,16 @@ int main(int argc, char **argv) {
                 100 * r.manager_release, 100 * r.manager_publish,
                 r.manager_pass_us, r.records_per_pass, static_cast<unsigned long long>(r.reserve),
                 static_cast<unsigned long long>(r.resident), 100 * r.step_releases);
-    std::printf("      host us (medians): wkv_append_batch %.1f, wkv_decode %.1f; split form: append %.1f, lookup %.1f, "
-                "assemble %.1f, attend %.1f, update %.1f\n",
-                r.append_us, r.decode_us, r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3], r.split_us[4]);
+    if (r.captured)
+      std::printf("      host us a layer (medians): wkv_plan_prepare %.1f, cudaGraphLaunch %.1f (one launch a token); "
+                  "split form, uncaptured: append %.1f, lookup %.1f, assemble %.1f, attend %.1f, update %.1f\n",
+                  r.append_us, r.decode_us, r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3],
+                  r.split_us[4]);
+    else
+      std::printf("      host us (medians): wkv_append_batch %.1f, wkv_decode %.1f; split form: append %.1f, lookup "
+                  "%.1f, assemble %.1f, attend %.1f, update %.1f\n",
+                  r.append_us, r.decode_us, r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3],
+                  r.split_us[4]);
     std::printf("      device us (medians, split form): append %.1f, lookup %.1f, assemble %.1f, attend %.1f, "
                 "update %.1f\n",
                 r.device_us[0], r.device_us[1], r.device_us[2], r.device_us[3], r.device_us[4]);

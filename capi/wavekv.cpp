@@ -671,4 +671,33 @@ int wkv_decode(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t l
   });
 }
 
+int wkv_plan_bind(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t max_steps, void *stream) {
+  return plan_verb("wkv_plan_bind", plan, [&](wkv::Plan &p) {
+    const char *fn = "wkv_plan_bind";
+    struct ClearBatch {
+      ~ClearBatch() { t_batch.clear(); }
+    } clear_batch;
+    if (int rc = collect_seqs(&p, seqs, n_seqs, fn, &t_batch)) return rc;
+    wkv::Status s = p.engine().bind(p, t_batch.data(), n_seqs, max_steps, stream);
+    if (!s.is_ok()) return fail(s.code(), std::string(fn) + ": " + s.message());
+    return done(wkv::Status::ok());
+  });
+}
+
+int wkv_plan_prepare(wkv_plan *plan, void *stream) {
+  return plan_verb("wkv_plan_prepare", plan, [&](wkv::Plan &p) {
+    wkv::Status s = p.engine().prepare(p, stream);
+    if (!s.is_ok()) return fail(s.code(), "wkv_plan_prepare: " + s.message());
+    return done(wkv::Status::ok());
+  });
+}
+
+int wkv_plan_unbind(wkv_plan *plan, void *stream) {
+  return plan_verb("wkv_plan_unbind", plan, [&](wkv::Plan &p) {
+    wkv::Status s = p.engine().unbind(p, stream);
+    if (!s.is_ok()) return fail(s.code(), "wkv_plan_unbind: " + s.message());
+    return done(wkv::Status::ok());
+  });
+}
+
 }  // extern "C"

@@ -510,7 +510,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   red[sl][col] = acc;
   __syncthreads();
-  if (tid < kCombineCols && i0 < D) {
+  // No output: a captured step that may not work (bound_stage_kernel).
+  if (tid < kCombineCols && i0 < D && out) {
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
     for (uint32_t k = 0; k < kCombineLanes; ++k) {
       const float4 v = red[k][tid];
@@ -528,7 +529,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     for (uint32_t k = 0; k < 4; ++k)
       dst[k] = DevType<Tag>::from_f(merged(mw, [&] { return oa[k]; }, [&] { return eo[k]; }));
   }
-  if (chunk == 0 && tid == 0 && lse) lse[static_cast<size_t>(sq) * H * G + h * G + g] = mw.lse;
+  if (chunk == 0 && tid == 0 && lse && out) lse[static_cast<size_t>(sq) * H * G + h * G + g] = mw.lse;
   signal_step_end(mark);
 }
 

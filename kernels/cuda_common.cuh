@@ -80,7 +80,10 @@ __device__ __forceinline__ void signal_step_end(const StepMark &m) {
     *m.ctas = 0;  // for the next launch, which stream order puts after this one
     __threadfence_system();
   }
-  *reinterpret_cast<volatile unsigned long long *>(m.done) = mark_epoch(m);
+  // Epoch 0 is no step's: a captured step that no prepare wrote
+  // (bound_stage_kernel) reports no end.
+  const unsigned long long epoch = mark_epoch(m);
+  if (epoch != 0) *reinterpret_cast<volatile unsigned long long *>(m.done) = epoch;
 }
 
 // Launches kernel on s with programmatic dependent launch, as clusters of

@@ -189,6 +189,65 @@ struct StageRing {
   unsigned int *ctas = nullptr;
 };
 
+// One copy of an append: `rows` rows of row_bytes, row r from byte offset
+// src_off + r * src_pitch of the source to dst + r * row_bytes, for K and V
+// (kernels/table_cuda.hpp: copy_rows).
+struct RowCopyDesc {
+  uint8_t *dst_k, *dst_v;
+  uint64_t src_off;
+  uint32_t rows, pad;
+};
+
+// Steps a runtime captures in a CUDA graph of its own (wkv_plan_bind;
+// lib/engine/binding.hpp). Each captured call (an append or a decode of one
+// layer) has a ring of slots in pinned, mapped host memory that
+// wkv_plan_prepare writes before each replay, and a count of the slots its
+// kernels have consumed (device memory). A slot begins with this header;
+// `stamp` is the step it was written for plus one, written last: a replay
+// whose call finds any other stamp in the slot its count names was not
+// prepared.
+struct BoundSlotHead {
+  unsigned long long stamp;
+  uint32_t n_copies, n_marks;  // an append's: RowCopyDesc[n_copies], then done[n_marks], epochs[n_marks]
+};
+
+// The binding's words both sides see (pinned, mapped; the plan's for its
+// life, so that a graph of an earlier binding still reads live memory):
+// `generation` is the current binding's (its kernels carry the one they
+// were captured under), `n_calls` the program's (set at the first
+// prepare), `error` the first fault a kernel found (kBind*), sticky until
+// the next binding: from then on every replay does no work, writes NaN to
+// its outputs, and the host's next prepare fails.
+struct BindWords {
+  uint32_t error;
+  uint32_t generation;
+  uint32_t n_calls;
+  uint32_t pad;
+};
+constexpr uint32_t kBindStale = 1;         // a graph captured under an earlier binding was replayed
+constexpr uint32_t kBindUnprepared = 2;    // a replay without wkv_plan_prepare
+constexpr uint32_t kBindMissingCall = 3;   // a prepared call did not run in its step, or out of order
+constexpr uint32_t kBindEarlyPrepare = 4;  // prepare came before the previous step's replay was launched
+// The calls a program holds at most (an append and a decode per layer).
+constexpr uint32_t kMaxBoundCalls = 1024;
+
+// A captured call's parameters, by value in its entry kernel: its ring,
+// the counts of slots consumed of every call (device memory; at its entry
+// in step t, each call before it in the program must have consumed t + 1,
+// each after it t), and the CTA counter of its entry kernel.
+struct BoundCall {
+  const uint8_t *slots = nullptr;
+  uint64_t slot_bytes = 0;
+  uint32_t n_slots = 0;
+  uint32_t index = 0;  // in the program
+  uint32_t generation = 0;
+  uint32_t pad = 0;
+  unsigned int *taken = nullptr;   // [kMaxBoundCalls]: this call's is taken[index]
+  unsigned int *worked = nullptr;  // [kMaxBoundCalls]: the slots whose work the call did
+  unsigned int *ctas = nullptr;
+  BindWords *words = nullptr;     // device address of the mapped words
+};
+
 // The output of lookup for all runs (device):
 //   ret_ids[ret_off + i], i < n_ret     retrieval cluster ids, ascending
 //   ret_pos[ret_off + i]                exclusive prefix sum of their sizes:

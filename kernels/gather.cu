@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
   // loads of entries; the barrier, every thread's after thread 0's fence.
   if (a.reading.done) {
     if (threadIdx.x == 0) {
-      *reinterpret_cast<volatile unsigned long long *>(a.reading.done) = mark_epoch(a.reading);
+      const unsigned long long epoch = mark_epoch(a.reading);  // 0: no step's (signal_step_end)
+      if (epoch != 0) *reinterpret_cast<volatile unsigned long long *>(a.reading.done) = epoch;
       __threadfence_system();
     }
     __syncthreads();

@@ -228,6 +228,155 @@ __global__ void stage_ring_kernel(const StageRing ring, uint32_t n_runs, uint32_
   *reinterpret_cast<volatile unsigned int *>(ring.taken) = taken + 1;
 }
 
+// A captured call's entry (BoundCall): what the slot its count names
+// holds for this replay. Read by thread 0 of each CTA of the entry kernel;
+// every CTA finds the same, since nothing it reads changes until the last
+// CTA leaves (bound_leave).
+struct BoundEntry {
+  const uint8_t *slot;
+  unsigned int t;   // slots this call consumed before this replay
+  uint32_t fault;   // kBind*, 0: none found here
+  bool marks;       // the slot was prepared for this replay: its epochs were issued
+  bool work;        // ... and no fault: the call does its work
+};
+
+__device__ __forceinline__ BoundEntry bound_enter(const BoundCall &c) {
+  BoundEntry e{};
+  const volatile BindWords *w = c.words;
+  const uint32_t generation = w->generation, error = w->error;
+  e.t = *reinterpret_cast<volatile unsigned int *>(c.taken + c.index);
+  e.slot = c.slots + size_t(e.t % c.n_slots) * c.slot_bytes;
+  if (generation != c.generation) {
+    e.fault = kBindStale;
+    return e;
+  }
+  const unsigned long long stamp = reinterpret_cast<const volatile BoundSlotHead *>(e.slot)->stamp;
+  if (stamp != static_cast<unsigned long long>(e.t) + 1) {
+    e.fault = kBindUnprepared;
+    return e;
+  }
+  e.marks = true;
+  const volatile unsigned int *taken = c.taken;
+  const uint32_t n_calls = w->n_calls < kMaxBoundCalls ? w->n_calls : kMaxBoundCalls;
+  for (uint32_t i = 0; i < n_calls; ++i)
+    if (i != c.index && taken[i] != (i < c.index ? e.t + 1 : e.t)) e.fault = kBindMissingCall;
+  e.work = e.fault == 0 && error == 0;
+  return e;
+}
+
+// The last CTA of an entry kernel: the fault (the first one stays), and the
+// slot consumed where it was this replay's.
+__device__ __forceinline__ void bound_leave(const BoundCall &c, const BoundEntry &e) {
+  volatile BindWords *w = c.words;
+  if (e.fault && w->error == 0) w->error = e.fault;
+  if (e.marks) *reinterpret_cast<volatile unsigned int *>(c.taken + c.index) = e.t + 1;
+  if (e.work) {
+    volatile unsigned int *worked = c.worked + c.index;
+    *worked = *worked + 1;
+  }
+  __threadfence_system();
+}
+
+// Counts the CTA out; true in the last one of the kernel (after every CTA's
+// writes are visible). Thread 0 only.
+__device__ __forceinline__ bool last_cta(unsigned int *ctas) {
+  __threadfence_system();
+  if (gridDim.x == 1) return true;
+  if (atomicAdd(ctas, 1u) != gridDim.x - 1) return false;
+  *ctas = 0;  // for the next launch (stream order)
+  __threadfence_system();
+  return true;
+}
+
+// A captured append: CTA x copies copies x, x + gridDim.x, ... of the slot
+// (all their rows, K and V, word by word); the last CTA writes the steps'
+// ends the slot lists.
+template <typename W>
+__global__ void bound_copy_kernel(const BoundCall c, const uint8_t *k, const uint8_t *v, uint64_t pitch,
+                                  uint32_t row_bytes) {
+  __shared__ BoundEntry e;
+  if (threadIdx.x == 0) e = bound_enter(c);
+  __syncthreads();
+  const BoundSlotHead *head = reinterpret_cast<const BoundSlotHead *>(e.slot);
+  if (e.work) {
+    const RowCopyDesc *copies = reinterpret_cast<const RowCopyDesc *>(e.slot + sizeof(BoundSlotHead));
+    const uint32_t words = row_bytes / sizeof(W), n = head->n_copies;
+    for (uint32_t x = blockIdx.x; x < n; x += gridDim.x) {
+      const RowCopyDesc cp = copies[x];
+      for (uint64_t i = threadIdx.x; i < uint64_t(cp.rows) * words; i += blockDim.x) {
+        const uint64_t r = i / words, wd = i % words;
+        const uint64_t src = cp.src_off + r * pitch + wd * sizeof(W);
+        const uint64_t dst = r * row_bytes + wd * sizeof(W);
+        *reinterpret_cast<W *>(cp.dst_k + dst) = *reinterpret_cast<const W *>(k + src);
+        *reinterpret_cast<W *>(cp.dst_v + dst) = *reinterpret_cast<const W *>(v + src);
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x != 0 || !last_cta(c.ctas)) return;
+  bound_leave(c, e);
+  if (!e.marks) return;
+  const uint8_t *marks = e.slot + sizeof(BoundSlotHead) + size_t(head->n_copies) * sizeof(RowCopyDesc);
+  const uint32_t n_marks = head->n_marks;
+  unsigned long long *const *done = reinterpret_cast<unsigned long long *const *>(marks);
+  const unsigned long long *epochs = reinterpret_cast<const unsigned long long *>(marks + size_t(n_marks) * 8);
+  // The last mark after a fence: once the host sees it, every read of the
+  // slot is done (it then writes the slot again: BoundCallState::slot_epoch).
+  for (uint32_t i = 0; i + 1 < n_marks; ++i) *reinterpret_cast<volatile unsigned long long *>(done[i]) = epochs[i];
+  if (n_marks == 0) return;
+  unsigned long long *last = done[n_marks - 1];
+  const unsigned long long epoch = epochs[n_marks - 1];
+  __threadfence_system();
+  *reinterpret_cast<volatile unsigned long long *>(last) = epoch;
+}
+
+// A captured decode's staging: stage_ring_kernel's work from the slot
+// where the call works; else empty runs (every later kernel of the step
+// then does nothing), no access record, no output, NaN written to `out`
+// instead, and the step's epoch only where the slot was prepared for it
+// (its end is then reported as the host expects).
+template <typename T>
+__global__ void bound_stage_kernel(const BoundCall c, uint32_t n_runs, uint32_t nq, uint32_t d, uint32_t q_rows,
+                                   float *q_dst, DevRun *dst, StepVars *vars_dst, void *out, int64_t out_seq_stride,
+                                   int64_t out_head_stride) {
+  __shared__ BoundEntry e;
+  if (threadIdx.x == 0) e = bound_enter(c);
+  __syncthreads();
+  const StageSlot *h = reinterpret_cast<const StageSlot *>(e.slot + sizeof(BoundSlotHead));
+  if (e.work) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *vars_dst = h->vars;
+    stage_part<T>(reinterpret_cast<const DevRun *>(e.slot + sizeof(BoundSlotHead) + sizeof(StageSlot)), n_runs, dst,
+                  static_cast<const typename DevType<T>::type *>(h->q), h->q_seq_stride, h->q_head_stride, nq, d,
+                  q_rows, q_dst);
+  } else {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      StepVars none{};
+      none.epoch = e.marks ? h->vars.epoch : 0;
+      *vars_dst = none;
+    }
+    uint64_t *runs = reinterpret_cast<uint64_t *>(dst);
+    const uint32_t words = n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8);
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) runs[i] = 0;
+    if (blockIdx.x < q_rows) {
+      using V = typename DevType<T>::type;
+      const uint32_t s = blockIdx.x / nq, hd = blockIdx.x % nq;
+      V *o = static_cast<V *>(out) + s * out_seq_stride + hd * out_head_stride;
+      for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) o[i] = DevType<T>::from_f(__int_as_float(0x7fc00000));
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x != 0 || !last_cta(c.ctas)) return;
+  bound_leave(c, e);
+}
+
+// Faults the binding unless *taken is `want` (the slots an append call has
+// consumed when a growth's k-means is about to read its rows).
+__global__ void bound_expect_kernel(const unsigned int *taken, unsigned int want, BindWords *words) {
+  volatile BindWords *w = words;
+  if (*reinterpret_cast<const volatile unsigned int *>(taken) != want && w->error == 0) w->error = kBindEarlyPrepare;
+  __threadfence_system();
+}
+
 // f32 to f16, round to nearest even, elements first, first + stride, ...
 // of n; *overflow |= 1 where a value is outside f16's range (NaN
 // included), as the CPU engine's compact mirror tests it. Every thread of
@@ -291,6 +440,8 @@ __global__ void apply_spans_kernel(const __grid_constant__ SpanChunk chunk) {
 
 static_assert(sizeof(DevRun) % 8 == 0, "DevRun is copied in 8-byte words");
 static_assert(sizeof(StageSlot) % 8 == 0, "a slot's run table is 8-byte aligned");
+static_assert(sizeof(BoundSlotHead) % 16 == 0, "a bound slot's body is 16-byte aligned");
+static_assert(sizeof(RowCopyDesc) % 8 == 0, "an append slot's marks are 8-byte aligned");
 
 namespace {
 template <typename T, uint32_t N>
@@ -329,6 +480,67 @@ cudaError_t stage_from_ring(DType t, const StageRing &ring, uint32_t n_runs, uin
     WKV_CUDA_CHECK_LAUNCH("stage_from_ring");
     return cudaSuccess;
   });
+}
+
+cudaError_t bound_copy(const BoundCall &call, uint32_t max_copies, const uint8_t *k, const uint8_t *v,
+                       uint64_t src_pitch, uint32_t row_bytes, uint32_t width, void *stream) {
+  if (!call.slots || !call.taken || !call.worked || !call.ctas || !call.words || call.n_slots == 0 || !k || !v ||
+      row_bytes == 0 ||
+      max_copies == 0 || row_bytes % width != 0)
+    return cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  constexpr uint32_t kCopiesPerCta = 8;
+  const uint32_t ctas = std::min<uint32_t>((max_copies + kCopiesPerCta - 1) / kCopiesPerCta, 1024);
+  switch (width) {
+    case 16: bound_copy_kernel<uint4><<<ctas, 128, 0, s>>>(call, k, v, src_pitch, row_bytes); break;
+    case 8: bound_copy_kernel<uint2><<<ctas, 128, 0, s>>>(call, k, v, src_pitch, row_bytes); break;
+    case 4: bound_copy_kernel<uint32_t><<<ctas, 128, 0, s>>>(call, k, v, src_pitch, row_bytes); break;
+    case 2: bound_copy_kernel<uint16_t><<<ctas, 128, 0, s>>>(call, k, v, src_pitch, row_bytes); break;
+    case 1: bound_copy_kernel<uint8_t><<<ctas, 128, 0, s>>>(call, k, v, src_pitch, row_bytes); break;
+    default: return cudaErrorInvalidValue;
+  }
+  WKV_CUDA_CHECK_LAUNCH("bound_copy");
+  return cudaSuccess;
+}
+
+uint32_t copy_width(uint64_t bits) { return widest_word(bits); }
+
+cudaError_t bound_stage(DType t, const BoundCall &call, uint32_t n_runs, uint32_t n_seqs, uint32_t n_q_heads,
+                        uint32_t d, float *q_dst, DevRun *dst, StepVars *vars_dst, void *out, int64_t out_seq_stride,
+                        int64_t out_head_stride, void *stream) {
+  if (!call.slots || !call.taken || !call.worked || !call.ctas || !call.words || call.n_slots == 0 || !vars_dst ||
+      !out ||
+      (n_runs > 0 && !dst) || (n_seqs > 0 && !q_dst))
+    return cudaErrorInvalidValue;
+  if (call.slot_bytes < sizeof(BoundSlotHead) + sizeof(StageSlot) + uint64_t(n_runs) * sizeof(DevRun) ||
+      call.slot_bytes % 8 != 0)
+    return cudaErrorInvalidValue;
+  if (static_cast<uint64_t>(n_seqs) * n_q_heads > INT32_MAX) return cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return WKV_DISPATCH_DTYPE(t, T, cudaErrorNotSupported, [&]() -> cudaError_t {
+    constexpr uint32_t threads = 128;
+    const uint32_t q_rows = n_seqs * n_q_heads;
+    const uint32_t word_ctas = (n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8) + threads - 1) / threads;
+    const uint32_t ctas = std::max<uint32_t>({q_rows, word_ctas, 1u});
+    bound_stage_kernel<T><<<ctas, threads, 0, s>>>(call, n_runs, n_q_heads, d, q_rows, q_dst, dst, vars_dst, out,
+                                                   out_seq_stride, out_head_stride);
+    WKV_CUDA_CHECK_LAUNCH("bound_stage");
+    return cudaSuccess;
+  });
+}
+
+cudaError_t bound_load() {
+  cudaFuncAttributes a;
+  cudaError_t err = cudaFuncGetAttributes(&a, bound_expect_kernel);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&a, bound_copy_kernel<uint4>);
+  return err;
+}
+
+cudaError_t bound_expect(const unsigned int *taken, unsigned int want, BindWords *words, void *stream) {
+  if (!taken || !words) return cudaErrorInvalidValue;
+  bound_expect_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(taken, want, words);
+  WKV_CUDA_CHECK_LAUNCH("bound_expect");
+  return cudaSuccess;
 }
 
 cudaError_t stage_lookup(DType t, const void *q, int64_t seq_stride, int64_t head_stride, uint32_t n_seqs,

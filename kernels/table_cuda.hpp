@@ -34,17 +34,31 @@ cudaError_t stage_lookup(DType t, const void *q, int64_t seq_stride, int64_t hea
 cudaError_t stage_from_ring(DType t, const StageRing &ring, uint32_t n_runs, uint32_t n_seqs, uint32_t n_q_heads,
                             uint32_t d, float *q_dst, DevRun *dst, StepVars *vars_dst, void *stream);
 
+// Steps a runtime captures (BoundCall, device_layout.hpp; wkv_plan_bind).
+// bound_copy: a captured append, the copies and steps' ends of the slot its
+// call's count names (at most max_copies copies, the slot's n_copies; rows
+// from k and v at src_off + r * src_pitch, in words of `width` bytes, which
+// every source address, offset and pitch and row_bytes are multiples of:
+// copy_width of them or-ed together; destinations are engine memory,
+// 256-byte aligned). bound_stage: a captured decode's staging, as
+// stage_from_ring, with NaN written to out ([n_seqs][n_q_heads][d] of type
+// t, strides in elements) and empty runs staged where the replay may not
+// work (BoundEntry in table.cu). bound_expect: faults the binding unless
+// *taken == want, in stream order.
+cudaError_t bound_copy(const BoundCall &call, uint32_t max_copies, const uint8_t *k, const uint8_t *v,
+                       uint64_t src_pitch, uint32_t row_bytes, uint32_t width, void *stream);
+uint32_t copy_width(uint64_t bits);
+cudaError_t bound_stage(DType t, const BoundCall &call, uint32_t n_runs, uint32_t n_seqs, uint32_t n_q_heads,
+                        uint32_t d, float *q_dst, DevRun *dst, StepVars *vars_dst, void *out, int64_t out_seq_stride,
+                        int64_t out_head_stride, void *stream);
+cudaError_t bound_expect(const unsigned int *taken, unsigned int want, BindWords *words, void *stream);
+// Loads bound_expect's kernel now (CUDA's lazy loading may synchronize the
+// context at a kernel's first launch; a prepare must never wait).
+cudaError_t bound_load();
+
 // Writes `epoch` to *done once the work enqueued on `stream` before it has
 // ended (StepMark without a kernel of its own to carry it).
 cudaError_t mark_step_end(unsigned long long *done, unsigned long long epoch, void *stream);
-
-// One copy of an append: `rows` rows of row_bytes, row r from byte offset
-// src_off + r * src_pitch of the source to dst + r * row_bytes, for K and V.
-struct RowCopyDesc {
-  uint8_t *dst_k, *dst_v;
-  uint64_t src_off;
-  uint32_t rows, pad;
-};
 
 // The copies of an append (one sequence's or a batch's) from k and v
 // (device-readable), in launches of up to 96 copies passed by value, 16

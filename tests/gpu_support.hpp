@@ -5,10 +5,16 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace wkvtest {
@@ -78,6 +84,62 @@ struct Buf {
     return h;
   }
 };
+
+// Whether compute-sanitizer runs the test: WKV_TEST_UNDER_SANITIZER=1
+// (tools/gpu-check.sh sets it) or the sanitizer's injection library.
+inline bool under_sanitizer() {
+  const char *inject = std::getenv("CUDA_INJECTION64_PATH");
+  return std::getenv("WKV_TEST_UNDER_SANITIZER") || (inject && std::strstr(inject, "sanitizer"));
+}
+
+// A gate on a stream: the work enqueued after close() waits until open()
+// (a host function that blocks the stream, not the caller). A watchdog
+// opens it after `limit` should the caller itself wait for the stream.
+class Gate {
+ public:
+  void close(cudaStream_t s) { ASSERT_EQ(cudaLaunchHostFunc(s, &Gate::wait, this), cudaSuccess); }
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  // Runs body with the gate closed on s; true if body returned before the
+  // watchdog had to open the gate.
+  template <typename Fn> bool run_closed(cudaStream_t s, Fn &&body, std::chrono::seconds limit) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = false;
+    }
+    close(s);
+    std::atomic<bool> done{false}, forced{false};
+    std::thread watchdog([&] {
+      const auto until = std::chrono::steady_clock::now() + limit;
+      while (!done.load() && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      if (!done.load()) {
+        forced = true;
+        if (on_force) on_force();
+      }
+      open();
+    });
+    body();
+    done = true;
+    watchdog.join();
+    return !forced.load();
+  }
+  std::function<void()> on_force;  // called by the watchdog before it opens the gate
+
+ private:
+  static void CUDART_CB wait(void *p) {
+    Gate *g = static_cast<Gate *>(p);
+    std::unique_lock<std::mutex> lock(g->mu_);
+    g->cv_.wait(lock, [g] { return g->open_; });
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = true;
+};
+
 
 }  // namespace wkvtest
 

@@ -252,3 +252,39 @@ TEST(Misuse, StridesWhoseExtentOverflowsAreRefused) {
   wkv_plan_destroy(p);
   wkv_seq_destroy(s);
 }
+
+// Steps a runtime captures (wkv_plan_bind, 0.9) on a CPU engine: refused as
+// unsupported with nothing changed; prepare and unbind of a plan that is
+// not bound, and every verb through destroyed, foreign or mistyped
+// handles, refused. (The CUDA engine's side: tests/gpu_capture.cpp.)
+TEST(Misuse, BindingVerbsRefuseWhatTheyCannotServe) {
+  Open o(config());
+  const std::vector<float> kv = tokens(300, 5), q = tokens(2, 6);
+  wkv_seq *s = nullptr;
+  wkv_plan *p = nullptr, *dead = nullptr;
+  ASSERT_EQ(wkv_seq_create(o.e, &s), WKV_OK);
+  ASSERT_EQ(wkv_seq_append(s, 0, kv.data(), kv.data(), 300, 0, 0, nullptr), WKV_OK);
+  ASSERT_EQ(wkv_plan_create(o.e, &p), WKV_OK);
+  ASSERT_EQ(wkv_plan_create(o.e, &dead), WKV_OK);
+  wkv_plan_destroy(dead);
+  EXPECT_EQ(wkv_plan_bind(p, &s, 1, 0, nullptr), WKV_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(wkv_last_error()).find("CUDA"), std::string::npos) << wkv_last_error();
+  EXPECT_EQ(wkv_plan_prepare(p, nullptr), WKV_ERR_STATE);
+  EXPECT_EQ(wkv_plan_unbind(p, nullptr), WKV_ERR_STATE);
+  EXPECT_EQ(wkv_plan_bind(p, nullptr, 1, 0, nullptr), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(wkv_plan_bind(p, &s, 0, 0, nullptr), WKV_ERR_INVALID_ARGUMENT);
+  wkv_seq *twice[2] = {s, s};
+  EXPECT_EQ(wkv_plan_bind(p, twice, 2, 0, nullptr), WKV_ERR_INVALID_ARGUMENT);
+  for (wkv_plan *bad : {static_cast<wkv_plan *>(nullptr), dead, reinterpret_cast<wkv_plan *>(s)}) {
+    EXPECT_EQ(wkv_plan_bind(bad, &s, 1, 0, nullptr), WKV_ERR_INVALID_HANDLE);
+    EXPECT_EQ(wkv_plan_prepare(bad, nullptr), WKV_ERR_INVALID_HANDLE);
+    EXPECT_EQ(wkv_plan_unbind(bad, nullptr), WKV_ERR_INVALID_HANDLE);
+  }
+  // Nothing changed: the sequence decodes and appends as before.
+  std::vector<float> out(kQ * kD);
+  EXPECT_EQ(wkv_decode(p, &s, 1, 0, q.data(), 0, 0, out.data(), 0, 0, nullptr), WKV_OK) << wkv_last_error();
+  EXPECT_EQ(wkv_seq_append(s, 0, kv.data(), kv.data(), 1, 0, 0, nullptr), WKV_OK) << wkv_last_error();
+  EXPECT_EQ(tokens_of(s), 301u);
+  wkv_plan_destroy(p);
+  wkv_seq_destroy(s);
+}

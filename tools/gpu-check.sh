@@ -22,6 +22,9 @@
 #                                  heads, d=128, f16: first with everything in
 #                                  memory, then under DEMO_BUDGET, 4GiB, with
 #                                  the rest in SPILL_DIR: --compare-in-memory)
+#                                  capture (the runtime-captured step:
+#                                  the gpu_capture tests, then the serving
+#                                  bench's verbs against its captured graph)
 #                                  policies (the device cache's replacement
 #                                  policies against each other: the serving
 #                                  bench at 128K, batch POLICY_BATCHES, 7,
@@ -167,6 +170,24 @@ if want demo; then
   cp "$LOG/demo.log" "$OUT/" 2>/dev/null
   grep -v -E "ing: |ing:.*done" "$LOG/demo.log" | grep -E -v "^\s+(Page|Volun|Invol|Swaps|File sys|Socket|Signals|Average|Exit|Minor|Major|Percent|System time|User time|Command)" \
     | tee -a "$LOG/summary.txt" | tail -40
+fi
+if want capture; then
+  # Steps a runtime captures (wkv_plan_bind): the GPU tests of the binding,
+  # then the serving bench at 128K, batch CAPTURE_BATCH (7), L layers
+  # (CAPTURE_LAYERS, 4), the verbs a token against the runtime's own graph
+  # of the whole step replayed after a prepare, in turn over CAPTURE_ROUNDS
+  # (1) rounds on this machine.
+  timeout "${BENCH_TIMEOUT:-400}" build-gpu/bin/gpu_capture --gtest_brief=1 > "$LOG/gpu_capture.log" 2>&1
+  step "gpu_capture" "rc=$? $(grep -E 'PASSED|FAILED' "$LOG/gpu_capture.log" | tr '\n' ' ' | cut -c1-120)"
+  grep -E "Failure|Expected|Which is|actual|first|error" "$LOG/gpu_capture.log" | head -30 | tee -a "$LOG/summary.txt"
+  for round in $(seq 1 "${CAPTURE_ROUNDS:-1}"); do
+    for mode in 0 1; do
+      WKV_SERVING_CAPTURE=$mode timeout "${BENCH_TIMEOUT:-400}" build-gpu/bin/gpu_serving_bench 131072 \
+        "${CAPTURE_BATCH:-7}" 1088 "${CAPTURE_LAYERS:-4}" > "$LOG/capture-$mode-$round.log" 2>&1
+      step "serving, captured=$mode, round $round" "rc=$?"
+      grep -E "^ +[0-9]+ +[0-9.]+ |host us|decodes replayed" "$LOG/capture-$mode-$round.log" | tee -a "$LOG/summary.txt"
+    done
+  done
 fi
 if want policies; then
   # Interleaved rounds: the machine's drift falls on every policy alike.

@@ -12,10 +12,24 @@ static int wkvgo_decode_device(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_
   return wkv_decode(plan, seqs, n_seqs, layer, (const void *)q, q_seq_stride, q_head_stride,
                     (void *)out, out_seq_stride, out_head_stride, (void *)stream);
 }
+
+static int wkvgo_plan_bind(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
+                           uint32_t max_steps, uintptr_t stream) {
+  return wkv_plan_bind(plan, seqs, n_seqs, max_steps, (void *)stream);
+}
+
+static int wkvgo_plan_prepare(wkv_plan *plan, uintptr_t stream) {
+  return wkv_plan_prepare(plan, (void *)stream);
+}
+
+static int wkvgo_plan_unbind(wkv_plan *plan, uintptr_t stream) {
+  return wkv_plan_unbind(plan, (void *)stream);
+}
 */
 import "C"
 
 import (
+	"errors"
 	"math"
 	"runtime"
 	"sort"
@@ -29,7 +43,8 @@ import (
 //
 // Two ways to run a step: Decode (lookup, assemble, attend and update in one
 // call), or Lookup, Assemble, then Attend (wavekv's kernel) or Xbuf, your
-// own attention and Merge, then Update.
+// own attention and Merge, then Update. On a CUDA engine, Bind readies a
+// step that a runtime captures into a CUDA graph of its own (ABI 0.9).
 type Plan struct {
 	mu     sync.Mutex
 	h      *C.wkv_plan
@@ -37,17 +52,22 @@ type Plan struct {
 	batch  []*C.wkv_seq // the handles of a call's batch, reused
 	locked []*Sequence  // the batch in lock order, reused
 	step   []*Sequence  // the sequences of the last successful lookup
+	bound  []*Sequence  // the batch of the binding (Bind), until Unbind
 }
 
-// Close destroys the plan (wkv_plan_destroy). Closing again is a no-op; it
+// Close destroys the plan (wkv_plan_destroy); a bound plan is unbound
+// first, which waits for the whole device. Closing again is a no-op; it
 // always returns nil.
 func (p *Plan) Close() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.h != nil {
+		unlock := p.lockSeqs(p.bound)
 		C.wkv_plan_destroy(p.h)
+		unlock()
 		p.h = nil
 		p.step = nil
+		p.bound = nil
 		runtime.SetFinalizer(p, nil)
 	}
 	return nil
@@ -66,7 +86,12 @@ func (p *Plan) lockBatch(fn string, seqs []*Sequence) (unlock func(), err error)
 // lockStep locks the sequences of the last lookup, which the plan reads
 // until its next lookup. Pre: p.mu is held.
 func (p *Plan) lockStep() (unlock func()) {
-	p.locked = append(p.locked[:0], p.step...)
+	return p.lockSeqs(p.step)
+}
+
+// lockSeqs locks seqs (distinct) in id order. Pre: p.mu is held.
+func (p *Plan) lockSeqs(seqs []*Sequence) (unlock func()) {
+	p.locked = append(p.locked[:0], seqs...)
 	sort.Slice(p.locked, func(i, j int) bool { return p.locked[i].id < p.locked[j].id })
 	for _, s := range p.locked {
 		s.mu.Lock()
@@ -181,6 +206,81 @@ func (p *Plan) DecodeDevice(seqs []*Sequence, layer uint32, q uintptr, qSeqStrid
 	})
 	if err == nil {
 		p.step = append(p.step, seqs...)
+	}
+	return err
+}
+
+// Bind binds the plan to a batch for a decoding step that a runtime
+// captures into a CUDA graph of its own and replays, each replay after a
+// Prepare (wkv_plan_bind, ABI 0.9): seqs are distinct sequences of the
+// plan's engine, every layer holding tokens, in the order the captured
+// AppendBatchDevice and DecodeDevice calls will list them, for maxSteps more
+// tokens each (0: 4096); stream is a cudaStream_t (0: the default stream),
+// which Bind waits for. CUDA engines without cold pages only: a CPU engine
+// returns ErrUnsupported. While bound, the sequences refuse every other
+// append, lookup, prompt end, save and eviction, and the plan every other
+// step (ErrState), until Unbind; Prepare and Unbind lock the bound
+// sequences as the plan's other calls lock theirs.
+func (p *Plan) Bind(seqs []*Sequence, maxSteps uint32, stream uintptr) error {
+	const fn = "wkv_plan_bind"
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.h == nil {
+		return closedError(fn, "plan")
+	}
+	if len(seqs) > math.MaxUint32 {
+		return errorf(ErrInvalidArgument, "%s: %d sequences", fn, len(seqs))
+	}
+	unlock, err := p.lockBatch(fn, seqs)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	err = call(func() C.int {
+		return C.wkvgo_plan_bind(p.h, p.batchPtr(), C.uint32_t(len(seqs)), C.uint32_t(maxSteps),
+			C.uintptr_t(stream))
+	})
+	if err == nil {
+		// The binding ends the plan's lookup.
+		p.step = p.step[:0]
+		p.bound = append(p.bound[:0], seqs...)
+	}
+	return err
+}
+
+// Prepare prepares the next replay of the bound plan's captured step
+// (wkv_plan_prepare, ABI 0.9): call it, then launch the graph once on the
+// same stream (a cudaStream_t, 0: the default stream). ErrState when the
+// plan is not bound, nothing is captured or the device found a fault;
+// ErrBudget once maxSteps steps are prepared. After an error the graph must
+// not be launched for the step.
+func (p *Plan) Prepare(stream uintptr) error {
+	const fn = "wkv_plan_prepare"
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.h == nil {
+		return closedError(fn, "plan")
+	}
+	defer p.lockSeqs(p.bound)()
+	return call(func() C.int { return C.wkvgo_plan_prepare(p.h, C.uintptr_t(stream)) })
+}
+
+// Unbind ends the binding (wkv_plan_unbind, ABI 0.9): waits for stream (the
+// replays', 0: the default stream), takes back the tokens of steps prepared
+// and never replayed, and frees the sequences and the plan for other use; a
+// graph captured under the binding faults if replayed later. ErrState when
+// the plan is not bound.
+func (p *Plan) Unbind(stream uintptr) error {
+	const fn = "wkv_plan_unbind"
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.h == nil {
+		return closedError(fn, "plan")
+	}
+	defer p.lockSeqs(p.bound)()
+	err := call(func() C.int { return C.wkvgo_plan_unbind(p.h, C.uintptr_t(stream)) })
+	if err == nil || errors.Is(err, ErrState) {
+		p.bound = p.bound[:0]
 	}
 	return err
 }

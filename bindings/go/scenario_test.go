@@ -1160,3 +1160,75 @@ func TestBatchAppendsFromGoroutines(t *testing.T) {
 		}
 	}
 }
+
+// TestCPUEngineRefusesToBindAPlan: steps a runtime captures (wkv_plan_bind,
+// ABI 0.9) need a CUDA engine. A CPU engine refuses the binding, leaving the
+// plan unbound (Prepare and Unbind: ErrState) and it and its sequences
+// usable and unlocked; a closed plan, or a closed sequence in the batch, is
+// refused before calling in.
+func TestCPUEngineRefusesToBindAPlan(t *testing.T) {
+	const row = nKV * dim
+	engine, err := wavekv.Open(config(1, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer engine.Close()
+	newSeq := func() *wavekv.Sequence {
+		s, err := engine.NewSequence()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		return s
+	}
+	a, b := newSeq(), newSeq()
+	kv := make(wavekv.F32, 4*row)
+	for i := range kv {
+		kv[i] = 0.5
+	}
+	for _, s := range []*wavekv.Sequence{a, b} {
+		for l := uint32(0); l < nLayers; l++ {
+			if err := s.Append(l, kv, kv); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	plan, err := engine.NewPlan()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plan.Close()
+	ab := []*wavekv.Sequence{a, b}
+
+	wantError(t, plan.Bind(ab, 16, 0), wavekv.ErrUnsupported, "wkv_plan_bind: ")
+	wantError(t, plan.Prepare(0), wavekv.ErrState, "wkv_plan_prepare: ", "not bound")
+	wantError(t, plan.Unbind(0), wavekv.ErrState, "wkv_plan_unbind: ", "not bound")
+	// The binding's checks.
+	wantError(t, plan.Bind([]*wavekv.Sequence{a, a}, 0, 0), wavekv.ErrInvalidArgument,
+		"wkv_plan_bind: a sequence is listed twice")
+	wantError(t, plan.Bind([]*wavekv.Sequence{a, nil}, 0, 0), wavekv.ErrInvalidHandle,
+		"wkv_plan_bind: sequence 1 of the batch is nil")
+
+	// Not bound, and unlocked: the sequences take appends and the plan decodes.
+	if err := a.Append(0, kv[:row], kv[:row]); err != nil {
+		t.Fatal(err)
+	}
+	q, out := make(wavekv.F32, 2*nQ*dim), make(wavekv.F32, 2*nQ*dim)
+	if err := plan.Decode(ab, 0, q, out); err != nil {
+		t.Fatal(err)
+	}
+
+	b.Close()
+	err = plan.Bind(ab, 0, 0)
+	wantError(t, err, wavekv.ErrInvalidHandle, "wkv_plan_bind: sequence 1 of the batch is closed")
+	if !errors.Is(err, wavekv.ErrClosed) {
+		t.Fatalf("%q is not ErrClosed", err)
+	}
+	plan.Close()
+	for _, err := range []error{plan.Bind([]*wavekv.Sequence{a}, 0, 0), plan.Prepare(0), plan.Unbind(0)} {
+		wantError(t, err, wavekv.ErrInvalidHandle, "plan is closed")
+		if !errors.Is(err, wavekv.ErrClosed) {
+			t.Fatalf("%q is not ErrClosed", err)
+		}
+	}
+}

@@ -46,6 +46,8 @@
  * CUDA device as it found it. Capturing a call into a CUDA graph is refused
  * (WKV_ERR_UNSUPPORTED, nothing enqueued, the capture left valid): a replay
  * would run a step as it was at capture, ignoring later appends and growths.
+ * The exception is a bound plan's step (wkv_plan_bind, 0.9), which a runtime
+ * captures and replays after a wkv_plan_prepare each.
  *
  * Memory is never freed under a reader: a destroyed sequence or plan, and
  * every buffer a growth replaces, is released in stream order once the steps
@@ -91,7 +93,7 @@ extern "C" {
 /* Versions ---------------------------------------------------------------- */
 
 #define WKV_VERSION_MAJOR 0
-#define WKV_VERSION_MINOR 8
+#define WKV_VERSION_MINOR 9
 #define WKV_VERSION_PATCH 0
 /* The version as one number: major * 10000 + minor * 100 + patch. */
 #define WKV_VERSION_NUMBER \
@@ -530,6 +532,11 @@ WKV_API int wkv_seq_append(wkv_seq *seq, uint32_t layer, const void *k,
  * error in the growth of sequence i (WKV_ERR_BUDGET, WKV_ERR_OUT_OF_MEMORY;
  * the message names i) leaves sequences before i with their new tokens and
  * i and those after it without: append those again.
+ *
+ * On a stream being captured into a CUDA graph, with a bound plan's batch
+ * (wkv_plan_bind: its sequences in their order, n_tokens 1), the append is
+ * captured as a call of the plan's step; otherwise capture is refused, and
+ * a bound sequence takes no append but its binding's (WKV_ERR_STATE).
  */
 WKV_API int wkv_append_batch(wkv_seq *const *seqs, uint32_t n_seqs, uint32_t layer,
                              const void *k, const void *v, uint32_t n_tokens,
@@ -708,7 +715,8 @@ typedef struct wkv_plan wkv_plan;
  */
 WKV_API int wkv_plan_create(wkv_engine *engine, wkv_plan **out);
 
-/* Destroys a plan. NULL is a no-op. */
+/* Destroys a plan. NULL is a no-op. A bound plan (wkv_plan_bind) is
+ * unbound first, which waits for the whole device. */
 WKV_API void wkv_plan_destroy(wkv_plan *plan);
 
 /*
@@ -833,11 +841,124 @@ WKV_API int wkv_update(wkv_plan *plan, void *stream);
  * plan whose steps alternate between streams of two priorities launches
  * one by one). WKV_DECODE_FORK=0: one stream order, at the priority of the
  * stream a replay is launched on.
+ *
+ * A bound plan (wkv_plan_bind) decodes only on a stream being captured,
+ * its batch in its order: the decode is captured as a call of its step.
  */
 WKV_API int wkv_decode(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
                        uint32_t layer, const void *q, int64_t q_seq_stride,
                        int64_t q_head_stride, void *out, int64_t out_seq_stride,
                        int64_t out_head_stride, void *stream);
+
+/* Steps a runtime captures (0.9) ----------------------------------------- */
+
+/*
+ * A plan bound to a batch serves a decoding step that a runtime captures
+ * into a CUDA graph of its own (with the rest of its model) and replays
+ * token after token, each replay preceded by one host call:
+ *
+ *     wkv_plan_bind(plan, seqs, n, max_steps, stream);
+ *     cudaStreamBeginCapture(stream, ...);
+ *     for each layer l:                        // in the model's order
+ *       ...the runtime's kernels writing k_l, v_l, q_l...
+ *       wkv_append_batch(seqs, n, l, k_l, v_l, 1, 0, 0, 0, stream);
+ *       wkv_decode(plan, seqs, n, l, q_l, 0, 0, out_l, 0, 0, stream);
+ *       ...the runtime's kernels reading out_l...
+ *     cudaStreamEndCapture(stream, &graph);  cudaGraphInstantiate(&exec, graph, 0);
+ *     per token:
+ *       wkv_plan_prepare(plan, stream);        // then, at once:
+ *       cudaGraphLaunch(exec, stream);
+ *     wkv_plan_unbind(plan, stream);
+ *
+ * The captured calls are the usual verbs on a stream being captured, with
+ * the bound batch (its sequences in their order, one token each for
+ * appends); any layers, each at most one append and one decode, in any
+ * order: the capture records the step's calls (its program). The captured
+ * kernels read what changes from a step to the next (where each row lands,
+ * the run tables as appends and growths change them, the step's epochs and
+ * access records) from the slots that wkv_plan_prepare writes; the tensors
+ * (k, v, q, out, with their strides) are the capture's, as for any kernel a
+ * runtime captures. Every replay's appends land and its results are those
+ * of the uncaptured verbs given the same tokens and queries, across index
+ * growths (at most, after a layer's runs outgrow the selection's split of
+ * their capture, a difference in the last bits of sums taken in another
+ * order). The host's work per token is wkv_plan_prepare's, the device's a
+ * graph of the captured kernels: no launch of wavekv's own, no host
+ * synchronization (a growth's commit or k-means begun in a prepare enqueues
+ * its few kernels on `stream` before the replay).
+ *
+ * What the runtime must do (the engine checks it on the device, below):
+ * - launch the graph once after each wkv_plan_prepare, on the stream given
+ *   to prepare, before the next prepare; prepare may run up to 16 steps
+ *   ahead of the device (it waits beyond);
+ * - capture the step once per binding, every call of it in the graph;
+ * - keep the plan, the sequences' engine and the captured tensors alive
+ *   while a graph may be replayed; destroying the plan (or closing the
+ *   engine) frees memory the graph reads: a replay after it is undefined.
+ *
+ * What invalidates a captured step: wkv_plan_unbind (and a later binding
+ * of the plan); a fault found on the device: a replay without a prepare
+ * before it, a replay missing a captured call or running them out of the
+ * captured order, a graph captured under an earlier binding of the plan
+ * replayed, a prepare before the previous step's replay was launched. A
+ * faulted binding never gives a wrong result: from the fault on, every
+ * replay does no work (appends nothing, reads nothing), writes NaN to its
+ * outputs, and wkv_plan_prepare fails with WKV_ERR_STATE naming the fault;
+ * wkv_plan_unbind then takes back what was counted and never written.
+ * While bound, the batch cannot change under the capture: its sequences
+ * refuse every other append, lookup, prompt end, save and eviction, and
+ * the plan every other step (WKV_ERR_STATE); destroying a sequence's
+ * handle leaves the sequence to the binding until it ends.
+ */
+
+/*
+ * Binds the plan to n_seqs sequences of its engine (distinct, in the order
+ * captured calls will list them) for max_steps more tokens each (0: 4096).
+ * Every layer of every sequence must hold tokens (bind after the prompts);
+ * evicted sequences are restored and the layers' prompts ended (as a lookup
+ * would: this waits for `stream`). The plan's device buffers and the slots
+ * of the captured calls are reserved here for the largest index the
+ * sequences can reach within max_steps (no allocation happens during the
+ * capture or the replays). CUDA engines without cold pages
+ * (WKV_ERR_UNSUPPORTED otherwise). Returns WKV_ERR_STATE (the plan, or a
+ * sequence, bound already), WKV_ERR_INVALID_ARGUMENT (null or repeated
+ * sequences, a layer without tokens, a stream of another device),
+ * WKV_ERR_UNSUPPORTED (a stream being captured), WKV_ERR_INVALID_HANDLE,
+ * WKV_ERR_OUT_OF_MEMORY, WKV_ERR_BUDGET; on an error the plan is not bound
+ * (prompts ended stay ended).
+ */
+WKV_API int wkv_plan_bind(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t max_steps,
+                          void *stream);
+
+/*
+ * Prepares the next replay of the captured step: for each captured call,
+ * in order, what the uncaptured verb does on the host (a growth's commit at
+ * its point, room for the new rows, the run table, the step's epoch and
+ * access record), written to the call's next slot; growths whose segments
+ * the previous step completed begin their k-means (their work, and a
+ * commit's, enqueued on `stream` ahead of the replay). Call it, then
+ * launch the graph on `stream`. The appends' tokens count from here (as an
+ * uncaptured append's count at its call). Returns WKV_ERR_UNSUPPORTED (a
+ * stream being captured), WKV_ERR_STATE (not bound,
+ * nothing captured, a fault found on the device: its message names it, a
+ * step that outgrew the binding's reserve, the step prepared 16 steps
+ * before not ended within 30 s), WKV_ERR_BUDGET (max_steps prepared),
+ * WKV_ERR_OUT_OF_MEMORY; on an error nothing of the step is prepared (its
+ * calls' rows are taken back) and the graph must not be launched for it.
+ */
+WKV_API int wkv_plan_prepare(wkv_plan *plan, void *stream);
+
+/*
+ * Ends the binding: waits for `stream` (the replays'), takes back the
+ * tokens of steps prepared and never replayed (and, after a fault, the
+ * growths begun meanwhile, which begin again), and frees the sequences and
+ * the plan for other use. A graph captured under the binding faults if
+ * replayed later (no work, NaN). Returns WKV_ERR_STATE (not bound),
+ * WKV_ERR_UNSUPPORTED (a stream being captured), WKV_ERR_INVALID_ARGUMENT
+ * (a stream of another device), WKV_ERR_DEVICE. wkv_plan_destroy of a bound plan unbinds it,
+ * waiting for the whole device.
+ */
+WKV_API int wkv_plan_unbind(wkv_plan *plan, void *stream);
 
 #ifdef __cplusplus
 }

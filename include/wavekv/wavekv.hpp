@@ -145,6 +145,12 @@ class Plan : public Handle<wkv_plan, wkv_plan_destroy> {
               void *stream = nullptr) {
     check(wkv_decode(get(), seqs, n, layer, q, 0, 0, out, 0, 0, stream));
   }
+  // Steps a runtime captures (wkv_plan_bind).
+  void bind(wkv_seq *const *seqs, uint32_t n, uint32_t max_steps = 0, void *stream = nullptr) {
+    check(wkv_plan_bind(get(), seqs, n, max_steps, stream));
+  }
+  void prepare(void *stream = nullptr) { check(wkv_plan_prepare(get(), stream)); }
+  void unbind(void *stream = nullptr) { check(wkv_plan_unbind(get(), stream)); }
 
  private:
   static wkv_plan *create(const Engine &e) {

@@ -26,6 +26,9 @@ namespace wkv {
 
 class Plan;
 struct DecodeOut;
+class Binding;
+struct BoundCallState;
+struct BoundRing;
 
 // A k-means batch begun and not yet ended (the backend's own type).
 class ClusterBatch {
@@ -179,6 +182,8 @@ class Backend {
   // Waits for everything enqueued on `stream` (reads of engine memory into
   // host memory are complete after it).
   virtual Status mem_sync(void *stream) = 0;
+  // Waits for everything enqueued on the device, whatever the stream.
+  virtual Status device_sync() { return Status::ok(); }
   // The backend's own stream for copies the caller gave no stream for
   // (saving and loading sequences): CUDA, a non-blocking stream made at
   // open, never the legacy default stream; nullptr on the CPU.
@@ -291,6 +296,65 @@ class Backend {
     (void)plan;
     (void)out;
     return WKV_ERROR(WKV_ERR_INTERNAL, "the backend has no whole-step decode");
+  }
+
+  // Steps a runtime captures (lib/engine/binding.hpp; CUDA) ----------------
+  // Whether plans may be bound.
+  virtual bool binds() const { return false; }
+  // Whether `stream` is being captured into a CUDA graph (false where
+  // nothing is captured).
+  virtual Status capturing(void *stream, bool *yes) {
+    (void)stream;
+    *yes = false;
+    return Status::ok();
+  }
+  // Readies the plan for `b` (its seqs, max_calls and per-layer reserve
+  // set): buffers for every layer's reserve, b.max_calls rings of
+  // kBoundSlots slots (a call's ring is ring i: bound_ring), every call's
+  // count zero, a new generation and no fault in the words. All or nothing.
+  virtual Status bind(Plan &plan, Binding &b) {
+    (void)plan, (void)b;
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "the backend captures no steps");
+  }
+  virtual void bound_ring(Plan &plan, uint32_t i, BoundRing *out) { (void)plan, (void)i, (void)out; }
+  // The binding ends: its generation is retired (a graph captured under it
+  // faults kBindStale), its rings go back. Pre: no replay in flight.
+  virtual void unbind(Plan &plan) { (void)plan; }
+  // The fault the binding's kernels found (kernels::kBind*; 0: none), and
+  // the program's call count for them (at the first prepare).
+  virtual uint32_t bound_fault(const Plan &plan) {
+    (void)plan;
+    return 0;
+  }
+  virtual void bound_seal(Plan &plan, uint32_t n_calls) { (void)plan, (void)n_calls; }
+  // The slots whose work each of the first n calls did (waits for the copy
+  // only): a prefix of the steps prepared, the rest never written.
+  virtual Status bound_counts(Plan &plan, uint32_t n, uint32_t *out) {
+    (void)plan, (void)n, (void)out;
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "the backend captures no steps");
+  }
+  // Enqueues call i of b on `stream`, which is being captured.
+  virtual Status capture_bound(Plan &plan, Binding &b, uint32_t i, void *stream) {
+    (void)plan, (void)b, (void)i, (void)stream;
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "the backend captures no steps");
+  }
+  // Faults the binding on the device unless call i has consumed `want`
+  // slots where `stream` has come to.
+  virtual Status bound_expect(Plan &plan, uint32_t i, uint32_t want, void *stream) {
+    (void)plan, (void)i, (void)want, (void)stream;
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "the backend captures no steps");
+  }
+  // Prepare's decode (call i of b, the plan's runs sized as a lookup's):
+  // the slot body after kernels::BoundSlotHead, checked against the layer's
+  // reserve (WKV_ERR_STATE beyond it); the call's run_heads, want_units,
+  // retrieved and estimated. Then, once every call of the step is ready,
+  // seal_decode: the step's variables (epoch, access record, output).
+  virtual Status prepare_decode(Plan &plan, Binding &b, uint32_t i, uint8_t *body) {
+    (void)plan, (void)b, (void)i, (void)body;
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "the backend captures no steps");
+  }
+  virtual void seal_decode(Plan &plan, BoundCallState &c, uint64_t epoch, uint8_t *body) {
+    (void)plan, (void)c, (void)epoch, (void)body;
   }
 };
 

@@ -24,11 +24,6 @@ Status make_cuda_backend(Engine &engine, std::unique_ptr<Backend> *out, HostAren
 bool cuda_device_usable(int device_id);
 #endif
 
-// A layer's pages (every head has as many): a call that changes the count
-// grew the layer, whose newest pages the device writes after the call
-// (LayerState::grown_epoch).
-static size_t layer_pages(const LayerState &L) { return L.heads.empty() ? 0 : L.heads[0].map.pages.size(); }
-
 // An environment variable that picks one of two behaviours: *second is
 // whether it names `second` (unset: `first`); any other value is an error
 // naming the variable and both choices.
@@ -320,6 +315,7 @@ Status Engine::evict(Sequence &seq) {
   if (!spill_)
     return WKV_ERROR(WKV_ERR_STATE, "the engine has no spill file (wkv_config.spill_dir is NULL)");
   if (seq.evicted()) return Status::ok();
+  WKV_RETURN_IF_ERROR(check_unbound(seq, "wkv_seq_evict"));
   // 1. The sequence's own device work (page writes of its growths) ends
   //    before its pages are read here; its cold pages' reads and writes are
   //    settled (they stay in the spill file as they are).
@@ -515,6 +511,10 @@ Status Plan::check_versions() const {
 }
 
 Plan::~Plan() {
+  // A bound plan unbinds first, waiting for the whole device (its replays'
+  // stream may be gone): the tokens of steps prepared and never run are
+  // taken back, and its sequences are free again.
+  if (binding) (void)engine_->unbind(*this, nullptr, true);
   close_lookups();
   engine_->backend().release_plan(*this);
 }
@@ -535,7 +535,12 @@ Status Engine::append_batch(Sequence *const *seqs, uint32_t n_seqs, uint32_t lay
                             const uint8_t *v, uint32_t n, int64_t seq_stride, int64_t token_stride,
                             int64_t head_stride, void *stream, const char *verb) {
   const size_t esz = dtype_bytes(cfg_.dtype());
+  // Bound sequences take appends only in their binding's captured step.
+  bool captured = false;
+  if (seqs[0]->binding() && backend_->capturing(stream, &captured).is_ok() && captured)
+    return capture_append(seqs, n_seqs, layer, k, v, n, seq_stride, token_stride, head_stride, stream, verb);
   WKV_RETURN_IF_ERROR(backend_->check_stream(stream, verb));
+  for (uint32_t i = 0; i < n_seqs; ++i) WKV_RETURN_IF_ERROR(check_unbound(*seqs[i], verb));
   const void *dk = nullptr, *dv = nullptr;
   WKV_RETURN_IF_ERROR(backend_->check_pointer(k, "k", esz, &dk));
   WKV_RETURN_IF_ERROR(backend_->check_pointer(v, "v", esz, &dv));
@@ -588,9 +593,9 @@ Status Engine::append_batch(Sequence *const *seqs, uint32_t n_seqs, uint32_t lay
                                   cfg_.row_bytes(), stream);
   for (uint32_t i = 0; i < n_seqs && st.is_ok(); ++i) {
     LayerState &L = seqs[i]->layer(layer);
-    const size_t pages = layer_pages(L);
+    const size_t pages = L.pages();
     st = commit_append(index_for(*seqs[i]), L, layer, staged[i], stream);
-    if (layer_pages(L) != pages) L.grown_epoch = epochs[i];
+    if (L.pages() != pages) L.grown_epoch = epochs[i];
     if (!st.is_ok() && n_seqs > 1)
       st = Status(st.code(), format("sequence %u: %s (sequences before it hold the new tokens; it and those after "
                                     "it do not)",
@@ -616,14 +621,15 @@ Status Engine::end_prompt_locked(Sequence &seq, uint32_t layer, void *stream) {
   if (L.generating || L.tokens == 0) return Status::ok();
   const uint64_t epoch = buffers_->begin(seq.tracker());
   LayerState &G = seq.layer(layer);
-  const size_t pages = layer_pages(G);
+  const size_t pages = G.pages();
   Status st = wkv::end_prompt(index_for(seq), G, layer, stream);
-  if (layer_pages(G) != pages) G.grown_epoch = epoch;
+  if (G.pages() != pages) G.grown_epoch = epoch;
   Status marked = backend_->end_work(seq.tracker(), epoch, stream);
   return st.is_ok() ? marked : st;
 }
 
 Status Engine::end_prompt(Sequence &seq, uint32_t layer, void *stream) {
+  WKV_RETURN_IF_ERROR(check_unbound(seq, "wkv_seq_end_prompt"));
   WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_seq_end_prompt"));
   WKV_RETURN_IF_ERROR(restore(seq));
   return end_prompt_locked(seq, layer, stream);
@@ -632,14 +638,23 @@ Status Engine::end_prompt(Sequence &seq, uint32_t layer, void *stream) {
 Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_t n, uint32_t layer,
                       const void *q, int64_t seq_stride, int64_t head_stride, void *stream,
                       const DecodeOut *decode) {
-  const wkv_config &c = cfg_.c;
-  const uint32_t H = c.n_kv_heads, G = cfg_.group();
   plan.stage = Plan::Stage::kEmpty;
   plan.stream = stream;
   plan.close_lookups();  // the plan's last lookup, if not assembled, is abandoned
+  // A bound plan's decodes are captured (capture_decode); it runs no other
+  // step.
+  if (plan.binding) {
+    bool captured = false;
+    WKV_RETURN_IF_ERROR(backend_->capturing(stream, &captured));
+    if (captured && decode) return capture_decode(plan, seqs, n, layer, q, seq_stride, head_stride, *decode, stream);
+    return WKV_ERROR(WKV_ERR_STATE,
+                     "the plan is bound to a batch whose steps a runtime captures: it decodes only in a capture "
+                     "(wkv_decode on a stream being captured) and replays; wkv_plan_unbind it first");
+  }
   // 1. Everything checked before anything changes: a refused lookup ends
   //    no prompt.
   WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_lookup"));
+  for (uint32_t i = 0; i < n; ++i) WKV_RETURN_IF_ERROR(check_unbound(*seqs[i], "wkv_lookup"));
   WKV_RETURN_IF_ERROR(backend_->check_pointer(q, "q", dtype_bytes(cfg_.dtype())));
   // The whole step at once: not with cold pages (their lookups install and
   // ask for pages around the kernels).
@@ -654,16 +669,45 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
   for (uint32_t i = 0; i < n; ++i) WKV_RETURN_IF_ERROR(restore(*seqs[i]));
   for (uint32_t i = 0; i < n; ++i) WKV_RETURN_IF_ERROR(end_prompt_locked(*seqs[i], layer, stream));
 
+  // 3. Hold the sequences, size the runs.
+  WKV_RETURN_IF_ERROR(plan_runs(plan, seqs, n, layer));
+  plan.q_src = q;
+  plan.q_seq_stride = seq_stride;
+  plan.q_head_stride = head_stride;
+  if (whole) {
+    WKV_RETURN_IF_ERROR(backend_->decode(plan, *decode));
+    plan.stage = Plan::Stage::kAssembled;
+    counters_.lookups.fetch_add(n);
+    return Status::ok();
+  }
+  // 4. Score, select, estimate; with cold pages, what came back from the
+  //    spill file is installed first, and what the step wanted is asked
+  //    for after.
+  if (cold_)
+    for (uint32_t i = 0; i < n; ++i) cold_->begin_lookup(*seqs[i], layer, stream);
+  Status st = backend_->lookup(plan);
+  if (st.is_ok() && cold_ && !backend_->host_memory()) {
+    // Open until the plan assembles (or abandons the lookup): no page of
+    // the layer leaves meanwhile, this lookup's end included.
+    for (uint32_t i = 0; i < n; ++i) seqs[i]->open_lookups(layer).fetch_add(1, std::memory_order_acq_rel);
+    plan.lookups_open = true;
+  }
+  if (cold_)
+    for (uint32_t i = 0; i < n; ++i) cold_->end_lookup(*seqs[i], layer);
+  if (!st.is_ok()) return st;
+  plan.stage = Plan::Stage::kLookedUp;
+  counters_.lookups.fetch_add(n);
+  return Status::ok();
+}
+
+Status Engine::plan_runs(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_t n, uint32_t layer) {
+  const uint32_t H = cfg_.c.n_kv_heads, G = cfg_.group();
   try {
-    // 3. Hold the sequences, size the runs.
     plan.seqs.assign(seqs, seqs + n);
     plan.seq_versions.resize(n);
     for (uint32_t i = 0; i < n; ++i) plan.seq_versions[i] = seqs[i]->layer(layer).version;
     plan.layer = layer;
     plan.n_seqs = n;
-    plan.q_src = q;
-    plan.q_seq_stride = seq_stride;
-    plan.q_head_stride = head_stride;
     grow_to(plan.runs, static_cast<size_t>(n) * H);
     size_t ret = 0, est = 0, lg = 0;
     for (uint32_t i = 0; i < n; ++i) {
@@ -690,30 +734,15 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
     plan.n_seqs = 0;
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory sizing the plan");
   }
-  if (whole) {
-    WKV_RETURN_IF_ERROR(backend_->decode(plan, *decode));
-    plan.stage = Plan::Stage::kAssembled;
-    counters_.lookups.fetch_add(n);
-    return Status::ok();
-  }
-  // 4. Score, select, estimate; with cold pages, what came back from the
-  //    spill file is installed first, and what the step wanted is asked
-  //    for after.
-  if (cold_)
-    for (uint32_t i = 0; i < n; ++i) cold_->begin_lookup(*seqs[i], layer, stream);
-  Status st = backend_->lookup(plan);
-  if (st.is_ok() && cold_ && !backend_->host_memory()) {
-    // Open until the plan assembles (or abandons the lookup): no page of
-    // the layer leaves meanwhile, this lookup's end included.
-    for (uint32_t i = 0; i < n; ++i) seqs[i]->open_lookups(layer).fetch_add(1, std::memory_order_acq_rel);
-    plan.lookups_open = true;
-  }
-  if (cold_)
-    for (uint32_t i = 0; i < n; ++i) cold_->end_lookup(*seqs[i], layer);
-  if (!st.is_ok()) return st;
-  plan.stage = Plan::Stage::kLookedUp;
-  counters_.lookups.fetch_add(n);
   return Status::ok();
+}
+
+Status Engine::check_unbound(const Sequence &seq, const char *verb) {
+  if (!seq.binding()) return Status::ok();
+  return WKV_ERROR(WKV_ERR_STATE,
+                   "%s: the sequence is bound to a plan whose steps a runtime captures: it takes appends and "
+                   "lookups only in that capture's replays (wkv_plan_unbind it first)",
+                   verb);
 }
 
 Status Engine::assemble(Plan &plan, void *stream) {

@@ -118,8 +118,38 @@ class Engine : public std::enable_shared_from_this<Engine> {
                int64_t lse_seq_stride, void *stream);
   Status update(Plan &plan, void *stream);
 
+  // Steps a runtime captures (lib/engine/binding.hpp, wkv_plan_bind). Bind
+  // restores evicted sequences and ends their layers' prompts (which waits
+  // for `stream`), then reserves for max_steps more tokens; from then on
+  // the sequences take appends and lookups only through the binding's
+  // captured calls, and the plan runs no other step. Prepare writes the
+  // next step's slots (before each replay of the runtime's graph, on the
+  // stream the graph is launched on). Unbind waits for `stream` (the
+  // replays'), takes back the tokens of steps prepared and never run, and
+  // frees the sequences and the plan for other use.
+  Status bind(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_t n, uint32_t max_steps, void *stream);
+  Status prepare(Plan &plan, void *stream);
+  // whole_device: waits for the whole device instead (a bound plan's
+  // destruction, which knows no stream that is surely alive).
+  Status unbind(Plan &plan, void *stream, bool whole_device = false);
+
  private:
   Engine() = default;
+  // Lookup's sizing of the plan's runs (plan.seqs, layer, runs).
+  Status plan_runs(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_t n, uint32_t layer);
+  // The captured calls: an append (append_batch on a stream being
+  // captured) and a decode (lookup with decode, likewise).
+  Status capture_append(Sequence *const *seqs, uint32_t n, uint32_t layer, const uint8_t *k, const uint8_t *v,
+                        uint32_t n_tokens, int64_t seq_stride, int64_t token_stride, int64_t head_stride,
+                        void *stream, const char *verb);
+  Status capture_decode(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_t n, uint32_t layer, const void *q,
+                        int64_t seq_stride, int64_t head_stride, const DecodeOut &out, void *stream);
+  // Prepare's steps: the growths due, each call's host part, and what a
+  // step that failed half way gives back.
+  Status prepare_calls(Plan &plan, Binding &b, void *stream, uint32_t *done);
+  void unprepare_calls(Binding &b, uint32_t done);
+  // WKV_ERR_STATE where `seq` is bound to a plan (its steps are captured).
+  static Status check_unbound(const Sequence &seq, const char *verb);
   Status end_prompt_locked(Sequence &seq, uint32_t layer, void *stream);
   // index(), with a growth of `seq` that finds the host budget full first
   // writing the sequence's cold pages out (when the engine has a cold tier).

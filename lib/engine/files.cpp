@@ -10,7 +10,9 @@ namespace wkv {
 Status Engine::save(Sequence &seq, FileIO &io, int fd, uint32_t flags, const ProgressFn &progress) {
   // 1. An evicted sequence comes back; its own appends and growths, on
   //    whatever streams the caller gave them, end before its memory is
-  //    copied out.
+  //    copied out. A bound sequence's host state runs ahead of its rows
+  //    (prepared steps): not saved until unbound.
+  WKV_RETURN_IF_ERROR(check_unbound(seq, "wkv_seq_save"));
   WKV_RETURN_IF_ERROR(restore(seq));
   BufferManager::wait_idle(seq.tracker());
   // 2. One layer at a time: export on the I/O stream (export_layer waits for
@@ -24,6 +26,7 @@ Status Engine::save(Sequence &seq, FileIO &io, int fd, uint32_t flags, const Pro
 }
 
 Status Engine::save(Sequence &seq, FileIO &io, const std::string &path, uint32_t flags, const ProgressFn &progress) {
+  WKV_RETURN_IF_ERROR(check_unbound(seq, "wkv_seq_save"));  // before the file is touched
   // replace_file fsyncs the file and its directory itself.
   return replace_file(io, path, !(flags & kSaveNoFsync),
                       [&](int fd) { return save(seq, io, fd, flags | kSaveNoFsync, progress); });

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/device_layout.hpp"
+#include "lib/engine/binding.hpp"
 #include "lib/buffer/buffer_manager.hpp"
 #include "lib/common/status.hpp"
 #include "lib/index/head.hpp"
@@ -81,6 +82,22 @@ struct PlanDevice {
   uint32_t stage_next = 0;
   std::array<uint64_t, kStageSlots> stage_epochs{};
   uint32_t stage_retry_in = 0;  // decodes before a ring that could not be had is asked for again
+  // Steps a runtime captures (lib/engine/binding.hpp): the binding's words
+  // (kernels::BindWords, pinned and mapped) and the calls' counts of slots
+  // consumed and their entry kernels' CTA counter (device), kept for the
+  // plan's life so that a graph of an earlier binding still reads live
+  // memory; the rings of the current binding (one pinned block). Once a
+  // plan has been bound, a buffer it outgrows is kept until the plan goes
+  // (retired) rather than freed: a captured graph keeps its addresses.
+  kernels::BindWords *bind_words = nullptr, *bind_words_dev = nullptr;
+  Region bind_counts;
+  uint32_t bind_generation = 0;
+  uint8_t *bound_rings = nullptr, *bound_rings_dev = nullptr;
+  size_t bound_rings_bytes = 0, bound_slot_bytes = 0;
+  bool ever_bound = false;
+  std::vector<Region> retired;
+  void *bind_side = nullptr;  // the captured decodes' estimate stream (cudaStream_t)
+  void *bind_fork = nullptr, *bind_join = nullptr;  // cudaEvent_t
 };
 
 // wkv_decode's output, for a backend that runs a whole step at once.
@@ -132,6 +149,9 @@ class Plan {
 
   // The CUDA backend's step.
   PlanDevice dev;
+
+  // Bound to a batch whose steps a runtime captures (wkv_plan_bind).
+  std::unique_ptr<Binding> binding;
 
   // Checks that no sequence changed since the lookup.
   Status check_versions() const;

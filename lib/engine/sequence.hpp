@@ -18,6 +18,7 @@
 namespace wkv {
 
 class Engine;
+class Binding;
 
 class Sequence {
  public:
@@ -52,6 +53,11 @@ class Sequence {
   std::atomic<uint32_t> &open_lookups(uint32_t l) { return open_[l]; }
   bool layer_open(uint32_t l) const { return open_[l].load(std::memory_order_acquire) > 0; }
 
+  // The binding whose captured steps alone may append to or read the
+  // sequence (wkv_plan_bind), or null.
+  Binding *binding() const { return binding_; }
+  void set_binding(Binding *b) { binding_ = b; }
+
  private:
   Sequence(std::shared_ptr<Engine> engine, uint64_t id) : engine_(std::move(engine)), id_(id) {}
 
@@ -65,6 +71,7 @@ class Sequence {
   uint64_t stamp_ = 0;
   std::shared_ptr<ColdShared> cold_;
   std::unique_ptr<std::atomic<uint32_t>[]> open_;  // [layers]
+  Binding *binding_ = nullptr;
 };
 
 }  // namespace wkv

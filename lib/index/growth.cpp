@@ -701,7 +701,8 @@ bool commit_is_quiet(const IndexContext &ix, const LayerState &L, const StagedAp
   return segments_ready(ix, L, tail_begin, sa.n) == 0;
 }
 
-Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, const StagedAppend &sa, void *stream) {
+Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, const StagedAppend &sa, void *stream,
+                     bool begin_growths) {
   const Config &cfg = ix.cfg;
   const uint32_t H = static_cast<uint32_t>(L.heads.size()), sink = cfg.c.sink_tokens, n = sa.n;
   // A pending growth commits in the append that reaches its commit point,
@@ -737,7 +738,7 @@ Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, cons
   // segments a later one could not take wait in the tail (the steady zone,
   // attended exactly) for the next growth. A generating layer's growth is
   // left pending until its commit point, one at a time.
-  for (uint32_t done = 0; done < count && !L.pending;) {
+  for (uint32_t done = 0; begin_growths && done < count && !L.pending;) {
     // A generating layer's segments grow one by one, each committing at its
     // own point: which segments grow together never depends on how the
     // tokens were split into appends.
@@ -779,6 +780,48 @@ Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, cons
   if (grew && L.generating && !L.pending)
     trim_tails(ix, L, cfg.c.window_tokens + cfg.c.update_segment_tokens + 1, stream);
   return Status::ok();
+}
+
+bool growth_due(const IndexContext &ix, const LayerState &L) {
+  return L.generating && !L.pending && segments_ready(ix, L, L.tail_begin, 0) > 0;
+}
+
+Status begin_due(const IndexContext &ix, LayerState &L, uint32_t layer, void *stream, bool *began) {
+  *began = false;
+  if (!growth_due(ix, L)) return Status::ok();
+  const Config &cfg = ix.cfg;
+  const uint32_t seg = cfg.c.update_segment_tokens;
+  std::unique_ptr<PendingGrowth, PendingGrowthFree> pg;
+  WKV_RETURN_IF_ERROR(grow_begin(ix, L, layer, 1, seg, seg, true, stream, &pg));
+  pg->commit_at = L.tail_begin + seg + cfg.c.window_tokens + ix.growth_lag;
+  L.pending = std::move(pg);
+  ix.counters.growths_deferred.fetch_add(1);
+  *began = true;
+  return Status::ok();
+}
+
+Status commit_due(const IndexContext &ix, LayerState &L, uint32_t n, void *stream) {
+  if (!L.pending || L.tokens + n < L.pending->commit_at) return Status::ok();
+  if (!ix.backend.cluster_ready(L.pending->batch)) ix.counters.growth_waits.fetch_add(1);
+  Status st = grow_commit(ix, L, *L.pending, stream);
+  L.pending.reset();
+  WKV_RETURN_IF_ERROR(st);
+  L.version++;
+  const Config &cfg = ix.cfg;
+  trim_tails(ix, L, cfg.c.window_tokens + cfg.c.update_segment_tokens + 1, stream);
+  return Status::ok();
+}
+
+void uncount_append(const IndexContext &ix, LayerState &L, const StagedAppend &sa, uint64_t tail_begin_before) {
+  for (HeadState &h : L.heads) {
+    h.sink.n -= sa.to_sink;
+    h.tail.n -= sa.to_tail;
+  }
+  L.tail_begin = tail_begin_before;
+  L.tokens -= sa.n;
+  L.version++;
+  ix.counters.steady_rows.fetch_sub(static_cast<uint64_t>(sa.n) * L.heads.size());
+  ix.counters.tokens.fetch_sub(sa.n);
 }
 
 Status append_tokens(const IndexContext &ix, LayerState &L, uint32_t layer, const uint8_t *k, const uint8_t *v,

@@ -122,7 +122,32 @@ struct StagedAppend {
 Status stage_append(const IndexContext &ix, LayerState &L, uint32_t n, StagedAppend *out, void *stream);
 Status append_copies(const IndexContext &ix, const LayerState &L, const StagedAppend &sa, uint64_t src_off,
                      uint64_t token_pitch, uint64_t head_pitch, std::vector<RowCopy> *out);
-Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, const StagedAppend &sa, void *stream);
+Status commit_append(const IndexContext &ix, LayerState &L, uint32_t layer, const StagedAppend &sa, void *stream,
+                     bool begin_growths = true);
+// A captured step's append (lib/engine/binding.hpp) in the same steps, in
+// another order: its copies run after the host's part (a replay follows
+// wkv_plan_prepare), so the growths an append would begin after its copies
+// begin at the next prepare instead, and a commit comes before the rows are
+// staged (its trim may move the tail).
+//   begin_due     begins the growth of a generating layer's completed
+//                 segment, if one waits (the work enqueued on `stream` so
+//                 far writes its rows): the commit point is the same as had
+//                 the append that completed it begun it (kGrowthLagTokens
+//                 later, so never before this)
+//   commit_due    commits the pending growth if the append of n rows
+//                 reaches its point (before staging them), then trims the
+//                 tails; on an error the growth is dropped (the segment
+//                 stays in the tail) and nothing else changes
+//   commit_append with begin_growths false, after stage_append: counts
+//   uncount_append  takes back rows counted by commit_append that were never
+//                 written (a prepared step that failed, or never ran); the
+//                 rows' room stays
+Status begin_due(const IndexContext &ix, LayerState &L, uint32_t layer, void *stream, bool *began);
+Status commit_due(const IndexContext &ix, LayerState &L, uint32_t n, void *stream);
+void uncount_append(const IndexContext &ix, LayerState &L, const StagedAppend &sa, uint64_t tail_begin_before);
+// Whether begin_due would begin a growth (a generating layer with no growth
+// pending and a segment complete beyond the window).
+bool growth_due(const IndexContext &ix, const LayerState &L);
 // Whether commit_append of `sa` will only count rows: no growth begins or
 // commits, so it enqueues nothing and cannot fail (an append may then end
 // its step with its copies: Backend::copy_rows_then_end).

@@ -206,6 +206,11 @@ struct LayerState {
   // The growth begun and not yet committed, if any (one at a time).
   std::unique_ptr<PendingGrowth, PendingGrowthFree> pending;
   std::vector<HeadState> heads;
+
+  // The layer's pages (every head has as many): a call that changes the
+  // count grew the layer, whose newest pages the device writes after the
+  // call (grown_epoch).
+  size_t pages() const { return heads.empty() ? 0 : heads[0].map.pages.size(); }
 };
 
 }  // namespace wkv

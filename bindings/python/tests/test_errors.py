@@ -151,3 +151,35 @@ def test_sequence_listed_twice(np: Any) -> None:
         assert info.value.message.startswith("wkv_")
         # the sequence is usable afterwards (the binding released it)
         assert seq.info(0).tokens == 8
+
+
+def test_binding_a_plan_needs_a_cuda_engine(np: Any) -> None:
+    # Steps a runtime captures (wkv_plan_bind, 0.9): a CPU engine refuses the
+    # binding, leaving the plan unbound (prepare and unbind: StateError) and
+    # the plan and its sequences usable.
+    with small_engine() as eng, eng.sequence() as a, eng.sequence() as b, eng.plan() as plan:
+        kv = np.ones((8, 2, 64), dtype=np.float32)
+        for seq in (a, b):
+            for layer in range(2):
+                seq.append(layer, kv, kv)
+        with pytest.raises(wavekv.UnsupportedError) as info:
+            plan.bind([a, b], max_steps=16)
+        assert info.value.status == 4 and info.value.message.startswith("wkv_plan_bind: ")
+        with pytest.raises(wavekv.UnsupportedError):
+            plan.bind(a, stream=0)
+        for call, name in ((plan.prepare, "wkv_plan_prepare"), (plan.unbind, "wkv_plan_unbind")):
+            with pytest.raises(wavekv.StateError) as info:
+                call()
+            assert info.value.status == 10
+            assert info.value.message.startswith(name + ": ") and "not bound" in info.value.message
+        # the binding's checks, before calling in
+        with pytest.raises(wavekv.InvalidArgumentError, match="max_steps"):
+            plan.bind([a], max_steps=-1)
+        with pytest.raises(wavekv.InvalidArgumentError, match="max_steps"):
+            plan.bind([a], max_steps=True)
+        with pytest.raises(wavekv.InvalidArgumentError, match="no sequences"):
+            plan.bind([])
+        # not bound: both sequences take appends and the plan decodes
+        a.append(0, kv[:1], kv[:1])
+        out = plan.decode([a, b], 0, np.ones((2, 8, 64), dtype=np.float32))
+        assert np.isfinite(out).all() and a.info(0).tokens == 9

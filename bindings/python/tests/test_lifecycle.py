@@ -74,6 +74,7 @@ def closed_calls(np: Any, eng: wavekv.Engine, seq: wavekv.Sequence, plan: wavekv
         lambda: seq.append(0, k, v), lambda: seq.end_prompt(0), lambda: seq.info(0),
         lambda: plan.decode([seq], 0, q), lambda: plan.lookup([seq], 0, q), plan.assemble,
         plan.xbuf, lambda: plan.attend(out), lambda: plan.merge(out, lse), plan.update,
+        lambda: plan.bind([seq]), plan.prepare, plan.unbind,
     ]
 
 

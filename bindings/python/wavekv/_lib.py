@@ -13,7 +13,7 @@ import glob
 import os
 import threading
 from pathlib import Path
-from typing import List, Optional, Tuple, Type, TypeVar
+from typing import Any, List, Optional, Tuple, Type, TypeVar
 
 from .errors import LibraryNotFoundError, error_for_status
 
@@ -22,10 +22,14 @@ __all__ = ["lib", "library_path", "check", "WkvConfig", "WkvStats", "WkvSeqInfo"
 # The library major version this binding speaks (WKV_VERSION_MAJOR).
 ABI_MAJOR = 0
 # The minor version of the header the declarations below mirror (wkv_stats
-# as of 0.8, wkv_seq_info as of 0.6; wkv_append_batch: 0.5). An older
-# library from 0.5 on has every function and leaves the fields it lacks 0
-# (its wkv_stats_init and wkv_seq_info_init set its own sizes).
-ABI_MINOR = 8
+# as of 0.8, wkv_seq_info as of 0.6; wkv_append_batch: 0.5; wkv_plan_bind,
+# _prepare and _unbind: 0.9). An older library from 0.5 on has every
+# function of _SIGNATURES and leaves the fields it lacks 0 (its
+# wkv_stats_init and wkv_seq_info_init set its own sizes); the functions of
+# _SINCE it may lack are refused when called (UnsupportedError).
+ABI_MINOR = 9
+# The oldest minor version that loads (wkv_append_batch).
+ABI_MIN_MINOR = 5
 WKV_SAVE_NO_FSYNC = 1
 
 c_void_p = ctypes.c_void_p
@@ -202,6 +206,18 @@ _SIGNATURES = {
         ctypes.c_int,
         [_P, _PP, c_uint32, c_uint32, _P, c_int64, c_int64, _P, c_int64, c_int64, _P],
     ),
+    # 0.9 (optional: see _SINCE)
+    "wkv_plan_bind": (ctypes.c_int, [_P, _PP, c_uint32, c_uint32, _P]),
+    "wkv_plan_prepare": (ctypes.c_int, [_P, _P]),
+    "wkv_plan_unbind": (ctypes.c_int, [_P, _P]),
+}
+
+# Functions newer than ABI_MIN_MINOR: a library without them still loads,
+# and calling them raises UnsupportedError (see function()).
+_SINCE = {
+    "wkv_plan_bind": 9,
+    "wkv_plan_prepare": 9,
+    "wkv_plan_unbind": 9,
 }
 
 _LIB_NAMES = ("libwavekv.so.%d" % ABI_MAJOR, "libwavekv.so")
@@ -302,9 +318,11 @@ def _load() -> ctypes.CDLL:
                 try:
                     fn = getattr(lib, name)
                 except AttributeError:
+                    if name in _SINCE:
+                        continue
                     raise LibraryNotFoundError(
                         "%s lacks %s: not a libwavekv of ABI %d.%d or later (an older or foreign library)"
-                        % (cand, name, ABI_MAJOR, ABI_MINOR)
+                        % (cand, name, ABI_MAJOR, ABI_MIN_MINOR)
                     ) from None
                 fn.restype = restype
                 fn.argtypes = argtypes
@@ -343,6 +361,17 @@ def _resolved_path(lib: ctypes.CDLL, name: str) -> str:
 def lib() -> ctypes.CDLL:
     """The loaded libwavekv (loaded on first use)."""
     return _lib if _lib is not None else _load()
+
+
+def function(name: str, caller: str) -> Any:
+    """The library's function `name`, or UnsupportedError when the library
+    loaded is older than the version that added it (_SINCE)."""
+    try:
+        return getattr(lib(), name)
+    except AttributeError:
+        raise error_for_status(4, "%s: the libwavekv loaded (%s) lacks %s, new in %d.%d"
+                               % (caller, lib().wkv_version_string().decode(), name,
+                                  ABI_MAJOR, _SINCE.get(name, ABI_MINOR))) from None
 
 
 def library_path() -> str:

@@ -340,6 +340,19 @@ def _check_layer(layer: Any, fn: str) -> int:
     return index
 
 
+def _check_u32(value: Any, name: str, fn: str) -> int:
+    """A count the C ABI takes as a uint32_t."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(1, "%s: %s must be an int, not %r" % (fn, name, value))
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(1, "%s: %s must be an int, not %r" % (fn, name, value)) from None
+    if not 0 <= count <= _U32:
+        raise InvalidArgumentError(1, "%s: %s %d out of range (0 to %d)" % (fn, name, count, _U32))
+    return count
+
+
 class Engine(_Owner):
     """An engine: one device's KV storage (wkv_engine).
 
@@ -1016,8 +1029,73 @@ class Plan(_Owner):
         finally:
             self._leave()
 
+    def bind(self, seqs: Union[Sequence, Iterable[Sequence]], max_steps: int = 0,
+             stream: StreamLike = None) -> None:
+        """Binds the plan to a batch for a decoding step that a runtime
+        captures into a CUDA graph of its own and replays, each replay after a
+        prepare() (wkv_plan_bind, ABI 0.9).
+
+        seqs are distinct sequences of the plan's engine, every layer holding
+        tokens (bind after the prompts), in the order the captured
+        Sequence.append_batch and decode calls will list them; max_steps is
+        the number of tokens each may still take (0: 4096). Waits for
+        `stream`. CUDA engines without cold pages only: a CPU engine raises
+        UnsupportedError. While bound, the sequences refuse every other
+        append, lookup, end_prompt, save and evict, and the plan every other
+        step (StateError), until unbind().
+        """
+        fn = "Plan.bind"
+        max_steps = _check_u32(max_steps, "max_steps", fn)
+        bind = _lib.function("wkv_plan_bind", fn)
+        handle = self._enter(fn)
+        try:
+            seq_list, entered, arr = _enter_seqs(seqs, fn)
+            try:
+                s = _stream_handle(stream, (), self._target)
+                self._generation += 1  # the plan's buffers may be reserved anew
+                _lib.check(bind(handle, arr, len(seq_list), max_steps, _c_stream(s)))
+                self._step = None
+            finally:
+                for seq in entered:
+                    seq._leave()
+        finally:
+            self._leave()
+
+    def prepare(self, stream: StreamLike = None) -> None:
+        """Prepares the next replay of the bound plan's captured step
+        (wkv_plan_prepare, ABI 0.9): call it, then launch the graph once on
+        the same `stream`. Raises StateError when the plan is not bound,
+        nothing is captured or the device found a fault, BudgetError once
+        max_steps steps are prepared; after an error the graph must not be
+        launched for the step."""
+        fn = "Plan.prepare"
+        prepare = _lib.function("wkv_plan_prepare", fn)
+        handle = self._enter(fn)
+        try:
+            s = _stream_handle(stream, (), self._target)
+            _lib.check(prepare(handle, _c_stream(s)))
+        finally:
+            self._leave()
+
+    def unbind(self, stream: StreamLike = None) -> None:
+        """Ends the binding (wkv_plan_unbind, ABI 0.9): waits for `stream`
+        (the replays'), takes back the tokens of steps prepared and never
+        replayed, and frees the sequences and the plan for other use; a graph
+        captured under the binding faults if replayed later. Raises
+        StateError when the plan is not bound. close() unbinds a bound plan,
+        waiting for the whole device."""
+        fn = "Plan.unbind"
+        unbind = _lib.function("wkv_plan_unbind", fn)
+        handle = self._enter(fn)
+        try:
+            s = _stream_handle(stream, (), self._target)
+            _lib.check(unbind(handle, _c_stream(s)))
+        finally:
+            self._leave()
+
     def close(self) -> None:
-        """Releases the plan (wkv_plan_destroy). Idempotent."""
+        """Releases the plan (wkv_plan_destroy); a bound plan is unbound first,
+        which waits for the whole device. Idempotent."""
         self._step = None
         super().close()
 

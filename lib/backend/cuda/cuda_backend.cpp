@@ -30,6 +30,7 @@
 #include "kernels/table_cuda.hpp"
 #include "lib/backend/cuda/device_state.hpp"
 #include "lib/engine/engine.hpp"
+#include "lib/engine/binding.hpp"
 #include "lib/engine/plan.hpp"
 #include "lib/engine/sequence.hpp"
 
@@ -250,6 +251,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
                             size_t width, StepTracker *const *trackers, const uint64_t *epochs, uint32_t n_ends,
                             void *stream, bool *ended) override;
   Status mem_sync(void *stream) override;
+  Status device_sync() override;
   void *io_stream() override { return io_; }
 
   uint32_t prompt_batch_segments() const override { return kPromptBatchSegments; }
@@ -291,13 +293,38 @@ class CudaBackend final : public Backend, public BufferManager::Device {
                int64_t lse_seq_stride) override;
   void release_plan(Plan &plan) override;
 
+  bool binds() const override { return true; }
+  Status capturing(void *stream, bool *yes) override;
+  Status bind(Plan &plan, Binding &b) override;
+  void bound_ring(Plan &plan, uint32_t i, BoundRing *out) override;
+  void unbind(Plan &plan) override;
+  uint32_t bound_fault(const Plan &plan) override;
+  void bound_seal(Plan &plan, uint32_t n_calls) override;
+  Status bound_counts(Plan &plan, uint32_t n, uint32_t *out) override;
+  Status capture_bound(Plan &plan, Binding &b, uint32_t i, void *stream) override;
+  Status bound_expect(Plan &plan, uint32_t i, uint32_t want, void *stream) override;
+  Status prepare_decode(Plan &plan, Binding &b, uint32_t i, uint8_t *body) override;
+  void seal_decode(Plan &plan, BoundCallState &c, uint64_t epoch, uint8_t *body) override;
+
  private:
+  // A bound plan's slot: its header and the larger of a decode's body (the
+  // staging slot and the run table) and an append's (its copies and marks).
+  size_t bound_slot_bytes(uint32_t n_seqs) const;
+  // The binding words of plans (kernels::BindWords): pinned and mapped, in
+  // blocks of 256, a plan's taken at its first binding and given back once
+  // its steps have ended.
+  Status take_bind_words(kernels::BindWords **host, kernels::BindWords **dev);
+  std::mutex words_mu_;
+  std::vector<std::pair<kernels::BindWords *, kernels::BindWords *>> free_words_;
+
   // Grows one of a plan's buffers (contents not kept); the old one goes
-  // once the plan's steps in flight have ended.
-  Status plan_region(Region *r, size_t bytes, cudaStream_t s);
+  // once the plan's steps in flight have ended, or with the plan once it
+  // has been bound (PlanDevice::retired).
+  Status plan_region(PlanDevice &pd, Region *r, size_t bytes, cudaStream_t s);
   // A lookup's host part: the run table (PlanDevice::host_runs), its bounds
-  // and the plan's buffers; `graph`: laid out for a decode graph.
-  Status size_plan(Plan &plan, cudaStream_t s, bool graph, PlanSizes *z);
+  // and the plan's buffers; `graph`: laid out for a decode graph; `fixed`:
+  // a bound plan's, whose buffers must hold the step as they are.
+  Status size_plan(Plan &plan, cudaStream_t s, bool graph, PlanSizes *z, bool fixed = false);
   // A step's access record (null header without a device cache): room to
   // log the admissions of its misses (frames it takes from the buffer
   // manager's pool) and its hits. Hits beyond the log's room refresh
@@ -311,8 +338,10 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // With `side` (a capture's), the estimate runs there, beside the offsets
   // and the gather: a fork after the selection, joined before the
   // attention. `fail_in_fork` (fault injection) fails the capture there.
+  // fork_ev and join_ev: the fork's events (the engine's own captures':
+  // fork_ev_ and join_ev_, under cap_mu_).
   cudaError_t launch_decode(const DecodeBody &b, cudaStream_t s, cudaStream_t side = nullptr,
-                            bool fail_in_fork = false);
+                            bool fail_in_fork = false, cudaEvent_t fork_ev = nullptr, cudaEvent_t join_ev = nullptr);
   // A ring for the plan's replays with slots for R runs (PlanDevice::stage_host).
   static size_t stage_slot_bytes(uint32_t R);
   Status stage_ring(PlanDevice &pd, uint32_t R);
@@ -540,8 +569,8 @@ Status CudaBackend::check_stream(void *stream, const char *verb) {
     // A captured step would replay its run table and its epochs as they
     // were at capture, ignoring later appends and growths.
     return WKV_ERROR(WKV_ERR_UNSUPPORTED,
-                     "%s: the stream is being captured into a CUDA graph; capturing decoding steps is not "
-                     "supported yet (a replay would not see later appends and growths)",
+                     "%s: the stream is being captured into a CUDA graph; only a bound plan's steps are "
+                     "captured (wkv_plan_bind: otherwise a replay would not see later appends and growths)",
                      verb);
   }
   if (err != cudaSuccess) {
@@ -1212,11 +1241,23 @@ Status CudaBackend::read_stamps(const HeadState &hs, uint32_t *dst, uint32_t n) 
   return Status::ok();
 }
 
-Status CudaBackend::plan_region(Region *r, size_t bytes, cudaStream_t s) {
+Status CudaBackend::plan_region(PlanDevice &pd, Region *r, size_t bytes, cudaStream_t s) {
   if (bytes <= r->bytes) return Status::ok();
   Region fresh;
   WKV_RETURN_IF_ERROR(mem_alloc(std::max(bytes, r->bytes + r->bytes / 2), s, &fresh));
   std::swap(*r, fresh);
+  if (pd.ever_bound && fresh.p) {
+    // A graph captured under a binding may still be replayed (and fault):
+    // what it reads stays until the plan goes.
+    try {
+      pd.retired.push_back(fresh);
+      return Status::ok();
+    } catch (const std::bad_alloc &) {
+      std::swap(*r, fresh);
+      mem_free(&fresh, s);
+      return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory growing a bound plan's buffer");
+    }
+  }
   mem_free_after(&fresh, s);
   return Status::ok();
 }
@@ -1254,10 +1295,36 @@ void CudaBackend::release_plan(Plan &plan) {
     for (PlanDevice::Graph &g : pd.graphs) drop_graph(&g);
   }
   release_stage(pd);
+  unbind(plan);  // (the engine unbound it: the rings only)
   for (Region *r : {&pd.runs, &pd.q, &pd.ret_ids, &pd.ret_pos, &pd.est_ids, &pd.run_tokens, &pd.est_out, &pd.est_lse,
                     &pd.offsets, &pd.logits, &pd.zones, &pd.xk, &pd.xv, &pd.scratch, &pd.counters, &pd.est_extra,
-                    &pd.vars})
+                    &pd.vars, &pd.bind_counts})
     mem_free_deferred(r);
+  for (Region &r : pd.retired) mem_free_deferred(&r);
+  pd.retired.clear();
+  if (pd.bind_side) {
+    DeviceGuard guard(dev_);
+    cudaStreamDestroy(static_cast<cudaStream_t>(pd.bind_side));  // released once its work is done
+    cudaEventDestroy(static_cast<cudaEvent_t>(pd.bind_fork));
+    cudaEventDestroy(static_cast<cudaEvent_t>(pd.bind_join));
+    (void)cudaGetLastError();
+    pd.bind_side = pd.bind_fork = pd.bind_join = nullptr;
+  }
+  if (pd.bind_words) {
+    const std::pair<kernels::BindWords *, kernels::BindWords *> words{pd.bind_words, pd.bind_words_dev};
+    pd.bind_words = pd.bind_words_dev = nullptr;
+    try {
+      e_.buffers().defer([this, words] {
+        std::lock_guard<std::mutex> lock(words_mu_);
+        try {
+          free_words_.push_back(words);
+        } catch (...) {
+        }
+      });
+    } catch (...) {
+      // Kept until close.
+    }
+  }
 }
 
 void CudaBackend::xbuf(const Plan &plan, wkv_xbuf_view *view) {
@@ -1271,7 +1338,7 @@ void CudaBackend::xbuf(const Plan &plan, wkv_xbuf_view *view) {
   view->offsets = pd.offsets.as<int32_t>();
 }
 
-Status CudaBackend::size_plan(Plan &plan, cudaStream_t s, bool graph, PlanSizes *z) {
+Status CudaBackend::size_plan(Plan &plan, cudaStream_t s, bool graph, PlanSizes *z, bool fixed) {
   const Config &cfg = e_.config();
   const uint32_t d = cfg.c.head_dim, G = cfg.group(), nq = cfg.c.n_q_heads, pt = cfg.page_tokens();
   PlanDevice &pd = plan.dev;
@@ -1344,28 +1411,40 @@ Status CudaBackend::size_plan(Plan &plan, cudaStream_t s, bool graph, PlanSizes 
   pd.max_run_tokens = max_run;
   pd.want_units = static_cast<uint32_t>(std::min<uint64_t>(want, UINT32_MAX));
 
-  // 2. Buffers (grow only).
+  // 2. Buffers (grow only; a bound plan's, fixed at its binding, are
+  //    checked instead: a captured step keeps their addresses).
   const size_t row = cfg.row_bytes();
-  WKV_RETURN_IF_ERROR(plan_region(&pd.runs, R * sizeof(kernels::DevRun), s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.q, static_cast<size_t>(plan.n_seqs) * nq * d * sizeof(float), s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.ret_ids, std::max<size_t>(ret, 1) * sizeof(uint32_t), s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.ret_pos, std::max<size_t>(ret, 1) * sizeof(uint32_t), s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.est_ids, std::max<size_t>(est, 1) * sizeof(uint32_t), s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.run_tokens, R * sizeof(uint32_t), s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.est_out, static_cast<size_t>(R) * G * d * sizeof(float), s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.est_lse, static_cast<size_t>(R) * G * sizeof(float), s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.offsets, (R + 1) * sizeof(int32_t), s));
+  auto region = [&](Region *r, size_t bytes) -> Status {
+    if (!fixed) return plan_region(pd, r, bytes, s);
+    if (bytes <= r->bytes) return Status::ok();
+    return WKV_ERROR(WKV_ERR_STATE,
+                     "the step outgrows what its binding reserved (%zu bytes where %zu are): unbind and bind again",
+                     bytes, r->bytes);
+  };
+  WKV_RETURN_IF_ERROR(region(&pd.runs, R * sizeof(kernels::DevRun)));
+  WKV_RETURN_IF_ERROR(region(&pd.q, static_cast<size_t>(plan.n_seqs) * nq * d * sizeof(float)));
+  WKV_RETURN_IF_ERROR(region(&pd.ret_ids, std::max<size_t>(ret, 1) * sizeof(uint32_t)));
+  WKV_RETURN_IF_ERROR(region(&pd.ret_pos, std::max<size_t>(ret, 1) * sizeof(uint32_t)));
+  WKV_RETURN_IF_ERROR(region(&pd.est_ids, std::max<size_t>(est, 1) * sizeof(uint32_t)));
+  WKV_RETURN_IF_ERROR(region(&pd.run_tokens, R * sizeof(uint32_t)));
+  WKV_RETURN_IF_ERROR(region(&pd.est_out, static_cast<size_t>(R) * G * d * sizeof(float)));
+  WKV_RETURN_IF_ERROR(region(&pd.est_lse, static_cast<size_t>(R) * G * sizeof(float)));
+  WKV_RETURN_IF_ERROR(region(&pd.offsets, (R + 1) * sizeof(int32_t)));
   // The logits, then the selection's scores. A graph's kernels keep their
   // pointers, so there the scores start at a bound on lg (decode_bound)
   // rather than at lg, which grows with every growth.
-  if (graph) pd.bound_logits = decode_bound(pd.bound_logits, lg);
+  if (fixed && lg > pd.bound_logits)
+    return WKV_ERROR(WKV_ERR_STATE, "the step's %zu logits outgrow the %zu its binding reserved: unbind and bind again",
+                     lg, pd.bound_logits);
+  if (graph && !fixed) pd.bound_logits = decode_bound(pd.bound_logits, lg);
   const size_t scores_at = graph ? pd.bound_logits : lg;
-  WKV_RETURN_IF_ERROR(plan_region(&pd.logits, std::max<size_t>(scores_at, 1) * 2 * sizeof(float), s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.zones, std::max<size_t>(lg / G, 1), s));
-  if (cold) WKV_RETURN_IF_ERROR(plan_region(&pd.est_extra, R * sizeof(uint32_t), s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.xk, std::max<uint64_t>(xbuf, 1) * row, s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.xv, std::max<uint64_t>(xbuf, 1) * row, s));
+  WKV_RETURN_IF_ERROR(region(&pd.logits, std::max<size_t>(scores_at, 1) * 2 * sizeof(float)));
+  WKV_RETURN_IF_ERROR(region(&pd.zones, std::max<size_t>(lg / G, 1)));
+  if (cold) WKV_RETURN_IF_ERROR(region(&pd.est_extra, R * sizeof(uint32_t)));
+  WKV_RETURN_IF_ERROR(region(&pd.xk, std::max<uint64_t>(xbuf, 1) * row));
+  WKV_RETURN_IF_ERROR(region(&pd.xv, std::max<uint64_t>(xbuf, 1) * row));
   if (!pd.counters.p) {
+    if (fixed) return WKV_ERROR(WKV_ERR_INTERNAL, "a bound plan without its counters");
     WKV_RETURN_IF_ERROR(mem_alloc(kCounterWords * sizeof(uint32_t), s, &pd.counters));
     WKV_RETURN_IF_ERROR(mem_fill(pd.counters.p, 0, kCounterWords * sizeof(uint32_t), s));
   }
@@ -1466,7 +1545,10 @@ struct CudaBackend::DecodeBody {
   }
 };
 
-cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cudaStream_t side, bool fail_in_fork) {
+cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cudaStream_t side, bool fail_in_fork,
+                                       cudaEvent_t fork_ev, cudaEvent_t join_ev) {
+  if (!fork_ev) fork_ev = fork_ev_;
+  if (!join_ev) join_ev = join_ev_;
   cudaError_t err = cudaSuccess;
   bool forked = false;
   if (side) {
@@ -1475,11 +1557,11 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cuda
     // waits on PCIe) run on `s`.
     err = kernels::lookup_select(b.runs, b.R, b.G, b.d, b.scale, b.q, b.lookup, b.scores, b.max_clusters, s,
                                  b.split_clusters);
-    if (err == cudaSuccess) err = cudaEventRecord(fork_ev_, s);
+    if (err == cudaSuccess) err = cudaEventRecord(fork_ev, s);
     if (err == cudaSuccess) {
       // From here `side` may be in the capture: it is joined whatever fails.
       forked = true;
-      err = cudaStreamWaitEvent(side, fork_ev_, 0);
+      err = cudaStreamWaitEvent(side, fork_ev, 0);
     }
     if (err == cudaSuccess) err = kernels::lookup_estimate(b.runs, b.R, b.G, b.d, b.lookup, side);
     if (err == cudaSuccess && fail_in_fork) err = cudaErrorLaunchFailure;
@@ -1504,8 +1586,8 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cuda
   if (forked) {
     // The join, also after a failure, so that a capture ends with every
     // stream it forked into joined (its error is the failure's).
-    cudaError_t joined = cudaEventRecord(join_ev_, side);
-    if (joined == cudaSuccess) joined = cudaStreamWaitEvent(s, join_ev_, 0);
+    cudaError_t joined = cudaEventRecord(join_ev, side);
+    if (joined == cudaSuccess) joined = cudaStreamWaitEvent(s, join_ev, 0);
     if (err == cudaSuccess) err = joined;
   }
   if (err != cudaSuccess) return err;
@@ -1640,8 +1722,8 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   b.max_ret = pd.bound_ret = decode_bound32(pd.bound_ret, max_ret);
   b.max_run = pd.bound_run = decode_bound32(pd.bound_run, pd.max_run_tokens);
   b.scratch_floats = kernels::attend_ragged_scratch_floats(R, G, d, b.max_run);
-  WKV_RETURN_IF_ERROR(plan_region(&pd.scratch, b.scratch_floats * sizeof(float), s));
-  WKV_RETURN_IF_ERROR(plan_region(&pd.vars, sizeof(kernels::StepVars), s));
+  WKV_RETURN_IF_ERROR(plan_region(pd, &pd.scratch, b.scratch_floats * sizeof(float), s));
+  WKV_RETURN_IF_ERROR(plan_region(pd, &pd.vars, sizeof(kernels::StepVars), s));
   b.runs = pd.runs.as<kernels::DevRun>();
   b.q = pd.q.as<float>();
   b.scores = z.scores;
@@ -1856,7 +1938,7 @@ Status CudaBackend::attend(Plan &plan, void *out, int64_t seq_stride, int64_t he
   PlanDevice &pd = plan.dev;
   const uint32_t R = static_cast<uint32_t>(plan.runs.size());
   const size_t sf = kernels::attend_ragged_scratch_floats(R, cfg.group(), cfg.c.head_dim, pd.max_run_tokens);
-  WKV_RETURN_IF_ERROR(plan_region(&pd.scratch, sf * sizeof(float), s));
+  WKV_RETURN_IF_ERROR(plan_region(pd, &pd.scratch, sf * sizeof(float), s));
   const uint64_t epoch = e_.buffers().begin(plan.tracker());
   const kernels::StepMark mark{reinterpret_cast<unsigned long long *>(plan.tracker().done_device()), epoch,
                                pd.counters.as<unsigned int>() + kAttendCtas};
@@ -1897,6 +1979,363 @@ void CudaBackend::fill_stats(wkv_stats *out) {
   out->cache_misses = c[1];
   out->attended_tokens = c[2];  // counted on the device: the host knows only a bound
   out->device_cache_bytes = static_cast<uint64_t>(frames_) * frame_bytes_;
+}
+
+
+// Steps a runtime captures (lib/engine/binding.hpp) ---------------------------
+
+Status CudaBackend::device_sync() {
+  DeviceGuard guard(dev_);
+  const cudaError_t err = cudaDeviceSynchronize();
+  return err == cudaSuccess ? Status::ok() : kernel_status(err, "cudaDeviceSynchronize");
+}
+
+Status CudaBackend::capturing(void *stream, bool *yes) {
+  *yes = false;
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &cap);
+  if (err == cudaErrorStreamCaptureImplicit) {
+    // The legacy stream while another is captured: not this capture's.
+    (void)cudaGetLastError();
+    return Status::ok();
+  }
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "the stream is not one CUDA knows (%s)", cudaGetErrorString(err));
+  }
+  *yes = cap == cudaStreamCaptureStatusActive;
+  return Status::ok();
+}
+
+size_t CudaBackend::bound_slot_bytes(uint32_t n_seqs) const {
+  const Config &cfg = e_.config();
+  const size_t R = static_cast<size_t>(n_seqs) * cfg.c.n_kv_heads;
+  const size_t decode = sizeof(kernels::StageSlot) + R * sizeof(kernels::DevRun);
+  // An append: at most two copies a head (sink and tail), a mark a sequence.
+  const size_t append = 2 * R * sizeof(kernels::RowCopyDesc) + size_t(n_seqs) * 16;
+  return (sizeof(kernels::BoundSlotHead) + std::max(decode, append) + 63) & ~size_t{63};
+}
+
+Status CudaBackend::take_bind_words(kernels::BindWords **host, kernels::BindWords **dev) {
+  std::lock_guard<std::mutex> lock(words_mu_);
+  if (free_words_.empty()) {
+    constexpr size_t kBlock = 256;
+    void *h = nullptr, *d = nullptr;
+    WKV_RETURN_IF_ERROR(pinned_.alloc(kBlock * sizeof(kernels::BindWords), &h, &d));
+    try {
+      free_words_.reserve(free_words_.size() + kBlock);
+    } catch (const std::bad_alloc &) {
+      return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for a plan's binding words");
+    }
+    for (size_t i = kBlock; i-- > 0;)
+      free_words_.emplace_back(static_cast<kernels::BindWords *>(h) + i, static_cast<kernels::BindWords *>(d) + i);
+  }
+  *host = free_words_.back().first;
+  *dev = free_words_.back().second;
+  free_words_.pop_back();
+  return Status::ok();
+}
+
+Status CudaBackend::bind(Plan &plan, Binding &b) {
+  DeviceGuard guard(dev_);
+  const Config &cfg = e_.config();
+  PlanDevice &pd = plan.dev;
+  const uint32_t n = static_cast<uint32_t>(b.seqs.size());
+  const uint32_t H = cfg.c.n_kv_heads, G = cfg.group(), d = cfg.c.head_dim, nq = cfg.c.n_q_heads;
+  const uint32_t R = n * H;
+  if (b.max_calls > kernels::kMaxBoundCalls)
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED, "a binding holds at most %u calls", kernels::kMaxBoundCalls);
+  cudaStream_t s = io_;
+  // 1. The plan's own words and counts, for its life.
+  if (!pd.bind_words) WKV_RETURN_IF_ERROR(take_bind_words(&pd.bind_words, &pd.bind_words_dev));
+  if (!pd.bind_counts.p) {
+    WKV_RETURN_IF_ERROR(mem_alloc((2 * kernels::kMaxBoundCalls + 1) * sizeof(uint32_t), s, &pd.bind_counts));
+  }
+  if (const cudaError_t err = kernels::bound_load(); err != cudaSuccess) return kernel_status(err, "bound_load");
+  if (!pd.bind_side) {
+    const int side_priority = greatest_priority_ < least_priority_ ? greatest_priority_ + 1 : greatest_priority_;
+    cudaStream_t side = nullptr;
+    cudaEvent_t fork = nullptr, join = nullptr;
+    cudaError_t err = cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, side_priority);
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&join, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      if (side) cudaStreamDestroy(side);
+      if (fork) cudaEventDestroy(fork);
+      return kernel_status(err, "a bound plan's stream");
+    }
+    pd.bind_side = side;
+    pd.bind_fork = fork;
+    pd.bind_join = join;
+  }
+  // 2. Buffers for the largest layer's reserve (a buffer replaced now or
+  //    later stays until the plan goes: PlanDevice::retired).
+  pd.ever_bound = true;
+  BoundReserve top;
+  for (const BoundReserve &r : b.reserve) {
+    top.max_clusters = std::max(top.max_clusters, r.max_clusters);
+    top.max_ret = std::max(top.max_ret, r.max_ret);
+    top.max_run = std::max(top.max_run, r.max_run);
+    top.xbuf = std::max(top.xbuf, r.xbuf);
+    top.clusters = std::max(top.clusters, r.clusters);
+    top.ret = std::max(top.ret, r.ret);
+    top.est = std::max(top.est, r.est);
+  }
+  if (top.xbuf > static_cast<uint64_t>(std::numeric_limits<int32_t>::max()))
+    return WKV_ERROR(WKV_ERR_BUDGET, "the binding's execution buffer would exceed 2^31 tokens");
+  const size_t row = cfg.row_bytes(), lg = static_cast<size_t>(G) * top.clusters;
+  struct Want {
+    Region *r;
+    size_t bytes;
+  } wants[] = {
+      {&pd.runs, R * sizeof(kernels::DevRun)},
+      {&pd.q, static_cast<size_t>(n) * nq * d * sizeof(float)},
+      {&pd.ret_ids, std::max<size_t>(top.ret, 1) * sizeof(uint32_t)},
+      {&pd.ret_pos, std::max<size_t>(top.ret, 1) * sizeof(uint32_t)},
+      {&pd.est_ids, std::max<size_t>(top.est, 1) * sizeof(uint32_t)},
+      {&pd.run_tokens, R * sizeof(uint32_t)},
+      {&pd.est_out, static_cast<size_t>(R) * G * d * sizeof(float)},
+      {&pd.est_lse, static_cast<size_t>(R) * G * sizeof(float)},
+      {&pd.offsets, (R + 1) * sizeof(int32_t)},
+      {&pd.logits, std::max<size_t>(std::max(lg, pd.bound_logits), 1) * 2 * sizeof(float)},
+      {&pd.zones, std::max<size_t>(top.clusters, 1)},
+      {&pd.xk, std::max<uint64_t>(top.xbuf, 1) * row},
+      {&pd.xv, std::max<uint64_t>(top.xbuf, 1) * row},
+      {&pd.scratch, kernels::attend_ragged_scratch_floats(R, G, d, top.max_run) * sizeof(float)},
+      {&pd.vars, sizeof(kernels::StepVars)},
+  };
+  for (const Want &w : wants) WKV_RETURN_IF_ERROR(plan_region(pd, w.r, w.bytes, s));
+  pd.bound_logits = std::max(pd.bound_logits, lg);
+  if (!pd.counters.p) {
+    WKV_RETURN_IF_ERROR(mem_alloc(kCounterWords * sizeof(uint32_t), s, &pd.counters));
+    WKV_RETURN_IF_ERROR(mem_fill(pd.counters.p, 0, kCounterWords * sizeof(uint32_t), s));
+  }
+  // 3. The rings, every slot unstamped.
+  const size_t slot_bytes = bound_slot_bytes(n);
+  const size_t bytes = slot_bytes * kBoundSlots * b.max_calls;
+  StageBlock blk;
+  {
+    std::lock_guard<std::mutex> lock(stage_mu_);
+    size_t best = stage_free_.size();
+    for (size_t i = 0; i < stage_free_.size(); ++i)
+      if (stage_free_[i].bytes >= bytes && (best == stage_free_.size() || stage_free_[i].bytes < stage_free_[best].bytes))
+        best = i;
+    if (best < stage_free_.size()) {
+      blk = stage_free_[best];
+      stage_free_.erase(stage_free_.begin() + static_cast<ptrdiff_t>(best));
+    }
+  }
+  if (!blk.host) {
+    void *h = nullptr, *dv = nullptr;
+    WKV_RETURN_IF_ERROR(pinned_.alloc(bytes, &h, &dv));
+    blk = StageBlock{static_cast<uint8_t *>(h), static_cast<uint8_t *>(dv), bytes};
+  }
+  std::memset(blk.host, 0, bytes);
+  // 4. Counts zero, on the device before any replay (the allocations and
+  //    the fill are ordered on `s`, which is waited for).
+  Status st = mem_fill(pd.bind_counts.p, 0, pd.bind_counts.bytes, s);
+  if (st.is_ok()) st = mem_sync(s);
+  if (!st.is_ok()) {
+    std::lock_guard<std::mutex> lock(stage_mu_);
+    try {
+      stage_free_.push_back(blk);
+    } catch (...) {
+    }
+    return st;
+  }
+  pd.bound_rings = blk.host;
+  pd.bound_rings_dev = blk.dev;
+  pd.bound_rings_bytes = blk.bytes;
+  pd.bound_slot_bytes = slot_bytes;
+  volatile kernels::BindWords *w = pd.bind_words;
+  w->error = 0;
+  w->n_calls = 0;
+  w->generation = ++pd.bind_generation;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return Status::ok();
+}
+
+void CudaBackend::bound_ring(Plan &plan, uint32_t i, BoundRing *out) {
+  const PlanDevice &pd = plan.dev;
+  const size_t at = static_cast<size_t>(i) * kBoundSlots * pd.bound_slot_bytes;
+  out->host = pd.bound_rings + at;
+  out->dev = pd.bound_rings_dev + at;
+  out->slot_bytes = pd.bound_slot_bytes;
+}
+
+void CudaBackend::unbind(Plan &plan) {
+  PlanDevice &pd = plan.dev;
+  if (pd.bind_words) {
+    volatile kernels::BindWords *w = pd.bind_words;
+    w->generation = ++pd.bind_generation;  // a graph of this binding faults from now on
+    w->n_calls = 0;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
+  if (!pd.bound_rings) return;
+  const StageBlock blk{pd.bound_rings, pd.bound_rings_dev, pd.bound_rings_bytes};
+  pd.bound_rings = pd.bound_rings_dev = nullptr;
+  pd.bound_rings_bytes = pd.bound_slot_bytes = 0;
+  // No replay is in flight (the engine waited for the replays' stream); a
+  // graph replayed later reads the old ring only after its generation
+  // check, which it fails.
+  std::lock_guard<std::mutex> lock(stage_mu_);
+  try {
+    stage_free_.push_back(blk);
+  } catch (...) {
+    // Kept until close rather than reused.
+  }
+}
+
+uint32_t CudaBackend::bound_fault(const Plan &plan) {
+  const volatile kernels::BindWords *w = plan.dev.bind_words;
+  return w ? w->error : 0;
+}
+
+void CudaBackend::bound_seal(Plan &plan, uint32_t n_calls) {
+  volatile kernels::BindWords *w = plan.dev.bind_words;
+  if (!w) return;
+  w->n_calls = n_calls;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+Status CudaBackend::bound_counts(Plan &plan, uint32_t n, uint32_t *out) {
+  DeviceGuard guard(dev_);
+  const PlanDevice &pd = plan.dev;
+  if (n == 0) return Status::ok();
+  if (!pd.bind_counts.p || n > kernels::kMaxBoundCalls)
+    return WKV_ERROR(WKV_ERR_INTERNAL, "no binding counts to read");
+  std::lock_guard<std::mutex> lock(side_mu_);
+  cudaError_t err = cudaMemcpyAsync(out, pd.bind_counts.as<uint32_t>() + kernels::kMaxBoundCalls,
+                                    n * sizeof(uint32_t), cudaMemcpyDeviceToHost, side_);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(side_);
+  if (err != cudaSuccess) return kernel_status(err, "reading a binding's counts");
+  return Status::ok();
+}
+
+Status CudaBackend::capture_bound(Plan &plan, Binding &b, uint32_t i, void *stream) {
+  DeviceGuard guard(dev_);
+  const Config &cfg = e_.config();
+  PlanDevice &pd = plan.dev;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const BoundCallState &c = b.calls[i];
+  const uint32_t n = static_cast<uint32_t>(b.seqs.size()), H = cfg.c.n_kv_heads, R = n * H;
+  kernels::BoundCall bc;
+  bc.slots = c.ring.dev;
+  bc.slot_bytes = c.ring.slot_bytes;
+  bc.n_slots = kBoundSlots;
+  bc.index = i;
+  bc.generation = pd.bind_generation;
+  bc.taken = pd.bind_counts.as<unsigned int>();
+  bc.worked = bc.taken + kernels::kMaxBoundCalls;
+  bc.ctas = bc.taken + 2 * kernels::kMaxBoundCalls;
+  bc.words = pd.bind_words_dev;
+  if (c.kind == BoundCallState::Kind::kAppend) {
+    const uint32_t row = static_cast<uint32_t>(cfg.row_bytes());
+    const uint32_t width = kernels::copy_width(reinterpret_cast<uintptr_t>(c.k) | reinterpret_cast<uintptr_t>(c.v) |
+                                               c.seq_pitch | c.token_pitch | c.head_pitch | row);
+    const cudaError_t err = kernels::bound_copy(bc, 2 * R, c.k, c.v, c.token_pitch, row, width, s);
+    return err == cudaSuccess ? Status::ok() : kernel_status(err, "a captured append");
+  }
+  // A decode: the step's kernels for the layer's reserve, after a staging
+  // from the call's ring; the estimate beside the gather on the plan's own
+  // stream (the fork), which the capture joins back.
+  const BoundReserve &rs = b.reserve[c.layer];
+  DecodeBody body;
+  body.R = R;
+  body.G = cfg.group();
+  body.H = H;
+  body.d = cfg.c.head_dim;
+  body.scale = cfg.scale();
+  body.dtype = cfg.dtype();
+  body.max_clusters = rs.max_clusters;
+  body.max_ret = rs.max_ret;
+  body.max_run = rs.max_run;
+  body.scratch_floats = kernels::attend_ragged_scratch_floats(R, body.G, body.d, body.max_run);
+  if (body.scratch_floats * sizeof(float) > pd.scratch.bytes)
+    return WKV_ERROR(WKV_ERR_INTERNAL, "a bound plan's scratch is smaller than its reserve");
+  body.runs = pd.runs.as<kernels::DevRun>();
+  body.q = pd.q.as<float>();
+  body.scores = pd.logits.as<float>() + pd.bound_logits;
+  body.scratch = pd.scratch.as<float>();
+  body.lookup = lookup_view(pd);
+  body.xk = pd.xk.as<uint8_t>();
+  body.xv = pd.xv.as<uint8_t>();
+  body.counters = pd.counters.as<uint32_t>();
+  body.vars = pd.vars.as<kernels::StepVars>();
+  body.done = reinterpret_cast<unsigned long long *>(plan.tracker().done_device());
+  body.reading = reinterpret_cast<unsigned long long *>(plan.tracker().reading_device());
+  // The selection's split: the layer's largest run now, kept by the graph.
+  uint32_t split = 0;
+  for (const auto &sq : b.seqs)
+    for (const HeadState &hs : sq->layer(c.layer).heads) split = std::max(split, hs.clusters());
+  body.split_clusters = split;
+  cudaError_t err = kernels::bound_stage(cfg.dtype(), bc, R, n, cfg.c.n_q_heads, body.d, body.q, body.runs,
+                                         body.vars, c.out, c.out_seq_stride, c.out_head_stride, s);
+  if (err == cudaSuccess)
+    err = launch_decode(body, s, fork_ ? static_cast<cudaStream_t>(pd.bind_side) : nullptr, false,
+                        static_cast<cudaEvent_t>(pd.bind_fork), static_cast<cudaEvent_t>(pd.bind_join));
+  return err == cudaSuccess ? Status::ok() : kernel_status(err, "a captured decode");
+}
+
+Status CudaBackend::bound_expect(Plan &plan, uint32_t i, uint32_t want, void *stream) {
+  DeviceGuard guard(dev_);
+  const PlanDevice &pd = plan.dev;
+  const cudaError_t err = kernels::bound_expect(pd.bind_counts.as<unsigned int>() + i, want, pd.bind_words_dev,
+                                                static_cast<cudaStream_t>(stream));
+  return err == cudaSuccess ? Status::ok() : kernel_status(err, "a binding's check");
+}
+
+Status CudaBackend::prepare_decode(Plan &plan, Binding &b, uint32_t i, uint8_t *body) {
+  BoundCallState &c = b.calls[i];
+  PlanDevice &pd = plan.dev;
+  PlanSizes z;
+  WKV_RETURN_IF_ERROR(size_plan(plan, nullptr, true, &z, true));
+  const BoundReserve &rs = b.reserve[c.layer];
+  uint32_t max_ret = 0;
+  for (const RunPlan &rp : plan.runs) max_ret = std::max(max_ret, rp.n_ret);
+  if (z.max_clusters > rs.max_clusters || max_ret > rs.max_ret || pd.max_run_tokens > rs.max_run)
+    return WKV_ERROR(WKV_ERR_STATE,
+                     "layer %u's step outgrows what its binding reserved (clusters %u of %u, retrieved %u of %u, "
+                     "tokens a run %u of %u): unbind and bind again",
+                     c.layer, z.max_clusters, rs.max_clusters, max_ret, rs.max_ret, pd.max_run_tokens, rs.max_run);
+  try {
+    c.run_heads.assign(pd.run_heads.begin(), pd.run_heads.end());
+  } catch (const std::bad_alloc &) {
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory preparing a step");
+  }
+  c.want_units = pd.want_units;
+  c.retrieved = z.retrieved;
+  c.estimated = z.estimated;
+  kernels::StageSlot head;
+  head.q = c.q;
+  head.q_seq_stride = c.q_seq_stride;
+  head.q_head_stride = c.q_head_stride;
+  head.n_runs = z.R;
+  head.n_seqs = plan.n_seqs;
+  std::memcpy(body, &head, sizeof head);
+  std::memcpy(body + sizeof head, pd.host_runs.data(), size_t(z.R) * sizeof(kernels::DevRun));
+  return Status::ok();
+}
+
+void CudaBackend::seal_decode(Plan &plan, BoundCallState &c, uint64_t epoch, uint8_t *body) {
+  StepRecord rec;
+  if (frames_)
+    rec = e_.buffers().open_record(plan.tracker(), epoch, c.run_heads.data(), static_cast<uint32_t>(c.run_heads.size()),
+                                   c.want_units, std::min<uint32_t>(c.want_units, 16384), c.layer + 1);
+  kernels::StepVars v;
+  v.epoch = epoch;
+  if (rec.header) {
+    v.admits = rec.admits;
+    v.hits = rec.hits;
+    v.record_counts = &rec.header->used;
+    v.admit_cap = rec.admit_cap;
+    v.hit_cap = rec.hit_cap;
+  }
+  v.out = c.out;
+  v.out_seq_stride = c.out_seq_stride;
+  v.out_head_stride = c.out_head_stride;
+  std::memcpy(body + offsetof(kernels::StageSlot, vars), &v, sizeof v);
 }
 
 }  // namespace

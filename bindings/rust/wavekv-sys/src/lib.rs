@@ -14,7 +14,7 @@ use std::os::raw::{c_char, c_void};
 // Versions
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
-pub const WKV_VERSION_MINOR: u32 = 8;
+pub const WKV_VERSION_MINOR: u32 = 9;
 pub const WKV_VERSION_PATCH: u32 = 0;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
@@ -317,4 +317,15 @@ extern "C" {
         out_head_stride: i64,
         stream: *mut c_void,
     ) -> i32;
+
+    // 0.9: steps a runtime captures (CUDA engines without cold pages).
+    pub fn wkv_plan_bind(
+        plan: *mut wkv_plan,
+        seqs: *const *mut wkv_seq,
+        n_seqs: u32,
+        max_steps: u32,
+        stream: *mut c_void,
+    ) -> i32;
+    pub fn wkv_plan_prepare(plan: *mut wkv_plan, stream: *mut c_void) -> i32;
+    pub fn wkv_plan_unbind(plan: *mut wkv_plan, stream: *mut c_void) -> i32;
 }

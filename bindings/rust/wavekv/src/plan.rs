@@ -20,7 +20,8 @@ use crate::tensor::{check_dtype, check_len, check_span, Shape, Strides};
 ///
 /// Two ways to run a step: [`Plan::decode`] (lookup, assemble, attend and
 /// update in one call), or [`Plan::lookup`], which returns a [`Step`] for
-/// attending with your own kernel.
+/// attending with your own kernel. On a CUDA engine, [`Plan::bind`] readies
+/// a step that a runtime captures into a CUDA graph of its own (0.9).
 pub struct Plan {
     raw: *mut sys::wkv_plan,
     shape: Shape,
@@ -51,7 +52,8 @@ impl Plan {
         Ok(self.raw)
     }
 
-    /// Destroys the handle now rather than when dropped. Again is a no-op;
+    /// Destroys the handle now rather than when dropped (a bound plan is
+    /// unbound first, waiting for the whole device). Again is a no-op;
     /// every later call returns [`Status::InvalidHandle`].
     pub fn close(&mut self) {
         // SAFETY: raw is a live handle or null, which is a no-op.
@@ -193,6 +195,82 @@ impl Plan {
             out_strides.inner,
             stream,
         ))
+    }
+
+    /// Binds the plan to a batch for a decoding step that a runtime captures
+    /// into a CUDA graph and replays, each replay after a [`Plan::prepare`]
+    /// (`wkv_plan_bind`, 0.9): `seqs` are distinct sequences of the plan's
+    /// engine, every layer holding tokens, in the order the captured
+    /// `wkv_append_batch` and `wkv_decode` calls will list them, for
+    /// `max_steps` more tokens each (0: 4096); on the default stream.
+    /// CUDA engines without cold pages only: a CPU engine returns
+    /// [`Status::Unsupported`]. While bound, the sequences refuse every other
+    /// append, lookup, prompt end, save and eviction, and the plan every
+    /// other step ([`Status::State`]), until [`Plan::unbind`].
+    pub fn bind(&mut self, seqs: &[&Sequence], max_steps: u32) -> Result<()> {
+        // SAFETY: the null stream is the default stream.
+        unsafe { self.bind_raw(seqs, max_steps, ptr::null_mut()) }
+    }
+
+    /// [`Plan::bind`] on a CUDA stream, which it waits for (the sequences'
+    /// prompts are ended as a lookup would end them).
+    ///
+    /// # Safety
+    /// `stream` must be null or a live stream of the engine's device.
+    pub unsafe fn bind_raw(
+        &mut self,
+        seqs: &[&Sequence],
+        max_steps: u32,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        let (raw, n) = self.gather("wkv_plan_bind", seqs)?;
+        check(sys::wkv_plan_bind(
+            raw,
+            self.batch.as_ptr(),
+            n,
+            max_steps,
+            stream,
+        ))
+    }
+
+    /// Prepares the next replay of the bound plan's captured step
+    /// (`wkv_plan_prepare`, 0.9), on the default stream: launch the graph
+    /// once after each prepare, on the same stream. [`Status::State`] when
+    /// the plan is not bound, nothing is captured or the device found a
+    /// fault; [`Status::Budget`] once `max_steps` steps are prepared. On an
+    /// error the graph must not be launched for the step.
+    pub fn prepare(&mut self) -> Result<()> {
+        // SAFETY: the null stream is the default stream.
+        unsafe { self.prepare_raw(ptr::null_mut()) }
+    }
+
+    /// [`Plan::prepare`] on a CUDA stream: the one the graph is launched on.
+    ///
+    /// # Safety
+    /// `stream` must be null or a live stream of the engine's device.
+    pub unsafe fn prepare_raw(&mut self, stream: *mut c_void) -> Result<()> {
+        let raw = self.live("wkv_plan_prepare")?;
+        check(sys::wkv_plan_prepare(raw, stream))
+    }
+
+    /// Ends the binding (`wkv_plan_unbind`, 0.9), on the default stream: waits
+    /// for the replays, takes back the tokens of steps prepared and never
+    /// replayed, and frees the sequences and the plan for other use; a graph
+    /// captured under the binding faults if replayed later.
+    /// [`Status::State`] when the plan is not bound. Dropping or closing a
+    /// bound plan unbinds it, waiting for the whole device.
+    pub fn unbind(&mut self) -> Result<()> {
+        // SAFETY: the null stream is the default stream.
+        unsafe { self.unbind_raw(ptr::null_mut()) }
+    }
+
+    /// [`Plan::unbind`] on a CUDA stream (the replays').
+    ///
+    /// # Safety
+    /// `stream` must be null or a live stream of the engine's device.
+    pub unsafe fn unbind_raw(&mut self, stream: *mut c_void) -> Result<()> {
+        let raw = self.live("wkv_plan_unbind")?;
+        check(sys::wkv_plan_unbind(raw, stream))
     }
 
     /// Lookup (`wkv_lookup`): selects the zones of each sequence at one

@@ -933,3 +933,63 @@ fn a_batch_append_refuses_bad_batches_and_appends_nothing() {
     );
     assert_eq!(engine.stats().unwrap().tokens, 2);
 }
+
+// Steps a runtime captures (wkv_plan_bind, 0.9) need a CUDA engine: a CPU
+// engine refuses the binding, leaving the plan unbound (prepare and unbind
+// then fail with State) and usable; a closed plan, or a closed sequence in
+// the batch, is refused before calling in.
+#[test]
+fn a_cpu_engine_refuses_to_bind_a_plan() {
+    let engine = Engine::open(&config(1.0, 0.0)).unwrap();
+    let row = N_KV * D;
+    let kv = vec![0.5f32; 4 * row];
+    let (mut a, mut b) = (
+        engine.create_sequence().unwrap(),
+        engine.create_sequence().unwrap(),
+    );
+    for layer in 0..N_LAYERS {
+        a.append(layer, &kv, &kv).unwrap();
+        b.append(layer, &kv, &kv).unwrap();
+    }
+    let mut plan = engine.create_plan().unwrap();
+
+    let e = plan.bind(&[&a, &b], 16).unwrap_err();
+    assert_eq!(e.status(), Status::Unsupported, "{}", e);
+    assert!(e.message().starts_with("wkv_plan_bind: "), "{}", e);
+    let e = unsafe { plan.bind_raw(&[&a], 0, std::ptr::null_mut()) }.unwrap_err();
+    assert_eq!(e.status(), Status::Unsupported, "{}", e);
+    for e in [plan.prepare().unwrap_err(), plan.unbind().unwrap_err()] {
+        assert_eq!(e.status(), Status::State, "{}", e);
+        assert!(e.message().contains("not bound"), "{}", e);
+    }
+    let e = unsafe { plan.prepare_raw(std::ptr::null_mut()) }.unwrap_err();
+    assert_eq!(e.status(), Status::State, "{}", e);
+    assert!(e.message().starts_with("wkv_plan_prepare: "), "{}", e);
+    let e = unsafe { plan.unbind_raw(std::ptr::null_mut()) }.unwrap_err();
+    assert_eq!(e.status(), Status::State, "{}", e);
+    assert!(e.message().starts_with("wkv_plan_unbind: "), "{}", e);
+
+    // Not bound: the plan and the sequences work as before.
+    a.append(0, &kv[..row], &kv[..row]).unwrap();
+    let q = vec![0.1f32; 2 * N_Q * D];
+    let mut out = vec![0.0f32; 2 * N_Q * D];
+    plan.decode(&[&a, &b], 0, &q, &mut out).unwrap();
+    assert!(out.iter().all(|x| x.is_finite()));
+
+    b.close();
+    let e = plan.bind(&[&a, &b], 0).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidHandle, "{}", e);
+    assert!(
+        e.message().contains("sequence 1 of the batch is closed"),
+        "{}",
+        e
+    );
+    plan.close();
+    let e = plan.bind(&[&a], 0).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidHandle, "{}", e);
+    assert!(e.message().contains("plan is closed"), "{}", e);
+    for e in [plan.prepare().unwrap_err(), plan.unbind().unwrap_err()] {
+        assert_eq!(e.status(), Status::InvalidHandle, "{}", e);
+        assert!(e.message().contains("plan is closed"), "{}", e);
+    }
+}
