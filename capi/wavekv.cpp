@@ -660,8 +660,9 @@ int wkv_decode(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs, uint32_t l
     }
     const wkv::DecodeOut whole{out, out_seq_stride, out_head_stride};
     if (int rc = lookup_impl(fn, p, seqs, n_seqs, layer, q, q_seq_stride, q_head_stride, stream, &whole)) return rc;
-    // Decoded at once (a CUDA engine's graph), or looked up only.
-    if (p.stage == wkv::Plan::Stage::kAssembled) return done(wkv::Status::ok());
+    // Decoded at once (a CUDA engine's graph), captured (a bound plan's
+    // call: the plan holds no step), or looked up only.
+    if (p.stage == wkv::Plan::Stage::kAssembled || p.binding) return done(wkv::Status::ok());
     wkv::Engine &e = p.engine();
     wkv::Status s = e.assemble(p, stream);
     if (s.is_ok()) s = e.attend(p, out, out_seq_stride, out_head_stride, nullptr, stream);
