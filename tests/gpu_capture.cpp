@@ -128,7 +128,10 @@ struct Runs {
     }
     return in;
   }
+  // (After the stream's work: the copies go on the legacy stream, which a
+  // non-blocking stream's replays do not order.)
   void load(const Inputs &in) {
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     for (uint32_t l = 0; l < kL; ++l) {
       ASSERT_EQ(cudaMemcpy(k[l]->p, in.k[l].data(), kTokBytes, cudaMemcpyHostToDevice), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(v[l]->p, in.v[l].data(), kTokBytes, cudaMemcpyHostToDevice), cudaSuccess);
