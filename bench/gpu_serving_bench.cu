@@ -37,7 +37,8 @@
 // and WKV_SERVING_CACHE_FRACTION sets the device cache (0.05 of the KV).
 // WKV_SERVING_CAPTURE=1: the timed run is a graph of the bench's own that
 // holds every layer's append and decode (wkv_plan_bind), replayed after a
-// wkv_plan_prepare a token, as a runtime that captures its model's step.
+// wkv_plan_prepare a token, as a runtime that captures its model's step;
+// the next token's prepare runs while the device runs the replay.
 // The spill tier (cold pages, docs/spill.md): WKV_SERVING_HOST_BUDGET_GIB
 // bounds the engine's host arena and WKV_SERVING_SPILL_DIR names the spill
 // file's directory; with both, the KV beyond the budget goes to disk and the
@@ -127,12 +128,12 @@ __global__ void load_step(const unsigned *at, const __nv_bfloat16 *nk, const __n
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < q_elems; i += gridDim.x * blockDim.x)
     q_dst[i] = q[st * q_elems + i];
 }
-__global__ void keep_step(unsigned *at, const __nv_bfloat16 *src, __nv_bfloat16 *out, uint64_t q_elems) {
+__global__ void keep_step(const unsigned *at, const __nv_bfloat16 *src, __nv_bfloat16 *out, uint64_t q_elems) {
   const uint64_t st = *at;
-  for (uint64_t i = threadIdx.x; i < q_elems; i += blockDim.x) out[st * q_elems + i] = src[i];
-  __syncthreads();
-  if (threadIdx.x == 0) *at = static_cast<unsigned>(st + 1);
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < q_elems; i += gridDim.x * blockDim.x)
+    out[st * q_elems + i] = src[i];
 }
+__global__ void next_step(unsigned *at) { *at += 1; }
 
 // Token p of sequence `seq`: K and V rows [kH][kD] of one token.
 __global__ void gen_tokens(__nv_bfloat16 *k, __nv_bfloat16 *v, uint32_t seq, uint32_t pos0, uint32_t n,
@@ -461,9 +462,12 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
       CHECK(wkv_append_batch(seqs.data(), B, l, ck, cv, 1, 0, 0, 0, s));
       CHECK(wkv_decode(plan, seqs.data(), B, l, cq, 0, 0, l == 0 ? cout : scratch_out, 0, 0, s));
     }
-    keep_step<<<1, 256, 0, s>>>(at, cout, out, uint64_t(B) * kQ * kD);
+    keep_step<<<64, 256, 0, s>>>(at, cout, out, uint64_t(B) * kQ * kD);
+    next_step<<<1, 1, 0, s>>>(at);
     CU(cudaStreamEndCapture(s, &g));
-    CU(cudaGraphInstantiate(&exec, g, 0));
+    // With the nodes' priorities (the capture streams'): the decode's
+    // estimate keeps the priority its fork gives it (docs/runtime-capture.md).
+    CU(cudaGraphInstantiate(&exec, g, cudaGraphInstantiateFlagUseNodePriority));
     CU(cudaGraphDestroy(g));
     CU(cudaStreamSynchronize(s));
   }
@@ -471,12 +475,24 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   // synchronization. Layer 0's outputs are kept for the accuracy check.
   std::vector<double> host(steps), host_append(steps);
   const auto t0 = Clock::now();
-  for (uint32_t st = 0; st < steps && captured; ++st) {
+  // Captured: the next token's prepare runs while the device runs this
+  // one's replay (it needs no input of the step: a runtime calls it before
+  // it samples); the last one, never launched, is taken back by the unbind.
+  double prepared_us = 0;
+  if (captured) {
     const auto a = Clock::now();
     CHECK(wkv_plan_prepare(plan, s));
-    host_append[st] = us_since(a) / L;  // the prepare's share
+    prepared_us = us_since(a);
+  }
+  for (uint32_t st = 0; st < steps && captured; ++st) {
+    const auto a = Clock::now();
     CU(cudaGraphLaunch(exec, s));
-    host[st] = us_since(a) / L;
+    const double launch_us = us_since(a);
+    const auto b = Clock::now();
+    CHECK(wkv_plan_prepare(plan, s));  // the next token's
+    host_append[st] = prepared_us / L;  // this token's prepare, a layer
+    host[st] = (prepared_us + launch_us) / L;
+    prepared_us = us_since(b);
     CU(cudaStreamSynchronize(s));
     if (token_stats) token_stats->take(e);
   }

@@ -236,39 +236,62 @@ struct BoundEntry {
   const uint8_t *slot;
   unsigned int t;   // slots this call consumed before this replay
   uint32_t fault;   // kBind*, 0: none found here
+  uint32_t error;   // the binding's, as the call found it
   bool marks;       // the slot was prepared for this replay: its epochs were issued
   bool work;        // ... and no fault: the call does its work
 };
 
-__device__ __forceinline__ BoundEntry bound_enter(const BoundCall &c) {
+// Warp 0 of each CTA of an entry kernel reads the call's entry into *out
+// (shared memory): lane 0 the binding's words (mapped memory) and the
+// call's count, then the slot's stamp while every lane checks the other
+// calls' counts; two round trips over PCIe in all. Plain loads, as
+// stage_ring_kernel reads its slot: nothing read here changes while the
+// kernel runs (the host writes before the launch, earlier kernels of the
+// stream before this one), and the CTAs' loads of one line of mapped memory
+// share it. (Volatile loads, one after another in one thread, took 0.9 ms
+// for a decode's 224 CTAs on the H100.) Every CTA finds the same: nothing it
+// reads changes until the last CTA leaves (bound_leave).
+__device__ __forceinline__ void bound_enter(const BoundCall &c, BoundEntry *out) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const uint32_t lane = threadIdx.x;
+  BindWords w{};
+  unsigned int t = 0;
+  if (lane == 0) {
+    w = *c.words;
+    t = c.taken[c.index];
+  }
   BoundEntry e{};
-  const volatile BindWords *w = c.words;
-  const uint32_t generation = w->generation, error = w->error;
-  e.t = *reinterpret_cast<volatile unsigned int *>(c.taken + c.index);
-  e.slot = c.slots + size_t(e.t % c.n_slots) * c.slot_bytes;
+  e.t = t = __shfl_sync(kAll, t, 0);
+  e.error = __shfl_sync(kAll, w.error, 0);
+  const uint32_t generation = __shfl_sync(kAll, w.generation, 0);
+  const uint32_t n_calls = min(__shfl_sync(kAll, w.n_calls, 0), kMaxBoundCalls);
+  e.slot = c.slots + size_t(t % c.n_slots) * c.slot_bytes;
   if (generation != c.generation) {
     e.fault = kBindStale;
-    return e;
+  } else {
+    unsigned long long stamp = 0;
+    if (lane == 0) stamp = reinterpret_cast<const BoundSlotHead *>(e.slot)->stamp;
+    bool bad = false;
+    for (uint32_t i = lane; i < n_calls; i += 32)
+      bad |= i != c.index && c.taken[i] != (i < c.index ? t + 1 : t);
+    bad = __any_sync(kAll, bad);
+    stamp = __shfl_sync(kAll, stamp, 0);
+    if (stamp != static_cast<unsigned long long>(t) + 1) {
+      e.fault = kBindUnprepared;
+    } else {
+      e.marks = true;
+      if (bad) e.fault = kBindMissingCall;
+      e.work = e.fault == 0 && e.error == 0;
+    }
   }
-  const unsigned long long stamp = reinterpret_cast<const volatile BoundSlotHead *>(e.slot)->stamp;
-  if (stamp != static_cast<unsigned long long>(e.t) + 1) {
-    e.fault = kBindUnprepared;
-    return e;
-  }
-  e.marks = true;
-  const volatile unsigned int *taken = c.taken;
-  const uint32_t n_calls = w->n_calls < kMaxBoundCalls ? w->n_calls : kMaxBoundCalls;
-  for (uint32_t i = 0; i < n_calls; ++i)
-    if (i != c.index && taken[i] != (i < c.index ? e.t + 1 : e.t)) e.fault = kBindMissingCall;
-  e.work = e.fault == 0 && error == 0;
-  return e;
+  if (lane == 0) *out = e;
 }
 
-// The last CTA of an entry kernel: the fault (the first one stays), and the
-// slot consumed where it was this replay's.
+// The last CTA of an entry kernel, one thread: the fault where the binding
+// had none, and the slot consumed where it was this replay's.
 __device__ __forceinline__ void bound_leave(const BoundCall &c, const BoundEntry &e) {
   volatile BindWords *w = c.words;
-  if (e.fault && w->error == 0) w->error = e.fault;
+  if (e.fault && e.error == 0) w->error = e.fault;
   if (e.marks) *reinterpret_cast<volatile unsigned int *>(c.taken + c.index) = e.t + 1;
   if (e.work) {
     volatile unsigned int *worked = c.worked + c.index;
@@ -288,22 +311,26 @@ __device__ __forceinline__ bool last_cta(unsigned int *ctas) {
   return true;
 }
 
-// A captured append: CTA x copies copies x, x + gridDim.x, ... of the slot
-// (all their rows, K and V, word by word); the last CTA writes the steps'
-// ends the slot lists.
+// A captured append: warp w of CTA b copies copies (b * warps + w), then
+// every (gridDim.x * warps)-th (all their rows, K and V, word by word); the
+// last CTA writes the steps' ends the slot lists, the last one after a
+// fence: once the host sees it, every read of the slot is done (the host
+// then writes the slot again: BoundCallState::slot_epoch).
 template <typename W>
 __global__ void bound_copy_kernel(const BoundCall c, const uint8_t *k, const uint8_t *v, uint64_t pitch,
                                   uint32_t row_bytes) {
   __shared__ BoundEntry e;
-  if (threadIdx.x == 0) e = bound_enter(c);
+  __shared__ bool last;
+  if (threadIdx.x < 32) bound_enter(c, &e);
   __syncthreads();
   const BoundSlotHead *head = reinterpret_cast<const BoundSlotHead *>(e.slot);
   if (e.work) {
     const RowCopyDesc *copies = reinterpret_cast<const RowCopyDesc *>(e.slot + sizeof(BoundSlotHead));
+    const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t words = row_bytes / sizeof(W), n = head->n_copies;
-    for (uint32_t x = blockIdx.x; x < n; x += gridDim.x) {
+    for (uint32_t x = blockIdx.x * warps + warp; x < n; x += gridDim.x * warps) {
       const RowCopyDesc cp = copies[x];
-      for (uint64_t i = threadIdx.x; i < uint64_t(cp.rows) * words; i += blockDim.x) {
+      for (uint64_t i = lane; i < uint64_t(cp.rows) * words; i += 32) {
         const uint64_t r = i / words, wd = i % words;
         const uint64_t src = cp.src_off + r * pitch + wd * sizeof(W);
         const uint64_t dst = r * row_bytes + wd * sizeof(W);
@@ -313,21 +340,28 @@ __global__ void bound_copy_kernel(const BoundCall c, const uint8_t *k, const uin
     }
   }
   __syncthreads();
-  if (threadIdx.x != 0 || !last_cta(c.ctas)) return;
-  bound_leave(c, e);
-  if (!e.marks) return;
-  const uint8_t *marks = e.slot + sizeof(BoundSlotHead) + size_t(head->n_copies) * sizeof(RowCopyDesc);
+  if (threadIdx.x == 0) {
+    last = last_cta(c.ctas);
+    if (last) bound_leave(c, e);
+  }
+  __syncthreads();
+  if (!last || !e.marks) return;
   const uint32_t n_marks = head->n_marks;
+  const uint8_t *marks = e.slot + sizeof(BoundSlotHead) + size_t(head->n_copies) * sizeof(RowCopyDesc);
   unsigned long long *const *done = reinterpret_cast<unsigned long long *const *>(marks);
   const unsigned long long *epochs = reinterpret_cast<const unsigned long long *>(marks + size_t(n_marks) * 8);
-  // The last mark after a fence: once the host sees it, every read of the
-  // slot is done (it then writes the slot again: BoundCallState::slot_epoch).
-  for (uint32_t i = 0; i + 1 < n_marks; ++i) *reinterpret_cast<volatile unsigned long long *>(done[i]) = epochs[i];
-  if (n_marks == 0) return;
-  unsigned long long *last = done[n_marks - 1];
-  const unsigned long long epoch = epochs[n_marks - 1];
+  for (uint32_t i = threadIdx.x; i + 1 < n_marks; i += blockDim.x)
+    *reinterpret_cast<volatile unsigned long long *>(done[i]) = epochs[i];
+  unsigned long long *final_done = nullptr;
+  unsigned long long final_epoch = 0;
+  if (threadIdx.x == 0 && n_marks > 0) {
+    final_done = done[n_marks - 1];
+    final_epoch = epochs[n_marks - 1];
+  }
+  __syncthreads();
+  if (threadIdx.x != 0 || !final_done) return;
   __threadfence_system();
-  *reinterpret_cast<volatile unsigned long long *>(last) = epoch;
+  *reinterpret_cast<volatile unsigned long long *>(final_done) = final_epoch;
 }
 
 // A captured decode's staging: stage_ring_kernel's work from the slot
@@ -340,7 +374,7 @@ __global__ void bound_stage_kernel(const BoundCall c, uint32_t n_runs, uint32_t 
                                    float *q_dst, DevRun *dst, StepVars *vars_dst, void *out, int64_t out_seq_stride,
                                    int64_t out_head_stride) {
   __shared__ BoundEntry e;
-  if (threadIdx.x == 0) e = bound_enter(c);
+  if (threadIdx.x < 32) bound_enter(c, &e);
   __syncthreads();
   const StageSlot *h = reinterpret_cast<const StageSlot *>(e.slot + sizeof(BoundSlotHead));
   if (e.work) {
@@ -489,7 +523,7 @@ cudaError_t bound_copy(const BoundCall &call, uint32_t max_copies, const uint8_t
       max_copies == 0 || row_bytes % width != 0)
     return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  constexpr uint32_t kCopiesPerCta = 8;
+  constexpr uint32_t kCopiesPerCta = 4;  // a warp a copy
   const uint32_t ctas = std::min<uint32_t>((max_copies + kCopiesPerCta - 1) / kCopiesPerCta, 1024);
   switch (width) {
     case 16: bound_copy_kernel<uint4><<<ctas, 128, 0, s>>>(call, k, v, src_pitch, row_bytes); break;

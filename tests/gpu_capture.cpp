@@ -242,7 +242,8 @@ TEST(GpuCapture, ReplaysStayExactAcrossGrowths) {
       EXPECT_EQ(a.segments, b.segments);
       EXPECT_EQ(a.clusters, b.clusters);
     }
-  EXPECT_GE(r.cs[0].info(1).segments, segments0 + kSteps / 40) << "the replays crossed growths";
+  // A growth commits every 32 tokens from the 64th on.
+  EXPECT_GE(r.cs[0].info(1).segments, segments0 + (kSteps - 64) / 32) << "the replays crossed growths";
   EXPECT_EQ(wkv_plan_prepare(r.plan_cap.get(), r.stream), WKV_ERR_BUDGET) << "max_steps prepared";
   r.plan_cap.unbind(r.stream);
   cudaGraphExecDestroy(exec);
