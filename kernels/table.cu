@@ -242,9 +242,9 @@ struct BoundEntry {
 };
 
 // Warp 0 of each CTA of an entry kernel reads the call's entry into *out
-// (shared memory): lane 0 the binding's words (mapped memory) and the
-// call's count, then the slot's stamp while every lane checks the other
-// calls' counts; two round trips over PCIe in all. Plain loads, as
+// (shared memory): lane 0 the call's count (device memory), then the
+// binding's words and the slot's stamp together (one round trip over
+// PCIe), every lane then checking the other calls' counts. Plain loads, as
 // stage_ring_kernel reads its slot: nothing read here changes while the
 // kernel runs (the host writes before the launch, earlier kernels of the
 // stream before this one), and the CTAs' loads of one line of mapped memory
@@ -254,28 +254,28 @@ struct BoundEntry {
 __device__ __forceinline__ void bound_enter(const BoundCall &c, BoundEntry *out) {
   constexpr unsigned kAll = 0xffffffffu;
   const uint32_t lane = threadIdx.x;
+  BoundEntry e{};
+  // The count (device memory), then the words and the stamp together.
+  const unsigned int t = __shfl_sync(kAll, lane == 0 ? c.taken[c.index] : 0u, 0);
+  e.t = t;
+  e.slot = c.slots + size_t(t % c.n_slots) * c.slot_bytes;
   BindWords w{};
-  unsigned int t = 0;
+  unsigned long long stamp = 0;
   if (lane == 0) {
     w = *c.words;
-    t = c.taken[c.index];
+    stamp = reinterpret_cast<const BoundSlotHead *>(e.slot)->stamp;
   }
-  BoundEntry e{};
-  e.t = t = __shfl_sync(kAll, t, 0);
   e.error = __shfl_sync(kAll, w.error, 0);
   const uint32_t generation = __shfl_sync(kAll, w.generation, 0);
   const uint32_t n_calls = min(__shfl_sync(kAll, w.n_calls, 0), kMaxBoundCalls);
-  e.slot = c.slots + size_t(t % c.n_slots) * c.slot_bytes;
+  stamp = __shfl_sync(kAll, stamp, 0);
   if (generation != c.generation) {
     e.fault = kBindStale;
   } else {
-    unsigned long long stamp = 0;
-    if (lane == 0) stamp = reinterpret_cast<const BoundSlotHead *>(e.slot)->stamp;
     bool bad = false;
     for (uint32_t i = lane; i < n_calls; i += 32)
       bad |= i != c.index && c.taken[i] != (i < c.index ? t + 1 : t);
     bad = __any_sync(kAll, bad);
-    stamp = __shfl_sync(kAll, stamp, 0);
     if (stamp != static_cast<unsigned long long>(t) + 1) {
       e.fault = kBindUnprepared;
     } else {

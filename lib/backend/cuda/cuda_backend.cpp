@@ -2177,8 +2177,9 @@ void CudaBackend::unbind(Plan &plan) {
   pd.bound_rings = pd.bound_rings_dev = nullptr;
   pd.bound_rings_bytes = pd.bound_slot_bytes = 0;
   // No replay is in flight (the engine waited for the replays' stream); a
-  // graph replayed later reads the old ring only after its generation
-  // check, which it fails.
+  // graph replayed later reads a stamp of the old ring (pinned blocks are
+  // freed at close only, so it reads live memory) and fails its generation
+  // check, using nothing it read.
   std::lock_guard<std::mutex> lock(stage_mu_);
   try {
     stage_free_.push_back(blk);
