@@ -478,6 +478,15 @@ static_assert(sizeof(BoundSlotHead) % 16 == 0, "a bound slot's body is 16-byte a
 static_assert(sizeof(RowCopyDesc) % 8 == 0, "an append slot's marks are 8-byte aligned");
 
 namespace {
+// A staging from a slot (stage_ring_kernel, bound_stage_kernel): a CTA a
+// query row, enough to copy the run table's words, one at least.
+constexpr uint32_t kStageThreads = 128;
+uint32_t stage_ctas(uint32_t n_runs, uint32_t q_rows) {
+  const uint32_t word_ctas =
+      (n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8) + kStageThreads - 1) / kStageThreads;
+  return std::max<uint32_t>({q_rows, word_ctas, 1u});
+}
+
 template <typename T, uint32_t N>
 cudaError_t launch_stage(const DevRun *runs, uint32_t n, DevRun *dst, const void *q, int64_t seq_stride,
                          int64_t head_stride, uint32_t nq, uint32_t d, uint32_t q_rows, float *q_dst,
@@ -506,11 +515,9 @@ cudaError_t stage_from_ring(DType t, const StageRing &ring, uint32_t n_runs, uin
   if (static_cast<uint64_t>(n_seqs) * n_q_heads > INT32_MAX) return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_DTYPE(t, T, cudaErrorNotSupported, [&]() -> cudaError_t {
-    constexpr uint32_t threads = 128;
     const uint32_t q_rows = n_seqs * n_q_heads;
-    const uint32_t word_ctas = (n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8) + threads - 1) / threads;
-    const uint32_t ctas = std::max<uint32_t>({q_rows, word_ctas, 1u});
-    stage_ring_kernel<T><<<ctas, threads, 0, s>>>(ring, n_runs, n_q_heads, d, q_rows, q_dst, dst, vars_dst);
+    stage_ring_kernel<T><<<stage_ctas(n_runs, q_rows), kStageThreads, 0, s>>>(ring, n_runs, n_q_heads, d, q_rows,
+                                                                              q_dst, dst, vars_dst);
     WKV_CUDA_CHECK_LAUNCH("stage_from_ring");
     return cudaSuccess;
   });
@@ -552,12 +559,9 @@ cudaError_t bound_stage(DType t, const BoundCall &call, uint32_t n_runs, uint32_
   if (static_cast<uint64_t>(n_seqs) * n_q_heads > INT32_MAX) return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_DTYPE(t, T, cudaErrorNotSupported, [&]() -> cudaError_t {
-    constexpr uint32_t threads = 128;
     const uint32_t q_rows = n_seqs * n_q_heads;
-    const uint32_t word_ctas = (n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8) + threads - 1) / threads;
-    const uint32_t ctas = std::max<uint32_t>({q_rows, word_ctas, 1u});
-    bound_stage_kernel<T><<<ctas, threads, 0, s>>>(call, n_runs, n_q_heads, d, q_rows, q_dst, dst, vars_dst, out,
-                                                   out_seq_stride, out_head_stride);
+    bound_stage_kernel<T><<<stage_ctas(n_runs, q_rows), kStageThreads, 0, s>>>(
+        call, n_runs, n_q_heads, d, q_rows, q_dst, dst, vars_dst, out, out_seq_stride, out_head_stride);
     WKV_CUDA_CHECK_LAUNCH("bound_stage");
     return cudaSuccess;
   });

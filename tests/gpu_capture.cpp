@@ -145,6 +145,14 @@ struct Runs {
       plan_ref.decode(rh.data(), kN, l, q[l]->p, out_ref[l]->p, stream);
     }
   }
+  // A step through both engines: the next inputs, a prepare and a replay of
+  // `exec`, the reference's verbs.
+  void step(cudaGraphExec_t exec) {
+    load(next());
+    plan_cap.prepare(stream);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ref_step();
+  }
   // The captured engine's step, captured: per layer an append and a decode
   // (or `only_layer`'s alone), on `stream`.
   cudaGraphExec_t capture(int only_layer = -1) {
@@ -223,10 +231,7 @@ TEST(GpuCapture, ReplaysStayExactAcrossGrowths) {
   uint32_t mismatched = 0;
   std::string first;
   for (uint32_t st = 0; st < kSteps; ++st) {
-    r.load(r.next());
-    r.plan_cap.prepare(r.stream);
-    ASSERT_EQ(cudaGraphLaunch(exec, r.stream), cudaSuccess);
-    r.ref_step();
+    r.step(exec);
     ASSERT_EQ(cudaStreamSynchronize(r.stream), cudaSuccess);
     std::string why;
     if (!r.same_outputs(&why)) {
@@ -344,10 +349,7 @@ TEST(GpuCapture, AReplayWithoutPrepareWritesNaNAndBreaksTheBinding) {
   r.plan_cap.bind(r.ch.data(), kN, 64, r.stream);
   cudaGraphExec_t exec = r.capture();
   for (int st = 0; st < 3; ++st) {
-    r.load(r.next());
-    r.plan_cap.prepare(r.stream);
-    ASSERT_EQ(cudaGraphLaunch(exec, r.stream), cudaSuccess);
-    r.ref_step();
+    r.step(exec);
   }
   ASSERT_EQ(cudaStreamSynchronize(r.stream), cudaSuccess);
   std::string why;
@@ -378,10 +380,7 @@ TEST(GpuCapture, StepsPreparedAndNeverReplayedAreTakenBack) {
   r.prompt(300);
   r.plan_cap.bind(r.ch.data(), kN, 64, r.stream);
   cudaGraphExec_t exec = r.capture();
-  r.load(r.next());
-  r.plan_cap.prepare(r.stream);
-  ASSERT_EQ(cudaGraphLaunch(exec, r.stream), cudaSuccess);
-  r.ref_step();
+  r.step(exec);
   const uint64_t tokens = r.cs[0].info(0).tokens;
   r.plan_cap.prepare(r.stream);
   r.plan_cap.prepare(r.stream);
@@ -402,10 +401,7 @@ TEST(GpuCapture, GraphsOfAnotherBindingOrMissingACallFault) {
   r.prompt(300);
   r.plan_cap.bind(r.ch.data(), kN, 64, r.stream);
   cudaGraphExec_t old = r.capture();
-  r.load(r.next());
-  r.plan_cap.prepare(r.stream);
-  ASSERT_EQ(cudaGraphLaunch(old, r.stream), cudaSuccess);
-  r.ref_step();
+  r.step(old);
   r.plan_cap.unbind(r.stream);
   // A new binding, its own step; the old graph replayed after a prepare.
   r.plan_cap.bind(r.ch.data(), kN, 64, r.stream);
@@ -495,10 +491,7 @@ TEST(GpuCapture, ABindingRefusesWhatWouldChangeItsBatch) {
   // The step, then its budget of 8 steps.
   cudaGraphExec_t exec = r.capture();
   for (int st = 0; st < 8; ++st) {
-    r.load(r.next());
-    r.plan_cap.prepare(r.stream);
-    ASSERT_EQ(cudaGraphLaunch(exec, r.stream), cudaSuccess);
-    r.ref_step();
+    r.step(exec);
   }
   EXPECT_EQ(wkv_plan_prepare(p, r.stream), WKV_ERR_BUDGET);
   ASSERT_EQ(cudaStreamSynchronize(r.stream), cudaSuccess);

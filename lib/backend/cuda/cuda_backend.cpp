@@ -419,6 +419,10 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   };
   std::mutex stage_mu_;
   std::vector<StageBlock> stage_free_;
+  // The smallest free block of `bytes` or more, else a new one; and a
+  // block given back (no step may read it any more).
+  Status take_stage_block(size_t bytes, StageBlock *out);
+  void give_stage_block(const StageBlock &blk);
 
   // The k-means of growths: on a stream of their own (grow_), one batch
   // after another, sharing one workspace; each batch has its outputs
@@ -1650,23 +1654,7 @@ Status CudaBackend::stage_ring(PlanDevice &pd, uint32_t R) {
   const size_t slot_bytes = std::max(need, (pd.stage_slot_bytes + pd.stage_slot_bytes / 2 + 63) & ~size_t{63});
   const size_t bytes = slot_bytes * PlanDevice::kStageSlots;
   StageBlock blk;
-  {
-    // The smallest free block that holds it.
-    std::lock_guard<std::mutex> lock(stage_mu_);
-    size_t best = stage_free_.size();
-    for (size_t i = 0; i < stage_free_.size(); ++i)
-      if (stage_free_[i].bytes >= bytes && (best == stage_free_.size() || stage_free_[i].bytes < stage_free_[best].bytes))
-        best = i;
-    if (best < stage_free_.size()) {
-      blk = stage_free_[best];
-      stage_free_.erase(stage_free_.begin() + static_cast<ptrdiff_t>(best));
-    }
-  }
-  if (!blk.host) {
-    void *h = nullptr, *dv = nullptr;
-    WKV_RETURN_IF_ERROR(pinned_.alloc(bytes, &h, &dv));
-    blk = StageBlock{static_cast<uint8_t *>(h), static_cast<uint8_t *>(dv), bytes};
-  }
+  WKV_RETURN_IF_ERROR(take_stage_block(bytes, &blk));
   release_stage(pd);
   pd.stage_host = blk.host;
   pd.stage_dev = blk.dev;
@@ -1676,6 +1664,35 @@ Status CudaBackend::stage_ring(PlanDevice &pd, uint32_t R) {
   return Status::ok();
 }
 
+Status CudaBackend::take_stage_block(size_t bytes, StageBlock *out) {
+  {
+    // The smallest free block that holds it.
+    std::lock_guard<std::mutex> lock(stage_mu_);
+    size_t best = stage_free_.size();
+    for (size_t i = 0; i < stage_free_.size(); ++i)
+      if (stage_free_[i].bytes >= bytes && (best == stage_free_.size() || stage_free_[i].bytes < stage_free_[best].bytes))
+        best = i;
+    if (best < stage_free_.size()) {
+      *out = stage_free_[best];
+      stage_free_.erase(stage_free_.begin() + static_cast<ptrdiff_t>(best));
+      return Status::ok();
+    }
+  }
+  void *h = nullptr, *dv = nullptr;
+  WKV_RETURN_IF_ERROR(pinned_.alloc(bytes, &h, &dv));
+  *out = StageBlock{static_cast<uint8_t *>(h), static_cast<uint8_t *>(dv), bytes};
+  return Status::ok();
+}
+
+void CudaBackend::give_stage_block(const StageBlock &blk) {
+  std::lock_guard<std::mutex> lock(stage_mu_);
+  try {
+    stage_free_.push_back(blk);
+  } catch (...) {
+    // Kept (freed at close) rather than reused.
+  }
+}
+
 void CudaBackend::release_stage(PlanDevice &pd) {
   if (!pd.stage_host) return;
   const StageBlock blk{pd.stage_host, pd.stage_dev, pd.stage_bytes};
@@ -1683,14 +1700,7 @@ void CudaBackend::release_stage(PlanDevice &pd) {
   pd.stage_bytes = pd.stage_slot_bytes = 0;
   try {
     // Back to the free blocks once no step that may read it is in flight.
-    e_.buffers().defer([this, blk] {
-      std::lock_guard<std::mutex> lock(stage_mu_);
-      try {
-        stage_free_.push_back(blk);
-      } catch (...) {
-        // Kept (freed at close) rather than reused.
-      }
-    });
+    e_.buffers().defer([this, blk] { give_stage_block(blk); });
   } catch (...) {
     // Out of memory for the release itself: kept until close.
   }
@@ -2115,33 +2125,14 @@ Status CudaBackend::bind(Plan &plan, Binding &b) {
   const size_t slot_bytes = bound_slot_bytes(n);
   const size_t bytes = slot_bytes * kBoundSlots * b.max_calls;
   StageBlock blk;
-  {
-    std::lock_guard<std::mutex> lock(stage_mu_);
-    size_t best = stage_free_.size();
-    for (size_t i = 0; i < stage_free_.size(); ++i)
-      if (stage_free_[i].bytes >= bytes && (best == stage_free_.size() || stage_free_[i].bytes < stage_free_[best].bytes))
-        best = i;
-    if (best < stage_free_.size()) {
-      blk = stage_free_[best];
-      stage_free_.erase(stage_free_.begin() + static_cast<ptrdiff_t>(best));
-    }
-  }
-  if (!blk.host) {
-    void *h = nullptr, *dv = nullptr;
-    WKV_RETURN_IF_ERROR(pinned_.alloc(bytes, &h, &dv));
-    blk = StageBlock{static_cast<uint8_t *>(h), static_cast<uint8_t *>(dv), bytes};
-  }
+  WKV_RETURN_IF_ERROR(take_stage_block(bytes, &blk));
   std::memset(blk.host, 0, bytes);
   // 4. Counts zero, on the device before any replay (the allocations and
   //    the fill are ordered on `s`, which is waited for).
   Status st = mem_fill(pd.bind_counts.p, 0, pd.bind_counts.bytes, s);
   if (st.is_ok()) st = mem_sync(s);
   if (!st.is_ok()) {
-    std::lock_guard<std::mutex> lock(stage_mu_);
-    try {
-      stage_free_.push_back(blk);
-    } catch (...) {
-    }
+    give_stage_block(blk);
     return st;
   }
   pd.bound_rings = blk.host;
@@ -2180,12 +2171,7 @@ void CudaBackend::unbind(Plan &plan) {
   // graph replayed later reads a stamp of the old ring (pinned blocks are
   // freed at close only, so it reads live memory) and fails its generation
   // check, using nothing it read.
-  std::lock_guard<std::mutex> lock(stage_mu_);
-  try {
-    stage_free_.push_back(blk);
-  } catch (...) {
-    // Kept until close rather than reused.
-  }
+  give_stage_block(blk);
 }
 
 uint32_t CudaBackend::bound_fault(const Plan &plan) {
