@@ -215,15 +215,15 @@ void expect_same_uncaptured_step(Runs &r) {
 
 }  // namespace
 
-// The step of two layers captured once and replayed, each replay after a
-// prepare, across some 20 growths a sequence and layer: every replay's
+// The step of two layers captured once and replayed 2000 times, each replay
+// after a prepare, across some 60 growths a sequence and layer: every replay's
 // output is the verbs', bit for bit; the tokens counted are the same; after
 // the binding ends, the sequences decode as the reference's.
 TEST(GpuCapture, ReplaysStayExactAcrossGrowths) {
   REQUIRE_GPU();
   Runs r;
   r.prompt(2100);
-  const uint32_t kSteps = under_sanitizer() ? 120 : 700;
+  const uint32_t kSteps = under_sanitizer() ? 120 : 2000;
   r.plan_cap.bind(r.ch.data(), kN, kSteps, r.stream);
   const uint32_t segments0 = r.cs[0].info(1).segments;
   cudaGraphExec_t exec = r.capture();
