@@ -192,6 +192,25 @@ uint32_t decode_bound32(uint32_t have, uint64_t n) {
   return static_cast<uint32_t>(std::min<uint64_t>(decode_bound(have, n), UINT32_MAX));
 }
 
+// A decode's variables (kernels::StepVars): its epoch, its access record
+// where it has one, its output.
+kernels::StepVars step_vars(uint64_t epoch, const StepRecord &rec, void *out, int64_t seq_stride,
+                            int64_t head_stride) {
+  kernels::StepVars v;
+  v.epoch = epoch;
+  if (rec.header) {
+    v.admits = rec.admits;
+    v.hits = rec.hits;
+    v.record_counts = &rec.header->used;
+    v.admit_cap = rec.admit_cap;
+    v.hit_cap = rec.hit_cap;
+  }
+  v.out = out;
+  v.out_seq_stride = seq_stride;
+  v.out_head_stride = head_stride;
+  return v;
+}
+
 // What sizing a plan's lookup found (CudaBackend::size_plan).
 struct PlanSizes {
   uint32_t R = 0, max_clusters = 0;
@@ -330,6 +349,10 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // manager's pool) and its hits. Hits beyond the log's room refresh
   // nothing (recency is a hint).
   StepRecord open_step_record(Plan &plan, uint64_t epoch);
+  // ... for runs of the given cache heads (a bound decode's, kept from its
+  // prepare's first pass).
+  StepRecord open_step_record(Plan &plan, uint64_t epoch, const uint64_t *heads, uint32_t n_runs,
+                              uint32_t want_units, uint32_t layer);
   // A gather's arguments but for its pool, record, mark and variables.
   kernels::GatherArgs gather_args(const kernels::DevRun *runs, uint32_t R, const kernels::DevLookup &lookup,
                                   uint32_t max_ret, uint8_t *xk, uint8_t *xv, uint32_t *counters) const;
@@ -1781,19 +1804,8 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   // 2. The step's variables: its epoch (one for the whole step, reported
   //    by the attention's last CTA), its access record and the output.
   const uint64_t epoch = e_.buffers().begin(plan.tracker());
-  const StepRecord rec = open_step_record(plan, epoch);
-  kernels::StepVars v;
-  v.epoch = epoch;
-  if (rec.header) {
-    v.admits = rec.admits;
-    v.hits = rec.hits;
-    v.record_counts = &rec.header->used;
-    v.admit_cap = rec.admit_cap;
-    v.hit_cap = rec.hit_cap;
-  }
-  v.out = out.out;
-  v.out_seq_stride = out.seq_stride;
-  v.out_head_stride = out.head_stride;
+  const kernels::StepVars v =
+      step_vars(epoch, open_step_record(plan, epoch), out.out, out.seq_stride, out.head_stride);
 
   // 3. A replay where the plan has a graph for this key (made when the same
   //    key comes twice in a row) and the ring's next slot is free: the
@@ -1885,11 +1897,18 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
 }
 
 StepRecord CudaBackend::open_step_record(Plan &plan, uint64_t epoch) {
-  if (!frames_) return StepRecord{};
   const PlanDevice &pd = plan.dev;
-  return e_.buffers().open_record(plan.tracker(), epoch, pd.run_heads.data(), static_cast<uint32_t>(plan.runs.size()),
-                                  pd.want_units, std::min<uint32_t>(pd.want_units, 16384), plan.layer + 1);
+  return open_step_record(plan, epoch, pd.run_heads.data(), static_cast<uint32_t>(plan.runs.size()), pd.want_units,
+                          plan.layer);
 }
+
+StepRecord CudaBackend::open_step_record(Plan &plan, uint64_t epoch, const uint64_t *heads, uint32_t n_runs,
+                                         uint32_t want_units, uint32_t layer) {
+  if (!frames_) return StepRecord{};
+  return e_.buffers().open_record(plan.tracker(), epoch, heads, n_runs, want_units,
+                                  std::min<uint32_t>(want_units, 16384), layer + 1);
+}
+
 
 kernels::GatherArgs CudaBackend::gather_args(const kernels::DevRun *runs, uint32_t R, const kernels::DevLookup &lookup,
                                              uint32_t max_ret, uint8_t *xk, uint8_t *xv, uint32_t *counters) const {
@@ -2306,22 +2325,9 @@ Status CudaBackend::prepare_decode(Plan &plan, Binding &b, uint32_t i, uint8_t *
 }
 
 void CudaBackend::seal_decode(Plan &plan, BoundCallState &c, uint64_t epoch, uint8_t *body) {
-  StepRecord rec;
-  if (frames_)
-    rec = e_.buffers().open_record(plan.tracker(), epoch, c.run_heads.data(), static_cast<uint32_t>(c.run_heads.size()),
-                                   c.want_units, std::min<uint32_t>(c.want_units, 16384), c.layer + 1);
-  kernels::StepVars v;
-  v.epoch = epoch;
-  if (rec.header) {
-    v.admits = rec.admits;
-    v.hits = rec.hits;
-    v.record_counts = &rec.header->used;
-    v.admit_cap = rec.admit_cap;
-    v.hit_cap = rec.hit_cap;
-  }
-  v.out = c.out;
-  v.out_seq_stride = c.out_seq_stride;
-  v.out_head_stride = c.out_head_stride;
+  const StepRecord rec = open_step_record(plan, epoch, c.run_heads.data(), static_cast<uint32_t>(c.run_heads.size()),
+                                          c.want_units, c.layer);
+  const kernels::StepVars v = step_vars(epoch, rec, c.out, c.out_seq_stride, c.out_head_stride);
   std::memcpy(body + offsetof(kernels::StageSlot, vars), &v, sizeof v);
 }
 
