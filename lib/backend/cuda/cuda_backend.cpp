@@ -358,6 +358,9 @@ class CudaBackend final : public Backend, public BufferManager::Device {
                                   uint32_t max_ret, uint8_t *xk, uint8_t *xv, uint32_t *counters) const;
   // The kernels of a decode after its staging, on s (captured or not).
   struct DecodeBody;
+  // A decode's geometry and the plan's buffers (its bounds, scores and
+  // split are the caller's).
+  DecodeBody decode_body(Plan &plan, uint32_t R) const;
   // With `side` (a capture's), the estimate runs there, beside the offsets
   // and the gather: a fork after the selection, joined before the
   // attention. `fail_in_fork` (fault injection) fails the capture there.
@@ -1572,6 +1575,29 @@ struct CudaBackend::DecodeBody {
   }
 };
 
+CudaBackend::DecodeBody CudaBackend::decode_body(Plan &plan, uint32_t R) const {
+  const Config &cfg = e_.config();
+  const PlanDevice &pd = plan.dev;
+  DecodeBody b;
+  b.R = R;
+  b.G = cfg.group();
+  b.H = cfg.c.n_kv_heads;
+  b.d = cfg.c.head_dim;
+  b.scale = cfg.scale();
+  b.dtype = cfg.dtype();
+  b.runs = pd.runs.as<kernels::DevRun>();
+  b.q = pd.q.as<float>();
+  b.scratch = pd.scratch.as<float>();
+  b.lookup = lookup_view(pd);
+  b.xk = pd.xk.as<uint8_t>();
+  b.xv = pd.xv.as<uint8_t>();
+  b.counters = pd.counters.as<uint32_t>();
+  b.vars = pd.vars.as<kernels::StepVars>();
+  b.done = reinterpret_cast<unsigned long long *>(plan.tracker().done_device());
+  b.reading = reinterpret_cast<unsigned long long *>(plan.tracker().reading_device());
+  return b;
+}
+
 cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cudaStream_t side, bool fail_in_fork,
                                        cudaEvent_t fork_ev, cudaEvent_t join_ev) {
   if (!fork_ev) fork_ev = fork_ev_;
@@ -1744,30 +1770,16 @@ Status CudaBackend::decode(Plan &plan, const DecodeOut &out) {
   //    and their buffers.
   uint32_t max_ret = 0;
   for (const RunPlan &rp : plan.runs) max_ret = std::max(max_ret, rp.n_ret);
-  DecodeBody b;
-  b.R = R;
-  b.G = G;
-  b.H = cfg.c.n_kv_heads;
-  b.d = d;
-  b.scale = cfg.scale();
-  b.dtype = cfg.dtype();
+  const uint32_t max_run = pd.bound_run = decode_bound32(pd.bound_run, pd.max_run_tokens);
+  const size_t scratch_floats = kernels::attend_ragged_scratch_floats(R, G, d, max_run);
+  WKV_RETURN_IF_ERROR(plan_region(pd, &pd.scratch, scratch_floats * sizeof(float), s));
+  WKV_RETURN_IF_ERROR(plan_region(pd, &pd.vars, sizeof(kernels::StepVars), s));
+  DecodeBody b = decode_body(plan, R);
   b.max_clusters = pd.bound_clusters = decode_bound32(pd.bound_clusters, z.max_clusters);
   b.max_ret = pd.bound_ret = decode_bound32(pd.bound_ret, max_ret);
-  b.max_run = pd.bound_run = decode_bound32(pd.bound_run, pd.max_run_tokens);
-  b.scratch_floats = kernels::attend_ragged_scratch_floats(R, G, d, b.max_run);
-  WKV_RETURN_IF_ERROR(plan_region(pd, &pd.scratch, b.scratch_floats * sizeof(float), s));
-  WKV_RETURN_IF_ERROR(plan_region(pd, &pd.vars, sizeof(kernels::StepVars), s));
-  b.runs = pd.runs.as<kernels::DevRun>();
-  b.q = pd.q.as<float>();
+  b.max_run = max_run;
+  b.scratch_floats = scratch_floats;
   b.scores = z.scores;
-  b.scratch = pd.scratch.as<float>();
-  b.lookup = lookup_view(pd);
-  b.xk = pd.xk.as<uint8_t>();
-  b.xv = pd.xv.as<uint8_t>();
-  b.counters = pd.counters.as<uint32_t>();
-  b.vars = pd.vars.as<kernels::StepVars>();
-  b.done = reinterpret_cast<unsigned long long *>(plan.tracker().done_device());
-  b.reading = reinterpret_cast<unsigned long long *>(plan.tracker().reading_device());
   b.split_clusters = z.max_clusters;
   b.priority = least_priority_;
   if (fork_ && cudaStreamGetPriority(s, &b.priority) != cudaSuccess) {
@@ -2247,30 +2259,14 @@ Status CudaBackend::capture_bound(Plan &plan, Binding &b, uint32_t i, void *stre
   // from the call's ring; the estimate beside the gather on the plan's own
   // stream (the fork), which the capture joins back.
   const BoundReserve &rs = b.reserve[c.layer];
-  DecodeBody body;
-  body.R = R;
-  body.G = cfg.group();
-  body.H = H;
-  body.d = cfg.c.head_dim;
-  body.scale = cfg.scale();
-  body.dtype = cfg.dtype();
+  DecodeBody body = decode_body(plan, R);
   body.max_clusters = rs.max_clusters;
   body.max_ret = rs.max_ret;
   body.max_run = rs.max_run;
   body.scratch_floats = kernels::attend_ragged_scratch_floats(R, body.G, body.d, body.max_run);
   if (body.scratch_floats * sizeof(float) > pd.scratch.bytes)
     return WKV_ERROR(WKV_ERR_INTERNAL, "a bound plan's scratch is smaller than its reserve");
-  body.runs = pd.runs.as<kernels::DevRun>();
-  body.q = pd.q.as<float>();
   body.scores = pd.logits.as<float>() + pd.bound_logits;
-  body.scratch = pd.scratch.as<float>();
-  body.lookup = lookup_view(pd);
-  body.xk = pd.xk.as<uint8_t>();
-  body.xv = pd.xv.as<uint8_t>();
-  body.counters = pd.counters.as<uint32_t>();
-  body.vars = pd.vars.as<kernels::StepVars>();
-  body.done = reinterpret_cast<unsigned long long *>(plan.tracker().done_device());
-  body.reading = reinterpret_cast<unsigned long long *>(plan.tracker().reading_device());
   // The selection's split: the layer's largest run now, kept by the graph.
   uint32_t split = 0;
   for (const auto &sq : b.seqs)
