@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstddef>
 #include <type_traits>
 
 #include "kernels/cuda_common.cuh"
@@ -175,25 +176,55 @@ __global__ void mark_kernel(unsigned long long *done, unsigned long long epoch) 
   *reinterpret_cast<volatile unsigned long long *>(done) = epoch;
 }
 
-// A lookup's staging in one launch: every CTA copies its share of the run
-// table (8-byte words: DevRun is 8-byte aligned) to dst, CTA b < q_rows
-// converts query row b (sequence b / nq, head b % nq) to f32 at q_dst, and
-// where vars_dst is set, CTA 0 stores the step's variables there.
-// (stage_lookup_kernel's and stage_ring_kernel's part: n runs from src.)
+// A lookup's staging in one launch (stage_lookup_kernel, stage_ring_kernel,
+// bound_stage_kernel; stage_ctas sizes the grid): the run table's 8-byte
+// words spread over the grid (DevRun is 8-byte aligned), the query
+// converted to f32, kStageElems elements of the flattened [q_rows][d] a
+// CTA, and where vars_dst is set, CTA 0 stores the step's variables there.
+// A few CTAs, not one a query row: each CTA of a staging from a slot reads
+// the slot's header over PCIe, and small reads of mapped memory from many
+// CTAs queue there (a decode of 7 sequences took 23 to 28 us with a CTA a
+// query row, 224 of them; an ncu figure).
+constexpr uint32_t kStageThreads = 128, kStageVec = 8, kStageElems = kStageThreads * kStageVec;
+
+__device__ __forceinline__ void stage_runs(const DevRun *src, uint32_t n, DevRun *dst) {
+  const uint64_t *from = reinterpret_cast<const uint64_t *>(src);
+  uint64_t *out = reinterpret_cast<uint64_t *>(dst);
+  const uint32_t words = n * static_cast<uint32_t>(sizeof(DevRun) / 8);
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) out[i] = from[i];
+}
+
+// Query row r is sequence r / nq's head r % nq. Every load of a thread is
+// issued before its stores.
+template <typename T>
+__device__ __forceinline__ void stage_query(const typename DevType<T>::type *__restrict__ q, int64_t seq_stride,
+                                            int64_t head_stride, uint32_t nq, uint32_t d, uint32_t q_rows,
+                                            float *__restrict__ q_dst) {
+  const uint64_t total = uint64_t(q_rows) * d, base = uint64_t(blockIdx.x) * kStageElems;
+  if (base >= total) return;
+  float x[kStageVec];
+#pragma unroll
+  for (uint32_t k = 0; k < kStageVec; ++k) {
+    const uint64_t i = base + k * kStageThreads + threadIdx.x;
+    if (i < total) {
+      const uint32_t row = static_cast<uint32_t>(i / d), col = static_cast<uint32_t>(i % d);
+      x[k] = DevType<T>::to_f(q[(row / nq) * seq_stride + (row % nq) * head_stride + col]);
+    }
+  }
+#pragma unroll
+  for (uint32_t k = 0; k < kStageVec; ++k) {
+    const uint64_t i = base + k * kStageThreads + threadIdx.x;
+    if (i < total) q_dst[i] = x[k];
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void stage_part(const DevRun *src, uint32_t n, DevRun *dst,
                                            const typename DevType<T>::type *q, int64_t seq_stride,
                                            int64_t head_stride, uint32_t nq, uint32_t d, uint32_t q_rows,
                                            float *q_dst) {
-  const uint64_t *from = reinterpret_cast<const uint64_t *>(src);
-  uint64_t *out = reinterpret_cast<uint64_t *>(dst);
-  const uint32_t words = n * static_cast<uint32_t>(sizeof(DevRun) / 8);
-  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) out[i] = from[i];
-  if (blockIdx.x >= q_rows) return;
-  const uint32_t s = blockIdx.x / nq, h = blockIdx.x % nq;
-  const typename DevType<T>::type *row = q + s * seq_stride + h * head_stride;
-  float *o = q_dst + static_cast<size_t>(blockIdx.x) * d;
-  for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) o[i] = DevType<T>::to_f(row[i]);
+  stage_runs(src, n, dst);
+  stage_query<T>(q, seq_stride, head_stride, nq, d, q_rows, q_dst);
 }
 
 template <typename T, uint32_t N>
@@ -229,46 +260,58 @@ __global__ void stage_ring_kernel(const StageRing ring, uint32_t n_runs, uint32_
 }
 
 // A captured call's entry (BoundCall): what the slot its count names
-// holds for this replay. Read by thread 0 of each CTA of the entry kernel;
+// holds for this replay. Read by warp 0 of each CTA of the entry kernel;
 // every CTA finds the same, since nothing it reads changes until the last
 // CTA leaves (bound_leave).
 struct BoundEntry {
   const uint8_t *slot;
-  unsigned int t;   // slots this call consumed before this replay
-  uint32_t fault;   // kBind*, 0: none found here
-  uint32_t error;   // the binding's, as the call found it
-  bool marks;       // the slot was prepared for this replay: its epochs were issued
-  bool work;        // ... and no fault: the call does its work
+  unsigned int t;              // slots this call consumed before this replay
+  uint32_t fault;              // kBind*, 0: none found here
+  uint32_t error;              // the binding's, as the call found it
+  uint32_t n_copies, n_marks;  // the slot's head (an append's)
+  bool marks;                  // the slot was prepared for this replay: its epochs were issued
+  bool work;                   // ... and no fault: the call does its work
 };
 
+// The slots this call consumed before this replay (device memory), in
+// every lane of the warp.
+__device__ __forceinline__ unsigned int bound_count(const BoundCall &c) {
+  return __shfl_sync(0xffffffffu, threadIdx.x % 32 == 0 ? c.taken[c.index] : 0u, 0);
+}
+
+__device__ __forceinline__ const uint8_t *bound_slot(const BoundCall &c, unsigned int t) {
+  return c.slots + size_t(t % c.n_slots) * c.slot_bytes;
+}
+
 // Warp 0 of each CTA of an entry kernel reads the call's entry into *out
-// (shared memory): lane 0 the call's count (device memory), then the
-// binding's words and the slot's stamp together (one round trip over
-// PCIe), every lane then checking the other calls' counts. Plain loads, as
-// stage_ring_kernel reads its slot: nothing read here changes while the
-// kernel runs (the host writes before the launch, earlier kernels of the
-// stream before this one), and the CTAs' loads of one line of mapped memory
-// share it. (Volatile loads, one after another in one thread, took 0.9 ms
-// for a decode's 224 CTAs on the H100.) Every CTA finds the same: nothing it
-// reads changes until the last CTA leaves (bound_leave).
-__device__ __forceinline__ void bound_enter(const BoundCall &c, BoundEntry *out) {
+// (shared memory), given the call's count t (bound_count): lane 0 the
+// binding's words and the slot's head together (one round trip over
+// PCIe), every lane then checking the other calls' counts. The kernels
+// issue their loads of the slot's body before this (speculatively: they
+// use them only where the entry says the slot is this replay's), so that
+// an entry costs one round trip, as stage_ring_kernel's. Plain loads:
+// nothing read here changes while the kernel runs (the host writes before
+// the launch, earlier kernels of the stream before this one), and the CTAs'
+// loads of one line of mapped memory share it. (Volatile loads, one after
+// another in one thread, took 0.9 ms for a decode's 224 CTAs on the H100.)
+__device__ __forceinline__ void bound_enter(const BoundCall &c, unsigned int t, BoundEntry *out) {
   constexpr unsigned kAll = 0xffffffffu;
   const uint32_t lane = threadIdx.x;
   BoundEntry e{};
-  // The count (device memory), then the words and the stamp together.
-  const unsigned int t = __shfl_sync(kAll, lane == 0 ? c.taken[c.index] : 0u, 0);
   e.t = t;
-  e.slot = c.slots + size_t(t % c.n_slots) * c.slot_bytes;
+  e.slot = bound_slot(c, t);
   BindWords w{};
-  unsigned long long stamp = 0;
+  BoundSlotHead head{};
   if (lane == 0) {
     w = *c.words;
-    stamp = reinterpret_cast<const BoundSlotHead *>(e.slot)->stamp;
+    head = *reinterpret_cast<const BoundSlotHead *>(e.slot);
   }
   e.error = __shfl_sync(kAll, w.error, 0);
   const uint32_t generation = __shfl_sync(kAll, w.generation, 0);
   const uint32_t n_calls = min(__shfl_sync(kAll, w.n_calls, 0), kMaxBoundCalls);
-  stamp = __shfl_sync(kAll, stamp, 0);
+  const unsigned long long stamp = __shfl_sync(kAll, head.stamp, 0);
+  e.n_copies = __shfl_sync(kAll, head.n_copies, 0);
+  e.n_marks = __shfl_sync(kAll, head.n_marks, 0);
   if (generation != c.generation) {
     e.fault = kBindStale;
   } else {
@@ -315,21 +358,43 @@ __device__ __forceinline__ bool last_cta(unsigned int *ctas) {
 // every (gridDim.x * warps)-th (all their rows, K and V, word by word); the
 // last CTA writes the steps' ends the slot lists, the last one after a
 // fence: once the host sees it, every read of the slot is done (the host
-// then writes the slot again: BoundCallState::slot_epoch).
+// then writes the slot again: BoundCallState::slot_epoch). A warp's first
+// copy is loaded beside the entry's round trip, and each thread's step end
+// beside the copies, before they are known to be this replay's.
 template <typename W>
-__global__ void bound_copy_kernel(const BoundCall c, const uint8_t *k, const uint8_t *v, uint64_t pitch,
-                                  uint32_t row_bytes) {
+__global__ void bound_copy_kernel(const BoundCall c, uint32_t max_copies, const uint8_t *k, const uint8_t *v,
+                                  uint64_t pitch, uint32_t row_bytes) {
   __shared__ BoundEntry e;
   __shared__ bool last;
-  if (threadIdx.x < 32) bound_enter(c, &e);
+  const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned int t = bound_count(c);
+  const uint8_t *slot = bound_slot(c, t);
+  const RowCopyDesc *copies = reinterpret_cast<const RowCopyDesc *>(slot + sizeof(BoundSlotHead));
+  const uint32_t x0 = blockIdx.x * warps + warp;
+  RowCopyDesc first{};
+  if (x0 < max_copies) first = copies[x0];
+  if (warp == 0) bound_enter(c, t, &e);
   __syncthreads();
-  const BoundSlotHead *head = reinterpret_cast<const BoundSlotHead *>(e.slot);
+  const uint32_t n = min(e.n_copies, max_copies), n_marks = e.marks ? e.n_marks : 0u;
+  // The steps' ends, done[n_marks] then epochs[n_marks], after the copies:
+  // thread i's (i + 1 < n_marks), and thread 0's the last one too.
+  const uint8_t *marks = slot + sizeof(BoundSlotHead) + size_t(n) * sizeof(RowCopyDesc);
+  unsigned long long *const *done = reinterpret_cast<unsigned long long *const *>(marks);
+  const unsigned long long *epochs = reinterpret_cast<const unsigned long long *>(marks + size_t(n_marks) * 8);
+  unsigned long long *my_done = nullptr, *final_done = nullptr;
+  unsigned long long my_epoch = 0, final_epoch = 0;
+  if (threadIdx.x + 1 < n_marks) {
+    my_done = done[threadIdx.x];
+    my_epoch = epochs[threadIdx.x];
+  }
+  if (threadIdx.x == 0 && n_marks > 0) {
+    final_done = done[n_marks - 1];
+    final_epoch = epochs[n_marks - 1];
+  }
   if (e.work) {
-    const RowCopyDesc *copies = reinterpret_cast<const RowCopyDesc *>(e.slot + sizeof(BoundSlotHead));
-    const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const uint32_t words = row_bytes / sizeof(W), n = head->n_copies;
-    for (uint32_t x = blockIdx.x * warps + warp; x < n; x += gridDim.x * warps) {
-      const RowCopyDesc cp = copies[x];
+    const uint32_t words = row_bytes / sizeof(W);
+    for (uint32_t x = x0; x < n; x += gridDim.x * warps) {
+      const RowCopyDesc cp = x == x0 ? first : copies[x];
       for (uint64_t i = lane; i < uint64_t(cp.rows) * words; i += 32) {
         const uint64_t r = i / words, wd = i % words;
         const uint64_t src = cp.src_off + r * pitch + wd * sizeof(W);
@@ -345,21 +410,12 @@ __global__ void bound_copy_kernel(const BoundCall c, const uint8_t *k, const uin
     if (last) bound_leave(c, e);
   }
   __syncthreads();
-  if (!last || !e.marks) return;
-  const uint32_t n_marks = head->n_marks;
-  const uint8_t *marks = e.slot + sizeof(BoundSlotHead) + size_t(head->n_copies) * sizeof(RowCopyDesc);
-  unsigned long long *const *done = reinterpret_cast<unsigned long long *const *>(marks);
-  const unsigned long long *epochs = reinterpret_cast<const unsigned long long *>(marks + size_t(n_marks) * 8);
-  for (uint32_t i = threadIdx.x; i + 1 < n_marks; i += blockDim.x)
+  if (!last || n_marks == 0) return;
+  if (my_done) *reinterpret_cast<volatile unsigned long long *>(my_done) = my_epoch;
+  for (uint32_t i = threadIdx.x + blockDim.x; i + 1 < n_marks; i += blockDim.x)
     *reinterpret_cast<volatile unsigned long long *>(done[i]) = epochs[i];
-  unsigned long long *final_done = nullptr;
-  unsigned long long final_epoch = 0;
-  if (threadIdx.x == 0 && n_marks > 0) {
-    final_done = done[n_marks - 1];
-    final_epoch = epochs[n_marks - 1];
-  }
   __syncthreads();
-  if (threadIdx.x != 0 || !final_done) return;
+  if (threadIdx.x != 0) return;
   __threadfence_system();
   *reinterpret_cast<volatile unsigned long long *>(final_done) = final_epoch;
 }
@@ -368,34 +424,47 @@ __global__ void bound_copy_kernel(const BoundCall c, const uint8_t *k, const uin
 // where the call works; else empty runs (every later kernel of the step
 // then does nothing), no access record, no output, NaN written to `out`
 // instead, and the step's epoch only where the slot was prepared for it
-// (its end is then reported as the host expects).
+// (its end is then reported as the host expects). The slot's body (this
+// thread's word of the run table, the query's address and strides, CTA
+// 0's step variables) is loaded beside the entry's round trip and used
+// where the entry says it is this replay's: stage_ctas gives every word of
+// the run table a thread.
 template <typename T>
 __global__ void bound_stage_kernel(const BoundCall c, uint32_t n_runs, uint32_t nq, uint32_t d, uint32_t q_rows,
                                    float *q_dst, DevRun *dst, StepVars *vars_dst, void *out, int64_t out_seq_stride,
                                    int64_t out_head_stride) {
   __shared__ BoundEntry e;
-  if (threadIdx.x < 32) bound_enter(c, &e);
+  constexpr uint32_t kVarWords = sizeof(StepVars) / 8;
+  const unsigned int t = bound_count(c);
+  const uint8_t *slot = bound_slot(c, t);
+  const StageSlot *h = reinterpret_cast<const StageSlot *>(slot + sizeof(BoundSlotHead));
+  const uint64_t *body = reinterpret_cast<const uint64_t *>(slot + sizeof(BoundSlotHead) + sizeof(StageSlot));
+  const uint32_t n_words = n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8);
+  const uint32_t wi = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint64_t word = wi < n_words ? body[wi] : 0;
+  const bool var_thread = blockIdx.x == 0 && threadIdx.x < kVarWords;
+  const uint64_t var_word = var_thread ? reinterpret_cast<const uint64_t *>(&h->vars)[threadIdx.x] : 0;
+  const void *q = h->q;
+  const int64_t q_seq_stride = h->q_seq_stride, q_head_stride = h->q_head_stride;
+  if (threadIdx.x < 32) bound_enter(c, t, &e);
   __syncthreads();
-  const StageSlot *h = reinterpret_cast<const StageSlot *>(e.slot + sizeof(BoundSlotHead));
+  uint64_t *runs = reinterpret_cast<uint64_t *>(dst);
   if (e.work) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) *vars_dst = h->vars;
-    stage_part<T>(reinterpret_cast<const DevRun *>(e.slot + sizeof(BoundSlotHead) + sizeof(StageSlot)), n_runs, dst,
-                  static_cast<const typename DevType<T>::type *>(h->q), h->q_seq_stride, h->q_head_stride, nq, d,
-                  q_rows, q_dst);
+    if (var_thread) reinterpret_cast<uint64_t *>(vars_dst)[threadIdx.x] = var_word;
+    if (wi < n_words) runs[wi] = word;
+    stage_query<T>(static_cast<const typename DevType<T>::type *>(q), q_seq_stride, q_head_stride, nq, d, q_rows,
+                   q_dst);
   } else {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      StepVars none{};
-      none.epoch = e.marks ? h->vars.epoch : 0;
-      *vars_dst = none;
-    }
-    uint64_t *runs = reinterpret_cast<uint64_t *>(dst);
-    const uint32_t words = n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8);
-    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) runs[i] = 0;
-    if (blockIdx.x < q_rows) {
-      using V = typename DevType<T>::type;
-      const uint32_t s = blockIdx.x / nq, hd = blockIdx.x % nq;
-      V *o = static_cast<V *>(out) + s * out_seq_stride + hd * out_head_stride;
-      for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) o[i] = DevType<T>::from_f(__int_as_float(0x7fc00000));
+    // No variables but the epoch (StepVars::epoch, its first word).
+    if (var_thread) reinterpret_cast<uint64_t *>(vars_dst)[threadIdx.x] = threadIdx.x == 0 && e.marks ? var_word : 0;
+    if (wi < n_words) runs[wi] = 0;
+    using V = typename DevType<T>::type;
+    const uint64_t total = uint64_t(q_rows) * d;
+    for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+         i += uint64_t(gridDim.x) * blockDim.x) {
+      const uint32_t row = static_cast<uint32_t>(i / d), col = static_cast<uint32_t>(i % d);
+      V *o = static_cast<V *>(out) + (row / nq) * out_seq_stride + (row % nq) * out_head_stride;
+      o[col] = DevType<T>::from_f(__int_as_float(0x7fc00000));
     }
   }
   __syncthreads();
@@ -477,14 +546,17 @@ static_assert(sizeof(StageSlot) % 8 == 0, "a slot's run table is 8-byte aligned"
 static_assert(sizeof(BoundSlotHead) % 16 == 0, "a bound slot's body is 16-byte aligned");
 static_assert(sizeof(RowCopyDesc) % 8 == 0, "an append slot's marks are 8-byte aligned");
 
+static_assert(sizeof(StepVars) % 8 == 0 && sizeof(StepVars) / 8 <= kStageThreads && offsetof(StepVars, epoch) == 0,
+              "a staging copies the step's variables in 8-byte words, a thread each, the epoch first");
+
 namespace {
-// A staging from a slot (stage_ring_kernel, bound_stage_kernel): a CTA a
-// query row, enough to copy the run table's words, one at least.
-constexpr uint32_t kStageThreads = 128;
-uint32_t stage_ctas(uint32_t n_runs, uint32_t q_rows) {
-  const uint32_t word_ctas =
-      (n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8) + kStageThreads - 1) / kStageThreads;
-  return std::max<uint32_t>({q_rows, word_ctas, 1u});
+// A staging's grid (stage_part): a thread for each word of the run table
+// (bound_stage_kernel loads its one word before its entry), a CTA for each
+// kStageElems elements of the query, one at least.
+uint32_t stage_ctas(uint32_t n_runs, uint32_t q_rows, uint32_t d) {
+  const uint64_t word_ctas = (uint64_t(n_runs) * (sizeof(DevRun) / 8) + kStageThreads - 1) / kStageThreads;
+  const uint64_t q_ctas = (uint64_t(q_rows) * d + kStageElems - 1) / kStageElems;
+  return static_cast<uint32_t>(std::max<uint64_t>({word_ctas, q_ctas, 1u}));
 }
 
 template <typename T, uint32_t N>
@@ -494,12 +566,9 @@ cudaError_t launch_stage(const DevRun *runs, uint32_t n, DevRun *dst, const void
   RunChunk<N> c;
   c.n = n;
   for (uint32_t i = 0; i < n; ++i) c.runs[i] = runs[i];
-  constexpr uint32_t threads = 128;
-  const uint32_t word_ctas = (n * static_cast<uint32_t>(sizeof(DevRun) / 8) + threads - 1) / threads;
-  const uint32_t ctas = std::max<uint32_t>({q_rows, word_ctas, 1u});
-  stage_lookup_kernel<T, N><<<ctas, threads, 0, s>>>(c, dst, static_cast<const typename DevType<T>::type *>(q),
-                                                     seq_stride, head_stride, nq, d, q_rows, q_dst, vars,
-                                                     vars_dst);
+  stage_lookup_kernel<T, N><<<stage_ctas(n, q_rows, d), kStageThreads, 0, s>>>(
+      c, dst, static_cast<const typename DevType<T>::type *>(q), seq_stride, head_stride, nq, d, q_rows, q_dst, vars,
+      vars_dst);
   WKV_CUDA_CHECK_LAUNCH("stage_lookup");
   return cudaSuccess;
 }
@@ -516,7 +585,7 @@ cudaError_t stage_from_ring(DType t, const StageRing &ring, uint32_t n_runs, uin
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_DTYPE(t, T, cudaErrorNotSupported, [&]() -> cudaError_t {
     const uint32_t q_rows = n_seqs * n_q_heads;
-    stage_ring_kernel<T><<<stage_ctas(n_runs, q_rows), kStageThreads, 0, s>>>(ring, n_runs, n_q_heads, d, q_rows,
+    stage_ring_kernel<T><<<stage_ctas(n_runs, q_rows, d), kStageThreads, 0, s>>>(ring, n_runs, n_q_heads, d, q_rows,
                                                                               q_dst, dst, vars_dst);
     WKV_CUDA_CHECK_LAUNCH("stage_from_ring");
     return cudaSuccess;
@@ -530,14 +599,23 @@ cudaError_t bound_copy(const BoundCall &call, uint32_t max_copies, const uint8_t
       max_copies == 0 || row_bytes % width != 0)
     return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  constexpr uint32_t kCopiesPerCta = 4;  // a warp a copy
-  const uint32_t ctas = std::min<uint32_t>((max_copies + kCopiesPerCta - 1) / kCopiesPerCta, 1024);
+  if (call.slot_bytes < sizeof(BoundSlotHead) + uint64_t(max_copies) * sizeof(RowCopyDesc))
+    return cudaErrorInvalidValue;
+  // A warp a copy for half of max_copies (an append's bound counts a sink
+  // copy beside each tail copy, which few appends have); the warps take the
+  // rest in turn. Few CTAs: each reads the slot's head over PCIe.
+  constexpr uint32_t kThreads = 256, kWarps = kThreads / 32;
+  const uint32_t ctas = std::min<uint32_t>(((max_copies + 1) / 2 + kWarps - 1) / kWarps, 1024);
   switch (width) {
-    case 16: bound_copy_kernel<uint4><<<ctas, 128, 0, s>>>(call, k, v, src_pitch, row_bytes); break;
-    case 8: bound_copy_kernel<uint2><<<ctas, 128, 0, s>>>(call, k, v, src_pitch, row_bytes); break;
-    case 4: bound_copy_kernel<uint32_t><<<ctas, 128, 0, s>>>(call, k, v, src_pitch, row_bytes); break;
-    case 2: bound_copy_kernel<uint16_t><<<ctas, 128, 0, s>>>(call, k, v, src_pitch, row_bytes); break;
-    case 1: bound_copy_kernel<uint8_t><<<ctas, 128, 0, s>>>(call, k, v, src_pitch, row_bytes); break;
+    case 16: bound_copy_kernel<uint4><<<ctas, kThreads, 0, s>>>(call, max_copies, k, v, src_pitch, row_bytes); break;
+    case 8: bound_copy_kernel<uint2><<<ctas, kThreads, 0, s>>>(call, max_copies, k, v, src_pitch, row_bytes); break;
+    case 4:
+      bound_copy_kernel<uint32_t><<<ctas, kThreads, 0, s>>>(call, max_copies, k, v, src_pitch, row_bytes);
+      break;
+    case 2:
+      bound_copy_kernel<uint16_t><<<ctas, kThreads, 0, s>>>(call, max_copies, k, v, src_pitch, row_bytes);
+      break;
+    case 1: bound_copy_kernel<uint8_t><<<ctas, kThreads, 0, s>>>(call, max_copies, k, v, src_pitch, row_bytes); break;
     default: return cudaErrorInvalidValue;
   }
   WKV_CUDA_CHECK_LAUNCH("bound_copy");
@@ -560,7 +638,7 @@ cudaError_t bound_stage(DType t, const BoundCall &call, uint32_t n_runs, uint32_
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_DTYPE(t, T, cudaErrorNotSupported, [&]() -> cudaError_t {
     const uint32_t q_rows = n_seqs * n_q_heads;
-    bound_stage_kernel<T><<<stage_ctas(n_runs, q_rows), kStageThreads, 0, s>>>(
+    bound_stage_kernel<T><<<stage_ctas(n_runs, q_rows, d), kStageThreads, 0, s>>>(
         call, n_runs, n_q_heads, d, q_rows, q_dst, dst, vars_dst, out, out_seq_stride, out_head_stride);
     WKV_CUDA_CHECK_LAUNCH("bound_stage");
     return cudaSuccess;

@@ -523,6 +523,9 @@ struct Twin {
   std::vector<wavekv::Sequence> son, soff;
   std::vector<wkv_seq *> hon, hoff;
   std::vector<KeyGen> gens;
+  // Where keep_rows is set, every token appended: rows[sequence][KV head].
+  bool keep_rows = false;
+  std::vector<std::vector<HeadRows>> rows;
   cudaStream_t stream = nullptr;
   // `fork`: whether on's graphs run the estimate beside the gather;
   // `priority`: the stream's (cudaStreamCreateWithPriority).
@@ -545,6 +548,14 @@ struct Twin {
     const uint32_t H = c.n_kv_heads, d = c.head_dim;
     std::vector<float> k, v;
     for (uint32_t i = 0; i < n; ++i) gens[i].next(T, &k, &v);
+    if (keep_rows) {
+      rows.resize(n, std::vector<HeadRows>(H));
+      for (size_t x = 0; x < k.size(); ++x) {
+        const size_t row = x / d, i = row / (size_t(T) * H), h = row % H;  // [n][T][H][d]
+        rows[i][h].k.push_back(round_to(c.dtype, k[x]));
+        rows[i][h].v.push_back(round_to(c.dtype, v[x]));
+      }
+    }
     const std::vector<uint8_t> kb = pack(c.dtype, k), vb = pack(c.dtype, v);
     Dev dk(kb.size()), dv(vb.size());
     ASSERT_EQ(cudaMemcpy(dk.p, kb.data(), kb.size(), cudaMemcpyHostToDevice), cudaSuccess);
@@ -562,8 +573,10 @@ struct Twin {
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   }
   // One decoding step of every sequence on both engines, each through its
-  // plan; false where the outputs differ or one is not finite.
-  bool decode(KeyGen &qgen, wavekv::Plan &pon, wavekv::Plan &poff) {
+  // plan; false where the outputs differ or one is not finite. With
+  // `worst` (and keep_rows), the largest relative L2 error of a query
+  // head's output against exact attention over its sequence's rows.
+  bool decode(KeyGen &qgen, wavekv::Plan &pon, wavekv::Plan &poff, double *worst = nullptr) {
     const uint32_t H = c.n_kv_heads, G = c.n_q_heads / c.n_kv_heads;
     std::vector<float> q;
     for (uint32_t i = 0; i < n; ++i)
@@ -578,8 +591,16 @@ struct Twin {
     std::vector<uint8_t> a(qb.size()), b(qb.size());
     EXPECT_EQ(cudaMemcpy(a.data(), oa.p, a.size(), cudaMemcpyDeviceToHost), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(b.data(), ob.p, b.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    for (float x : unpack(c.dtype, a, q.size()))
+    const std::vector<float> out = unpack(c.dtype, a, q.size());
+    for (float x : out)
       if (!std::isfinite(x)) return false;
+    const uint32_t d = c.head_dim;
+    for (size_t row = 0; worst && row < q.size() / d; ++row) {
+      const size_t i = row / c.n_q_heads, h = row % c.n_q_heads;  // [n][q heads][d]
+      std::vector<double> ref;
+      exact_attention(&q[row * d], rows.at(i).at(h / G), d, &ref);
+      *worst = std::max(*worst, rel_l2(&out[row * d], ref));
+    }
     return a == b;
   }
   // The prompt: T tokens a sequence, then its end.
@@ -634,6 +655,34 @@ TEST(GpuBatch, DecodeGraphsStayExactOverMoreRunsThanOneStagingLaunchTakes) {
   const uint32_t steps = t.expect_exact_replays(150, 40, 41);
   // The prompt's segment, then one a 32 tokens, less the growth lag.
   EXPECT_GE(t.son[0].info(0).segments, 1u + steps / 50) << "the steps crossed growths";
+}
+
+// Every head dimension the kernels take, with query rows that straddle
+// the staging's CTAs (1024 elements a CTA: 3 sequences of 6 query heads of
+// 80 end the first CTA inside a row): with every cluster attended exactly
+// (config()), each query head's output is exact attention over its own
+// sequence's rows, replayed or launched one by one.
+TEST(GpuBatch, EveryHeadDimensionAttendsEachQueryRowOverItsOwnSequence) {
+  REQUIRE_GPU();
+  for (uint32_t d : {64u, 80u, 96u, 256u}) {
+    SCOPED_TRACE(testing::Message() << "d " << d);
+    wkv_config c = config();
+    c.n_q_heads = 6;
+    c.n_kv_heads = 2;
+    c.head_dim = d;
+    Twin t(c, 3);
+    t.keep_rows = true;
+    t.prompt(1100);
+    wavekv::Plan pon(t.on), poff(t.off);
+    KeyGen qgen(c.n_kv_heads, d, 61);
+    double worst = 0;
+    for (int step = 0; step < 6; ++step) {
+      t.append(1);
+      EXPECT_TRUE(t.decode(qgen, pon, poff, &worst)) << "step " << step;
+    }
+    EXPECT_LT(worst, 5e-3) << "the worst query head against exact attention";
+    EXPECT_GE(t.on.stats().decode_graphs, 4u) << "steps replayed as graphs";
+  }
 }
 
 // An engine without a device cache (a cache smaller than one frame): its
