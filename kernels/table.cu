@@ -265,12 +265,11 @@ __global__ void stage_ring_kernel(const StageRing ring, uint32_t n_runs, uint32_
 // CTA leaves (bound_leave).
 struct BoundEntry {
   const uint8_t *slot;
-  unsigned int t;              // slots this call consumed before this replay
-  uint32_t fault;              // kBind*, 0: none found here
-  uint32_t error;              // the binding's, as the call found it
-  uint32_t n_copies, n_marks;  // the slot's head (an append's)
-  bool marks;                  // the slot was prepared for this replay: its epochs were issued
-  bool work;                   // ... and no fault: the call does its work
+  unsigned int t;   // slots this call consumed before this replay
+  uint32_t fault;   // kBind*, 0: none found here
+  uint32_t error;   // the binding's, as the call found it
+  bool marks;       // the slot was prepared for this replay: its epochs were issued
+  bool work;        // ... and no fault: the call does its work
 };
 
 // The slots this call consumed before this replay (device memory), in
@@ -283,17 +282,29 @@ __device__ __forceinline__ const uint8_t *bound_slot(const BoundCall &c, unsigne
   return c.slots + size_t(t % c.n_slots) * c.slot_bytes;
 }
 
+// A load with acquire semantics at system scope: what the host wrote
+// before its release of this word is seen by the loads that follow (this
+// thread's, and after a barrier its CTA's).
+__device__ __forceinline__ unsigned long long load_acquire_sys(const unsigned long long *p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Warp 0 of each CTA of an entry kernel reads the call's entry into *out
 // (shared memory), given the call's count t (bound_count): lane 0 the
-// binding's words and the slot's head together (one round trip over
-// PCIe), every lane then checking the other calls' counts. The kernels
-// issue their loads of the slot's body before this (speculatively: they
-// use them only where the entry says the slot is this replay's), so that
-// an entry costs one round trip, as stage_ring_kernel's. Plain loads:
-// nothing read here changes while the kernel runs (the host writes before
-// the launch, earlier kernels of the stream before this one), and the CTAs'
-// loads of one line of mapped memory share it. (Volatile loads, one after
-// another in one thread, took 0.9 ms for a decode's 224 CTAs on the H100.)
+// binding's words and the slot's stamp together (one round trip over
+// PCIe), every lane then checking the other calls' counts. The stamp is
+// read with acquire semantics, and the slot's body only after the CTA's
+// barrier that follows: the host writes the body, then (after a release
+// fence) the stamp, so a body read after a stamp of this replay is this
+// replay's, even where a runtime prepares while an unprepared replay runs.
+// (Loading the body beside the stamp saved a round trip and broke that:
+// a stamp of this replay could come with a body of 16 steps before.) The
+// words are plain loads: nothing read here changes while the kernel runs
+// in a correct program, and the CTAs' loads of one line of mapped memory
+// share it. (Volatile loads, one after another in one thread, took 0.9 ms
+// for a decode's 224 CTAs on the H100.)
 __device__ __forceinline__ void bound_enter(const BoundCall &c, unsigned int t, BoundEntry *out) {
   constexpr unsigned kAll = 0xffffffffu;
   const uint32_t lane = threadIdx.x;
@@ -301,17 +312,15 @@ __device__ __forceinline__ void bound_enter(const BoundCall &c, unsigned int t, 
   e.t = t;
   e.slot = bound_slot(c, t);
   BindWords w{};
-  BoundSlotHead head{};
+  unsigned long long stamp = 0;
   if (lane == 0) {
     w = *c.words;
-    head = *reinterpret_cast<const BoundSlotHead *>(e.slot);
+    stamp = load_acquire_sys(&reinterpret_cast<const BoundSlotHead *>(e.slot)->stamp);
   }
   e.error = __shfl_sync(kAll, w.error, 0);
   const uint32_t generation = __shfl_sync(kAll, w.generation, 0);
   const uint32_t n_calls = min(__shfl_sync(kAll, w.n_calls, 0), kMaxBoundCalls);
-  const unsigned long long stamp = __shfl_sync(kAll, head.stamp, 0);
-  e.n_copies = __shfl_sync(kAll, head.n_copies, 0);
-  e.n_marks = __shfl_sync(kAll, head.n_marks, 0);
+  stamp = __shfl_sync(kAll, stamp, 0);
   if (generation != c.generation) {
     e.fault = kBindStale;
   } else {
@@ -358,9 +367,9 @@ __device__ __forceinline__ bool last_cta(unsigned int *ctas) {
 // every (gridDim.x * warps)-th (all their rows, K and V, word by word); the
 // last CTA writes the steps' ends the slot lists, the last one after a
 // fence: once the host sees it, every read of the slot is done (the host
-// then writes the slot again: BoundCallState::slot_epoch). A warp's first
-// copy is loaded beside the entry's round trip, and each thread's step end
-// beside the copies, before they are known to be this replay's.
+// then writes the slot again: BoundCallState::slot_epoch). After the entry,
+// one round trip brings the slot's head and each warp's first copy, and
+// each thread's step end is loaded while the copies run.
 template <typename W>
 __global__ void bound_copy_kernel(const BoundCall c, uint32_t max_copies, const uint8_t *k, const uint8_t *v,
                                   uint64_t pitch, uint32_t row_bytes) {
@@ -368,17 +377,21 @@ __global__ void bound_copy_kernel(const BoundCall c, uint32_t max_copies, const 
   __shared__ bool last;
   const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned int t = bound_count(c);
-  const uint8_t *slot = bound_slot(c, t);
-  const RowCopyDesc *copies = reinterpret_cast<const RowCopyDesc *>(slot + sizeof(BoundSlotHead));
-  const uint32_t x0 = blockIdx.x * warps + warp;
-  RowCopyDesc first{};
-  if (x0 < max_copies) first = copies[x0];
   if (warp == 0) bound_enter(c, t, &e);
   __syncthreads();
-  const uint32_t n = min(e.n_copies, max_copies), n_marks = e.marks ? e.n_marks : 0u;
+  if (!e.marks) {  // nothing of the slot is this replay's: no copy, no end
+    if (threadIdx.x == 0 && last_cta(c.ctas)) bound_leave(c, e);
+    return;
+  }
+  const BoundSlotHead *head = reinterpret_cast<const BoundSlotHead *>(e.slot);
+  const RowCopyDesc *copies = reinterpret_cast<const RowCopyDesc *>(e.slot + sizeof(BoundSlotHead));
+  const uint32_t x0 = blockIdx.x * warps + warp;
+  RowCopyDesc first{};
+  if (e.work && x0 < max_copies) first = copies[x0];
+  const uint32_t n = min(head->n_copies, max_copies), n_marks = head->n_marks;
   // The steps' ends, done[n_marks] then epochs[n_marks], after the copies:
   // thread i's (i + 1 < n_marks), and thread 0's the last one too.
-  const uint8_t *marks = slot + sizeof(BoundSlotHead) + size_t(n) * sizeof(RowCopyDesc);
+  const uint8_t *marks = e.slot + sizeof(BoundSlotHead) + size_t(n) * sizeof(RowCopyDesc);
   unsigned long long *const *done = reinterpret_cast<unsigned long long *const *>(marks);
   const unsigned long long *epochs = reinterpret_cast<const unsigned long long *>(marks + size_t(n_marks) * 8);
   unsigned long long *my_done = nullptr, *final_done = nullptr;
@@ -415,7 +428,7 @@ __global__ void bound_copy_kernel(const BoundCall c, uint32_t max_copies, const 
   for (uint32_t i = threadIdx.x + blockDim.x; i + 1 < n_marks; i += blockDim.x)
     *reinterpret_cast<volatile unsigned long long *>(done[i]) = epochs[i];
   __syncthreads();
-  if (threadIdx.x != 0) return;
+  if (threadIdx.x != 0 || !final_done) return;
   __threadfence_system();
   *reinterpret_cast<volatile unsigned long long *>(final_done) = final_epoch;
 }
@@ -424,11 +437,9 @@ __global__ void bound_copy_kernel(const BoundCall c, uint32_t max_copies, const 
 // where the call works; else empty runs (every later kernel of the step
 // then does nothing), no access record, no output, NaN written to `out`
 // instead, and the step's epoch only where the slot was prepared for it
-// (its end is then reported as the host expects). The slot's body (this
-// thread's word of the run table, the query's address and strides, CTA
-// 0's step variables) is loaded beside the entry's round trip and used
-// where the entry says it is this replay's: stage_ctas gives every word of
-// the run table a thread.
+// (its end is then reported as the host expects). The slot's body is read
+// after the entry (BoundEntry), a word of the run table a thread
+// (stage_ctas), in one round trip.
 template <typename T>
 __global__ void bound_stage_kernel(const BoundCall c, uint32_t n_runs, uint32_t nq, uint32_t d, uint32_t q_rows,
                                    float *q_dst, DevRun *dst, StepVars *vars_dst, void *out, int64_t out_seq_stride,
@@ -436,27 +447,25 @@ __global__ void bound_stage_kernel(const BoundCall c, uint32_t n_runs, uint32_t 
   __shared__ BoundEntry e;
   constexpr uint32_t kVarWords = sizeof(StepVars) / 8;
   const unsigned int t = bound_count(c);
-  const uint8_t *slot = bound_slot(c, t);
-  const StageSlot *h = reinterpret_cast<const StageSlot *>(slot + sizeof(BoundSlotHead));
-  const uint64_t *body = reinterpret_cast<const uint64_t *>(slot + sizeof(BoundSlotHead) + sizeof(StageSlot));
-  const uint32_t n_words = n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8);
-  const uint32_t wi = blockIdx.x * blockDim.x + threadIdx.x;
-  const uint64_t word = wi < n_words ? body[wi] : 0;
-  const bool var_thread = blockIdx.x == 0 && threadIdx.x < kVarWords;
-  const uint64_t var_word = var_thread ? reinterpret_cast<const uint64_t *>(&h->vars)[threadIdx.x] : 0;
-  const void *q = h->q;
-  const int64_t q_seq_stride = h->q_seq_stride, q_head_stride = h->q_head_stride;
   if (threadIdx.x < 32) bound_enter(c, t, &e);
   __syncthreads();
+  const StageSlot *h = reinterpret_cast<const StageSlot *>(e.slot + sizeof(BoundSlotHead));
+  const uint64_t *body = reinterpret_cast<const uint64_t *>(e.slot + sizeof(BoundSlotHead) + sizeof(StageSlot));
+  const uint32_t n_words = n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8);
+  const uint32_t wi = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool var_thread = blockIdx.x == 0 && threadIdx.x < kVarWords;
   uint64_t *runs = reinterpret_cast<uint64_t *>(dst);
+  uint64_t *vars = reinterpret_cast<uint64_t *>(vars_dst);
+  const uint64_t *slot_vars = reinterpret_cast<const uint64_t *>(&h->vars);
   if (e.work) {
-    if (var_thread) reinterpret_cast<uint64_t *>(vars_dst)[threadIdx.x] = var_word;
-    if (wi < n_words) runs[wi] = word;
-    stage_query<T>(static_cast<const typename DevType<T>::type *>(q), q_seq_stride, q_head_stride, nq, d, q_rows,
-                   q_dst);
+    if (var_thread) vars[threadIdx.x] = slot_vars[threadIdx.x];
+    if (wi < n_words) runs[wi] = body[wi];
+    stage_query<T>(static_cast<const typename DevType<T>::type *>(h->q), h->q_seq_stride, h->q_head_stride, nq, d,
+                   q_rows, q_dst);
   } else {
-    // No variables but the epoch (StepVars::epoch, its first word).
-    if (var_thread) reinterpret_cast<uint64_t *>(vars_dst)[threadIdx.x] = threadIdx.x == 0 && e.marks ? var_word : 0;
+    // No variables but the epoch (StepVars::epoch, its first word), where
+    // the slot was prepared for this replay.
+    if (var_thread) vars[threadIdx.x] = threadIdx.x == 0 && e.marks ? slot_vars[0] : 0;
     if (wi < n_words) runs[wi] = 0;
     using V = typename DevType<T>::type;
     const uint64_t total = uint64_t(q_rows) * d;
