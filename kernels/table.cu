@@ -560,8 +560,8 @@ static_assert(sizeof(StepVars) % 8 == 0 && sizeof(StepVars) / 8 <= kStageThreads
 
 namespace {
 // A staging's grid (stage_part): a thread for each word of the run table
-// (bound_stage_kernel loads its one word before its entry), a CTA for each
-// kStageElems elements of the query, one at least.
+// (bound_stage_kernel copies one word a thread, without a loop), a CTA for
+// each kStageElems elements of the query, one at least.
 uint32_t stage_ctas(uint32_t n_runs, uint32_t q_rows, uint32_t d) {
   const uint64_t word_ctas = (uint64_t(n_runs) * (sizeof(DevRun) / 8) + kStageThreads - 1) / kStageThreads;
   const uint64_t q_ctas = (uint64_t(q_rows) * d + kStageElems - 1) / kStageElems;
