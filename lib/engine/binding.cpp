@@ -317,8 +317,9 @@ Status Engine::prepare(Plan &plan, void *stream) {
       counters_.estimated_clusters.fetch_add(c.estimated);
       counters_.lookups.fetch_add(n);
     }
-    std::atomic_thread_fence(std::memory_order_release);
-    *reinterpret_cast<volatile unsigned long long *>(&head->stamp) = b.steps + 1;
+    // A release store: the body above is seen by a kernel that loads this
+    // stamp with acquire semantics (bound_enter) and reads the body after.
+    __atomic_store_n(&head->stamp, static_cast<unsigned long long>(b.steps + 1), __ATOMIC_RELEASE);
   }
   std::atomic_thread_fence(std::memory_order_seq_cst);
   b.steps++;
