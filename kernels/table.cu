@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <cstddef>
 #include <type_traits>
 
 #include "kernels/cuda_common.cuh"
@@ -438,35 +437,30 @@ __global__ void bound_copy_kernel(const BoundCall c, uint32_t max_copies, const 
 // then does nothing), no access record, no output, NaN written to `out`
 // instead, and the step's epoch only where the slot was prepared for it
 // (its end is then reported as the host expects). The slot's body is read
-// after the entry (BoundEntry), a word of the run table a thread
-// (stage_ctas), in one round trip.
+// after the entry (BoundEntry).
 template <typename T>
 __global__ void bound_stage_kernel(const BoundCall c, uint32_t n_runs, uint32_t nq, uint32_t d, uint32_t q_rows,
                                    float *q_dst, DevRun *dst, StepVars *vars_dst, void *out, int64_t out_seq_stride,
                                    int64_t out_head_stride) {
   __shared__ BoundEntry e;
-  constexpr uint32_t kVarWords = sizeof(StepVars) / 8;
   const unsigned int t = bound_count(c);
   if (threadIdx.x < 32) bound_enter(c, t, &e);
   __syncthreads();
   const StageSlot *h = reinterpret_cast<const StageSlot *>(e.slot + sizeof(BoundSlotHead));
-  const uint64_t *body = reinterpret_cast<const uint64_t *>(e.slot + sizeof(BoundSlotHead) + sizeof(StageSlot));
-  const uint32_t n_words = n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8);
-  const uint32_t wi = blockIdx.x * blockDim.x + threadIdx.x;
-  const bool var_thread = blockIdx.x == 0 && threadIdx.x < kVarWords;
-  uint64_t *runs = reinterpret_cast<uint64_t *>(dst);
-  uint64_t *vars = reinterpret_cast<uint64_t *>(vars_dst);
-  const uint64_t *slot_vars = reinterpret_cast<const uint64_t *>(&h->vars);
   if (e.work) {
-    if (var_thread) vars[threadIdx.x] = slot_vars[threadIdx.x];
-    if (wi < n_words) runs[wi] = body[wi];
-    stage_query<T>(static_cast<const typename DevType<T>::type *>(h->q), h->q_seq_stride, h->q_head_stride, nq, d,
-                   q_rows, q_dst);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *vars_dst = h->vars;
+    stage_part<T>(reinterpret_cast<const DevRun *>(e.slot + sizeof(BoundSlotHead) + sizeof(StageSlot)), n_runs, dst,
+                  static_cast<const typename DevType<T>::type *>(h->q), h->q_seq_stride, h->q_head_stride, nq, d,
+                  q_rows, q_dst);
   } else {
-    // No variables but the epoch (StepVars::epoch, its first word), where
-    // the slot was prepared for this replay.
-    if (var_thread) vars[threadIdx.x] = threadIdx.x == 0 && e.marks ? slot_vars[0] : 0;
-    if (wi < n_words) runs[wi] = 0;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      StepVars none{};
+      none.epoch = e.marks ? h->vars.epoch : 0;
+      *vars_dst = none;
+    }
+    uint64_t *runs = reinterpret_cast<uint64_t *>(dst);
+    const uint32_t words = n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8);
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) runs[i] = 0;
     using V = typename DevType<T>::type;
     const uint64_t total = uint64_t(q_rows) * d;
     for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
@@ -555,13 +549,9 @@ static_assert(sizeof(StageSlot) % 8 == 0, "a slot's run table is 8-byte aligned"
 static_assert(sizeof(BoundSlotHead) % 16 == 0, "a bound slot's body is 16-byte aligned");
 static_assert(sizeof(RowCopyDesc) % 8 == 0, "an append slot's marks are 8-byte aligned");
 
-static_assert(sizeof(StepVars) % 8 == 0 && sizeof(StepVars) / 8 <= kStageThreads && offsetof(StepVars, epoch) == 0,
-              "a staging copies the step's variables in 8-byte words, a thread each, the epoch first");
-
 namespace {
-// A staging's grid (stage_part): a thread for each word of the run table
-// (bound_stage_kernel copies one word a thread, without a loop), a CTA for
-// each kStageElems elements of the query, one at least.
+// A staging's grid (stage_part): enough CTAs for a word of the run table a
+// thread and for kStageElems elements of the query a CTA, one at least.
 uint32_t stage_ctas(uint32_t n_runs, uint32_t q_rows, uint32_t d) {
   const uint64_t word_ctas = (uint64_t(n_runs) * (sizeof(DevRun) / 8) + kStageThreads - 1) / kStageThreads;
   const uint64_t q_ctas = (uint64_t(q_rows) * d + kStageElems - 1) / kStageElems;
@@ -604,12 +594,10 @@ cudaError_t stage_from_ring(DType t, const StageRing &ring, uint32_t n_runs, uin
 cudaError_t bound_copy(const BoundCall &call, uint32_t max_copies, const uint8_t *k, const uint8_t *v,
                        uint64_t src_pitch, uint32_t row_bytes, uint32_t width, void *stream) {
   if (!call.slots || !call.taken || !call.worked || !call.ctas || !call.words || call.n_slots == 0 || !k || !v ||
-      row_bytes == 0 ||
-      max_copies == 0 || row_bytes % width != 0)
+      row_bytes == 0 || max_copies == 0 || row_bytes % width != 0 ||
+      call.slot_bytes < sizeof(BoundSlotHead) + uint64_t(max_copies) * sizeof(RowCopyDesc))
     return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (call.slot_bytes < sizeof(BoundSlotHead) + uint64_t(max_copies) * sizeof(RowCopyDesc))
-    return cudaErrorInvalidValue;
   // A warp a copy for half of max_copies (an append's bound counts a sink
   // copy beside each tail copy, which few appends have); the warps take the
   // rest in turn. Few CTAs: each reads the slot's head over PCIe.
