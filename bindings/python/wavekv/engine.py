@@ -1021,11 +1021,15 @@ class Plan(_Owner):
 
     def update(self, stream: StreamLike = None) -> None:
         """Hands the step's access record to the buffer manager (wkv_update)."""
-        fn = "Plan.update"
+        self._on_stream("Plan.update", _lib.lib().wkv_update, stream)
+
+    def _on_stream(self, fn: str, verb, stream: StreamLike) -> None:
+        """Calls verb(plan, stream), a C function of the plan and a stream,
+        with the plan entered (`fn` names the method in errors)."""
         handle = self._enter(fn)
         try:
             s = _stream_handle(stream, (), self._target)
-            _lib.check(_lib.lib().wkv_update(handle, _c_stream(s)))
+            _lib.check(verb(handle, _c_stream(s)))
         finally:
             self._leave()
 
@@ -1069,13 +1073,7 @@ class Plan(_Owner):
         max_steps steps are prepared; after an error the graph must not be
         launched for the step."""
         fn = "Plan.prepare"
-        prepare = _lib.function("wkv_plan_prepare", fn)
-        handle = self._enter(fn)
-        try:
-            s = _stream_handle(stream, (), self._target)
-            _lib.check(prepare(handle, _c_stream(s)))
-        finally:
-            self._leave()
+        self._on_stream(fn, _lib.function("wkv_plan_prepare", fn), stream)
 
     def unbind(self, stream: StreamLike = None) -> None:
         """Ends the binding (wkv_plan_unbind, ABI 0.9): waits for `stream`
@@ -1085,13 +1083,7 @@ class Plan(_Owner):
         StateError when the plan is not bound. close() unbinds a bound plan,
         waiting for the whole device."""
         fn = "Plan.unbind"
-        unbind = _lib.function("wkv_plan_unbind", fn)
-        handle = self._enter(fn)
-        try:
-            s = _stream_handle(stream, (), self._target)
-            _lib.check(unbind(handle, _c_stream(s)))
-        finally:
-            self._leave()
+        self._on_stream(fn, _lib.function("wkv_plan_unbind", fn), stream)
 
     def close(self) -> None:
         """Releases the plan (wkv_plan_destroy); a bound plan is unbound first,
