@@ -13,12 +13,14 @@
 // long enough (update_segment_tokens + 64 tokens) for every sequence to cross
 // an index growth, whose cost it includes.
 //
-// Keys with realistic structure, generated on the device: a large shared
-// offset (in the lowest RoPE frequencies, where it survives rotation, as in
-// real models), topics in runs of 512 tokens (64 topics), noise, then RoPE
-// (theta 500000) at the token's position. Values follow the topic plus
-// noise. Queries have temporal locality: each focuses on one topic for 8
-// consecutive steps, then moves on, with RoPE at the query's position.
+// Keys with realistic structure, generated on the device
+// (tools/serving_workload.hpp, which `wavekv bench cache` replays on the
+// host): a large shared offset (in the lowest RoPE frequencies, where it
+// survives rotation, as in real models), topics in runs of 512 tokens (64
+// topics), noise, then RoPE (theta 500000) at the token's position. Values
+// follow the topic plus noise. Queries have temporal locality: each focuses
+// on one topic for 8 consecutive steps, then moves on, with RoPE at the
+// query's position.
 //
 // Printed per batch: per-layer step time (a token's wall time / L),
 // tokens/s for a 32-layer model (32 / L tokens' time: the layers of a model
@@ -62,11 +64,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tools/serving_workload.hpp"
 #include "wavekv/wavekv.h"
 
 namespace {
 
-constexpr uint32_t kQ = 32, kH = 8, kD = 128, kTopics = 64, kSpan = 512, kFocusSteps = 8;
+using wkv_workload::kD;
+using wkv_workload::kFocusSteps;
+using wkv_workload::kH;
+using wkv_workload::kQ;
 
 using Clock = std::chrono::steady_clock;
 double us_since(Clock::time_point t) { return std::chrono::duration<double, std::micro>(Clock::now() - t).count(); }
@@ -87,31 +93,6 @@ double us_since(Clock::time_point t) { return std::chrono::duration<double, std:
       std::exit(1);                                                         \
     }                                                                       \
   } while (0)
-
-__device__ uint64_t mix(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-// About N(0, 1): a sum of four uniforms, centred and scaled.
-__device__ float gauss(uint64_t key) {
-  const uint64_t h = mix(key);
-  float s = 0.f;
-  for (int i = 0; i < 4; ++i) s += static_cast<float>((h >> (16 * i)) & 0xffff) / 65535.f;
-  return (s - 2.f) * 1.7320508f;
-}
-__device__ float basis(uint32_t what, uint32_t topic, uint32_t h, uint32_t i) {
-  return gauss((uint64_t(what) << 48) ^ (uint64_t(topic) << 32) ^ (uint64_t(h) << 16) ^ i);
-}
-// The shared offset: large, in the 8 lowest RoPE frequencies of each half.
-__device__ float offset(uint32_t h, uint32_t i) {
-  const uint32_t j = i % (kD / 2);
-  return j >= kD / 2 - 8 ? 6.f * basis(1, 0, h, i) : 0.f;
-}
-__device__ float rope_angle(uint32_t pos, uint32_t j) {
-  return static_cast<float>(pos) * powf(500000.f, -2.f * static_cast<float>(j) / kD);
-}
 
 // A runtime's own kernels around a captured step (WKV_SERVING_CAPTURE=1):
 // the step's new K, V and query copied into the tensors the capture keeps
@@ -140,35 +121,25 @@ __global__ void gen_tokens(__nv_bfloat16 *k, __nv_bfloat16 *v, uint32_t seq, uin
                            uint64_t token_stride) {
   const uint32_t t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;  // j < kD / 2
   if (t >= n) return;
-  const uint32_t p = pos0 + t;
-  const uint32_t topic = static_cast<uint32_t>(mix((uint64_t(seq) << 32) ^ (p / kSpan)) % kTopics);
-  const uint64_t nk = (uint64_t(seq) << 40) ^ (uint64_t(p) << 12) ^ (h << 8);
-  float a = offset(h, j) + basis(2, topic, h, j) + 0.5f * gauss(nk ^ j);
-  float b = offset(h, j + kD / 2) + basis(2, topic, h, j + kD / 2) + 0.5f * gauss(nk ^ (j + kD / 2));
-  float s, c;
-  sincosf(rope_angle(p, j), &s, &c);
+  float k_lo, k_hi, v_lo, v_hi;
+  wkv_workload::token_pair(seq, pos0 + t, h, j, &k_lo, &k_hi, &v_lo, &v_hi);
   __nv_bfloat16 *kr = k + t * token_stride + h * kD;
   __nv_bfloat16 *vr = v + t * token_stride + h * kD;
-  kr[j] = __float2bfloat16(a * c - b * s);
-  kr[j + kD / 2] = __float2bfloat16(a * s + b * c);
-  const uint64_t nv = nk ^ (1ull << 63);
-  vr[j] = __float2bfloat16(basis(3, topic, h, j) + 0.5f * gauss(nv ^ j));
-  vr[j + kD / 2] = __float2bfloat16(basis(3, topic, h, j + kD / 2) + 0.5f * gauss(nv ^ (j + kD / 2)));
+  kr[j] = __float2bfloat16(k_lo);
+  kr[j + kD / 2] = __float2bfloat16(k_hi);
+  vr[j] = __float2bfloat16(v_lo);
+  vr[j + kD / 2] = __float2bfloat16(v_hi);
 }
 
 // The query of sequence `seq` at decoding step `step` (position pos): q
-// heads [kQ][kD], focused on one topic for kFocusSteps steps.
+// heads [kQ][kD], focused on one topic for focus_steps steps.
 __global__ void gen_query(__nv_bfloat16 *q, uint32_t seq, uint32_t step, uint32_t pos, uint32_t focus_steps,
                           float noise) {
-  const uint32_t qh = blockIdx.x, h = qh / (kQ / kH), j = threadIdx.x;
-  const uint32_t topic = static_cast<uint32_t>(mix((uint64_t(seq) << 32) ^ (step / focus_steps) ^ 0xabc) % kTopics);
-  const uint64_t nq = (uint64_t(seq) << 40) ^ (uint64_t(step) << 12) ^ (qh << 4) ^ 0x5;
-  float a = 0.15f * offset(h, j) + basis(2, topic, h, j) + noise * gauss(nq ^ (j << 20));
-  float b = 0.15f * offset(h, j + kD / 2) + basis(2, topic, h, j + kD / 2) + noise * gauss(nq ^ ((j + kD / 2) << 20));
-  float s, c;
-  sincosf(rope_angle(pos, j), &s, &c);
-  q[qh * kD + j] = __float2bfloat16(a * c - b * s);
-  q[qh * kD + j + kD / 2] = __float2bfloat16(a * s + b * c);
+  const uint32_t qh = blockIdx.x, j = threadIdx.x;
+  float lo, hi;
+  wkv_workload::query_pair(seq, step, pos, qh, j, focus_steps, noise, &lo, &hi);
+  q[qh * kD + j] = __float2bfloat16(lo);
+  q[qh * kD + j + kD / 2] = __float2bfloat16(hi);
 }
 
 // Exact attention of one (sequence, q head) over its first len tokens, f32:
@@ -228,7 +199,7 @@ uint32_t focus_steps() {
 }
 float query_noise() {
   const char *e = std::getenv("WKV_SERVING_QUERY_NOISE");
-  return e ? static_cast<float>(std::atof(e)) : 0.3f;
+  return e ? static_cast<float>(std::atof(e)) : wkv_workload::kQueryNoise;
 }
 
 double quantile(std::vector<double> v, double p) {

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "files_support.hpp"
+#include "real_attention_data.hpp"
 
 extern char **environ;
 
@@ -306,6 +307,87 @@ TEST(Cli, BenchManagerTakesEveryRecordAndReportsItsLoad) {
   const Outcome bad = run_cli({"bench", "manager", "--policy", "mru"});
   EXPECT_EQ(bad.status, 2) << bad.out;
   EXPECT_NE(bad.out.find("not a replacement policy"), std::string::npos) << bad.out;
+}
+
+// `wavekv bench cache` at a small size. Belady's optimum reads at least as
+// much of the trace from the cache as the engine's LRU and CLOCK at every
+// size; its hits never fall as the cache grows (a stack algorithm); no
+// policy hits a unit read for the first time; a step's misses are within
+// what it retrieves. An unknown policy or a fraction
+// outside (0, 1] is a usage error.
+namespace {
+
+void expect_bounded(const nlohmann::json &j, size_t fractions) {
+  ASSERT_EQ(j["runs"].size(), fractions * 3) << j.dump();
+  EXPECT_GT(j["units_read"].get<uint64_t>(), 0u);
+  const double first = j["first_read_ratio"].get<double>(), retrieved = j["retrieved_mb_per_layer_step"].get<double>();
+  EXPECT_GT(retrieved, 0.0);
+  double last_opt = 0;
+  for (size_t f = 0; f < fractions; ++f) {
+    const nlohmann::json &lru = j["runs"][f * 3], &clock = j["runs"][f * 3 + 1], &opt = j["runs"][f * 3 + 2];
+    ASSERT_EQ(lru["policy"], "lru");
+    ASSERT_EQ(clock["policy"], "clock");
+    ASSERT_EQ(opt["policy"], "opt");
+    for (const nlohmann::json *r : {&lru, &clock, &opt}) {
+      EXPECT_LE((*r)["hit_ratio"].get<double>(), 1.0 - first + 1e-12) << r->dump();
+      EXPECT_LE((*r)["missed_mb_per_layer_step"].get<double>(), retrieved * (1 + 1e-9)) << r->dump();
+      EXPECT_GT((*r)["link_ms_per_layer_step"].get<double>(), 0.0) << r->dump();
+    }
+    EXPECT_GE(opt["hit_ratio"].get<double>(), lru["hit_ratio"].get<double>()) << opt.dump() << lru.dump();
+    EXPECT_GE(opt["hit_ratio"].get<double>(), clock["hit_ratio"].get<double>()) << opt.dump() << clock.dump();
+    EXPECT_GE(opt["hit_ratio"].get<double>(), last_opt) << opt.dump();
+    last_opt = opt["hit_ratio"].get<double>();
+  }
+  EXPECT_GT(last_opt, 0.0) << "steps read again what the steps before them read";
+}
+
+}  // namespace
+
+// (Under the sanitizers the command's index builds are a hundred times
+// slower: a shorter context there, and the real set's first layer alone.)
+#if defined(WKV_SANITIZED)
+constexpr const char *kCacheTokens = "2048";
+constexpr const char *kRealLayersRun = "1";
+#else
+constexpr const char *kCacheTokens = "8192";
+constexpr const char *kRealLayersRun = "6";
+#endif
+
+TEST(Cli, BenchCacheBoundsEveryPolicyByTheOptimum) {
+  const Outcome r = run_cli({"bench", "cache", "--tokens", kCacheTokens, "--steps", "96", "--repeat", "4",
+                             "--fractions", "0.01,0.03,0.1,0.3", "--threads", "2", "--json"});
+  ASSERT_TRUE(r.exited) << r.out;
+  ASSERT_EQ(r.status, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"command\"")), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["steps"], 96);
+  expect_bounded(j, 4);
+
+  for (const std::vector<std::string> &bad : {std::vector<std::string>{"--policy", "mru"},
+                                              std::vector<std::string>{"--fractions", "0.05,1.5"},
+                                              std::vector<std::string>{"--fractions", "x"}}) {
+    std::vector<std::string> args = {"bench", "cache", "--tokens", "8192", "--steps", "4"};
+    args.insert(args.end(), bad.begin(), bad.end());
+    const Outcome u = run_cli(args);
+    EXPECT_EQ(u.status, 2) << bad[0] << " " << bad[1] << ":\n" << u.out;
+  }
+}
+
+// The same bounds on the real-attention set's retrieval (the layers of a
+// real model, 64 steps), where the set is present.
+TEST(Cli, BenchCacheOnRealAttention) {
+  const std::string dir = real_attention::data_dir();
+  std::vector<uint16_t> raw;
+  if (!real_attention::read_layer(0, &raw)) GTEST_SKIP() << "no real-attention data at " << dir;
+  const Outcome r = run_cli({"bench", "cache", "--workload", "real", "--real-dir", dir, "--layers", kRealLayersRun,
+                             "--threads", "2", "--json"});
+  ASSERT_TRUE(r.exited) << r.out;
+  ASSERT_EQ(r.status, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"command\"")), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["steps"], 63);
+  EXPECT_EQ(j["layers"], std::stoi(kRealLayersRun));
+  expect_bounded(j, 4);
 }
 
 // The demo's small version of a context beyond host memory: two layers

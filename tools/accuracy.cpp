@@ -19,7 +19,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <vector>
@@ -186,21 +185,6 @@ void run_synthetic(const Options &o, bool diffuse, WorkerPool &pool, std::vector
   }
   prog.finish();
   *top_share = median(shares);
-}
-
-// The real-attention set (its README): 6 layers, 4 query heads, 2 KV heads,
-// d = 128, f16; per layer K[8192][2][128], V likewise, Q[64][4][128]. Query
-// j attends to tokens 0 .. 8128 + j: the prompt is 8128 tokens, then one
-// token is appended before each query.
-constexpr uint32_t kRealLayers = 6, kRealQ = 4, kRealKV = 2, kRealD = 128, kRealT = 8192, kRealQueries = 64;
-
-bool read_real_layer(const std::string &dir, uint32_t l, std::vector<uint16_t> *raw) {
-  std::ifstream f(dir + "/layer" + std::to_string(l) + ".f16", std::ios::binary);
-  if (!f) return false;
-  const size_t n = size_t(kRealT) * kRealKV * kRealD * 2 + size_t(kRealQueries) * kRealQ * kRealD;
-  raw->resize(n);
-  f.read(reinterpret_cast<char *>(raw->data()), static_cast<std::streamsize>(n * 2));
-  return static_cast<size_t>(f.gcount()) == n * 2;
 }
 
 bool run_real(const Options &o, WorkerPool &pool, std::vector<Run> &runs) {

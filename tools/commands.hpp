@@ -30,6 +30,9 @@ int run_bench_spill(const Options &o);
 void declare_bench_manager(CLI::App &cmd, Options *o);
 int run_bench_manager(const Options &o);
 
+void declare_bench_cache(CLI::App &cmd, Options *o);
+int run_bench_cache(const Options &o);
+
 void declare_accuracy(CLI::App &cmd, Options *o);
 int run_accuracy(const Options &o);
 

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 #include <thread>
 
@@ -29,6 +30,15 @@ void check(int rc, const char *call) {
   const char *detail = wkv_last_error();
   if (detail && *detail) msg += ": " + std::string(detail);
   throw WkvError(msg);
+}
+
+bool read_real_layer(const std::string &dir, uint32_t l, std::vector<uint16_t> *raw) {
+  std::ifstream f(dir + "/layer" + std::to_string(l) + ".f16", std::ios::binary);
+  if (!f) return false;
+  const size_t n = size_t(kRealT) * kRealKV * kRealD * 2 + size_t(kRealQueries) * kRealQ * kRealD;
+  raw->resize(n);
+  f.read(reinterpret_cast<char *>(raw->data()), static_cast<std::streamsize>(n * 2));
+  return static_cast<size_t>(f.gcount()) == n * 2;
 }
 
 uint32_t Options::dtype_id() const {

@@ -69,13 +69,17 @@ struct Options {
   std::string save;             // demo, stats: save the sequence to this file
   uint64_t host_budget = 0;     // demo: wkv_config.host_budget_bytes (0: none)
   std::string spill_dir;        // demo: wkv_config.spill_dir (empty: none)
-  uint64_t repeat = 1;          // demo: steps each query holds for; bench manager: a topic's steps
+  uint64_t repeat = 1;          // demo: steps each query holds for; bench manager, bench cache: a topic's steps
   bool compare_in_memory = false;  // demo: a pass with everything in memory first
   uint64_t frames = 0;          // bench manager: device cache frames
   uint64_t hits = 0;            // bench manager: units a step finds cached (sampled)
   uint64_t misses = 0;          // bench manager: units a step reads first
   uint64_t step_us = 0;         // bench manager: interval between steps
-  std::string policy;           // bench manager: replacement policies
+  std::string policy;           // bench manager, bench cache: replacement policies
+  uint64_t batch = 1;           // bench cache: sequences sharing the cache
+  double noise = 0;             // bench cache: the queries' noise (serving workload)
+  std::string fractions;        // bench cache: cache sizes, as fractions of the KV
+  double link_gbs = 0;          // bench cache: host-to-device GB/s, for the misses' transfer time
 
   uint32_t dtype_id() const;
   // threads, or the number of cores when 0.
@@ -157,6 +161,15 @@ double rel_l2(const float *a, const double *ref, size_t n);
 std::string fixed(double x, int digits);
 // A float as the decimal it was written as (0.018, not 0.017999999225).
 double decimal(float x);
+
+// The real-attention set (its README): 6 layers, 4 query heads, 2 KV heads,
+// d = 128, f16; per layer K[8192][2][128], V likewise, Q[64][4][128]. Query
+// j attends to tokens 0 .. 8128 + j: the prompt is 8128 tokens, then one
+// token is appended before each query.
+constexpr uint32_t kRealLayers = 6, kRealQ = 4, kRealKV = 2, kRealD = 128, kRealT = 8192, kRealQueries = 64;
+// Layer l's file of the set under `dir` into *raw (K, then V, then the
+// queries, f16 bits); false when it is absent or short.
+bool read_real_layer(const std::string &dir, uint32_t l, std::vector<uint16_t> *raw);
 
 // Rows of a left-aligned text table: the first row is the header.
 class Table {

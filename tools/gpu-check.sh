@@ -9,7 +9,9 @@
 #                                  attention: bench/gpu_serving_bench.cu with
 #                                  its PyTorch anchor, at 128K tokens over
 #                                  SERVING_BATCHES, 1,2,4,7, and at 1M tokens,
-#                                  batch 1, unless SERVING_1M=0)
+#                                  batch 1, unless SERVING_1M=0, once per
+#                                  device cache fraction of
+#                                  SERVING_1M_FRACTIONS, "0.05")
 #                                  profile (ncu: device time of each kernel
 #                                  of one k-means batch, summed by kernel)
 #                                  and spill (1M tokens, batch 1, 32 layers:
@@ -132,9 +134,14 @@ if want serving; then
     WKV_FULL_BATCH_MAX=$(awk '/^full_batch_max/{print $2}' "$LOG/full-attention-1m.log")
     WKV_STREAM_MS=$(awk '/^stream_ms/{print $2}' "$LOG/full-attention-1m.log")
     export WKV_FULL_ATTN_MS WKV_FULL_BATCH_MAX WKV_STREAM_MS
-    timeout "${BENCH_TIMEOUT:-400}" build-gpu/bin/gpu_serving_bench 1048576 1 > "$LOG/serving-1m.log" 2>&1
-    step "gpu_serving_bench 1M" "rc=$?"
-    tee -a "$LOG/summary.txt" < "$LOG/serving-1m.log" | tail -8
+    # One run per device cache size in SERVING_1M_FRACTIONS (of the KV held;
+    # 0.05 unless set): a batch of one leaves most of the GPU's memory free.
+    for frac in ${SERVING_1M_FRACTIONS:-0.05}; do
+      WKV_SERVING_CACHE_FRACTION=$frac timeout "${BENCH_TIMEOUT:-400}" build-gpu/bin/gpu_serving_bench 1048576 1 \
+        > "$LOG/serving-1m-$frac.log" 2>&1
+      step "gpu_serving_bench 1M, cache $frac" "rc=$?"
+      tee -a "$LOG/summary.txt" < "$LOG/serving-1m-$frac.log" | tail -8
+    done
   fi
 fi
 if want spill; then

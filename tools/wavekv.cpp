@@ -27,6 +27,8 @@ const Command kCommands[] = {
      declare_bench_spill, run_bench_spill},
     {"manager", "bench", "the buffer manager's thread against a stream of decoding steps (host only)",
      declare_bench_manager, run_bench_manager},
+    {"cache", "bench", "the device cache's hit ratio on a workload's retrieval, by policy, against the optimum (CPU engine)",
+     declare_bench_cache, run_bench_cache},
     {"accuracy", nullptr, "methods side by side on the needles, diffuse and real-attention workloads",
      declare_accuracy, run_accuracy},
     {"stats", nullptr, "engine statistics after a small synthetic session (text and JSON)", declare_stats,
