@@ -112,10 +112,11 @@ class Recorder {
   std::unordered_map<uint64_t, uint32_t> ids_;
 };
 
-std::shared_ptr<wkv::Engine> open_engine(uint32_t layers, uint32_t q_heads, uint32_t kv_heads, uint32_t d,
-                                         uint32_t dtype, unsigned threads) {
+std::shared_ptr<wkv::Engine> open_engine(const Options &o, uint32_t layers, uint32_t q_heads, uint32_t kv_heads,
+                                         uint32_t d, uint32_t dtype, unsigned threads) {
   wkv_config c;
   wkv_config_init(&c);
+  if (o.page_bytes) c.page_bytes = static_cast<uint32_t>(o.page_bytes);
   c.n_layers = layers;
   c.n_q_heads = q_heads;
   c.n_kv_heads = kv_heads;
@@ -135,7 +136,7 @@ Trace trace_serving(const Options &o) {
   const float noise = static_cast<float>(o.noise);
   const unsigned threads = o.resolved_threads();
   WorkerPool pool(threads);
-  std::shared_ptr<wkv::Engine> e = open_engine(1, w::kQ, w::kH, w::kD, WKV_DTYPE_BF16, threads);
+  std::shared_ptr<wkv::Engine> e = open_engine(o, 1, w::kQ, w::kH, w::kD, WKV_DTYPE_BF16, threads);
   Trace t;
   t.page_tokens = e->config().page_tokens();
   t.row_bytes = e->config().row_bytes();
@@ -240,7 +241,7 @@ bool trace_real(const Options &o, Trace *out) {
   for (uint32_t l = 0; l < L; ++l)
     if (!read_real_layer(o.real_dir, l, &raw[l])) return false;
   const unsigned threads = o.resolved_threads();
-  std::shared_ptr<wkv::Engine> e = open_engine(L, kRealQ, kRealKV, kRealD, WKV_DTYPE_F16, threads);
+  std::shared_ptr<wkv::Engine> e = open_engine(o, L, kRealQ, kRealKV, kRealD, WKV_DTYPE_F16, threads);
   Trace &t = *out;
   t.layers = L;
   t.page_tokens = e->config().page_tokens();
@@ -425,6 +426,10 @@ void declare_bench_cache(CLI::App &cmd, Options *o) {
       ->capture_default_str();
   cmd.add_option("--fractions", o->fractions, "cache sizes, fractions of the KV held, comma-separated")->capture_default_str();
   cmd.add_option("--policy", o->policy, "policies, comma-separated (the engine's lru, clock, slru; opt)")
+      ->capture_default_str();
+  cmd.add_option("--page-bytes", o->page_bytes,
+                 "bytes of a page's K (or V) rows, and so of a cache unit's (0: the engine's default, 2048)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 24))
       ->capture_default_str();
   cmd.add_option("--link-gbs", o->link_gbs, "host-to-device GB/s, for the misses' transfer time")
       ->check(CLI::Range(0.1, 10000.0))

@@ -80,6 +80,7 @@ struct Options {
   double noise = 0;             // bench cache: the queries' noise (serving workload)
   std::string fractions;        // bench cache: cache sizes, as fractions of the KV
   double link_gbs = 0;          // bench cache: host-to-device GB/s, for the misses' transfer time
+  uint64_t page_bytes = 0;      // bench cache: wkv_config.page_bytes (0: the default)
 
   uint32_t dtype_id() const;
   // threads, or the number of cores when 0.
