@@ -24,12 +24,12 @@
 // and "first" counts the misses no cache can avoid: units read for the
 // first time in the run (after the warm-up).
 //
-// The engine's cache admits fewer misses than lru here (its frames are
-// handed to a step ahead, bench/RESULTS.md "Why half the misses"): engine
-// replays that on the host's clock, the GPU's gather played by the host.
-// The bytes a step misses
-// at a policy's ratio, over the host-to-device link (--link-gbs), bound the
-// step's time from below whatever its kernels do.
+// The engine's cache admits fewer misses than lru (its frames are handed
+// to a step ahead, bench/RESULTS.md "Why half the misses"): engine replays
+// that on the host's clock, the host playing the GPU's gather, and so
+// depends on the host's load (run it on an idle machine). The bytes a step
+// misses at a policy's ratio, over the host-to-device link (--link-gbs),
+// bound the step's time from below whatever its kernels do.
 //
 // Workloads:
 //   serving  bench/gpu_serving_bench.cu's (tools/serving_workload.hpp):
