@@ -125,10 +125,7 @@ struct Fixture {
         s.rec.admits[used++] = AdmitEntry{entry, f, 0};
       }
       for (size_t i = 0; i < hits.size(); ++i) s.rec.hits[i] = hits[i];
-      s.rec.header->used = used;
-      s.rec.header->hits = static_cast<uint32_t>(hits.size());
-      s.rec.header->missed = static_cast<uint32_t>(units.size());
-      __atomic_store_n(pool.seen, __atomic_load_n(pool.taken, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
+      close_record_on_host(s.rec, pool, used, static_cast<uint32_t>(hits.size()), static_cast<uint32_t>(units.size()));
     }
     return frames;
   }

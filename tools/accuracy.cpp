@@ -54,17 +54,6 @@ double cpu_seconds() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
-std::vector<std::string> split(const std::string &s) {
-  std::vector<std::string> out;
-  size_t at = 0;
-  while (at <= s.size()) {
-    const size_t comma = std::min(s.find(',', at), s.size());
-    if (comma > at) out.push_back(s.substr(at, comma - at));
-    at = comma + 1;
-  }
-  return out;
-}
-
 // Whether KV head h's run of the plan's execution buffer holds `row`.
 bool run_holds(const wkv_xbuf_view &x, uint32_t h, const void *row, size_t row_bytes) {
   const uint8_t *k = static_cast<const uint8_t *>(x.k);
@@ -255,9 +244,9 @@ int run_accuracy(const Options &o) {
   validate(o, "accuracy");
   const unsigned threads = o.resolved_threads();
   std::vector<uint32_t> methods;
-  for (const std::string &m : split(o.methods)) methods.push_back(parse_method(m, "accuracy: --methods"));
+  for (const std::string &m : split_list(o.methods)) methods.push_back(parse_method(m, "accuracy: --methods"));
   if (methods.empty()) throw UsageError("accuracy: --methods names no method");
-  const std::vector<std::string> workloads = split(o.workloads);
+  const std::vector<std::string> workloads = split_list(o.workloads);
   for (const std::string &w : workloads)
     if (w != "needles" && w != "diffuse" && w != "real")
       throw UsageError("accuracy: --workloads: '" + w + "' is not needles, diffuse or real");

@@ -53,7 +53,6 @@
 #include <limits>
 #include <memory>
 #include <queue>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -86,7 +85,9 @@ struct Trace {
   // runs' heads (dense ids of (stream, KV head)) from heads_begin on.
   std::vector<size_t> lookup_end, heads_begin;
   std::vector<uint32_t> lookup_key, lookup_want, heads;
-  uint32_t n_heads = 0;
+  uint32_t n_units = 0, n_heads = 0;  // distinct units and heads
+  // The first access counted.
+  size_t first_counted() const { return counted_from == 0 ? 0 : step_end[counted_from - 1]; }
   uint32_t counted_from = 0;     // first step counted (those before warm the cache)
   uint32_t layers = 1;           // layers a step covers
   uint64_t kv_units = 0;         // the KV held, in units: what the cache's fraction is of
@@ -124,18 +125,15 @@ class Recorder {
         }
         if (counted) t_->ret_tokens += size;
       }
-      // What the CUDA backend lets the step admit (CudaBackend's want_units).
-      const uint64_t ret_units = hs.ret_n == r.n_ret ? hs.ret_units
-                                                     : uint64_t(r.n_ret) * ((hs.max_cluster + pt - 1) / pt);
-      want += std::min<uint64_t>(ret_units, hs.map.units());
+      want += wkv::ret_units_bound(hs, r.n_ret, pt);  // what a CUDA engine lets the step admit
     }
     t_->lookup_end.push_back(t_->unit.size());
     t_->lookup_key.push_back(layer + 1);
     t_->lookup_want.push_back(static_cast<uint32_t>(std::min<uint64_t>(want, UINT32_MAX)));
+    t_->n_units = static_cast<uint32_t>(ids_.size());
     t_->n_heads = static_cast<uint32_t>(heads_.size());
   }
   void end_step() { t_->step_end.push_back(t_->unit.size()); }
-  uint32_t units_seen() const { return static_cast<uint32_t>(ids_.size()); }
 
  private:
   Trace *t_;
@@ -317,7 +315,7 @@ constexpr uint32_t kNever = std::numeric_limits<uint32_t>::max();
 // says whether the cache held its unit.
 template <typename F> Outcome replay(const Trace &t, F &&hit) {
   Outcome r;
-  const size_t first = t.counted_from == 0 ? 0 : t.step_end[t.counted_from - 1];
+  const size_t first = t.first_counted();
   for (size_t i = 0; i < t.unit.size(); ++i) {
     const bool h = hit(i);
     if (i < first) continue;
@@ -387,7 +385,7 @@ Outcome run_engine(const Trace &t, uint32_t n_units, uint64_t cap, uint64_t step
     w = (static_cast<uint64_t>(id) << 32) | gen;
   }
   const wkv::FramePool pool = bm.pool();
-  const size_t first = t.counted_from == 0 ? 0 : t.step_end[t.counted_from - 1];
+  const size_t first = t.first_counted();
   Outcome r;
   std::vector<uint64_t> heads;
   auto next = Clock::now();
@@ -416,22 +414,9 @@ Outcome run_engine(const Trace &t, uint32_t n_units, uint64_t cap, uint64_t step
         ++r.misses;
         r.missed_rows += t.rows[i];
       }
-      if (!rec.header || used == rec.admit_cap) continue;
-      const uint32_t fr = wkv::take_pool_frame(pool);
-      uint64_t entry = 0;
-      if (fr != wkv::kNoFrame) {
-        uint32_t expect = wkv::kNoFrame;
-        if (__atomic_compare_exchange_n(&unit_map[u], &expect, fr, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
-          entry = reinterpret_cast<uint64_t>(&unit_map[u]);
-      }
-      rec.admits[used++] = wkv::AdmitEntry{entry, fr, t.run[i]};
+      if (rec.header && used < rec.admit_cap) rec.admits[used++] = wkv::admit_on_host(pool, &unit_map[u], t.run[i]);
     }
-    if (rec.header) {
-      rec.header->used = used;
-      rec.header->hits = std::min(hits, rec.hit_cap);
-      rec.header->missed = missed;
-      __atomic_store_n(pool.seen, __atomic_load_n(pool.taken, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
-    }
+    if (rec.header) wkv::close_record_on_host(rec, pool, used, hits, missed);
     bm.end_on_host(*tracker, epoch);
     if (step_us) {
       next += std::chrono::microseconds(step_us);
@@ -492,15 +477,6 @@ Outcome run_first(const Trace &t, uint32_t n_units) {
     seen[u] = 1;
     return false;
   });
-}
-
-std::vector<std::string> split_list(const std::string &s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ','))
-    if (!item.empty()) out.push_back(item);
-  return out;
 }
 
 }  // namespace
@@ -584,14 +560,15 @@ int run_bench_cache(const Options &o) {
     t = trace_serving(o);
   }
   if (t.unit.size() >= kNever) throw UsageError("bench cache: more than 2^32 units read; fewer --steps or --batch");
-  uint32_t n_units = 0;
-  for (uint32_t u : t.unit) n_units = std::max(n_units, u + 1);
+  const uint32_t n_units = t.n_units;
   const uint64_t counted_steps = t.step_end.size() - t.counted_from;
   const uint64_t layer_steps = std::max<uint64_t>(counted_steps * t.layers, 1);
   const double unit_bytes = 2.0 * t.page_tokens * t.row_bytes;  // a frame: K rows, then V rows
   const double row_pair = 2.0 * t.row_bytes;                    // a token's K and V row
   const Outcome first = run_first(t, n_units);
   const uint64_t reads = first.hits + first.misses;
+  const double retrieved_tokens = double(t.ret_tokens) / double(layer_steps);  // a layer-step's
+  const double retrieved_mb = retrieved_tokens * row_pair / 1e6;
 
   struct Cell {
     std::string policy;
@@ -641,8 +618,8 @@ int run_bench_cache(const Options &o) {
         {"page_tokens", t.page_tokens},
         {"kv_units", t.kv_units},
         {"units_read", reads},
-        {"retrieved_tokens_per_layer_step", double(t.ret_tokens) / double(layer_steps)},
-        {"retrieved_mb_per_layer_step", double(t.ret_tokens) * row_pair / 1e6 / double(layer_steps)},
+        {"retrieved_tokens_per_layer_step", retrieved_tokens},
+        {"retrieved_mb_per_layer_step", retrieved_mb},
         {"first_reads", first.misses},
         {"first_read_ratio", 1.0 - hit_ratio(first)},
         {"link_gbs", o.link_gbs},
@@ -653,8 +630,8 @@ int run_bench_cache(const Options &o) {
   std::printf("wavekv bench cache: %s; units of %u tokens (%.0f bytes a frame)\n", what.c_str(), t.page_tokens,
               unit_bytes);
   std::printf("a layer-step retrieves %.0f tokens (%.2f MB) in %.0f units; the KV held is %llu units\n",
-              double(t.ret_tokens) / double(layer_steps), double(t.ret_tokens) * row_pair / 1e6 / double(layer_steps),
-              double(reads) / double(layer_steps), static_cast<unsigned long long>(t.kv_units));
+              retrieved_tokens, retrieved_mb, double(reads) / double(layer_steps),
+              static_cast<unsigned long long>(t.kv_units));
   std::printf("read for the first time (no cache holds them): %.3f of the units read, %.2f MB a layer-step\n",
               1.0 - hit_ratio(first), mb_step(first));
   Table tab;

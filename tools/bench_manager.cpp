@@ -127,22 +127,11 @@ Result run_policy(const Options &o, const std::string &policy) {
       }
       ++missed;
       if (!rec.header || used == rec.admit_cap || dry) continue;
-      const uint32_t fr = wkv::take_pool_frame(pool);
-      uint64_t entry = 0;
-      if (fr != wkv::kNoFrame) {
-        uint32_t expect = wkv::kNoFrame;  // the gather's swap: the first step to map a unit wins
-        if (__atomic_compare_exchange_n(&unit_map[u], &expect, fr, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
-          entry = reinterpret_cast<uint64_t>(&unit_map[u]);
-      }
-      rec.admits[used++] = wkv::AdmitEntry{entry, fr, static_cast<uint32_t>((u - l * region) % R)};
-      dry = fr == wkv::kNoFrame;
+      const wkv::AdmitEntry a = wkv::admit_on_host(pool, &unit_map[u], static_cast<uint32_t>((u - l * region) % R));
+      rec.admits[used++] = a;
+      dry = a.frame == wkv::kNoFrame;
     }
-    if (rec.header) {
-      rec.header->used = used;
-      rec.header->hits = std::min(hits, rec.hit_cap);
-      rec.header->missed = missed;
-      __atomic_store_n(pool.seen, __atomic_load_n(pool.taken, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
-    }
+    if (rec.header) wkv::close_record_on_host(rec, pool, used, hits, missed);
     bm.end_on_host(*t, epoch);
     r.hits += hits;
     r.misses += missed;

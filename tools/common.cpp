@@ -32,6 +32,17 @@ void check(int rc, const char *call) {
   throw WkvError(msg);
 }
 
+std::vector<std::string> split_list(const std::string &s) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at <= s.size()) {
+    const size_t comma = std::min(s.find(',', at), s.size());
+    if (comma > at) out.push_back(s.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
+}
+
 bool read_real_layer(const std::string &dir, uint32_t l, std::vector<uint16_t> *raw) {
   std::ifstream f(dir + "/layer" + std::to_string(l) + ".f16", std::ios::binary);
   if (!f) return false;

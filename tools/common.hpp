@@ -163,6 +163,9 @@ std::string fixed(double x, int digits);
 // A float as the decimal it was written as (0.018, not 0.017999999225).
 double decimal(float x);
 
+// The items of a comma-separated list, empty ones left out.
+std::vector<std::string> split_list(const std::string &s);
+
 // The real-attention set (its README): 6 layers, 4 query heads, 2 KV heads,
 // d = 128, f16; per layer K[8192][2][128], V likewise, Q[64][4][128]. Query
 // j attends to tokens 0 .. 8128 + j: the prompt is 8128 tokens, then one

@@ -1,8 +1,9 @@
 // The buffer manager's device played by host memory: words, ring and pool
 // in ordinary allocations, unit map entries as host words stored into with
 // atomics (the manager's thread clears them while a step reads them). For
-// the manager's tests and its benchmark (`wavekv bench manager`), which
-// play the gather's side themselves.
+// the manager's tests and its benchmarks (`wavekv bench manager`, `wavekv
+// bench cache --policy engine`), which play the gather's side themselves,
+// with the helpers at the end.
 #pragma once
 
 #include <cstddef>
@@ -69,6 +70,33 @@ inline uint32_t take_pool_frame(const FramePool &p) {
   }
   const unsigned long long t = __atomic_fetch_add(p.taken, 1ull, __ATOMIC_ACQ_REL);
   return __atomic_load_n(p.slots + t % p.cap, __ATOMIC_ACQUIRE);
+}
+
+// A miss admitted as a gather admits one (kernels/gather.cu): a frame
+// from the pool, mapped into the unit's entry by a swap that the first step
+// to map the unit wins. The record's entry: the frame (kNoFrame: the pool
+// was empty), and the entry's address where this step mapped it (0: the
+// frame goes back through the record).
+inline AdmitEntry admit_on_host(const FramePool &p, uint32_t *entry, uint32_t run) {
+  const uint32_t frame = take_pool_frame(p);
+  uint64_t mapped = 0;
+  if (frame != kNoFrame) {
+    uint32_t expect = kNoFrame;
+    if (__atomic_compare_exchange_n(entry, &expect, frame, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+      mapped = reinterpret_cast<uint64_t>(entry);
+  }
+  return AdmitEntry{mapped, frame, run};
+}
+
+// A step's record closed as the gather's last CTA closes it: its admission
+// entries, hit log entries (at most the log's room) and misses, then the
+// pool's count as the step saw it.
+inline void close_record_on_host(const StepRecord &rec, const FramePool &p, uint32_t used, uint32_t hits,
+                                 uint32_t missed) {
+  rec.header->used = used;
+  rec.header->hits = hits < rec.hit_cap ? hits : rec.hit_cap;
+  rec.header->missed = missed;
+  __atomic_store_n(p.seen, __atomic_load_n(p.taken, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
 }
 
 }  // namespace wkv
