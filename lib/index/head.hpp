@@ -176,6 +176,17 @@ struct HeadState {
   uint32_t clusters() const { return map.clusters(); }
 };
 
+// The cache units a retrieval zone of n_ret clusters holds at its largest,
+// and so what a step may admit for the head: the n_ret largest clusters'
+// units (HeadState::ret_units, kept by every growth), n_ret times the
+// largest cluster's should the two ever disagree, never more than the
+// head's units.
+inline uint64_t ret_units_bound(const HeadState &hs, uint32_t n_ret, uint32_t page_tokens) {
+  const uint64_t per_cluster = (hs.max_cluster + page_tokens - 1) / page_tokens;
+  const uint64_t units = hs.ret_n == n_ret ? hs.ret_units : static_cast<uint64_t>(n_ret) * per_cluster;
+  return units < hs.map.units() ? units : hs.map.units();
+}
+
 // A generated segment's growth whose k-means runs on the device while the
 // layer decodes (lib/index/growth.hpp); the segment stays in the tail, the
 // steady zone, until it commits.

@@ -1423,16 +1423,15 @@ Status CudaBackend::size_plan(Plan &plan, cudaStream_t s, bool graph, PlanSizes 
     max_clusters = std::max(max_clusters, rp.clusters);
     // The retrieval zone at its largest: the n_ret largest clusters' real
     // sizes, kept by every growth (HeadState::ret_tokens); n_ret times the
-    // largest cluster should the two ever disagree.
+    // largest cluster should the two ever disagree. Its units likewise
+    // (ret_units_bound).
     const uint64_t clustered = L.tail_begin - hs.sink.n;
-    const bool known = hs.ret_n == rp.n_ret;
-    const uint64_t ret_tokens = known ? hs.ret_tokens : static_cast<uint64_t>(rp.n_ret) * hs.max_cluster;
-    const uint64_t ret_units =
-        known ? hs.ret_units : static_cast<uint64_t>(rp.n_ret) * ((hs.max_cluster + pt - 1) / pt);
+    const uint64_t ret_tokens =
+        hs.ret_n == rp.n_ret ? hs.ret_tokens : static_cast<uint64_t>(rp.n_ret) * hs.max_cluster;
     const uint64_t bound = hs.sink.n + hs.tail.n + std::min<uint64_t>(ret_tokens, clustered);
     xbuf += bound;
     max_run = std::max<uint32_t>(max_run, static_cast<uint32_t>(std::min<uint64_t>(bound, UINT32_MAX)));
-    want += std::min<uint64_t>(ret_units, hs.map.units());
+    want += ret_units_bound(hs, rp.n_ret, pt);
   }
   if (xbuf > static_cast<uint64_t>(std::numeric_limits<int32_t>::max()))
     return WKV_ERROR(WKV_ERR_BUDGET, "execution buffer would exceed 2^31 tokens");
