@@ -244,7 +244,8 @@ struct BoundCall {
   uint32_t pad = 0;
   unsigned int *taken = nullptr;   // [kMaxBoundCalls]: this call's is taken[index]
   unsigned int *worked = nullptr;  // [kMaxBoundCalls]: the slots whose work the call did
-  unsigned int *ctas = nullptr;
+  unsigned int *ctas = nullptr;    // zero between launches; its low 16 bits count the entry kernel's CTAs out, the
+                                   // bits above those that found the slot prepared (kernels/table.cu, last_cta)
   BindWords *words = nullptr;     // device address of the mapped words
 };
 

@@ -351,15 +351,45 @@ __device__ __forceinline__ void bound_leave(const BoundCall &c, const BoundEntry
   __threadfence_system();
 }
 
-// Counts the CTA out; true in the last one of the kernel (after every CTA's
-// writes are visible). Thread 0 only.
-__device__ __forceinline__ bool last_cta(unsigned int *ctas) {
+// An entry kernel's CTA count (BoundCall::ctas) counts the CTAs out in its
+// low 16 bits and, above them, those that found the slot prepared for this
+// replay (BoundEntry::marks): an entry kernel has fewer than 2^16 CTAs.
+constexpr unsigned int kMarkedCta = 1u << 16;
+constexpr uint32_t kMaxEntryCtas = kMarkedCta - 1;
+
+// Counts the CTA out with its view of the slot (`marked`); true in the
+// last one of the kernel (after every CTA's writes are visible), where
+// *torn says whether the CTAs' views differed. Thread 0 only.
+__device__ __forceinline__ bool last_cta(unsigned int *ctas, bool marked, bool *torn) {
+  *torn = false;
   __threadfence_system();
   if (gridDim.x == 1) return true;
-  if (atomicAdd(ctas, 1u) != gridDim.x - 1) return false;
+  const unsigned int mine = 1u + (marked ? kMarkedCta : 0u);
+  const unsigned int before = atomicAdd(ctas, mine);
+  if ((before & (kMarkedCta - 1)) != gridDim.x - 1) return false;
+  const unsigned int marked_ctas = (before + mine) / kMarkedCta;
+  *torn = marked_ctas != 0 && marked_ctas != gridDim.x;
   *ctas = 0;  // for the next launch (stream order)
   __threadfence_system();
   return true;
+}
+
+// The last CTA's entry where the CTAs' views of the slot differed (a torn
+// entry): the runtime launched the replay without a prepare and prepared
+// while its entry kernel ran, so that the stamp landed between two CTAs'
+// reads. Some CTA read this replay's stamp, after the host had written the
+// slot whole, and the host writes it again only once the step's ends are
+// reported: the slot is this replay's. It is consumed and its step's ends
+// reported (marks), the step does no work (what the CTAs that saw the stamp
+// did is undone or taken back: see the kernels) and the binding faults, as
+// for a replay without prepare. Thread 0; the stamp read again with acquire
+// semantics where this CTA had not seen it, so that the CTA's reads of the
+// slot after its next barrier are of this replay's body.
+__device__ __forceinline__ void bound_torn(BoundEntry *e, bool marked) {
+  if (!marked) (void)load_acquire_sys(&reinterpret_cast<const BoundSlotHead *>(e->slot)->stamp);
+  e->marks = true;
+  e->work = false;
+  if (e->fault == 0) e->fault = kBindUnprepared;
 }
 
 // A captured append: warp w of CTA b copies copies (b * warps + w), then
@@ -373,56 +403,70 @@ template <typename W>
 __global__ void bound_copy_kernel(const BoundCall c, uint32_t max_copies, const uint8_t *k, const uint8_t *v,
                                   uint64_t pitch, uint32_t row_bytes) {
   __shared__ BoundEntry e;
-  __shared__ bool last;
+  __shared__ bool last, torn;
   const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned int t = bound_count(c);
   if (warp == 0) bound_enter(c, t, &e);
   __syncthreads();
-  if (!e.marks) {  // nothing of the slot is this replay's: no copy, no end
-    if (threadIdx.x == 0 && last_cta(c.ctas)) bound_leave(c, e);
-    return;
-  }
+  const bool marked = e.marks;  // this CTA's view: nothing of the slot is read unless it is this replay's
   const BoundSlotHead *head = reinterpret_cast<const BoundSlotHead *>(e.slot);
   const RowCopyDesc *copies = reinterpret_cast<const RowCopyDesc *>(e.slot + sizeof(BoundSlotHead));
-  const uint32_t x0 = blockIdx.x * warps + warp;
-  RowCopyDesc first{};
-  if (e.work && x0 < max_copies) first = copies[x0];
-  const uint32_t n = min(head->n_copies, max_copies), n_marks = head->n_marks;
+  uint32_t n = 0, n_marks = 0;
   // The steps' ends, done[n_marks] then epochs[n_marks], after the copies:
   // thread i's (i + 1 < n_marks), and thread 0's the last one too.
-  const uint8_t *marks = e.slot + sizeof(BoundSlotHead) + size_t(n) * sizeof(RowCopyDesc);
-  unsigned long long *const *done = reinterpret_cast<unsigned long long *const *>(marks);
-  const unsigned long long *epochs = reinterpret_cast<const unsigned long long *>(marks + size_t(n_marks) * 8);
+  unsigned long long *const *done = nullptr;
+  const unsigned long long *epochs = nullptr;
   unsigned long long *my_done = nullptr, *final_done = nullptr;
   unsigned long long my_epoch = 0, final_epoch = 0;
-  if (threadIdx.x + 1 < n_marks) {
-    my_done = done[threadIdx.x];
-    my_epoch = epochs[threadIdx.x];
-  }
-  if (threadIdx.x == 0 && n_marks > 0) {
-    final_done = done[n_marks - 1];
-    final_epoch = epochs[n_marks - 1];
-  }
-  if (e.work) {
-    const uint32_t words = row_bytes / sizeof(W);
-    for (uint32_t x = x0; x < n; x += gridDim.x * warps) {
-      const RowCopyDesc cp = x == x0 ? first : copies[x];
-      for (uint64_t i = lane; i < uint64_t(cp.rows) * words; i += 32) {
-        const uint64_t r = i / words, wd = i % words;
-        const uint64_t src = cp.src_off + r * pitch + wd * sizeof(W);
-        const uint64_t dst = r * row_bytes + wd * sizeof(W);
-        *reinterpret_cast<W *>(cp.dst_k + dst) = *reinterpret_cast<const W *>(k + src);
-        *reinterpret_cast<W *>(cp.dst_v + dst) = *reinterpret_cast<const W *>(v + src);
+  auto load_ends = [&]() {
+    n = min(head->n_copies, max_copies);
+    n_marks = head->n_marks;
+    const uint8_t *marks = e.slot + sizeof(BoundSlotHead) + size_t(n) * sizeof(RowCopyDesc);
+    done = reinterpret_cast<unsigned long long *const *>(marks);
+    epochs = reinterpret_cast<const unsigned long long *>(marks + size_t(n_marks) * 8);
+    if (threadIdx.x + 1 < n_marks) {
+      my_done = done[threadIdx.x];
+      my_epoch = epochs[threadIdx.x];
+    }
+    if (threadIdx.x == 0 && n_marks > 0) {
+      final_done = done[n_marks - 1];
+      final_epoch = epochs[n_marks - 1];
+    }
+  };
+  if (marked) {
+    const uint32_t x0 = blockIdx.x * warps + warp;
+    RowCopyDesc first{};
+    if (e.work && x0 < max_copies) first = copies[x0];
+    load_ends();
+    if (e.work) {
+      const uint32_t words = row_bytes / sizeof(W);
+      for (uint32_t x = x0; x < n; x += gridDim.x * warps) {
+        const RowCopyDesc cp = x == x0 ? first : copies[x];
+        for (uint64_t i = lane; i < uint64_t(cp.rows) * words; i += 32) {
+          const uint64_t r = i / words, wd = i % words;
+          const uint64_t src = cp.src_off + r * pitch + wd * sizeof(W);
+          const uint64_t dst = r * row_bytes + wd * sizeof(W);
+          *reinterpret_cast<W *>(cp.dst_k + dst) = *reinterpret_cast<const W *>(k + src);
+          *reinterpret_cast<W *>(cp.dst_v + dst) = *reinterpret_cast<const W *>(v + src);
+        }
       }
     }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    last = last_cta(c.ctas);
+    bool differed = false;
+    last = last_cta(c.ctas, marked, &differed);
+    torn = last && differed;
+    // A torn entry: the rows some CTAs copied belong to a step that is not
+    // counted as worked, which unbind takes back; no reader sees them (the
+    // step's decode finds the binding faulted).
+    if (torn) bound_torn(&e, marked);
     if (last) bound_leave(c, e);
   }
   __syncthreads();
-  if (!last || n_marks == 0) return;
+  if (!last || !e.marks) return;
+  if (torn && !marked) load_ends();  // after thread 0's acquire and the barrier
+  if (n_marks == 0) return;
   if (my_done) *reinterpret_cast<volatile unsigned long long *>(my_done) = my_epoch;
   for (uint32_t i = threadIdx.x + blockDim.x; i + 1 < n_marks; i += blockDim.x)
     *reinterpret_cast<volatile unsigned long long *>(done[i]) = epochs[i];
@@ -432,20 +476,48 @@ __global__ void bound_copy_kernel(const BoundCall c, uint32_t max_copies, const 
   *reinterpret_cast<volatile unsigned long long *>(final_done) = final_epoch;
 }
 
+// A captured decode's staging where the call does no work: empty runs
+// (every later kernel of the step then does nothing), no access record, no
+// output, NaN written to `out` instead, and the step's epoch only where the
+// slot was prepared for this replay (its end is then reported as the host
+// expects). Elements first, first + stride, ... of the runs and of `out`;
+// the step's variables where write_vars.
+template <typename T>
+__device__ void stage_nothing(const BoundEntry &e, const StageSlot *h, uint32_t n_runs, uint32_t nq, uint32_t d,
+                              uint32_t q_rows, DevRun *dst, StepVars *vars_dst, void *out, int64_t out_seq_stride,
+                              int64_t out_head_stride, uint64_t first, uint64_t stride, bool write_vars) {
+  if (write_vars) {
+    StepVars none{};
+    none.epoch = e.marks ? h->vars.epoch : 0;
+    *vars_dst = none;
+  }
+  uint64_t *runs = reinterpret_cast<uint64_t *>(dst);
+  const uint64_t words = uint64_t(n_runs) * (sizeof(DevRun) / 8);
+  for (uint64_t i = first; i < words; i += stride) runs[i] = 0;
+  using V = typename DevType<T>::type;
+  const uint64_t total = uint64_t(q_rows) * d;
+  for (uint64_t i = first; i < total; i += stride) {
+    const uint32_t row = static_cast<uint32_t>(i / d), col = static_cast<uint32_t>(i % d);
+    V *o = static_cast<V *>(out) + (row / nq) * out_seq_stride + (row % nq) * out_head_stride;
+    o[col] = DevType<T>::from_f(__int_as_float(0x7fc00000));
+  }
+}
+
 // A captured decode's staging: stage_ring_kernel's work from the slot
-// where the call works; else empty runs (every later kernel of the step
-// then does nothing), no access record, no output, NaN written to `out`
-// instead, and the step's epoch only where the slot was prepared for it
-// (its end is then reported as the host expects). The slot's body is read
-// after the entry (BoundEntry).
+// where the call works, else stage_nothing. The slot's body is read after
+// the entry (BoundEntry). Where the CTAs' views of the slot differ (a torn
+// entry, bound_torn), the last CTA stages nothing over the whole step, on
+// top of what the others staged.
 template <typename T>
 __global__ void bound_stage_kernel(const BoundCall c, uint32_t n_runs, uint32_t nq, uint32_t d, uint32_t q_rows,
                                    float *q_dst, DevRun *dst, StepVars *vars_dst, void *out, int64_t out_seq_stride,
                                    int64_t out_head_stride) {
   __shared__ BoundEntry e;
+  __shared__ bool last, torn;
   const unsigned int t = bound_count(c);
   if (threadIdx.x < 32) bound_enter(c, t, &e);
   __syncthreads();
+  const bool marked = e.marks;
   const StageSlot *h = reinterpret_cast<const StageSlot *>(e.slot + sizeof(BoundSlotHead));
   if (e.work) {
     if (blockIdx.x == 0 && threadIdx.x == 0) *vars_dst = h->vars;
@@ -453,26 +525,25 @@ __global__ void bound_stage_kernel(const BoundCall c, uint32_t n_runs, uint32_t 
                   static_cast<const typename DevType<T>::type *>(h->q), h->q_seq_stride, h->q_head_stride, nq, d,
                   q_rows, q_dst);
   } else {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      StepVars none{};
-      none.epoch = e.marks ? h->vars.epoch : 0;
-      *vars_dst = none;
-    }
-    uint64_t *runs = reinterpret_cast<uint64_t *>(dst);
-    const uint32_t words = n_runs * static_cast<uint32_t>(sizeof(DevRun) / 8);
-    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) runs[i] = 0;
-    using V = typename DevType<T>::type;
-    const uint64_t total = uint64_t(q_rows) * d;
-    for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-         i += uint64_t(gridDim.x) * blockDim.x) {
-      const uint32_t row = static_cast<uint32_t>(i / d), col = static_cast<uint32_t>(i % d);
-      V *o = static_cast<V *>(out) + (row / nq) * out_seq_stride + (row % nq) * out_head_stride;
-      o[col] = DevType<T>::from_f(__int_as_float(0x7fc00000));
-    }
+    stage_nothing<T>(e, h, n_runs, nq, d, q_rows, dst, vars_dst, out, out_seq_stride, out_head_stride,
+                     uint64_t(blockIdx.x) * blockDim.x + threadIdx.x, uint64_t(gridDim.x) * blockDim.x,
+                     blockIdx.x == 0 && threadIdx.x == 0);
   }
   __syncthreads();
-  if (threadIdx.x != 0 || !last_cta(c.ctas)) return;
-  bound_leave(c, e);
+  if (threadIdx.x == 0) {
+    bool differed = false;
+    last = last_cta(c.ctas, marked, &differed);
+    torn = last && differed;
+    if (torn) bound_torn(&e, marked);
+  }
+  __syncthreads();
+  if (!last) return;
+  if (torn) {
+    stage_nothing<T>(e, h, n_runs, nq, d, q_rows, dst, vars_dst, out, out_seq_stride, out_head_stride, threadIdx.x,
+                     blockDim.x, threadIdx.x == 0);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) bound_leave(c, e);
 }
 
 // Faults the binding unless *taken is `want` (the slots an append call has
@@ -634,8 +705,9 @@ cudaError_t bound_stage(DType t, const BoundCall &call, uint32_t n_runs, uint32_
   if (static_cast<uint64_t>(n_seqs) * n_q_heads > INT32_MAX) return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_DTYPE(t, T, cudaErrorNotSupported, [&]() -> cudaError_t {
-    const uint32_t q_rows = n_seqs * n_q_heads;
-    bound_stage_kernel<T><<<stage_ctas(n_runs, q_rows, d), kStageThreads, 0, s>>>(
+    const uint32_t q_rows = n_seqs * n_q_heads, ctas = stage_ctas(n_runs, q_rows, d);
+    if (ctas > kMaxEntryCtas) return cudaErrorInvalidValue;  // the CTA count's low bits (last_cta)
+    bound_stage_kernel<T><<<ctas, kStageThreads, 0, s>>>(
         call, n_runs, n_q_heads, d, q_rows, q_dst, dst, vars_dst, out, out_seq_stride, out_head_stride);
     WKV_CUDA_CHECK_LAUNCH("bound_stage");
     return cudaSuccess;
