@@ -673,7 +673,9 @@ cudaError_t bound_copy(const BoundCall &call, uint32_t max_copies, const uint8_t
   // copy beside each tail copy, which few appends have); the warps take the
   // rest in turn. Few CTAs: each reads the slot's head over PCIe.
   constexpr uint32_t kThreads = 256, kWarps = kThreads / 32;
-  const uint32_t ctas = std::min<uint32_t>(((max_copies + 1) / 2 + kWarps - 1) / kWarps, 1024);
+  constexpr uint32_t kMaxCopyCtas = 1024;
+  static_assert(kMaxCopyCtas <= kMaxEntryCtas, "the CTA count's low bits (last_cta)");
+  const uint32_t ctas = std::min<uint32_t>(((max_copies + 1) / 2 + kWarps - 1) / kWarps, kMaxCopyCtas);
   switch (width) {
     case 16: bound_copy_kernel<uint4><<<ctas, kThreads, 0, s>>>(call, max_copies, k, v, src_pitch, row_bytes); break;
     case 8: bound_copy_kernel<uint2><<<ctas, kThreads, 0, s>>>(call, max_copies, k, v, src_pitch, row_bytes); break;
@@ -706,7 +708,9 @@ cudaError_t bound_stage(DType t, const BoundCall &call, uint32_t n_runs, uint32_
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_DTYPE(t, T, cudaErrorNotSupported, [&]() -> cudaError_t {
     const uint32_t q_rows = n_seqs * n_q_heads, ctas = stage_ctas(n_runs, q_rows, d);
-    if (ctas > kMaxEntryCtas) return cudaErrorInvalidValue;  // the CTA count's low bits (last_cta)
+    // The CTA count's low bits (last_cta): 65535 CTAs of 1024 query elements
+    // each, some 67 million query elements, far beyond any batch.
+    if (ctas > kMaxEntryCtas) return cudaErrorInvalidValue;
     bound_stage_kernel<T><<<ctas, kStageThreads, 0, s>>>(
         call, n_runs, n_q_heads, d, q_rows, q_dst, dst, vars_dst, out, out_seq_stride, out_head_stride);
     WKV_CUDA_CHECK_LAUNCH("bound_stage");
