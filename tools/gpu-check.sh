@@ -11,7 +11,9 @@
 #                                  SERVING_BATCHES, 1,2,4,7, and at 1M tokens,
 #                                  batch 1, unless SERVING_1M=0, once per
 #                                  device cache fraction of
-#                                  SERVING_1M_FRACTIONS, "0.05")
+#                                  SERVING_1M_FRACTIONS, "0.05"; first
+#                                  gpu_gather_bench's gather at 16 and 256
+#                                  MiB, the machine's reads of host memory)
 #                                  profile (ncu: device time of each kernel
 #                                  of one k-means batch, summed by kernel)
 #                                  and spill (1M tokens, batch 1, 32 layers:
@@ -117,6 +119,15 @@ if want bench; then
   done
 fi
 if want serving; then
+  # The machine's reads of mapped host memory first (the gather of missed
+  # units, at a step's size and at a bandwidth-bound size, each beside a
+  # cudaMemcpy from pinned memory): machines differ there most, and the
+  # serving figures depend on it.
+  for mib in 16 256; do
+    timeout 120 build-gpu/bin/gpu_gather_bench gather --mib $mib > "$LOG/gather-probe-$mib.log" 2>&1
+    step "gather probe, $mib MiB" "rc=$? $(grep -E '^\| (anchor: cudaMemcpyAsync H2D|gather, all misses \()' "$LOG/gather-probe-$mib.log" \
+      | awk -F'|' '{gsub(/ +$/, "", $2); printf "%s%s %s GB/s", sep, $2, $5; sep="; "}')"
+  done
   # The anchor first (PyTorch SDPA, KV on the GPU), then wavekv in the same
   # run, which prints the ratios.
   python3 bench/gpu_full_attention.py 131072 "${SERVING_BATCHES:-1,2,4,7}" > "$LOG/full-attention.log" 2>&1
