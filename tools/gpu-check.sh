@@ -37,7 +37,8 @@
 #
 # Environment: BUILD_TARGETS (the targets the build step builds: all of
 # them unless set, e.g. "wavekv gpu_batch"), SANITIZER_TOOLS (memcheck racecheck), SANITIZER_TESTS (every
-# tests/gpu_*.cpp program), SANITIZER_ARGS (added to each test program's
+# tests/gpu_*.cpp program), SANITIZER_PER_TEST (1: each test of a program
+# on its own, under its own timeout), SANITIZER_ARGS (added to each test program's
 # command line, e.g. --gtest_filter=...), SANITIZER_TIMEOUT and BENCH_TIMEOUT
 # (seconds a program, 240).
 #
@@ -96,11 +97,23 @@ if want sanitize && command -v compute-sanitizer >/dev/null; then
   # memory) and check the statuses themselves.
   for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
     for name in ${SANITIZER_TESTS:-$(cd tests && ls gpu_*.cpp | sed 's/\.cpp$//')}; do
-      WKV_TEST_UNDER_SANITIZER=1 timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --report-api-errors no \
-        --error-exitcode 9 "build-gpu/bin/$name" --gtest_brief=1 ${SANITIZER_ARGS:-} > "$LOG/$tool-$name.log" 2>&1
-      rc=$?
-      [ $rc = 0 ] || san_fail=1
-      step "  $tool $name" "rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/$tool-$name.log" | tail -1)"
+      # A program at a time, or with SANITIZER_PER_TEST=1 a test at a time
+      # (each under SANITIZER_TIMEOUT: racecheck is slow enough on the
+      # capture tests that one of them would take a whole program's time).
+      if [ "${SANITIZER_PER_TEST:-0}" = 1 ]; then
+        units=$("build-gpu/bin/$name" --gtest_list_tests ${SANITIZER_ARGS:-} | awk '/^[^ ]/{s=$1} /^  /{print s $1}')
+      else
+        units=all
+      fi
+      for unit in $units; do
+        filter=() tag=$name
+        [ "$unit" = all ] || { filter=(--gtest_filter="$unit"); tag=$name.$unit; }
+        WKV_TEST_UNDER_SANITIZER=1 timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --report-api-errors no \
+          --error-exitcode 9 "build-gpu/bin/$name" --gtest_brief=1 ${SANITIZER_ARGS:-} "${filter[@]}" > "$LOG/$tool-$tag.log" 2>&1
+        rc=$?
+        [ $rc = 0 ] || san_fail=1
+        step "  $tool $tag" "rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/$tool-$tag.log" | tail -1)"
+      done
     done
   done
   step compute-sanitizer "$([ $san_fail = 0 ] && echo clean || echo "ERRORS (see memcheck-*.log, racecheck-*.log)")"
