@@ -7,7 +7,9 @@
 #
 # Environment: ROUNDS (2), BENCH (build-gpu/bin/gpu_serving_bench), OUT (the
 # logs: $OUT/ab-<round>-<n>.log; ./gpu-ab-logs), BENCH_TIMEOUT (seconds a
-# run, 300). A setting may hold several assignments ('A=1 B=2') or none ('').
+# run, 300). A setting may hold several assignments ('A=1 B=2') or none ('');
+# BENCH=path in a setting runs that build's bench instead, so that two
+# versions of the code are compared the same way (docs/gpu-machine.md).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 settings=()
@@ -25,11 +27,13 @@ summary=$OUT/ab-summary.txt
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for i in "${!settings[@]}"; do
     log=$OUT/ab-$round-$i.log
+    bench=$BENCH
+    for a in ${settings[$i]}; do [[ "$a" == BENCH=* ]] && bench=${a#BENCH=}; done
     # shellcheck disable=SC2086 # a setting is a list of assignments
-    env ${settings[$i]} timeout "${BENCH_TIMEOUT:-300}" "$BENCH" "$@" > "$log" 2>&1
+    env ${settings[$i]} timeout "${BENCH_TIMEOUT:-300}" "$bench" "$@" > "$log" 2>&1
     rc=$?
     {
-      echo "== round $round, setting [${settings[$i]}], rc=$rc"
+      echo "== round $round, setting [${settings[$i]}], $bench, rc=$rc"
       # The table's rows, and the lines under them that say what a step did.
       grep -E '^ +[0-9]+ +[0-9.]+ |decodes replayed|buffer manager:|host us \(medians\)|device us \(medians' "$log"
     } >> "$summary"
