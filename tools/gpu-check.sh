@@ -70,7 +70,9 @@ if [ -d .debs ] && ls .debs/*.deb >/dev/null 2>&1; then
 fi
 export WKV_SKIP_DEPS=1
 # The real-attention set, where the device call carried it in build-shared/
-# (docs/gpu-machine.md): the tests that need it run instead of skipping.
+# (docs/gpu-machine.md): the tests that need it run instead of skipping
+# (ctest passes the CMake cache's WKV_SHARED_DIR, so the build step sets it
+# there too).
 if [ -z "${WKV_SHARED_DIR:-}" ] && [ -d build-shared/data/real-attention ]; then
   export WKV_SHARED_DIR=$PWD/build-shared
 fi
@@ -82,7 +84,7 @@ step gpu "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 if want build || [ ! -d build-gpu ]; then
   start=$SECONDS
   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DWKV_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-    > "$LOG/configure.log" 2>&1 && cmake --build build-gpu -j"$JOBS" ${BUILD_TARGETS:+--target $BUILD_TARGETS} > "$LOG/build.log" 2>&1
+    ${WKV_SHARED_DIR:+-DWKV_SHARED_DIR="$WKV_SHARED_DIR"} > "$LOG/configure.log" 2>&1 && cmake --build build-gpu -j"$JOBS" ${BUILD_TARGETS:+--target $BUILD_TARGETS} > "$LOG/build.log" 2>&1
   build_rc=$?
   step build "$([ $build_rc = 0 ] && echo "ok ($((SECONDS - start)) s)" || echo "FAILED (see build.log)")"
   if [ $build_rc != 0 ]; then grep -E "error" -A3 "$LOG/build.log" | head -60; exit 1; fi

@@ -9,7 +9,8 @@
 #   tools/gpu-contention.sh PROGRAM [GTEST_FILTER] [COPIES] [ROUNDS]
 #   e.g. tools/gpu-contention.sh build-gpu/bin/gpu_batch '*AcrossGrowths' 6 3
 #
-# The environment reaches every copy (WKV_DEVICE_CACHE_BYTES=0,
+# The environment reaches every copy (WKV_DEVICE_CACHE_BYTES=1: no device
+# cache, where 0 is the default of 5% of the device;
 # CUDA_LAUNCH_BLOCKING=1, ... to tell which part of the engine is at fault).
 set -uo pipefail
 prog=${1:?usage: tools/gpu-contention.sh PROGRAM [GTEST_FILTER] [COPIES] [ROUNDS]}
