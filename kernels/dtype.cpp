@@ -1,5 +1,9 @@
 #include "kernels/dtype.hpp"
 
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(WKV_NO_TARGET_CLONES)
 #include <immintrin.h>
 #endif
@@ -116,6 +120,45 @@ bool from_float(DType t, const float *src, void *dst, size_t n) {
   return WKV_DISPATCH_DTYPE(t, T, false, [&] {
     T *o = static_cast<T *>(dst);
     for (size_t i = 0; i < n; ++i) store(o, i, src[i]);
+    return true;
+  });
+}
+
+void quantize_row(const float *x, uint32_t d, int8_t *q, float *scale) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (uint32_t i = 0; i < d; ++i) {
+    const float a = std::fabs(x[i]);
+    finite &= a <= std::numeric_limits<float>::max();  // false for NaN and inf
+    amax = a > amax ? a : amax;
+  }
+  if (!finite || amax < kInt8RowFloor) {
+    std::memset(q, 0, d);
+    *scale = finite ? 0.0f : bits_to_float(kInt8NanScale);
+    return;
+  }
+  const float s = amax / 127.0f;
+  for (uint32_t i = 0; i < d; ++i) {
+    const float r = std::nearbyint(x[i] / s);  // the current mode: nearest even
+    q[i] = static_cast<int8_t>(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+  }
+  *scale = s;
+}
+
+bool dequantize_row(DType t, const int8_t *q, float scale, uint32_t d, void *dst) {
+  return WKV_DISPATCH_DTYPE(t, T, false, [&] {
+    T *o = static_cast<T *>(dst);
+    if (scale != scale) {
+      uint16_t nan16 = t == DType::kF16 ? 0x7e00u : 0x7fc0u;
+      for (uint32_t i = 0; i < d; ++i) {
+        if constexpr (std::is_same_v<T, float>)
+          o[i] = bits_to_float(kInt8NanScale);
+        else
+          o[i].bits = nan16;
+      }
+      return true;
+    }
+    for (uint32_t i = 0; i < d; ++i) store(o, i, static_cast<float>(q[i]) * scale);
     return true;
   });
 }

@@ -134,6 +134,26 @@ bool to_float(DType t, const void *src, float *dst, size_t n);
 // Converts n floats to type `t` at dst. False for an unknown dtype.
 bool from_float(DType t, const float *src, void *dst, size_t n);
 
+// 8-bit rows with one f32 scale each (pages of WKV_PAGE_FORMAT_INT8). The
+// CUDA page writes and gather (kernels/kmeans.cu, kernels/gather.cu) do the
+// same arithmetic and must write the same bytes: every operation is one
+// IEEE operation correctly rounded (no contraction into a fused multiply-
+// add is possible: there is no a * b + c).
+//   scale = max |x| / 127, q = x / scale rounded to nearest even;
+//   a row whose largest magnitude is below kInt8RowFloor is all zero with a
+//   scale of 0 (so that neither the scale nor any product is subnormal,
+//   and a caller's flush-to-zero changes nothing; a 16-bit float's smallest
+//   magnitude is far above it); a row with a NaN or an infinity has a NaN
+//   scale (kInt8NanScale) and zero values.
+//   x' = q * scale rounded to the storage dtype; a NaN scale gives the
+//   dtype's quiet NaN (0x7e00 f16, 0x7fc0 bf16, 0x7fc00000 f32) on both
+//   backends, whatever their NaN payloads.
+constexpr float kInt8RowFloor = 0x1p-100f;
+constexpr uint32_t kInt8NanScale = 0x7fc00000u;
+void quantize_row(const float *x, uint32_t d, int8_t *q, float *scale);
+// dst: d elements of `t`. False (nothing written) for an unknown dtype.
+bool dequantize_row(DType t, const int8_t *q, float scale, uint32_t d, void *dst);
+
 // Calls the lambda (...) with T the storage type of `t` (float, f16, bf16)
 // and returns its result; for an unknown dtype returns `unknown` instead.
 #define WKV_DISPATCH_DTYPE(t, T, unknown, ...)        \

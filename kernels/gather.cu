@@ -16,6 +16,7 @@
 #include "kernels/gather_cuda.hpp"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/cuda_common.cuh"
 #include "kernels/table_cuda.hpp"
@@ -43,44 +44,85 @@ __device__ __forceinline__ int4 load_row_piece(const uint8_t *p) {
 }
 
 // Where a unit's rows are read: K and V of rows [0, split) from k0 / v0 and
-// of rows [split, rows) from k1 / v1, each contiguous with row stride
-// row_bytes. A frame is one part; a unit in host pages is one part, or two
-// where it crosses into the next page. Found once per unit, so that a row's
-// address costs no division.
+// of rows [split, rows) from k1 / v1, each contiguous with row stride prb
+// (the rows of pages and frames); with 8-bit pages their scales from ks0 /
+// vs0 and ks1 / vs1, a float a row. A frame is one part; a unit in host
+// pages is one part, or two where it crosses into the next page. Found
+// once per unit, so that a row's address costs no division.
 struct UnitSource {
   const uint8_t *k0, *v0, *k1, *v1;
+  const float *ks0, *vs0, *ks1, *vs1;
   uint32_t split;
 };
 
 __device__ __forceinline__ UnitSource unit_source(const uint8_t *frame, const uint8_t *const *pages, uint32_t slot,
-                                                  uint32_t rows, uint32_t pt, uint32_t rb) {
+                                                  uint32_t rows, uint32_t pt, uint32_t prb, uint32_t scales_at) {
   UnitSource s;
-  if (frame) {
-    s.k0 = frame;
-    s.v0 = frame + size_t(pt) * rb;
-    s.k1 = s.v1 = nullptr;
-    s.split = rows;
-    return s;
-  }
-  const uint32_t p = slot / pt, off = slot - p * pt;
-  const uint8_t *page = pages[p];
-  s.k0 = page + size_t(off) * rb;
-  s.v0 = page + size_t(pt + off) * rb;
-  s.split = min(rows, pt - off);
   s.k1 = s.v1 = nullptr;
-  if (s.split < rows) {
-    const uint8_t *next = pages[p + 1];
-    s.k1 = next;
-    s.v1 = next + size_t(pt) * rb;
+  s.ks1 = s.vs1 = nullptr;
+  const uint8_t *page = frame;
+  uint32_t off = 0;
+  if (frame) {
+    s.split = rows;
+  } else {
+    const uint32_t p = slot / pt;
+    off = slot - p * pt;
+    page = pages[p];
+    s.split = min(rows, pt - off);
+    if (s.split < rows) {
+      const uint8_t *next = pages[p + 1];
+      s.k1 = next;
+      s.v1 = next + size_t(pt) * prb;
+      s.ks1 = reinterpret_cast<const float *>(next + scales_at);
+      s.vs1 = s.ks1 + pt;
+    }
   }
+  s.k0 = page + size_t(off) * prb;
+  s.v0 = page + size_t(pt + off) * prb;
+  s.ks0 = reinterpret_cast<const float *>(page + scales_at) + off;
+  s.vs0 = s.ks0 + pt;
   return s;
 }
 
+// Sixteen 8-bit values of `piece` times `scale`, rounded to T, at dst (16
+// elements of T): dequantize_row's arithmetic; a NaN scale gives T's quiet
+// NaN, the same bits as the CPU's.
+template <typename T>
+__device__ __forceinline__ void put_dequantized(uint8_t *dst, const int4 piece, const float scale) {
+  using DT = typename DevType<T>::type;
+  constexpr uint32_t kBytes = 16 * sizeof(DT);
+  alignas(16) DT out[16];
+  const int8_t *q = reinterpret_cast<const int8_t *>(&piece);
+  if (scale != scale) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if constexpr (std::is_same_v<T, float>)
+        out[i] = __uint_as_float(kInt8NanScale);
+      else if constexpr (std::is_same_v<T, f16>)
+        out[i] = __ushort_as_half(0x7e00);
+      else
+        out[i] = __ushort_as_bfloat16(0x7fc0);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) out[i] = DevType<T>::from_f(__fmul_rn(static_cast<float>(q[i]), scale));
+  }
+#pragma unroll
+  for (uint32_t w = 0; w < kBytes / 16; ++w)
+    reinterpret_cast<int4 *>(dst)[w] = reinterpret_cast<const int4 *>(out)[w];
+}
+
+// kInt8: pages and frames hold 8-bit rows (GatherArgs::int8_dim), which
+// become rows of T in the execution buffer; otherwise T is unused and rows
+// are copied as they are.
+template <bool kInt8, typename T>
 __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a) {
   constexpr uint32_t kNone = kNoCacheFrame, kChunk = kUnitMapChunk;
   const uint32_t r = blockIdx.x;
   const DevRun &run = a.runs[r];
   const uint32_t rb = a.row_bytes, cpr = rb / 16, pt = a.page_tokens;
+  // Rows of pages and frames: their bytes and 16-byte pieces.
+  const uint32_t prb = kInt8 ? a.int8_dim : rb, ppr = prb / 16;
   const uint32_t base = static_cast<uint32_t>(a.lookup.offsets[r]);
   const uint32_t sink = run.sink_tokens, tail = run.tail_tokens;
 
@@ -138,8 +180,8 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
       uint32_t *entry = run.unit_dir ? run.unit_dir[u / kChunk] + u % kChunk : nullptr;
       const uint32_t f = entry ? *reinterpret_cast<volatile uint32_t *>(entry) : kNone;
       const bool hit = f < a.frames;
-      const UnitSource src =
-          unit_source(hit ? a.cache + size_t(f) * a.frame_bytes : nullptr, run.pages, first + j * pt, rows, pt, rb);
+      const UnitSource src = unit_source(hit ? a.cache + size_t(f) * a.frame_bytes : nullptr, run.pages,
+                                         first + j * pt, rows, pt, prb, a.scales_at);
       if (lane == 0) {
         if (hit)
           ++hits;
@@ -149,19 +191,25 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
       // 2. The rows, kUnroll pieces of K and of V per lane in flight. A
       //    missed unit takes a frame from the pool, if it has one, while
       //    the first loads are in flight (two atomics and a read from L2).
-      const uint32_t total = rows * cpr;
+      const uint32_t total = rows * ppr;
       uint32_t g = 0xffffffffu, af = kNone;
       for (uint32_t q0 = 0; q0 < total; q0 += 32 * kUnroll) {
         int4 kv[kUnroll], vv[kUnroll];
+        float ks[kUnroll], vs[kUnroll];  // with 8-bit rows, their scales
 #pragma unroll
         for (int x = 0; x < kUnroll; ++x) {
           const uint32_t q = q0 + x * 32 + lane;
           if (q < total) {
-            const uint32_t m = q / cpr, c = q - m * cpr;
+            const uint32_t m = q / ppr, c = q - m * ppr;
             const bool first_part = m < src.split;
-            const size_t at = size_t(first_part ? m : m - src.split) * rb + size_t(c) * 16;
+            const uint32_t mr = first_part ? m : m - src.split;
+            const size_t at = size_t(mr) * prb + size_t(c) * 16;
             kv[x] = load_row_piece((first_part ? src.k0 : src.k1) + at);
             vv[x] = load_row_piece((first_part ? src.v0 : src.v1) + at);
+            if constexpr (kInt8) {
+              ks[x] = __ldcs((first_part ? src.ks0 : src.ks1) + mr);
+              vs[x] = __ldcs((first_part ? src.vs0 : src.vs1) + mr);
+            }
           }
         }
         if (q0 == 0) {
@@ -185,13 +233,24 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
         for (int x = 0; x < kUnroll; ++x) {
           const uint32_t q = q0 + x * 32 + lane;
           if (q < total) {
-            const uint32_t m = q / cpr, c = q - m * cpr;
+            const uint32_t m = q / ppr, c = q - m * ppr;
             const size_t row = size_t(dst_row + j * pt + m);
-            reinterpret_cast<int4 *>(a.xk + row * rb)[c] = kv[x];
-            reinterpret_cast<int4 *>(a.xv + row * rb)[c] = vv[x];
+            if constexpr (kInt8) {
+              // A piece of 16 values becomes 16 values of T in the buffer.
+              const size_t at = row * rb + size_t(c) * 16 * sizeof(typename DevType<T>::type);
+              put_dequantized<T>(a.xk + at, kv[x], ks[x]);
+              put_dequantized<T>(a.xv + at, vv[x], vs[x]);
+              if (frame && c == 0) {
+                reinterpret_cast<float *>(frame + a.scales_at)[m] = ks[x];
+                reinterpret_cast<float *>(frame + a.scales_at)[pt + m] = vs[x];
+              }
+            } else {
+              reinterpret_cast<int4 *>(a.xk + row * rb)[c] = kv[x];
+              reinterpret_cast<int4 *>(a.xv + row * rb)[c] = vv[x];
+            }
             if (frame) {
-              reinterpret_cast<int4 *>(frame + size_t(m) * rb)[c] = kv[x];
-              reinterpret_cast<int4 *>(frame + size_t(pt + m) * rb)[c] = vv[x];
+              reinterpret_cast<int4 *>(frame + size_t(m) * prb)[c] = kv[x];
+              reinterpret_cast<int4 *>(frame + size_t(pt + m) * prb)[c] = vv[x];
             }
           }
         }
@@ -255,12 +314,27 @@ cudaError_t gather_cuda(const GatherArgs &a, cudaStream_t stream) {
   if ((a.admits || a.hits || a.mark.done || a.vars) && !a.work) return cudaErrorInvalidValue;
   if (a.pool.cap && (!a.pool.slots || !a.pool.avail || !a.pool.taken || !a.cache)) return cudaErrorInvalidValue;
   if (a.record_counts && !a.work) return cudaErrorInvalidValue;
-  if (a.frames > 0 && (!a.cache || a.frame_bytes < size_t(2) * a.page_tokens * a.row_bytes ||
-                       a.frame_bytes % 16 != 0))
+  // A frame holds a page slot's rows (and scales): K rows, V rows, scales.
+  const size_t slot_used = a.int8_dim ? size_t(a.scales_at) + size_t(8) * a.page_tokens
+                                      : size_t(2) * a.page_tokens * a.row_bytes;
+  if (a.int8_dim && (a.int8_dim % 16 != 0 || !dtype_known(a.dtype) ||
+                     size_t(a.int8_dim) * dtype_bytes(a.dtype) != a.row_bytes ||
+                     a.scales_at != size_t(2) * a.page_tokens * a.int8_dim))
+    return cudaErrorInvalidValue;
+  if (a.frames > 0 && (!a.cache || a.frame_bytes < slot_used || a.frame_bytes % 16 != 0))
     return cudaErrorInvalidValue;
   if (a.n_runs > 0x7fffffffu) return cudaErrorInvalidValue;
   const uint32_t chunks = std::max<uint32_t>(1, std::min<uint32_t>((a.max_ret + kWarps - 1) / kWarps, 65535));
-  gather_kernel<<<dim3(a.n_runs, chunks), kWarps * 32, 0, stream>>>(a);
+  const dim3 grid(a.n_runs, chunks), block(kWarps * 32);
+  if (!a.int8_dim) {
+    gather_kernel<false, float><<<grid, block, 0, stream>>>(a);
+  } else {
+    switch (a.dtype) {
+      case DType::kF32: gather_kernel<true, float><<<grid, block, 0, stream>>>(a); break;
+      case DType::kF16: gather_kernel<true, f16><<<grid, block, 0, stream>>>(a); break;
+      case DType::kBF16: gather_kernel<true, bf16><<<grid, block, 0, stream>>>(a); break;
+    }
+  }
   WKV_CUDA_CHECK_LAUNCH("gather_kernel");
   return cudaSuccess;
 }

@@ -12,6 +12,7 @@
 #include <driver_types.h>  // cudaError_t, cudaStream_t
 
 #include "kernels/device_layout.hpp"
+#include "kernels/dtype.hpp"
 
 namespace wkv::kernels {
 
@@ -51,6 +52,16 @@ struct GatherArgs {
   uint32_t max_ret = 0;          // >= every run's n_ret; sizes the grid only
   uint32_t row_bytes = 0;        // d * dtype bytes, a multiple of 16
   uint32_t page_tokens = 0;      // token slots per page (and rows per unit)
+  // 8-bit pages (WKV_PAGE_FORMAT_INT8): int8_dim is head_dim (0: pages hold
+  // rows of row_bytes, copied as they are). Pages and frames then hold K
+  // and V rows of int8_dim bytes and, from byte scales_at, page_tokens K
+  // scales then page_tokens V scales (f32); each member's rows are
+  // dequantized into the execution buffer's rows of `dtype` as
+  // dequantize_row does (kernels/dtype.hpp), bit for bit, and an admitted
+  // unit's frame gets its 8-bit rows and scales.
+  uint32_t int8_dim = 0;
+  uint32_t scales_at = 0;
+  DType dtype = DType::kF16;
   uint8_t *xk = nullptr;         // device execution buffer, K rows
   uint8_t *xv = nullptr;         // device execution buffer, V rows
   // The device block cache: `frames` frames of frame_bytes (>= one page).
@@ -91,7 +102,8 @@ struct GatherArgs {
 // tail, pages, frames, xk, xv) must be 16-byte aligned: rows move in 16-byte
 // loads and stores. cudaErrorInvalidValue for a null buffer, row_bytes not a
 // multiple of 16, page_tokens 0, unaligned xk/xv, admissions without work
-// counters; the launch's error otherwise.
+// counters, frames smaller than a page slot, int8_dim that is not the
+// row's dimension; the launch's error otherwise.
 cudaError_t gather_cuda(const GatherArgs &a, cudaStream_t stream);
 
 }  // namespace wkv::kernels

@@ -1436,6 +1436,68 @@ cudaError_t check_page_args(uint32_t row_bytes, uint32_t page_tokens) {
 
 constexpr uint32_t kPageBlocksMax = 2048;
 
+// 8-bit rows: warp w of `warps` quantizes rows w, w + warps, ... of the job,
+// row 2j the K row of slot j and 2j + 1 its V row; lane L holds elements
+// 4g .. 4g + 3 for g = L, L + 32, ... < head_dim / 4, and stores them as one
+// word. The arithmetic is quantize_row's (kernels/dtype.hpp), operation for
+// operation.
+constexpr uint32_t kInt8WriteWarps = 8;
+constexpr uint32_t kInt8MaxGroups = 2;  // head_dim / 4 / 32, head_dim <= 256
+
+template <typename T>
+__device__ __forceinline__ void write_job_int8(const WritePagesJob &job, const Int8PageLayout &l, uint64_t w,
+                                               uint64_t warps) {
+  using DT = typename DevType<T>::type;
+  const uint32_t lane = threadIdx.x & 31, groups = l.head_dim / 4;
+  for (uint64_t i = w; i < 2ull * job.tokens; i += warps) {
+    const uint32_t j = static_cast<uint32_t>(i >> 1), is_v = static_cast<uint32_t>(i & 1);
+    const DT *x = reinterpret_cast<const DT *>((is_v ? job.v : job.k) +
+                                               size_t(job.order[j]) * l.head_dim * sizeof(DT));
+    float v[kInt8MaxGroups][4];
+    float amax = 0.0f;
+    bool finite = true;
+#pragma unroll
+    for (uint32_t k = 0; k < kInt8MaxGroups; ++k) {
+      const uint32_t g = lane + 32 * k;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        v[k][e] = g < groups ? DevType<T>::to_f(x[4 * g + e]) : 0.0f;
+        const float a = fabsf(v[k][e]);
+        finite &= a <= 3.402823466e38f;  // false for NaN and inf
+        amax = a > amax ? a : amax;
+      }
+    }
+    // Non-negative floats order as their bits.
+    amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(amax)));
+    finite = __all_sync(0xffffffffu, finite);
+    const bool zero = !finite || amax < kInt8RowFloor;
+    const float scale = zero ? (finite ? 0.0f : __uint_as_float(kInt8NanScale)) : __fdiv_rn(amax, 127.0f);
+    uint8_t *page = job.pages[j / l.page_tokens];
+    const uint32_t row = (is_v ? l.page_tokens : 0u) + j % l.page_tokens;
+#pragma unroll
+    for (uint32_t k = 0; k < kInt8MaxGroups; ++k) {
+      const uint32_t g = lane + 32 * k;
+      if (g >= groups) continue;
+      uint32_t word = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float r = zero ? 0.0f : rintf(__fdiv_rn(v[k][e], scale));  // rintf: nearest even
+        r = fminf(fmaxf(r, -127.0f), 127.0f);
+        word |= (static_cast<uint32_t>(static_cast<int32_t>(r)) & 0xffu) << (8 * e);
+      }
+      reinterpret_cast<uint32_t *>(page + size_t(row) * l.head_dim)[g] = word;
+    }
+    if (lane == 0) reinterpret_cast<float *>(page + l.scales_at)[row] = scale;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kInt8WriteWarps * 32)
+    write_pages_int8_kernel(const __grid_constant__ PageJobChunk chunk, const Int8PageLayout l) {
+  write_job_int8<T>(chunk.j[blockIdx.y], l, uint64_t(blockIdx.x) * kInt8WriteWarps + (threadIdx.x >> 5),
+                    uint64_t(gridDim.x) * kInt8WriteWarps);
+}
+
 }  // namespace
 
 cudaError_t kmeans_batch_workspace_size(const KMeansBatchParams &p, const KMeansBatchShape &shape, size_t *bytes) {
@@ -1550,6 +1612,35 @@ cudaError_t write_pages_batch_cuda(const WritePagesJob *jobs, uint32_t n, uint32
   const unsigned bx = static_cast<unsigned>(std::min<uint64_t>((chunks + 255) / 256, 256));
   write_pages_batch_kernel<<<dim3(bx, n), 256, 0, stream>>>(jobs, cpr, row_bytes, page_tokens);
   WKV_CUDA_CHECK_LAUNCH("write_pages_batch_kernel");
+  return cudaSuccess;
+}
+
+cudaError_t write_pages_int8_many_cuda(const WritePagesJob *jobs, uint32_t n, const Int8PageLayout &l,
+                                       cudaStream_t stream) {
+  if (l.head_dim == 0 || l.head_dim % 16 != 0 || l.head_dim > 4 * 32 * kInt8MaxGroups ||
+      l.scales_at != 2 * l.page_tokens * l.head_dim || !dtype_known(l.dtype))
+    return cudaErrorInvalidValue;
+  WKV_CUDA_TRY(check_page_jobs(jobs, n, l.head_dim, l.page_tokens));
+  for (uint32_t done = 0; done < n; done += kPageJobsPerLaunch) {
+    PageJobChunk c;
+    c.n = 0;
+    uint32_t most = 0;
+    for (uint32_t i = done; i < n && i < done + kPageJobsPerLaunch; ++i) {
+      if (jobs[i].tokens == 0) continue;
+      c.j[c.n++] = jobs[i];
+      most = std::max(most, jobs[i].tokens);
+    }
+    if (c.n == 0) continue;
+    const unsigned bx = static_cast<unsigned>(
+        std::min<uint64_t>((2ull * most + kInt8WriteWarps - 1) / kInt8WriteWarps, kPageBlocksMax));
+    const dim3 grid(bx, c.n), block(kInt8WriteWarps * 32);
+    switch (l.dtype) {
+      case DType::kF32: write_pages_int8_kernel<float><<<grid, block, 0, stream>>>(c, l); break;
+      case DType::kF16: write_pages_int8_kernel<f16><<<grid, block, 0, stream>>>(c, l); break;
+      case DType::kBF16: write_pages_int8_kernel<bf16><<<grid, block, 0, stream>>>(c, l); break;
+    }
+    WKV_CUDA_CHECK_LAUNCH("write_pages_int8_kernel");
+  }
   return cudaSuccess;
 }
 

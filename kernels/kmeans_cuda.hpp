@@ -119,4 +119,20 @@ cudaError_t write_pages_batch_cuda(const WritePagesJob *jobs, uint32_t n,
                               uint32_t max_tokens, uint32_t row_bytes,
                               uint32_t page_tokens, cudaStream_t stream);
 
+// 8-bit pages (WKV_PAGE_FORMAT_INT8): a page holds K rows then V rows of
+// head_dim bytes, then page_tokens K scales and page_tokens V scales (f32)
+// from byte scales_at. The source rows are in `dtype`.
+struct Int8PageLayout {
+  DType dtype = DType::kF16;
+  uint32_t head_dim = 0;
+  uint32_t page_tokens = 0;
+  uint32_t scales_at = 0;  // 2 * page_tokens * head_dim
+};
+
+// write_pages_many_cuda with each row quantized as quantize_row does
+// (kernels/dtype.hpp), bit for bit: a warp a row. cudaErrorInvalidValue
+// for what check_page_jobs refuses or a layout that is not 8-bit pages'.
+cudaError_t write_pages_int8_many_cuda(const WritePagesJob *jobs, uint32_t n, const Int8PageLayout &layout,
+                                       cudaStream_t stream);
+
 }  // namespace wkv::kernels

@@ -54,14 +54,6 @@ double cpu_seconds() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
-// Whether KV head h's run of the plan's execution buffer holds `row`.
-bool run_holds(const wkv_xbuf_view &x, uint32_t h, const void *row, size_t row_bytes) {
-  const uint8_t *k = static_cast<const uint8_t *>(x.k);
-  for (int32_t t = x.offsets[h]; t < x.offsets[h + 1]; ++t)
-    if (std::memcmp(k + static_cast<size_t>(t) * row_bytes, row, row_bytes) == 0) return true;
-  return false;
-}
-
 // One method's engine and what it measured on one workload.
 struct Run {
   uint32_t method = 0;
@@ -102,7 +94,6 @@ void run_synthetic(const Options &o, bool diffuse, WorkerPool &pool, std::vector
   const unsigned threads = o.resolved_threads();
   const uint32_t H = static_cast<uint32_t>(o.heads), Q = static_cast<uint32_t>(o.q_heads);
   const uint32_t d = static_cast<uint32_t>(o.head_dim), dt = o.dtype_id();
-  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(dt);
   SynthSpec spec;
   spec.kv_heads = H;
   spec.q_heads = Q;
@@ -167,7 +158,7 @@ void run_synthetic(const Options &o, bool diffuse, WorkerPool &pool, std::vector
         const Needle &nd = ctx.needles()[needle_of[j]];
         r.err_needle.push_back(e);
         ++r.needle_queries;
-        r.hits += run_holds(x, nd.head, ctx.k_store(nd.head, nd.pos), row_bytes);
+        r.hits += xbuf_holds(x, nd.head, ctx.k_store(nd.head, nd.pos), r.s->config);
       }
     }
     prog.update(st + 1);

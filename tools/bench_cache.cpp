@@ -167,7 +167,7 @@ Trace trace_serving(const Options &o) {
   std::shared_ptr<wkv::Engine> e = open_engine(o, 1, w::kQ, w::kH, w::kD, WKV_DTYPE_BF16, threads);
   Trace t;
   t.page_tokens = e->config().page_tokens();
-  t.row_bytes = e->config().row_bytes();
+  t.row_bytes = e->config().page_token_bytes();  // a row in a page, with its scale where it has one
   const uint32_t tok = w::kH * w::kD;  // elements of one token's K (or V)
 
   // The tokens of sequence i at positions [p0, p0 + n), as bf16 rows.
@@ -273,7 +273,7 @@ bool trace_real(const Options &o, Trace *out) {
   Trace &t = *out;
   t.layers = L;
   t.page_tokens = e->config().page_tokens();
-  t.row_bytes = e->config().row_bytes();
+  t.row_bytes = e->config().page_token_bytes();  // a row in a page, with its scale where it has one
   const uint32_t prompt = kRealT - kRealQueries, d = kRealD;
   const size_t kv = size_t(kRealT) * kRealKV * d;
   std::vector<std::shared_ptr<wkv::Sequence>> seqs(1);

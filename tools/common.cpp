@@ -15,6 +15,8 @@
 
 #include <CLI/CLI.hpp>
 
+include "kernels/dtype.hpp"
+#include "kernels/dtype.hpp"
 #include "lib/common/status.hpp"
 #include "tools/synth.hpp"
 
@@ -164,6 +166,28 @@ Session::Session(const Options &o, unsigned threads, int64_t method) {
     wkv_engine_close(engine);
     throw;
   }
+}
+
+bool xbuf_holds(const wkv_xbuf_view &x, uint32_t h, const void *row, const wkv_config &engine) {
+  const wkv::DType dt = static_cast<wkv::DType>(engine.dtype);
+  const size_t row_bytes = static_cast<size_t>(engine.head_dim) * wkv::dtype_bytes(dt);
+  std::vector<uint8_t> paged;
+  if (engine.page_format == WKV_PAGE_FORMAT_INT8) {
+    std::vector<float> f(engine.head_dim);
+    std::vector<int8_t> q(engine.head_dim);
+    float scale = 0;
+    paged.resize(row_bytes);
+    wkv::to_float(dt, row, f.data(), engine.head_dim);
+    wkv::quantize_row(f.data(), engine.head_dim, q.data(), &scale);
+    wkv::dequantize_row(dt, q.data(), scale, engine.head_dim, paged.data());
+  }
+  const uint8_t *k = static_cast<const uint8_t *>(x.k);
+  for (int32_t t = x.offsets[h]; t < x.offsets[h + 1]; ++t) {
+    const uint8_t *got = k + static_cast<size_t>(t) * row_bytes;
+    if (std::memcmp(got, row, row_bytes) == 0) return true;
+    if (!paged.empty() && std::memcmp(got, paged.data(), row_bytes) == 0) return true;
+  }
+  return false;
 }
 
 Session::~Session() {

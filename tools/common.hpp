@@ -117,6 +117,12 @@ class Session {
   wkv_stats stats();
 };
 
+// Whether KV head h's run of an execution buffer holds the K row `row`
+// (head_dim elements of the engine's dtype) byte for byte: as appended, or,
+// where the engine's pages are 8-bit (WKV_PAGE_FORMAT_INT8), as a page
+// gives it back.
+bool xbuf_holds(const wkv_xbuf_view &x, uint32_t h, const void *row, const wkv_config &engine);
+
 // Saves the session's sequence to `path` (wkv_seq_save), with a line on
 // stderr: rewritten on a terminal, once at the end otherwise.
 void save_sequence(Session &s, const std::string &path);

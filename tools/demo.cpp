@@ -49,14 +49,6 @@ void declare_demo(CLI::App &cmd, Options *o) {
 
 namespace {
 
-// Whether KV head h's run of the plan's execution buffer holds `row`.
-bool run_holds(const wkv_xbuf_view &x, uint32_t h, const void *row, size_t row_bytes) {
-  const uint8_t *k = static_cast<const uint8_t *>(x.k);
-  for (int32_t t = x.offsets[h]; t < x.offsets[h + 1]; ++t)
-    if (std::memcmp(k + static_cast<size_t>(t) * row_bytes, row, row_bytes) == 0) return true;
-  return false;
-}
-
 std::string hits(uint64_t hit, uint64_t of) { return std::to_string(hit) + "/" + std::to_string(of); }
 
 }  // namespace
@@ -101,7 +93,6 @@ Pass run_pass(const Options &o, unsigned threads, WorkerPool &pool) {
   r.o = o;
   const uint32_t H = static_cast<uint32_t>(o.heads), Q = static_cast<uint32_t>(o.q_heads);
   const uint32_t d = static_cast<uint32_t>(o.head_dim), dt = o.dtype_id();
-  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(dt);
   const auto t_start = Clock::now();
 
   // 1. The context.
@@ -193,7 +184,7 @@ Pass run_pass(const Options &o, unsigned threads, WorkerPool &pool) {
       for (uint32_t j = 0; j < Q; ++j) {
         if (needle_of[j] < 0) continue;
         const Needle &nd = ctx.needles()[needle_of[j]];
-        in_xbuf[j] = run_holds(x, nd.head, ctx.k_store(nd.head, nd.pos), row_bytes);
+        in_xbuf[j] = xbuf_holds(x, nd.head, ctx.k_store(nd.head, nd.pos), s.config);
       }
     }
     // The other layers (the same K and V, each stored, indexed and spilled

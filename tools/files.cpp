@@ -217,6 +217,7 @@ ordered_json header_json(const wkv::FileHeader &h) {
         {"dtype", file_dtype(c.dtype)}}},
       {"settings",
        {{"page_bytes", c.page_bytes},
+        {"page_format", c.page_format == WKV_PAGE_FORMAT_INT8 ? "int8" : "storage"},
         {"page_tokens", h.page_tokens},
         {"page_slot_bytes", h.page_slot_bytes},
         {"segment_tokens", c.segment_tokens},
@@ -295,7 +296,9 @@ void print_inspect_text(const Report &r) {
                         std::to_string(c.n_kv_heads) + " kv heads, head_dim " + std::to_string(c.head_dim) + ", " +
                         file_dtype(c.dtype)});
     t.row({"pages", std::to_string(h.page_tokens) + " tokens (" + std::to_string(c.page_bytes) +
-                        " bytes of K), slots of " + std::to_string(h.page_slot_bytes) + " bytes"});
+                        " bytes of K), slots of " + std::to_string(h.page_slot_bytes) + " bytes, " +
+                        (c.page_format == WKV_PAGE_FORMAT_INT8 ? "8-bit rows with a scale each"
+                                                               : "rows in " + file_dtype(c.dtype))});
     t.row({"index", "segments of " + std::to_string(c.segment_tokens) + " prompt / " +
                         std::to_string(c.update_segment_tokens) + " generated tokens, " +
                         std::to_string(c.cluster_tokens) + " tokens per cluster, " + std::to_string(c.kmeans_iters) +

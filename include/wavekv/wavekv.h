@@ -93,7 +93,7 @@ extern "C" {
 /* Versions ---------------------------------------------------------------- */
 
 #define WKV_VERSION_MAJOR 0
-#define WKV_VERSION_MINOR 9
+#define WKV_VERSION_MINOR 10
 #define WKV_VERSION_PATCH 0
 /* The version as one number: major * 10000 + minor * 100 + patch. */
 #define WKV_VERSION_NUMBER \
@@ -188,6 +188,26 @@ enum {
 };
 
 /*
+ * How K and V rows are kept in pages (wkv_config.page_format, 0.10). Sink and
+ * window rows, the execution buffer and every input and output stay in the
+ * storage dtype whatever the pages hold.
+ */
+enum {
+  /* Rows in the storage dtype, as appended. */
+  WKV_PAGE_FORMAT_STORAGE = 0,
+  /* Rows in 8 bits with one f32 scale each (the row's largest magnitude over
+     127, values rounded to nearest even): about half the host memory, spill
+     file, PCIe and device cache bytes of a 16-bit token (at head_dim 128 a
+     page of page_bytes 2048 holds 15 tokens in a 4096-byte slot, against 8).
+     Rows are quantized when a segment is clustered (the k-means and the
+     cluster index see the rows as appended) and dequantized into the
+     execution buffer, so attention to a retrieved token is to its 8-bit
+     row; a row with a NaN or an infinity is kept as NaN. Files record the
+     format, and load only into an engine of the same format. */
+  WKV_PAGE_FORMAT_INT8 = 1
+};
+
+/*
  * Everything an engine is opened with. Call wkv_config_init() first: it sets
  * `size` and every default below, then set the model shape.
  *
@@ -196,7 +216,7 @@ enum {
  * rebuild: WKV_THREADS, WKV_SEGMENT_TOKENS, WKV_UPDATE_SEGMENT_TOKENS,
  * WKV_CLUSTER_TOKENS, WKV_KMEANS_ITERS, WKV_SINK_TOKENS, WKV_WINDOW_TOKENS,
  * WKV_RETRIEVAL_FRAC, WKV_ESTIMATION_FRAC, WKV_HOST_BUDGET_BYTES,
- * WKV_HOST_CHUNK_BYTES, WKV_DEVICE_CACHE_BYTES, WKV_METHOD. WKV_CACHE_POLICY
+ * WKV_HOST_CHUNK_BYTES, WKV_DEVICE_CACHE_BYTES, WKV_METHOD, WKV_PAGE_FORMAT. WKV_CACHE_POLICY
  * (no field) picks the device cache's replacement policy: lru (the
  * default), clock or slru. WKV_QUARANTINE (no field): which steps a frame
  * evicted from the device cache waits for before it is reused, readers (the
@@ -215,7 +235,8 @@ enum {
  * cluster_tokens at most segment_tokens; sink_tokens and window_tokens at
  * most 2^20; threads at most 4096; host_chunk_bytes at most 1 TiB and at most
  * 2^32 - 1 page slots; host_budget_bytes 0 or at least one page slot;
- * device_cache_bytes at most 1 PiB; method only WKV_METHOD_* bits. WKV_HOST_CHUNK_BYTES below 1 MiB is
+ * device_cache_bytes at most 1 PiB; method only WKV_METHOD_* bits; page_format a
+ * WKV_PAGE_FORMAT_* value. WKV_HOST_CHUNK_BYTES below 1 MiB is
  * refused rather than raised.
  *
  * Statistics file: when stats_path is set, the engine writes the JSON of
@@ -289,7 +310,8 @@ typedef struct wkv_config {
   uint32_t page_bytes;      /* bytes of K (and of V) per page (2048) */
   uint32_t threads;         /* worker threads; 0 = one per core (0) */
   uint32_t flags;           /* WKV_CONFIG_* bits (0) */
-  uint32_t reserved0;       /* must be 0 */
+  uint32_t page_format;     /* WKV_PAGE_FORMAT_* (STORAGE); 0.10, before it
+                               reserved0, which had to be 0 */
   uint64_t host_budget_bytes;  /* cap on host page memory; 0 = unlimited (0) */
   uint64_t host_chunk_bytes;   /* host arena chunk size, at most 1 TiB; below
                                   1 MiB raised to 1 MiB (64 MiB) */

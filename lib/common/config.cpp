@@ -49,6 +49,7 @@ wkv_config default_config() {
   c.spill_budget_bytes = 0;
   c.stats_interval_ms = 1000;
   c.method = WKV_METHOD_DEFAULT;
+  c.page_format = WKV_PAGE_FORMAT_STORAGE;
   c.reserved1 = 0;
   return c;
 }
@@ -125,7 +126,7 @@ struct EnvOverride {
 
 // One environment override per field (mimalloc's MIMALLOC_<NAME> table),
 // in the order of the bits of Config::env_overrides: never reordered.
-constexpr size_t kEnvOverrides = 13;
+constexpr size_t kEnvOverrides = 14;
 std::array<EnvOverride, kEnvOverrides> env_overrides(wkv_config &c) {
   return {{
       {"WKV_THREADS", &c.threads},
@@ -141,6 +142,7 @@ std::array<EnvOverride, kEnvOverrides> env_overrides(wkv_config &c) {
       {"WKV_HOST_CHUNK_BYTES", &c.host_chunk_bytes},
       {"WKV_DEVICE_CACHE_BYTES", &c.device_cache_bytes},
       {"WKV_METHOD", &c.method},
+      {"WKV_PAGE_FORMAT", &c.page_format},
   }};
 }
 
@@ -239,8 +241,10 @@ Status resolve_config(const wkv_config *user, Config *out) {
   if (c.threads > kMaxThreads)
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "threads %u is too many (%s; at most %u)", c.threads,
                      from(&c.threads).c_str(), kMaxThreads);
-  if (c.reserved0 != 0 || c.reserved1 != 0)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "reserved0 and reserved1 must be 0");
+  if (c.page_format > WKV_PAGE_FORMAT_INT8)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "page_format %u (%s) is no WKV_PAGE_FORMAT_* (storage=0, int8=1)",
+                     c.page_format, from(&c.page_format).c_str());
+  if (c.reserved1 != 0) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "reserved1 must be 0");
   if (c.stats_path && c.stats_path[0] == '\0')
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "stats_path is empty (NULL means no statistics file)");
   if (c.stats_path && (c.stats_interval_ms < 10 || c.stats_interval_ms > 3600000))

@@ -21,15 +21,34 @@ struct Config {
 
   DType dtype() const { return static_cast<DType>(c.dtype); }
   uint32_t group() const { return c.n_q_heads / c.n_kv_heads; }
+  // Bytes of one row in the storage dtype: sink and window rows, the
+  // execution buffer, every input and output.
   uint32_t row_bytes() const { return c.head_dim * dtype_bytes(dtype()); }
-  // Token slots in one page: as many rows as fit in page_bytes, at least one.
+  // Whether pages hold 8-bit rows with an f32 scale each (WKV_PAGE_FORMAT_INT8).
+  bool int8_pages() const { return c.page_format == WKV_PAGE_FORMAT_INT8; }
+  // Bytes of one row inside a page: the row stride of its K and V rows.
+  uint32_t page_row_bytes() const { return int8_pages() ? c.head_dim : row_bytes(); }
+  // Bytes a token takes in a page: its row, and its scale where pages have
+  // them (K and V each).
+  uint32_t page_token_bytes() const { return page_row_bytes() + (int8_pages() ? 4u : 0u); }
+  // Token slots in one page: as many tokens as fit in page_bytes (their
+  // rows and scales), at least one.
   uint32_t page_tokens() const {
-    uint32_t t = c.page_bytes / row_bytes();
+    uint32_t t = c.page_bytes / page_token_bytes();
     return t == 0 ? 1 : t;
   }
-  // Bytes of one page slot: K rows then V rows, rounded up to 64 bytes.
+  // Where a page's scales begin: K rows, V rows, then the page_tokens K
+  // scales and the page_tokens V scales (f32). Pages of the storage format
+  // have none.
+  uint32_t page_scales_at() const { return 2 * page_tokens() * page_row_bytes(); }
+  // Bytes of one page slot: K rows, V rows (and their scales), rounded up
+  // to 64 bytes; to the next 4 KiB where that costs at most a quarter more,
+  // so that a slot 8-bit rows leave short of a 4 KiB block is still read
+  // from the spill file straight into its place (docs/spill.md).
   uint32_t page_slot_bytes() const {
-    uint32_t b = 2 * page_tokens() * row_bytes();
+    const uint32_t b = 2 * page_tokens() * page_token_bytes();
+    const uint32_t blocks = (b + 4095u) & ~4095u;
+    if (int8_pages() && blocks - b <= b / 4) return blocks;
     return (b + 63u) & ~63u;
   }
   float scale() const;

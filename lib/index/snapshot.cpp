@@ -33,16 +33,29 @@ Status copy_rows_in(const IndexContext &ix, const std::vector<uint8_t> &k, const
 
 // The spread of every cluster of a checked snapshot from its pages' keys,
 // as split_outliers computes it (kernels/cpu_kernels.hpp).
-std::vector<float> spread_from_pages(const HeadSnapshot &o, uint32_t d, uint32_t pt, size_t row, size_t slot,
-                                     DType dt) {
+// With 8-bit pages the keys are the pages' rows dequantized to the storage
+// dtype, as attention reads them.
+std::vector<float> spread_from_pages(const HeadSnapshot &o, const Config &cfg) {
+  const uint32_t d = cfg.c.head_dim, pt = cfg.page_tokens(), scales_at = cfg.page_scales_at();
+  const size_t row = cfg.page_row_bytes(), slot = cfg.page_slot_bytes();
+  const DType dt = cfg.dtype();
   const size_t C = o.size.size();
   std::vector<float> spread(C), key(d);
+  std::vector<uint8_t> deq(cfg.row_bytes());
   for (size_t c = 0; c < C; ++c) {
     const float *cen = o.centroid.data() + c * d;
     double sum = 0.0;
     for (uint32_t m = 0; m < o.size[c]; ++m) {
       const uint64_t s = uint64_t(o.first_slot[c]) + m;
-      to_float(dt, o.pages.data() + (s / pt) * slot + (s % pt) * row, key.data(), d);
+      const uint8_t *page = o.pages.data() + (s / pt) * slot;
+      if (cfg.int8_pages()) {
+        float scale;
+        std::memcpy(&scale, page + scales_at + (s % pt) * 4, 4);
+        dequantize_row(dt, reinterpret_cast<const int8_t *>(page + (s % pt) * row), scale, d, deq.data());
+        to_float(dt, deq.data(), key.data(), d);
+      } else {
+        to_float(dt, page + (s % pt) * row, key.data(), d);
+      }
       double r = 0.0;
       for (uint32_t j = 0; j < d; ++j) {
         const double x = double(key[j]) - double(cen[j]);
@@ -85,6 +98,7 @@ SnapshotShape snapshot_shape(const Config &cfg) {
   s.n_kv_heads = cfg.c.n_kv_heads;
   s.head_dim = cfg.c.head_dim;
   s.dtype = cfg.c.dtype;
+  s.page_format = cfg.c.page_format;
   s.page_tokens = cfg.page_tokens();
   s.page_slot_bytes = cfg.page_slot_bytes();
   s.sink_tokens = cfg.c.sink_tokens;
@@ -148,6 +162,9 @@ Status check_snapshot(const Config &cfg, const LayerSnapshot &s) {
   SNAP_CHECK(got.n_kv_heads == want.n_kv_heads && got.head_dim == want.head_dim && got.dtype == want.dtype,
              "snapshot shape (n_kv_heads %u, head_dim %u, dtype %u) differs from the engine's (%u, %u, %u)",
              got.n_kv_heads, got.head_dim, got.dtype, want.n_kv_heads, want.head_dim, want.dtype);
+  SNAP_CHECK(got.page_format == want.page_format, "snapshot pages hold %s rows, the engine's %s rows",
+             got.page_format == WKV_PAGE_FORMAT_INT8 ? "8-bit" : "storage dtype",
+             want.page_format == WKV_PAGE_FORMAT_INT8 ? "8-bit" : "storage dtype");
   SNAP_CHECK(got.page_tokens == want.page_tokens && got.page_slot_bytes == want.page_slot_bytes,
              "snapshot pages (%u tokens, %u bytes) differ from the engine's (%u, %u)", got.page_tokens,
              got.page_slot_bytes, want.page_tokens, want.page_slot_bytes);
@@ -255,7 +272,7 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
       std::vector<float> spread;
       std::vector<float> mean;
       try {
-        if (o.spread.empty()) spread = spread_from_pages(o, d, pt, row, slot, ix.cfg.dtype());
+        if (o.spread.empty()) spread = spread_from_pages(o, ix.cfg);
         mean = head_value_mean(o, d, &hs.values);
       } catch (const std::bad_alloc &) {
         return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory importing a head");

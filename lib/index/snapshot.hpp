@@ -29,12 +29,15 @@ struct HeadSnapshot {
   // a spread: import then computes it from the pages' keys.
   std::vector<float> spread;
   std::vector<uint32_t> first_slot, size;  // [clusters]
-  std::vector<uint8_t> pages;              // [pages][page_slot_bytes]: K rows, then V rows
+  // [pages][page_slot_bytes]: K rows, then V rows (and with 8-bit rows, K
+  // scales then V scales: Config::page_scales_at)
+  std::vector<uint8_t> pages;
 };
 
 // The settings a snapshot's layout depends on; a target engine must match.
 struct SnapshotShape {
   uint32_t n_kv_heads = 0, head_dim = 0, dtype = 0;
+  uint32_t page_format = 0;  // WKV_PAGE_FORMAT_*
   uint32_t page_tokens = 0, page_slot_bytes = 0;
   uint32_t sink_tokens = 0, window_tokens = 0;
   uint32_t segment_tokens = 0, update_segment_tokens = 0;

@@ -83,7 +83,7 @@ constexpr U32Field kShapeFields[] = {
     {104, &wkv_config::sink_tokens},    {108, &wkv_config::window_tokens},
 };
 constexpr size_t kPageTokensAt = 80, kPageSlotAt = 84, kRetrievalAt = 112, kEstimationAt = 116, kSeedAt = 120,
-                 kEnvAt = 128, kDeviceAt = 132, kSavedAt = 136, kMethodAt = 144, kReservedAt = 148,
+                 kEnvAt = 128, kDeviceAt = 132, kSavedAt = 136, kMethodAt = 144, kPageFormatAt = 148, kReservedAt = 152,
                  kChecksumAt = kSuperblockBytes - 8;
 
 // The expected (kind, layer, head) of section i of a file with H KV heads.
@@ -110,17 +110,22 @@ uint64_t unix_ms() {
 // a * b, or false on overflow.
 bool mul(uint64_t a, uint64_t b, uint64_t *out) { return !__builtin_mul_overflow(a, b, out); }
 
-// The rows beyond each segment's tokens in its last page, and the padding
-// of every page slot, hold whatever the slot held before: zeroed, so that
-// a file never carries another sequence's bytes.
-void scrub_pages(HeadSnapshot &h, uint32_t page_tokens, uint32_t slot, size_t row) {
+// The rows beyond each segment's tokens in its last page (and their
+// scales), and the padding of every page slot, hold whatever the slot held
+// before: zeroed, so that a file never carries another sequence's bytes.
+void scrub_pages(HeadSnapshot &h, const Config &cfg) {
+  const uint32_t pt = cfg.page_tokens(), slot = cfg.page_slot_bytes();
+  const size_t row = cfg.page_row_bytes(), used_bytes = 2 * size_t(pt) * cfg.page_token_bytes();
+  const size_t scales = cfg.page_scales_at(), scale_bytes = cfg.int8_pages() ? 4 : 0;
   for (uint8_t *p = h.pages.data(); p < h.pages.data() + h.pages.size(); p += slot)
-    std::memset(p + 2 * page_tokens * row, 0, slot - 2 * page_tokens * row);
+    std::memset(p + used_bytes, 0, slot - used_bytes);
   for (const SegmentDesc &g : h.segments) {
-    const uint32_t used = g.tokens - (g.pages - 1) * page_tokens;  // rows of the last page
+    const uint32_t used = g.tokens - (g.pages - 1) * pt;  // rows of the last page
     uint8_t *last = h.pages.data() + static_cast<size_t>(g.page_begin + g.pages - 1) * slot;
-    std::memset(last + used * row, 0, (page_tokens - used) * row);
-    std::memset(last + (page_tokens + used) * row, 0, (page_tokens - used) * row);
+    std::memset(last + used * row, 0, (pt - used) * row);
+    std::memset(last + (pt + used) * row, 0, (pt - used) * row);
+    std::memset(last + scales + used * scale_bytes, 0, (pt - used) * scale_bytes);
+    std::memset(last + scales + (pt + used) * scale_bytes, 0, (pt - used) * scale_bytes);
   }
 }
 
@@ -153,6 +158,10 @@ Status check_file_shape(const FileHeader &h, const Config &engine) {
   if (f.dtype != e.dtype)
     diff += format("%sfile has dtype %s, engine %s", diff.empty() ? "" : "; ",
                    dtype_name(static_cast<DType>(f.dtype)), dtype_name(engine.dtype()));
+  if (f.page_format != e.page_format)
+    diff += format("%sfile has %s pages, engine %s pages", diff.empty() ? "" : "; ",
+                   f.page_format == WKV_PAGE_FORMAT_INT8 ? "8-bit" : "storage-dtype",
+                   e.page_format == WKV_PAGE_FORMAT_INT8 ? "8-bit" : "storage-dtype");
   differs("page_tokens", h.page_tokens, engine.page_tokens());
   differs("page_slot_bytes", h.page_slot_bytes, engine.page_slot_bytes());
   differs("sink_tokens", f.sink_tokens, e.sink_tokens);
@@ -244,7 +253,7 @@ Status SeqFileWriter::write(const ExportFn &next_layer, uint32_t flags, const Pr
     // 1. The superblock.
     uint8_t sb[kSuperblockBytes] = {};
     std::memcpy(sb, kMagic, 8);
-    put32(sb + 8, kFormatVersion);
+    put32(sb + 8, c.page_format == WKV_PAGE_FORMAT_STORAGE ? 1 : kFormatVersionInt8Pages);
     put32(sb + 12, static_cast<uint32_t>(XXH3_64bits(sb, 12)));
     put32(sb + 20, WKV_VERSION_NUMBER);
     std::snprintf(reinterpret_cast<char *>(sb + 24), kVersionStringBytes, "%d.%d.%d", WKV_VERSION_MAJOR,
@@ -259,6 +268,7 @@ Status SeqFileWriter::write(const ExportFn &next_layer, uint32_t flags, const Pr
     put32(sb + kDeviceAt, device_);
     put64(sb + kSavedAt, unix_ms());
     put32(sb + kMethodAt, c.method);
+    put32(sb + kPageFormatAt, c.page_format);  // 0 (reserved) in format 1
     put64(sb + kChecksumAt, XXH3_64bits(sb, kChecksumAt));
     WKV_RETURN_IF_ERROR(out.put(sb, sizeof sb));
 
@@ -296,7 +306,7 @@ Status SeqFileWriter::write(const ExportFn &next_layer, uint32_t flags, const Pr
                                         {{hs.centroid.data(), hs.centroid.size() * 4},
                                          {hs.value_sum.data(), hs.value_sum.size() * 4},
                                          {hs.spread.data(), hs.spread.size() * 4}}));
-        scrub_pages(hs, cfg_.page_tokens(), cfg_.page_slot_bytes(), row);
+        scrub_pages(hs, cfg_);
         WKV_RETURN_IF_ERROR(out.section(Kind::kPages, l, h, {{hs.pages.data(), hs.pages.size()}}));
       }
       if (progress) progress(l + 1, c.n_layers);
@@ -352,7 +362,7 @@ Status SeqFileReader::read_header() {
                      "the file has format version %u, newer than this library's (%u): load it with a newer wavekv",
                      h.format_version, kFormatVersion);
   if (h.format_version == 0) return WKV_ERROR(WKV_ERR_CORRUPT, "the superblock: format version 0");
-  // 2. The superblock of format 1.
+  // 2. The superblock of formats 1 and 2 (2 adds the page format).
   if (file_bytes_ < kSuperblockBytes + kTrailerBytes)
     return WKV_ERROR(WKV_ERR_CORRUPT, "the file is %llu bytes, too short for a superblock and a trailer (truncated)",
                      static_cast<unsigned long long>(file_bytes_));
@@ -375,13 +385,15 @@ Status SeqFileReader::read_header() {
   h.device = get32(sb + kDeviceAt);
   h.saved_unix_ms = get64(sb + kSavedAt);
   h.cfg.method = get32(sb + kMethodAt);
+  h.cfg.page_format = get32(sb + kPageFormatAt);
 
   // 3. Values a writer of this format produces, no others: the reader's
   //    arithmetic relies on them.
   const wkv_config &c = h.cfg;
   const Config cfg = h.config();
   const char *bad = nullptr;
-  if (!reserved_zero) bad = "reserved bytes are not zero";
+  if (!reserved_zero || (h.format_version == 1 && c.page_format != 0)) bad = "reserved bytes are not zero";
+  else if (c.page_format > WKV_PAGE_FORMAT_INT8) bad = "unknown page format";
   else if (c.n_layers == 0 || c.n_layers > 4096 || c.n_q_heads == 0 || c.n_q_heads > 1024 || c.n_kv_heads == 0 ||
            c.n_q_heads % c.n_kv_heads != 0)
     bad = "impossible layer or head counts";

@@ -23,8 +23,12 @@
 namespace wkv {
 namespace seqfile {
 
-// Format numbers are never reused; a reader refuses a newer one.
-constexpr uint32_t kFormatVersion = 1;
+// Format numbers are never reused; a reader refuses a newer one. A file is
+// written in the oldest format that holds it: 1 for pages of the storage
+// dtype, 2 for 8-bit pages (its page format at byte 148 of the superblock,
+// reserved in format 1), so that older readers keep reading what they can.
+constexpr uint32_t kFormatVersion = 2;
+constexpr uint32_t kFormatVersionInt8Pages = 2;
 constexpr size_t kSuperblockBytes = 256;
 constexpr size_t kSectionHeaderBytes = 48;
 constexpr size_t kTrailerBytes = 32;

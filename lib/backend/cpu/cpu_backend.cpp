@@ -265,16 +265,36 @@ Status CpuBackend::cluster_take(ClusterBatch *b, void *, ClusterOut *out) {
 
 Status CpuBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *) {
   const Config &cfg = e_.config();
-  const uint32_t pt = cfg.page_tokens();
+  const uint32_t pt = cfg.page_tokens(), d = cfg.c.head_dim;
   const size_t row = cfg.row_bytes();
   HostArena &arena = e_.arena();
+  if (!cfg.int8_pages()) {
+    e_.pool().parallel_for(n, [&](size_t i) {
+      const PageWriteJob &j = jobs[i];
+      for (uint32_t t = 0; t < j.tokens; ++t) {
+        uint8_t *slot = arena.page_ptr(j.pages[t / pt]);
+        const size_t src = static_cast<size_t>(j.order[t]) * row;
+        std::memcpy(slot + static_cast<size_t>(t % pt) * row, j.k + src, row);
+        std::memcpy(slot + static_cast<size_t>(pt + t % pt) * row, j.v + src, row);
+      }
+    });
+    return Status::ok();
+  }
+  // 8-bit rows: K rows, V rows, then K scales and V scales (Config::page_scales_at).
+  const DType dt = cfg.dtype();
+  const uint32_t scales_at = cfg.page_scales_at();
   e_.pool().parallel_for(n, [&](size_t i) {
     const PageWriteJob &j = jobs[i];
+    float x[256];  // head_dim <= 256 (checked at open)
     for (uint32_t t = 0; t < j.tokens; ++t) {
       uint8_t *slot = arena.page_ptr(j.pages[t / pt]);
       const size_t src = static_cast<size_t>(j.order[t]) * row;
-      std::memcpy(slot + static_cast<size_t>(t % pt) * row, j.k + src, row);
-      std::memcpy(slot + static_cast<size_t>(pt + t % pt) * row, j.v + src, row);
+      float *scales = reinterpret_cast<float *>(slot + scales_at);
+      const uint32_t r = t % pt;
+      to_float(dt, j.k + src, x, d);
+      quantize_row(x, d, reinterpret_cast<int8_t *>(slot + static_cast<size_t>(r) * d), &scales[r]);
+      to_float(dt, j.v + src, x, d);
+      quantize_row(x, d, reinterpret_cast<int8_t *>(slot + static_cast<size_t>(pt + r) * d), &scales[pt + r]);
     }
   });
   return Status::ok();
@@ -407,7 +427,9 @@ Status CpuBackend::lookup(Plan &plan) {
 Status CpuBackend::assemble(Plan &plan) {
   const Config &cfg = e_.config();
   const size_t row = cfg.row_bytes();
-  const uint32_t pt = cfg.page_tokens();
+  const uint32_t pt = cfg.page_tokens(), d = cfg.c.head_dim, scales_at = cfg.page_scales_at();
+  const bool int8 = cfg.int8_pages();
+  const DType dt = cfg.dtype();
   // 1. Offsets of the ragged runs.
   uint64_t total = 0;
   try {
@@ -441,6 +463,20 @@ Status CpuBackend::assemble(Plan &plan) {
         std::memcpy(xv + t * row, v, rows * row);
         t += rows;
       };
+      // m rows of a page from row `off` on, 8-bit rows dequantized.
+      auto put_page = [&](const uint8_t *page, uint32_t off, uint32_t m) {
+        if (!int8) {
+          put(page + static_cast<size_t>(off) * row, page + static_cast<size_t>(pt + off) * row, m);
+          return;
+        }
+        const float *scales = reinterpret_cast<const float *>(page + scales_at);
+        for (uint32_t i = off; i < off + m; ++i, ++t) {
+          dequantize_row(dt, reinterpret_cast<const int8_t *>(page + static_cast<size_t>(i) * d), scales[i], d,
+                         xk + t * row);
+          dequantize_row(dt, reinterpret_cast<const int8_t *>(page + static_cast<size_t>(pt + i) * d),
+                         scales[pt + i], d, xv + t * row);
+        }
+      };
       put(hs.sink.k_at(0), hs.sink.v_at(0), hs.sink.n);
       put(hs.tail.k_at(0), hs.tail.v_at(0), hs.tail.n);
       for (uint32_t i = 0; i < r.n_ret; ++i) {
@@ -454,7 +490,7 @@ Status CpuBackend::assemble(Plan &plan) {
             return;
           }
           const uint8_t *page = arena.page_ptr(id_p);
-          put(page + static_cast<size_t>(off) * row, page + static_cast<size_t>(pt + off) * row, m);
+          put_page(page, off, m);
           left -= m;
           slot += m;
         }

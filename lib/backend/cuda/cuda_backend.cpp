@@ -1201,7 +1201,13 @@ void CudaBackend::cluster_end(ClusterBatch *b, void *stream) {
 Status CudaBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *stream) {
   if (n == 0) return Status::ok();
   DeviceGuard guard(dev_);
-  const uint32_t row_bytes = e_.config().row_bytes(), pt = e_.config().page_tokens();
+  const Config &cfg = e_.config();
+  const uint32_t row_bytes = cfg.page_row_bytes(), pt = cfg.page_tokens();
+  kernels::Int8PageLayout int8;
+  int8.dtype = cfg.dtype();
+  int8.head_dim = cfg.c.head_dim;
+  int8.page_tokens = pt;
+  int8.scales_at = cfg.page_scales_at();
   return checked_launches<kernels::WritePagesJob>(
       jobs, n,
       [](const PageWriteJob &j, kernels::WritePagesJob *k) {
@@ -1215,6 +1221,8 @@ Status CudaBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *stre
       },
       [&](const kernels::WritePagesJob *b, uint32_t m) { return kernels::check_page_jobs(b, m, row_bytes, pt); },
       [&](const kernels::WritePagesJob *b, uint32_t m) {
+        if (cfg.int8_pages())
+          return kernels::write_pages_int8_many_cuda(b, m, int8, static_cast<cudaStream_t>(stream));
         return kernels::write_pages_many_cuda(b, m, row_bytes, pt, static_cast<cudaStream_t>(stream));
       });
 }
@@ -1931,6 +1939,11 @@ kernels::GatherArgs CudaBackend::gather_args(const kernels::DevRun *runs, uint32
   a.max_ret = max_ret;
   a.row_bytes = cfg.row_bytes();
   a.page_tokens = cfg.page_tokens();
+  if (cfg.int8_pages()) {
+    a.int8_dim = cfg.c.head_dim;
+    a.scales_at = cfg.page_scales_at();
+    a.dtype = cfg.dtype();
+  }
   a.xk = xk;
   a.xv = xv;
   a.cache = cache_;
