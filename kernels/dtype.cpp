@@ -2,7 +2,6 @@
 
 #include <cmath>
 #include <limits>
-#include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(WKV_NO_TARGET_CLONES)
 #include <immintrin.h>
@@ -146,18 +145,21 @@ void quantize_row(const float *x, uint32_t d, int8_t *q, float *scale) {
 }
 
 bool dequantize_row(DType t, const int8_t *q, float scale, uint32_t d, void *dst) {
+  if (!dtype_known(t)) return false;
+  if (scale != scale) {  // the dtype's quiet NaN, whatever the scale's payload
+    uint8_t *o = static_cast<uint8_t *>(dst);
+    const uint32_t nan32 = kInt8NanScale;
+    const uint16_t nan16 = t == DType::kF16 ? 0x7e00u : 0x7fc0u;
+    for (uint32_t i = 0; i < d; ++i) {
+      if (t == DType::kF32)
+        std::memcpy(o + 4 * size_t(i), &nan32, 4);
+      else
+        std::memcpy(o + 2 * size_t(i), &nan16, 2);
+    }
+    return true;
+  }
   return WKV_DISPATCH_DTYPE(t, T, false, [&] {
     T *o = static_cast<T *>(dst);
-    if (scale != scale) {
-      uint16_t nan16 = t == DType::kF16 ? 0x7e00u : 0x7fc0u;
-      for (uint32_t i = 0; i < d; ++i) {
-        if constexpr (std::is_same_v<T, float>)
-          o[i] = bits_to_float(kInt8NanScale);
-        else
-          o[i].bits = nan16;
-      }
-      return true;
-    }
     for (uint32_t i = 0; i < d; ++i) store(o, i, static_cast<float>(q[i]) * scale);
     return true;
   });

@@ -15,7 +15,6 @@
 
 #include <CLI/CLI.hpp>
 
-include "kernels/dtype.hpp"
 #include "kernels/dtype.hpp"
 #include "lib/common/status.hpp"
 #include "tools/synth.hpp"

@@ -247,7 +247,6 @@ class SeqFileWriter::Out {
 
 Status SeqFileWriter::write(const ExportFn &next_layer, uint32_t flags, const ProgressFn &progress) {
   const wkv_config &c = cfg_.c;
-  const size_t row = cfg_.row_bytes();
   Out out(io_, fd_);
   try {
     // 1. The superblock.
