@@ -503,7 +503,7 @@ static void test_defaults(void) {
   CHECK(c.page_bytes == 2048, "default page_bytes 2048");
   CHECK(c.threads == 0, "default threads 0");
   CHECK(c.flags == 0, "default flags 0");
-  CHECK(c.reserved0 == 0, "reserved0 initialised to 0");
+  CHECK(c.page_format == WKV_PAGE_FORMAT_STORAGE, "default page_format STORAGE");
   CHECK(c.host_budget_bytes == 0, "default host_budget_bytes 0 (unlimited)");
   CHECK(c.host_chunk_bytes == 64ull << 20, "default host_chunk_bytes 64 MiB");
   CHECK(c.device_cache_bytes == 0, "default device_cache_bytes 0");
@@ -583,8 +583,14 @@ static void test_open_errors(void) {
   expect_open_fails(&c, WKV_ERR_INVALID_ARGUMENT, "retrieval_frac NaN");
   base_config(&c); c.retrieval_frac = 0.6f; c.estimation_frac = 0.6f;
   expect_open_fails(&c, WKV_ERR_INVALID_ARGUMENT, "fractions summing to 1.2");
-  base_config(&c); c.reserved0 = 1;
-  expect_open_fails(&c, WKV_ERR_INVALID_ARGUMENT, "reserved0 1");
+  base_config(&c); c.page_format = 2;
+  expect_open_fails(&c, WKV_ERR_INVALID_ARGUMENT, "page_format 2");
+  CHECK(strstr(wkv_last_error(), "page_format") != NULL, "the refusal names page_format");
+  base_config(&c); c.page_format = 0xffffffffu;
+  expect_open_fails(&c, WKV_ERR_INVALID_ARGUMENT, "page_format 0xffffffff");
+  base_config(&c); c.reserved1 = 1;
+  expect_open_fails(&c, WKV_ERR_INVALID_ARGUMENT, "reserved1 1");
+  CHECK(strstr(wkv_last_error(), "reserved1") != NULL, "the refusal names reserved1");
   base_config(&c); c.flags = 1u << 7;
   expect_open_fails(&c, WKV_ERR_INVALID_ARGUMENT, "unknown flag bit 7");
   base_config(&c); c.flags = 0x80000000u | WKV_CONFIG_NO_NUMA;
@@ -600,6 +606,22 @@ static void test_open_errors(void) {
   c.head_dim = 128;
   EXPECT_OK(wkv_engine_open(&c, &e));
   CHECK(e != NULL, "every known flag, bf16 and head_dim 128 open");
+  wkv_engine_close(e);
+  e = NULL;
+  base_config(&c); c.page_format = WKV_PAGE_FORMAT_INT8;
+  EXPECT_OK(wkv_engine_open(&c, &e));
+  CHECK(e != NULL, "page_format INT8 opens an engine");
+  {
+    wkv_config got;
+    uint32_t dev = 99;
+    memset(&got, 0xcd, sizeof got);
+    got.size = sizeof got;
+    EXPECT_OK(wkv_engine_config(e, &got));
+    CHECK(got.page_format == WKV_PAGE_FORMAT_INT8, "the effective config says page_format INT8");
+    CHECK(got.page_bytes == c.page_bytes && got.dtype == c.dtype, "page_bytes and dtype as given");
+    EXPECT_OK(wkv_engine_device(e, &dev));
+    CHECK(dev == WKV_DEVICE_CPU, "the INT8 engine is a CPU engine");
+  }
   wkv_engine_close(e);
 }
 
@@ -627,8 +649,8 @@ static void check_config_roundtrip(wkv_engine *e, const wkv_config *want) {
   CHECK(got.retrieval_frac == want->retrieval_frac && got.estimation_frac == want->estimation_frac,
         "fractions round-trip");
   CHECK(got.page_bytes == want->page_bytes && got.threads == want->threads && got.flags == want->flags &&
-            got.reserved0 == 0,
-        "page_bytes, threads, flags round-trip");
+            got.page_format == want->page_format,
+        "page_bytes, threads, flags, page_format round-trip");
   CHECK(got.host_budget_bytes == want->host_budget_bytes && got.host_chunk_bytes == want->host_chunk_bytes &&
             got.seed == want->seed,
         "budget, chunk and seed round-trip");

@@ -20,7 +20,7 @@ const char *const kVariables[] = {
     "WKV_WINDOW_TOKENS",   "WKV_RETRIEVAL_FRAC",    "WKV_ESTIMATION_FRAC",
     "WKV_HOST_BUDGET_BYTES", "WKV_HOST_CHUNK_BYTES", "WKV_DEVICE_CACHE_BYTES",
     "WKV_METHOD",          "WKV_CACHE_POLICY",      "WKV_QUARANTINE",
-    "WKV_CACHE_RESERVE",
+    "WKV_CACHE_RESERVE",   "WKV_PAGE_FORMAT",
 };
 const char *const kFractions[] = {"WKV_RETRIEVAL_FRAC", "WKV_ESTIMATION_FRAC"};
 
@@ -291,6 +291,29 @@ TEST_F(ResolveConfig, RejectsUnknownMethodBitsNamingWhereTheyCameFrom) {
   EnvGuard n("WKV_METHOD", nullptr);
   EXPECT_EQ(open(c), WKV_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(contains(error(), "reserved1")) << error();
+}
+
+TEST_F(ResolveConfig, PageFormatDefaultsToStorageAndTheVariableSetsIt) {
+  wkv_config got;
+  ASSERT_EQ(open(minimal_config(), &got), WKV_OK) << error();
+  EXPECT_EQ(got.page_format, static_cast<uint32_t>(WKV_PAGE_FORMAT_STORAGE));
+  wkv_config c = minimal_config();
+  c.page_format = WKV_PAGE_FORMAT_INT8;
+  ASSERT_EQ(open(c, &got), WKV_OK) << error();
+  EXPECT_EQ(got.page_format, static_cast<uint32_t>(WKV_PAGE_FORMAT_INT8));
+  EnvGuard f("WKV_PAGE_FORMAT", "1");
+  ASSERT_EQ(open(minimal_config(), &got), WKV_OK) << error();
+  EXPECT_EQ(got.page_format, static_cast<uint32_t>(WKV_PAGE_FORMAT_INT8));
+}
+
+TEST_F(ResolveConfig, RejectsUnknownPageFormatsNamingWhereTheyCameFrom) {
+  wkv_config c = minimal_config();
+  c.page_format = 2;
+  EXPECT_EQ(open(c), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(error(), "page_format 2 (from the config)")) << error();
+  EnvGuard f("WKV_PAGE_FORMAT", "7");
+  EXPECT_EQ(open(minimal_config()), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(error(), "from the environment variable WKV_PAGE_FORMAT")) << error();
 }
 
 TEST_F(ResolveConfig, RejectsEveryMalformedValueOfEveryVariable) {

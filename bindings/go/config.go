@@ -50,6 +50,26 @@ func (d Device) String() string {
 	return fmt.Sprintf("device(%d)", uint32(d))
 }
 
+// PageFormat is how K and V rows are kept in pages (0.10). Sink and window
+// rows, the execution buffer and every input and output stay in the
+// engine's dtype whatever the pages hold.
+type PageFormat uint32
+
+const (
+	PageFormatStorage PageFormat = C.WKV_PAGE_FORMAT_STORAGE // rows in the storage dtype, as appended
+	PageFormatInt8    PageFormat = C.WKV_PAGE_FORMAT_INT8    // 8-bit rows with an f32 scale each
+)
+
+func (f PageFormat) String() string {
+	switch f {
+	case PageFormatStorage:
+		return "storage"
+	case PageFormatInt8:
+		return "int8"
+	}
+	return fmt.Sprintf("page_format(%d)", uint32(f))
+}
+
 // Bits of Config.Flags.
 const (
 	ConfigNoNUMA       uint32 = C.WKV_CONFIG_NO_NUMA        // do not bind host arenas to a NUMA node
@@ -99,6 +119,9 @@ type Config struct {
 	Method              uint32  // Method* bits (MethodDefault)
 	SpillDir            string  // directory of the spill file ("": no spill tier; Sequence.Evict)
 	SpillBudgetBytes    uint64  // cap on the spill file's bytes; 0 = unlimited (0)
+
+	// The page format (0.10).
+	PageFormat PageFormat // how K and V rows are kept in pages (PageFormatStorage)
 }
 
 // DefaultConfig returns the library's defaults (wkv_config_init); the shape
@@ -136,6 +159,7 @@ func configFromC(c *C.wkv_config) Config {
 		Method:              uint32(c.method),
 		SpillDir:            goStringOrEmpty(c.spill_dir),
 		SpillBudgetBytes:    uint64(c.spill_budget_bytes),
+		PageFormat:          PageFormat(c.page_format),
 	}
 }
 
@@ -175,6 +199,7 @@ func (cfg *Config) toC() C.wkv_config {
 	c.seed = C.uint64_t(cfg.Seed)
 	c.method = C.uint32_t(cfg.Method)
 	c.spill_budget_bytes = C.uint64_t(cfg.SpillBudgetBytes)
+	c.page_format = C.uint32_t(cfg.PageFormat)
 	return c
 }
 

@@ -42,8 +42,16 @@ type Engine struct {
 	shape shape
 }
 
-// Open opens an engine (wkv_engine_open). Close it when done.
+// Open opens an engine (wkv_engine_open). Close it when done. A PageFormat
+// other than PageFormatStorage needs libwavekv 0.10 or later: an older one
+// gives ErrUnsupported.
 func Open(cfg Config) (*Engine, error) {
+	if major, minor, _ := Version(); cfg.PageFormat != PageFormatStorage && major == 0 && minor < 10 {
+		// An older library's reserved0 would refuse it, naming a field that
+		// the caller never set.
+		return nil, errorf(ErrUnsupported, "wkv_engine_open: page_format %v needs libwavekv 0.10 or later; the one loaded is %s",
+			cfg.PageFormat, VersionString())
+	}
 	c := cfg.toC()
 	if cfg.SpillDir != "" {
 		p, err := cPath("wkv_engine_open", cfg.SpillDir)

@@ -752,6 +752,58 @@ func TestConfigReadsBackAndBadConfigsAreRefused(t *testing.T) {
 	wantError(t, err, wavekv.ErrUnsupported)
 }
 
+// Pages of 8-bit rows (0.10): the engine's configuration says so, and with
+// every cluster retrieved a decode is attention over the 8-bit rows of the
+// clustered segments, close to exact attention over the rows as appended. A
+// format the header does not list is refused.
+func TestInt8PagesDecodeCloseToExactAttention(t *testing.T) {
+	if f := wavekv.DefaultConfig().PageFormat; f != wavekv.PageFormatStorage {
+		t.Fatalf("default page format %v", f)
+	}
+	cfg := config(1.0, 0.0)
+	cfg.PageFormat = wavekv.PageFormatInt8
+	engine, err := wavekv.Open(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer engine.Close()
+	c, err := engine.Config()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.PageFormat != wavekv.PageFormatInt8 || c.Dtype != wavekv.DtypeF32 {
+		t.Fatalf("config %+v", c)
+	}
+	r := &rng{21}
+	m := newModel(r)
+	ctx := newContext(m, r, 1200)
+	seq, err := engine.NewSequence()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer seq.Close()
+	prefill(t, seq, ctx)
+	plan, err := engine.NewPlan()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plan.Close()
+	q := m.query(r, nil)
+	out := make(wavekv.F32, nQ*dim)
+	if err := plan.Decode([]*wavekv.Sequence{seq}, 0, wavekv.F32(q), out); err != nil {
+		t.Fatal(err)
+	}
+	want, _ := exactAttention(q, ctx.k[0], ctx.v[0], nil, nil)
+	if e := relL2(out, want); e >= 0.05 {
+		t.Fatalf("relative L2 error %g", e)
+	}
+
+	bad := config(1.0, 0.0)
+	bad.PageFormat = 2
+	_, err = wavekv.Open(bad)
+	wantError(t, err, wavekv.ErrInvalidArgument, "page_format")
+}
+
 // The spill tier: an evicted sequence gives its pages back, its next decode
 // reads them back and gives the same bits; without a spill directory the
 // eviction is refused.

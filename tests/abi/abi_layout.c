@@ -35,7 +35,7 @@ int main(void) {
   FIELD(wkv_config, page_bytes);
   FIELD(wkv_config, threads);
   FIELD(wkv_config, flags);
-  FIELD(wkv_config, reserved0);
+  FIELD(wkv_config, page_format);
   FIELD(wkv_config, host_budget_bytes);
   FIELD(wkv_config, host_chunk_bytes);
   FIELD(wkv_config, device_cache_bytes);
@@ -144,5 +144,7 @@ int main(void) {
   VALUE(WKV_SPILL_IO_URING);
   VALUE(WKV_SPILL_IO_DIRECT);
   VALUE(WKV_SAVE_NO_FSYNC);
+  VALUE(WKV_PAGE_FORMAT_STORAGE);
+  VALUE(WKV_PAGE_FORMAT_INT8);
   return 0;
 }

@@ -239,7 +239,10 @@ class Session {
     c.page_bytes = in_.PickValueInArray(pages);
     c.threads = in_.ConsumeIntegralInRange<uint32_t>(1, 2);
     c.flags = in_.ConsumeBool() ? in_.ConsumeIntegral<uint32_t>() : uint32_t{WKV_CONFIG_NO_NUMA};
-    if (in_.ConsumeIntegralInRange<int>(0, 15) == 0) c.reserved0 = 1;
+    // Either page format, and one time in sixteen 2, which is none (refused).
+    // One byte, as before page_format, so that the seed corpus keeps its configurations.
+    const int format = in_.ConsumeIntegralInRange<int>(0, 15);
+    c.page_format = format == 0 ? 2u : static_cast<uint32_t>(format & 1);
     static const uint64_t budgets[] = {0, 1ull << 20, 4ull << 20, 64ull << 10, 1};
     c.host_budget_bytes = in_.PickValueInArray(budgets);
     static const uint64_t chunks[] = {1ull << 20, 2ull << 20, 0, 4096};
@@ -258,10 +261,11 @@ class Session {
     if (in_.ConsumeIntegralInRange<int>(0, 31) == 0) c.size = in_.ConsumeIntegralInRange<uint32_t>(0, 2 * sizeof c);
     cfg_ = c;
     int rc = wkv_engine_open(&c, &engine_);
-    TRACE("open layers=%u q=%u kv=%u d=%u dtype=%u seg=%u upd=%u cl=%u sink=%u win=%u frac=%g,%g page=%u -> %s\n",
+    TRACE("open layers=%u q=%u kv=%u d=%u dtype=%u seg=%u upd=%u cl=%u sink=%u win=%u frac=%g,%g page=%u "
+          "format=%u -> %s\n",
           c.n_layers, c.n_q_heads, c.n_kv_heads, c.head_dim, c.dtype, c.segment_tokens, c.update_segment_tokens,
           c.cluster_tokens, c.sink_tokens, c.window_tokens, c.retrieval_frac, c.estimation_frac, c.page_bytes,
-          wkv_status_name(rc));
+          c.page_format, wkv_status_name(rc));
     check_status("wkv_engine_open", rc);
     if (rc != WKV_OK) {
       if (engine_ != nullptr) fail("a failed open returned an engine", rc);

@@ -18,7 +18,18 @@ from __future__ import annotations
 
 from . import errors
 from ._lib import library_path
-from .engine import Config, Engine, Plan, RawArray, SeqInfo, Sequence, Stats, XBuf
+from .engine import (
+    PAGE_FORMAT_INT8,
+    PAGE_FORMAT_STORAGE,
+    Config,
+    Engine,
+    Plan,
+    RawArray,
+    SeqInfo,
+    Sequence,
+    Stats,
+    XBuf,
+)
 from .errors import (
     BudgetError,
     CorruptError,
@@ -47,6 +58,8 @@ __all__ = [
     "SeqInfo",
     "XBuf",
     "RawArray",
+    "PAGE_FORMAT_STORAGE",
+    "PAGE_FORMAT_INT8",
     "library_path",
     "library_version",
     "errors",

@@ -23,11 +23,15 @@ __all__ = ["lib", "library_path", "check", "WkvConfig", "WkvStats", "WkvSeqInfo"
 ABI_MAJOR = 0
 # The minor version of the header the declarations below mirror (wkv_stats
 # as of 0.8, wkv_seq_info as of 0.6; wkv_append_batch: 0.5; wkv_plan_bind,
-# _prepare and _unbind: 0.9). An older library from 0.5 on has every
-# function of _SIGNATURES and leaves the fields it lacks 0 (its
-# wkv_stats_init and wkv_seq_info_init set its own sizes); the functions of
-# _SINCE it may lack are refused when called (UnsupportedError).
-ABI_MINOR = 9
+# _prepare and _unbind: 0.9; wkv_config.page_format: 0.10). An older library
+# from 0.5 on has every function of _SIGNATURES and leaves the fields it
+# lacks 0 (its wkv_stats_init and wkv_seq_info_init set its own sizes); the
+# functions of _SINCE it may lack are refused when called (UnsupportedError),
+# and so is a page_format other than storage (before 0.10 the field was
+# reserved0, which had to be 0).
+ABI_MINOR = 10
+# The minor version that gave wkv_config its page_format.
+PAGE_FORMAT_SINCE = 10
 # The oldest minor version that loads (wkv_append_batch).
 ABI_MIN_MINOR = 5
 WKV_SAVE_NO_FSYNC = 1
@@ -63,7 +67,7 @@ class WkvConfig(ctypes.Structure):
         ("page_bytes", c_uint32),
         ("threads", c_uint32),
         ("flags", c_uint32),
-        ("reserved0", c_uint32),
+        ("page_format", c_uint32),
         ("host_budget_bytes", c_uint64),
         ("host_chunk_bytes", c_uint64),
         ("device_cache_bytes", c_uint64),
@@ -372,6 +376,11 @@ def function(name: str, caller: str) -> Any:
         raise error_for_status(4, "%s: the libwavekv loaded (%s) lacks %s, new in %d.%d"
                                % (caller, lib().wkv_version_string().decode(), name,
                                   ABI_MAJOR, _SINCE.get(name, ABI_MINOR))) from None
+
+
+def library_minor() -> int:
+    """The loaded library's minor version (wkv_version)."""
+    return int(lib().wkv_version()) // 100 % 100
 
 
 def library_path() -> str:

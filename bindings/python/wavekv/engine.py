@@ -22,9 +22,10 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, TypeVar, Union
 
 from . import _lib
 from . import _tensor as T
-from .errors import InvalidArgumentError, InvalidHandleError, OutOfRangeError, StateError
+from .errors import InvalidArgumentError, InvalidHandleError, OutOfRangeError, StateError, UnsupportedError
 
-__all__ = ["Config", "Engine", "Sequence", "Plan", "Stats", "SeqInfo", "XBuf", "RawArray"]
+__all__ = ["Config", "Engine", "Sequence", "Plan", "Stats", "SeqInfo", "XBuf", "RawArray",
+           "PAGE_FORMAT_STORAGE", "PAGE_FORMAT_INT8"]
 
 _DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
 _DTYPE_ALIASES = {
@@ -35,6 +36,13 @@ _DTYPE_ALIASES = {
 _TENSOR_DTYPE = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 _DEVICES = {"cpu": 0, "cuda": 1, "auto": 2}
 _DEVICE_NAMES = {v: k for k, v in _DEVICES.items()}
+
+# How K and V rows are kept in pages (Config.page_format, WKV_PAGE_FORMAT_*,
+# 0.10); named as dtype and device are, the C values accepted too.
+PAGE_FORMAT_STORAGE = "storage"  # rows in the storage dtype (WKV_PAGE_FORMAT_STORAGE = 0)
+PAGE_FORMAT_INT8 = "int8"        # 8-bit rows with an f32 scale each (WKV_PAGE_FORMAT_INT8 = 1)
+_PAGE_FORMATS = {PAGE_FORMAT_STORAGE: 0, PAGE_FORMAT_INT8: 1}
+_PAGE_FORMAT_NAMES = {v: k for k, v in _PAGE_FORMATS.items()}
 
 _U32 = (1 << 32) - 1
 _U64 = (1 << 64) - 1
@@ -69,6 +77,14 @@ def _canonical_dtype(value: Any) -> str:
     raise InvalidArgumentError(1, "dtype %r is not one of f32, f16, bf16" % (value,))
 
 
+def _canonical_page_format(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value in _PAGE_FORMAT_NAMES:
+        return _PAGE_FORMAT_NAMES[value]
+    if isinstance(value, str) and value.lower() in _PAGE_FORMATS:
+        return value.lower()
+    raise InvalidArgumentError(1, "page_format %r is not one of storage (0), int8 (1)" % (value,))
+
+
 @dataclass
 class Config:
     """Everything an engine is opened with (struct wkv_config).
@@ -77,9 +93,12 @@ class Config:
     every other field defaults to the library's default, read from
     wkv_config_init when the Config is made. ``device`` is "cpu", "cuda",
     "cuda:N" (which sets device_id) or "auto"; ``dtype`` is "f32", "f16" or
-    "bf16" (aliases such as "float16" and torch/NumPy dtypes are accepted).
-    Environment variables (WKV_THREADS, WKV_RETRIEVAL_FRAC, ...) override
-    fields when the engine opens; Engine.config shows the values in force.
+    "bf16" (aliases such as "float16" and torch/NumPy dtypes are accepted);
+    ``page_format`` is "storage" (PAGE_FORMAT_STORAGE: rows in the dtype) or
+    "int8" (PAGE_FORMAT_INT8: 8-bit rows with an f32 scale each, libwavekv
+    0.10 on), or the C value 0 or 1. Environment variables (WKV_THREADS,
+    WKV_RETRIEVAL_FRAC, WKV_PAGE_FORMAT, ...) override fields when the engine
+    opens; Engine.config shows the values in force.
     """
 
     n_layers: int
@@ -109,6 +128,7 @@ class Config:
     method: int = _DEFAULT
     spill_dir: Optional[str] = None
     spill_budget_bytes: int = _DEFAULT
+    page_format: str = _DEFAULT
 
     def __post_init__(self) -> None:
         defaults = Config._from_c(_init_config())
@@ -121,6 +141,7 @@ class Config:
                 raise InvalidArgumentError(1, "device %r: expected cuda:N" % self.device)
             self.device, self.device_id = "cuda", int(ordinal)
         self.dtype = _canonical_dtype(self.dtype)
+        self.page_format = _canonical_page_format(self.page_format)
         if isinstance(self.device, int) and self.device in _DEVICE_NAMES:
             self.device = _DEVICE_NAMES[self.device]
         if self.device not in _DEVICES:
@@ -134,6 +155,8 @@ class Config:
             value = getattr(self, f.name)
             if f.name == "dtype":
                 value = _DTYPES[_canonical_dtype(value)]
+            elif f.name == "page_format":
+                value = _PAGE_FORMATS[_canonical_page_format(value)]
             elif f.name in ("stats_path", "spill_dir"):
                 if value is not None and not isinstance(value, (str, os.PathLike)):
                     raise InvalidArgumentError(1, "config.%s must be a path or None, not %r"
@@ -164,6 +187,8 @@ class Config:
             value = getattr(cfg, f.name)
             if f.name == "dtype":
                 value = {v: k for k, v in _DTYPES.items()}.get(value, value)
+            elif f.name == "page_format":
+                value = _PAGE_FORMAT_NAMES.get(value, value)
             elif f.name in ("stats_path", "spill_dir"):
                 value = None if value is None else os.fsdecode(value)
             elif f.name == "device":
@@ -372,6 +397,12 @@ class Engine(_Owner):
         elif fields:
             config = dataclasses.replace(config, **fields)
         cfg = config.to_c()
+        if cfg.page_format != 0 and _lib.library_minor() < _lib.PAGE_FORMAT_SINCE:
+            # An older library's reserved0 would refuse it, naming a field
+            # that the caller never set.
+            raise UnsupportedError(4, "Engine: page_format %s needs libwavekv 0.%d or later; the one loaded is %s"
+                                   % (_PAGE_FORMAT_NAMES.get(cfg.page_format, cfg.page_format),
+                                      _lib.PAGE_FORMAT_SINCE, _lib.lib().wkv_version_string().decode()))
         handle = ctypes.c_void_p()
         _lib.check(_lib.lib().wkv_engine_open(ctypes.byref(cfg), ctypes.byref(handle)))
         super().__init__(handle.value or 0, exclusive=False)

@@ -14,7 +14,7 @@ use std::os::raw::{c_char, c_void};
 // Versions
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
-pub const WKV_VERSION_MINOR: u32 = 9;
+pub const WKV_VERSION_MINOR: u32 = 10;
 pub const WKV_VERSION_PATCH: u32 = 0;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
@@ -61,6 +61,9 @@ pub const WKV_METHOD_PAPER: u32 = 0;
 pub const WKV_METHOD_DEFAULT: u32 =
     WKV_METHOD_OUTLIERS | WKV_METHOD_ONES | WKV_METHOD_SPREAD | WKV_METHOD_TAIL;
 
+pub const WKV_PAGE_FORMAT_STORAGE: u32 = 0;
+pub const WKV_PAGE_FORMAT_INT8: u32 = 1;
+
 /// Everything an engine is opened with; fill it with `wkv_config_init`.
 #[repr(C)]
 #[derive(Debug, Copy, Clone, PartialEq)]
@@ -84,7 +87,7 @@ pub struct wkv_config {
     pub page_bytes: u32,
     pub threads: u32,
     pub flags: u32,
-    pub reserved0: u32,
+    pub page_format: u32,
     pub host_budget_bytes: u64,
     pub host_chunk_bytes: u64,
     pub device_cache_bytes: u64,

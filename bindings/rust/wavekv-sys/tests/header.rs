@@ -273,7 +273,7 @@ fn declarations_match_the_header() {
                 page_bytes,
                 threads,
                 flags,
-                reserved0,
+                page_format,
                 host_budget_bytes,
                 host_chunk_bytes,
                 device_cache_bytes,
@@ -410,6 +410,8 @@ fn declarations_match_the_header() {
         WKV_METHOD_TAIL,
         WKV_METHOD_PAPER,
         WKV_METHOD_DEFAULT,
+        WKV_PAGE_FORMAT_STORAGE,
+        WKV_PAGE_FORMAT_INT8,
     );
     assert_eq!(
         sorted(const_names.iter().map(|s| s.to_string()).collect()),

@@ -39,6 +39,40 @@ impl Device {
     }
 }
 
+/// How K and V rows are kept in pages (0.10). Sink and window rows, the
+/// execution buffer and every input and output stay in the engine's dtype
+/// whatever the pages hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PageFormat {
+    /// Rows in the storage dtype, as appended (`WKV_PAGE_FORMAT_STORAGE`).
+    Storage,
+    /// Rows in 8 bits with one f32 scale each (`WKV_PAGE_FORMAT_INT8`):
+    /// about half the bytes of a 16-bit token in host memory, the spill
+    /// file and the device cache; attention to a retrieved token is to its
+    /// 8-bit row.
+    Int8,
+}
+
+impl PageFormat {
+    /// The `WKV_PAGE_FORMAT_*` value.
+    pub fn raw(self) -> u32 {
+        match self {
+            PageFormat::Storage => sys::WKV_PAGE_FORMAT_STORAGE,
+            PageFormat::Int8 => sys::WKV_PAGE_FORMAT_INT8,
+        }
+    }
+
+    /// The format of a `WKV_PAGE_FORMAT_*` value; `None` for one this
+    /// binding does not know.
+    pub fn from_raw(raw: u32) -> Option<PageFormat> {
+        match raw {
+            sys::WKV_PAGE_FORMAT_STORAGE => Some(PageFormat::Storage),
+            sys::WKV_PAGE_FORMAT_INT8 => Some(PageFormat::Int8),
+            _ => None,
+        }
+    }
+}
+
 /// Everything an engine is opened with: a `wkv_config` filled with the
 /// library's defaults (`wkv_config_init`) and the model shape, changed by the
 /// builder methods below. The fields read through `Deref`
@@ -99,6 +133,12 @@ impl Config {
     /// The dtype of K, V, q and outputs (F16).
     pub fn dtype(mut self, dtype: Dtype) -> Config {
         self.raw.dtype = dtype.raw();
+        self
+    }
+
+    /// How K and V rows are kept in pages (Storage); libwavekv 0.10 on.
+    pub fn page_format(mut self, format: PageFormat) -> Config {
+        self.raw.page_format = format.raw();
         self
     }
 

@@ -91,8 +91,23 @@ impl Engine {
         Engine::open(&cfg)
     }
 
-    /// Opens an engine (`wkv_engine_open`).
+    /// Opens an engine (`wkv_engine_open`). A page format other than
+    /// [`PageFormat::Storage`](crate::PageFormat::Storage) needs libwavekv
+    /// 0.10 or later: an older one gives [`Status::Unsupported`].
     pub fn open(config: &Config) -> Result<Engine> {
+        let (major, minor, _) = crate::version();
+        if config.page_format != sys::WKV_PAGE_FORMAT_STORAGE && major == 0 && minor < 10 {
+            // An older library's reserved0 would refuse it, naming a field
+            // that the caller never set.
+            return fail(
+                Status::Unsupported,
+                format!(
+                    "wkv_engine_open: page_format {} needs libwavekv 0.10 or later; the one loaded is {}",
+                    config.page_format,
+                    crate::version_string()
+                ),
+            );
+        }
         let mut raw: *mut sys::wkv_engine = ptr::null_mut();
         check(unsafe { sys::wkv_engine_open(config.as_raw(), &mut raw) })?;
         let mut engine = Engine {

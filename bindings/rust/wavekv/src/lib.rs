@@ -68,7 +68,7 @@ use std::ffi::CStr;
 
 pub use wavekv_sys as sys;
 
-pub use crate::config::{Config, Device};
+pub use crate::config::{Config, Device, PageFormat};
 pub use crate::element::{Bf16, Dtype, Element, F16};
 pub use crate::engine::{Engine, SeqInfo, Sequence, Stats};
 pub use crate::error::{Error, Result, Status};

@@ -9,7 +9,7 @@ use std::fs;
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 
-use wavekv::{Config, Dtype, Engine, Plan, Sequence, Status, Strides, F16};
+use wavekv::{Config, Dtype, Engine, PageFormat, Plan, Sequence, Status, Strides, F16};
 
 const N_LAYERS: u32 = 2;
 const N_Q: usize = 4;
@@ -610,6 +610,42 @@ fn config_reads_back_and_bad_configs_are_refused() {
     assert!(!e.message().is_empty());
     let e = Engine::open(&Config::new(2, 4, 2, 63)).unwrap_err();
     assert_eq!(e.status(), Status::Unsupported, "{}", e);
+}
+
+// Pages of 8-bit rows (0.10): the engine's configuration says so, and with
+// every cluster retrieved a decode is attention over the 8-bit rows of the
+// clustered segments, close to exact attention over the rows as appended.
+// A format the header does not list is refused.
+#[test]
+fn an_engine_of_int8_pages_decodes_close_to_exact_attention() {
+    assert_eq!(
+        Config::new(2, 4, 2, 64).page_format,
+        PageFormat::Storage.raw()
+    );
+    let engine = Engine::open(&config(1.0, 0.0).page_format(PageFormat::Int8)).unwrap();
+    let c = engine.config().unwrap();
+    assert_eq!(PageFormat::from_raw(c.page_format), Some(PageFormat::Int8));
+    assert_eq!(c.dtype, Dtype::F32.raw());
+    let mut rng = Rng(21);
+    let model = Model::new(&mut rng);
+    let ctx = context(&model, &mut rng, 1200);
+    let mut seq = engine.create_sequence().unwrap();
+    prefill(&mut seq, &ctx);
+    let mut plan = engine.create_plan().unwrap();
+    let mut q = Vec::new();
+    model.query(&mut rng, &mut q);
+    let mut out = vec![0.0f32; N_Q * D];
+    plan.decode(&[&seq], 0, &q, &mut out).unwrap();
+    let (mut want, mut lse) = (Vec::new(), Vec::new());
+    exact_attention(&q, &ctx.k[0], &ctx.v[0], &mut want, &mut lse);
+    let err = rel_l2(&out, &want);
+    assert!(err < 0.05, "relative L2 error {}", err);
+
+    let mut bad = config(1.0, 0.0);
+    bad.as_raw_mut().page_format = 2;
+    let e = Engine::open(&bad).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument, "{}", e);
+    assert!(e.message().contains("page_format"), "{}", e.message());
 }
 
 // The spill tier: an evicted sequence's next decode reads its pages back and
