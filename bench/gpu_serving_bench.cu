@@ -681,9 +681,12 @@ int main(int argc, char **argv) {
 
   const char *frac = std::getenv("WKV_SERVING_CACHE_FRACTION");
   std::printf("serving: %u layers, %u q heads, %u KV heads, d=%u, bf16, ~%u tokens per sequence, %u tokens per "
-              "batch, a synchronization per token, device cache %.2f of the KV, queries hold a topic %u steps with "
-              "noise %.2f; step = per layer; tokens/s = batch / (32 x step)\n",
-              L, kQ, kH, kD, T, steps, frac ? std::atof(frac) : 0.05, focus_steps(), query_noise());
+              "batch, a synchronization per token, device cache %.2f of the KV (in bf16), queries hold a topic %u "
+              "steps with noise %.2f; pages %s; step = per layer; tokens/s = batch / (32 x step)\n",
+              L, kQ, kH, kD, T, steps, frac ? std::atof(frac) : 0.05, focus_steps(), query_noise(),
+              std::getenv("WKV_PAGE_FORMAT") && std::atoi(std::getenv("WKV_PAGE_FORMAT")) == WKV_PAGE_FORMAT_INT8
+                  ? "8-bit with a scale a row (WKV_PAGE_FORMAT=1)"
+                  : "bf16");
   if (std::getenv("WKV_SERVING_CAPTURE") && std::atoi(std::getenv("WKV_SERVING_CAPTURE")) > 0)
     std::printf("steps captured: every layer's append and decode in one graph of the bench's own (with its input "
                 "and output kernels), a wkv_plan_prepare and one launch a token; host_us = (prepare + launch) / "

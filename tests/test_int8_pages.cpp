@@ -1,0 +1,346 @@
+// 8-bit pages (WKV_PAGE_FORMAT_INT8): the row arithmetic, the page sizes,
+// what the execution buffer then holds, files and the spill tier.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "files_support.hpp"
+#include "kernels/dtype.hpp"
+#include "lib/common/config.hpp"
+
+namespace {
+
+using namespace wkvtest;
+
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// A row through quantize_row and dequantize_row, in `dtype`.
+std::vector<uint8_t> paged(uint32_t dtype, const uint8_t *row, uint32_t d) {
+  const wkv::DType dt = static_cast<wkv::DType>(dtype);
+  std::vector<float> f(d);
+  std::vector<int8_t> q(d);
+  float scale = 0;
+  wkv::to_float(dt, row, f.data(), d);
+  wkv::quantize_row(f.data(), d, q.data(), &scale);
+  std::vector<uint8_t> out(size_t(d) * wkv::dtype_bytes(dt));
+  EXPECT_TRUE(wkv::dequantize_row(dt, q.data(), scale, d, out.data()));
+  return out;
+}
+
+TEST(Int8Rows, ScaleIsTheLargestMagnitudeOver127AndValuesRoundToNearestEven) {
+  std::vector<float> x(16, 0.0f);
+  x[0] = -127.0f;  // scale 1
+  x[1] = 0.5f;
+  x[2] = 1.5f;
+  x[3] = 2.5f;
+  x[4] = -63.5f;
+  x[5] = 126.49f;
+  std::vector<int8_t> q(16, 99);
+  float s = 0;
+  wkv::quantize_row(x.data(), 16, q.data(), &s);
+  EXPECT_EQ(s, 1.0f);
+  EXPECT_EQ(q[0], -127);
+  EXPECT_EQ(q[1], 0);
+  EXPECT_EQ(q[2], 2);
+  EXPECT_EQ(q[3], 2);
+  EXPECT_EQ(q[4], -64);
+  EXPECT_EQ(q[5], 126);
+  EXPECT_EQ(q[6], 0);
+  // Back, rounded to each dtype.
+  float back[16];
+  ASSERT_TRUE(wkv::dequantize_row(wkv::DType::kF32, q.data(), s, 16, back));
+  EXPECT_EQ(back[0], -127.0f);
+  EXPECT_EQ(back[4], -64.0f);
+}
+
+TEST(Int8Rows, ErrorIsAtMostHalfAStepBeforeTheDtypesRounding) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> n(0.0f, 3.0f);
+  for (int r = 0; r < 200; ++r) {
+    std::vector<float> x(128);
+    for (float &v : x) v = n(rng) * (r % 7 == 0 ? 1e-4f : 1.0f);
+    std::vector<int8_t> q(128);
+    float s = 0;
+    wkv::quantize_row(x.data(), 128, q.data(), &s);
+    float amax = 0;
+    for (float v : x) amax = std::max(amax, std::fabs(v));
+    EXPECT_EQ(s, amax / 127.0f);
+    std::vector<float> back(128);
+    ASSERT_TRUE(wkv::dequantize_row(wkv::DType::kF32, q.data(), s, 128, back.data()));
+    for (int i = 0; i < 128; ++i) {
+      EXPECT_LE(std::abs(int(q[i])), 127);
+      EXPECT_LE(std::fabs(back[i] - x[i]), 0.5f * s * 1.0001f) << "row " << r << " element " << i;
+    }
+  }
+}
+
+TEST(Int8Rows, ZeroTinyAndNonFiniteRows) {
+  std::vector<int8_t> q(64, 7);
+  float s = -1;
+  std::vector<float> zero(64, 0.0f);
+  wkv::quantize_row(zero.data(), 64, q.data(), &s);
+  EXPECT_EQ(s, 0.0f);
+  for (int8_t v : q) EXPECT_EQ(v, 0);
+  // Below kInt8RowFloor: all zero, so that nothing is subnormal.
+  std::vector<float> tiny(64, 0x1p-110f);
+  tiny[3] = -0x1p-101f;
+  std::fill(q.begin(), q.end(), 7);
+  wkv::quantize_row(tiny.data(), 64, q.data(), &s);
+  EXPECT_EQ(s, 0.0f);
+  for (int8_t v : q) EXPECT_EQ(v, 0);
+  // A NaN or an infinity: a NaN scale, and the dtype's quiet NaN back.
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    std::vector<float> x(64, 1.0f);
+    x[10] = bad;
+    wkv::quantize_row(x.data(), 64, q.data(), &s);
+    EXPECT_EQ(bits_of(s), wkv::kInt8NanScale);
+    uint16_t h[64];
+    ASSERT_TRUE(wkv::dequantize_row(wkv::DType::kF16, q.data(), s, 64, h));
+    for (uint16_t v : h) EXPECT_EQ(v, 0x7e00u);
+    ASSERT_TRUE(wkv::dequantize_row(wkv::DType::kBF16, q.data(), s, 64, h));
+    for (uint16_t v : h) EXPECT_EQ(v, 0x7fc0u);
+    float f[64];
+    ASSERT_TRUE(wkv::dequantize_row(wkv::DType::kF32, q.data(), s, 64, f));
+    for (float v : f) EXPECT_EQ(bits_of(v), wkv::kInt8NanScale);
+  }
+}
+
+wkv::Config resolved(uint32_t d, uint32_t dtype, uint32_t page_format, uint32_t page_bytes = 2048) {
+  wkv_config c;
+  wkv_config_init(&c);
+  c.n_layers = 1;
+  c.n_q_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = d;
+  c.dtype = dtype;
+  c.page_format = page_format;
+  c.page_bytes = page_bytes;
+  wkv::Config out;
+  const wkv::Status st = wkv::resolve_config(&c, &out);
+  EXPECT_TRUE(st.is_ok()) << st.message();
+  return out;
+}
+
+TEST(Int8Pages, SlotsHoldAboutTwiceTheTokensInOne4KiBBlock) {
+  struct Want {
+    uint32_t d, tokens, slot;
+  } wants[] = {{64, 30, 4096}, {80, 24, 4096}, {96, 20, 4096}, {128, 15, 4096}, {256, 7, 4096}};
+  for (const Want &w : wants) {
+    SCOPED_TRACE(w.d);
+    const wkv::Config c = resolved(w.d, WKV_DTYPE_BF16, WKV_PAGE_FORMAT_INT8);
+    EXPECT_TRUE(c.int8_pages());
+    EXPECT_EQ(c.page_tokens(), w.tokens);
+    EXPECT_EQ(c.page_slot_bytes(), w.slot);
+    EXPECT_EQ(c.page_row_bytes(), w.d);
+    EXPECT_EQ(c.page_token_bytes(), w.d + 4);
+    EXPECT_EQ(c.page_scales_at(), 2 * w.tokens * w.d);
+    EXPECT_LE(c.page_scales_at() + 8 * c.page_tokens(), c.page_slot_bytes());
+    EXPECT_EQ(c.row_bytes(), 2 * w.d);  // steady rows stay in the storage dtype
+  }
+  // Storage pages are what they were: 8 tokens at d = 128, f16.
+  const wkv::Config f16 = resolved(128, WKV_DTYPE_F16, WKV_PAGE_FORMAT_STORAGE);
+  EXPECT_EQ(f16.page_tokens(), 8u);
+  EXPECT_EQ(f16.page_slot_bytes(), 4096u);
+  EXPECT_EQ(f16.page_row_bytes(), 256u);
+  // Small pages are not padded to a block: 1 token, 264 bytes, 320.
+  const wkv::Config small = resolved(128, WKV_DTYPE_F16, WKV_PAGE_FORMAT_INT8, 256);
+  EXPECT_EQ(small.page_tokens(), 1u);
+  EXPECT_EQ(small.page_slot_bytes(), 320u);
+}
+
+// Two engines alike but for their pages, fed the same tokens.
+struct Pair {
+  Shape s;
+  wkv_config cs, ci;
+  wavekv::Engine storage, int8;
+  wavekv::Sequence a, b;
+  Context ctx;
+  static wkv_config with_format(wkv_config c, uint32_t f) {
+    c.page_format = f;
+    return c;
+  }
+  explicit Pair(const Shape &shape)
+      : s(shape),
+        cs(file_config(shape)),
+        ci(with_format(file_config(shape), WKV_PAGE_FORMAT_INT8)),
+        storage(cs),
+        int8(ci),
+        a(storage),
+        b(int8),
+        ctx(shape) {
+    std::vector<uint8_t> k, v;
+    ctx.tokens(700, &k, &v);
+    for (uint32_t l = 0; l < s.layers; ++l) {
+      a.append(l, k.data(), v.data(), 700);
+      b.append(l, k.data(), v.data(), 700);
+      a.end_prompt(l);
+      b.end_prompt(l);
+    }
+  }
+};
+
+TEST(Int8Pages, TheExecutionBufferHoldsThePagesRowsDequantizedAndTheSteadyRowsAsAppended) {
+  for (uint32_t dtype : {WKV_DTYPE_F32, WKV_DTYPE_F16, WKV_DTYPE_BF16}) {
+    SCOPED_TRACE(testing::Message() << "dtype " << dtype);
+    const uint32_t d = 64;
+    Pair p(Shape{1, 4, 2, d, dtype});
+    const wkv_seq_info ia = p.a.info(0), ib = p.b.info(0);
+    EXPECT_EQ(ib.clusters, ia.clusters) << "the k-means sees the rows as appended";
+    EXPECT_EQ(ib.tail, ia.tail);
+    EXPECT_LT(ib.pages, ia.pages) << "8-bit pages hold more tokens each";
+    wavekv::Plan pa(p.storage), pb(p.int8);
+    const std::vector<uint8_t> q = p.ctx.query();
+    wkv_seq *sa = p.a.get(), *sb = p.b.get();
+    pa.lookup(&sa, 1, 0, q.data());
+    pb.lookup(&sb, 1, 0, q.data());
+    pa.assemble();
+    pb.assemble();
+    const wkv_xbuf_view xa = pa.xbuf(), xb = pb.xbuf();
+    ASSERT_EQ(xa.n_runs, xb.n_runs);
+    for (uint32_t r = 0; r <= xa.n_runs; ++r) ASSERT_EQ(xa.offsets[r], xb.offsets[r]) << "run " << r;
+    const size_t row = size_t(d) * wkv::dtype_bytes(static_cast<wkv::DType>(dtype));
+    const uint64_t steady = ia.sink + ia.tail;
+    uint64_t retrieved = 0;
+    for (uint32_t r = 0; r < xa.n_runs; ++r)
+      for (int32_t t = xa.offsets[r]; t < xa.offsets[r + 1]; ++t) {
+        const uint8_t *ka = static_cast<const uint8_t *>(xa.k) + size_t(t) * row;
+        const uint8_t *va = static_cast<const uint8_t *>(xa.v) + size_t(t) * row;
+        const uint8_t *kb = static_cast<const uint8_t *>(xb.k) + size_t(t) * row;
+        const uint8_t *vb = static_cast<const uint8_t *>(xb.v) + size_t(t) * row;
+        if (uint64_t(t - xa.offsets[r]) < steady) {
+          EXPECT_EQ(std::memcmp(ka, kb, row), 0) << "run " << r << ", steady row " << t;
+          EXPECT_EQ(std::memcmp(va, vb, row), 0) << "run " << r << ", steady row " << t;
+          continue;
+        }
+        ++retrieved;
+        EXPECT_EQ(std::memcmp(paged(dtype, ka, d).data(), kb, row), 0) << "run " << r << ", K row " << t;
+        EXPECT_EQ(std::memcmp(paged(dtype, va, d).data(), vb, row), 0) << "run " << r << ", V row " << t;
+      }
+    EXPECT_GT(retrieved, 0u);
+    // Attention over them: close to the 16-bit pages' (rows within half a
+    // step of 1/127 of their largest magnitude).
+    const size_t n_out = size_t(p.s.q_heads) * d;
+    std::vector<uint8_t> oa(q.size()), ob(q.size());
+    pa.attend(oa.data());
+    pb.attend(ob.data());
+    pa.update();
+    pb.update();
+    const std::vector<float> fa = unpack(dtype, oa, n_out), fb = unpack(dtype, ob, n_out);
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < n_out; ++i) {
+      diff += (double(fa[i]) - fb[i]) * (double(fa[i]) - fb[i]);
+      norm += double(fa[i]) * fa[i];
+    }
+    EXPECT_LT(std::sqrt(diff / norm), 0.05);
+  }
+}
+
+int load_code(const wavekv::Engine &e, const std::string &path, std::string *msg) {
+  wkv_seq *s = nullptr;
+  const int rc = wkv_seq_load(e.get(), path.c_str(), &s);
+  *msg = wkv_last_error();
+  wkv_seq_destroy(s);
+  return rc;
+}
+
+uint32_t get32(const std::vector<uint8_t> &b, size_t at) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t{b[at + i]} << (8 * i);
+  return v;
+}
+
+TEST(Int8Pages, FilesRoundTripBitForBitRecordTheFormatAndLoadOnlyIntoTheirFormat) {
+  ScratchDir dir;
+  const Shape s{2, 4, 2, 64, WKV_DTYPE_BF16};
+  wkv_config ci = file_config(s);
+  ci.page_format = WKV_PAGE_FORMAT_INT8;
+  wavekv::Engine a(ci), b(ci), plain(file_config(s));
+  Context ctx(s);
+  wavekv::Sequence sa(a);
+  fill(sa, s, ctx);
+  const std::string path = dir.file("int8.wkv");
+  sa.save(path);
+  std::vector<uint8_t> bytes = read_bytes(path);
+  EXPECT_EQ(get32(bytes, 8), 2u) << "format 2: the oldest that holds 8-bit pages";
+  EXPECT_EQ(get32(bytes, 148), uint32_t{WKV_PAGE_FORMAT_INT8});
+  wavekv::Sequence sb = wavekv::Sequence::load(b, path);
+  for (uint32_t l = 0; l < s.layers; ++l) {
+    const wkv_seq_info ia = sa.info(l), ib = sb.info(l);
+    EXPECT_EQ(std::memcmp(&ia, &ib, sizeof ia), 0) << "layer " << l;
+  }
+  for (int step = 0; step < 3; ++step) {
+    const std::vector<uint8_t> q = ctx.query();
+    EXPECT_EQ(decode_all(b, sb.get(), s, q), decode_all(a, sa.get(), s, q)) << "step " << step;
+    std::vector<uint8_t> k, v;
+    ctx.tokens(40, &k, &v);
+    for (uint32_t l = 0; l < s.layers; ++l) {
+      sa.append(l, k.data(), v.data(), 40);
+      sb.append(l, k.data(), v.data(), 40);
+    }
+  }
+  // Saved again after the load: the same bytes but the time of saving.
+  sb.save(dir.file("again.wkv"));
+  sa.save(dir.file("first.wkv"));
+  std::vector<uint8_t> x = read_bytes(dir.file("again.wkv")), y = read_bytes(dir.file("first.wkv"));
+  ASSERT_EQ(x.size(), y.size());
+  EXPECT_EQ(std::memcmp(x.data() + 256, y.data() + 256, x.size() - 256), 0) << "sections differ";
+
+  std::string msg;
+  EXPECT_EQ(load_code(plain, path, &msg), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(msg.find("file has 8-bit pages, engine storage-dtype pages"), std::string::npos) << msg;
+  // A file of storage pages stays in format 1, and an 8-bit engine refuses it.
+  wavekv::Sequence sp(plain);
+  Context ctx2(s);
+  fill(sp, s, ctx2);
+  sp.save(dir.file("plain.wkv"));
+  std::vector<uint8_t> pb = read_bytes(dir.file("plain.wkv"));
+  EXPECT_EQ(get32(pb, 8), 1u);
+  EXPECT_EQ(load_code(a, dir.file("plain.wkv"), &msg), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(msg.find("file has storage-dtype pages, engine 8-bit pages"), std::string::npos) << msg;
+  // A page format in format 1's reserved bytes, or one unknown: corrupt.
+  pb[148] = 1;
+  repair_checksums(pb);
+  write_bytes(dir.file("v1-int8.wkv"), pb);
+  EXPECT_EQ(load_code(a, dir.file("v1-int8.wkv"), &msg), WKV_ERR_CORRUPT);
+  EXPECT_NE(msg.find("reserved bytes are not zero"), std::string::npos) << msg;
+  bytes[148] = 2;
+  repair_checksums(bytes);
+  write_bytes(dir.file("format2.wkv"), bytes);
+  EXPECT_EQ(load_code(a, dir.file("format2.wkv"), &msg), WKV_ERR_CORRUPT);
+  EXPECT_NE(msg.find("unknown page format"), std::string::npos) << msg;
+}
+
+TEST(Int8Pages, AnEvictedSequenceComesBackBitForBit) {
+  ScratchDir dir;
+  const Shape s{2, 4, 2, 64, WKV_DTYPE_F16};
+  wkv_config c = file_config(s);
+  c.page_format = WKV_PAGE_FORMAT_INT8;
+  c.spill_dir = dir.path().c_str();
+  wavekv::Engine e(c), twin(c);
+  Context ctx(s), ctx_twin(s);
+  wavekv::Sequence seq(e), other(twin);
+  fill(seq, s, ctx);
+  fill(other, s, ctx_twin);
+  seq.evict();
+  EXPECT_EQ(seq.info(0).evicted, 1u);
+  EXPECT_GT(seq.info(0).spilled_pages, 0u);
+  seq.restore();
+  EXPECT_EQ(seq.info(0).evicted, 0u);
+  for (int step = 0; step < 2; ++step) {
+    const std::vector<uint8_t> q = ctx.query();
+    ctx_twin.query();
+    EXPECT_EQ(decode_all(e, seq.get(), s, q), decode_all(twin, other.get(), s, q)) << "step " << step;
+  }
+}
+
+}  // namespace
