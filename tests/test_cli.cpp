@@ -119,12 +119,18 @@ TEST(Cli, VerifyExitsZeroOneOrTwo) {
   EXPECT_EQ(r.status, 2) << r.out;
   EXPECT_NE(r.out.find("No such file"), std::string::npos) << r.out;
   b = read_bytes(path);
-  b[8] = 2;  // format 2, its preamble checked
+  b[8] = 3;  // format 3, its preamble checked
+  repair_checksums(b);
+  write_bytes(dir.file("v3.wkv"), b);
+  r = run_cli({"verify", dir.file("v3.wkv")});
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("format version 3"), std::string::npos) << r.out;
+  b[8] = 2;  // format 2 is 8-bit pages' only
   repair_checksums(b);
   write_bytes(dir.file("v2.wkv"), b);
   r = run_cli({"verify", dir.file("v2.wkv")});
-  EXPECT_EQ(r.status, 2) << r.out;
-  EXPECT_NE(r.out.find("format version 2"), std::string::npos) << r.out;
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("format 2 without 8-bit pages"), std::string::npos) << r.out;
   r = run_cli({"verify"});
   EXPECT_EQ(r.status, 2) << "usage";
 }
