@@ -31,7 +31,9 @@ namespace wkv::kernels {
 //   pages[p]           device-accessible address of page p of the head (a
 //                      pinned, mapped host page). A page holds K rows
 //                      [page_tokens][d] then V rows [page_tokens][d] in the
-//                      storage dtype: V starts at page_tokens * row_bytes.
+//                      storage dtype: V starts at page_tokens * row_bytes;
+//                      with 8-bit pages, rows of d bytes and their scales
+//                      after them (GatherArgs::int8_dim, kernels/gather_cuda.hpp).
 //   unit_begin[c]      the cluster's first unit: unit j of cluster c (members
 //                      [j * page_tokens, (j + 1) * page_tokens)) is unit
 //                      unit_begin[c] + j of the head, laid out like a page
