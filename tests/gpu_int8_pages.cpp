@@ -78,12 +78,23 @@ TEST(GpuInt8Pages, CudaPageWritesAndGathersGiveTheCpuEnginesBytes) {
     wavekv::Engine gpu(config(s, WKV_DEVICE_CUDA)), cpu(config(s, WKV_DEVICE_CPU));
     Context ctx(s), again(s);
     wavekv::Sequence sg(gpu);
-    fill(sg, s, ctx, 1500, 90);
+    {  // a prompt, then tokens one at a time (device rows, as a CUDA engine takes them)
+      std::vector<uint8_t> hk, hv;
+      auto append = [&](uint32_t n) {
+        ctx.tokens(n, &hk, &hv);
+        Buf dk(true, hk), dv(true, hv);
+        sg.append(0, dk.p, dv.p, n);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // before the buffers go
+      };
+      append(1500);
+      sg.end_prompt(0);
+      for (int g = 0; g < 90; ++g) append(1);
+    }
     // 1. Every row the CUDA engine wrote into a page is the CPU's
     //    quantization of a row appended to its head.
     std::vector<std::set<std::string>> appended(s.kv_heads);
     std::vector<uint8_t> k, v;
-    auto take = [&](uint32_t tokens) {  // as fill() draws them
+    auto take = [&](uint32_t tokens) {  // as they were appended
       again.tokens(tokens, &k, &v);
       for (uint32_t t = 0; t < tokens; ++t)
         for (uint32_t h = 0; h < s.kv_heads; ++h)
@@ -125,10 +136,11 @@ TEST(GpuInt8Pages, CudaPageWritesAndGathersGiveTheCpuEnginesBytes) {
     wavekv::Sequence sc = wavekv::Sequence::load(cpu, path);
     wavekv::Plan pg(gpu), pc(cpu);
     const std::vector<uint8_t> q = ctx.query();
+    Buf dq(true, q), dout(true, std::vector<uint8_t>(q.size()));
     for (int pass = 0; pass < 3; ++pass) {
       SCOPED_TRACE(testing::Message() << "pass " << pass);
       wkv_seq *a = sg.get(), *b = sc.get();
-      pg.lookup(&a, 1, 0, q.data());
+      pg.lookup(&a, 1, 0, dq.p);
       pc.lookup(&b, 1, 0, q.data());
       pg.assemble();
       pc.assemble();
@@ -136,11 +148,12 @@ TEST(GpuInt8Pages, CudaPageWritesAndGathersGiveTheCpuEnginesBytes) {
       EXPECT_EQ(xg.offsets, xc.offsets);
       EXPECT_TRUE(xg.k == xc.k) << "K rows differ";
       EXPECT_TRUE(xg.v == xc.v) << "V rows differ";
-      std::vector<uint8_t> og(q.size()), oc(q.size());
-      pg.attend(og.data());
+      std::vector<uint8_t> oc(q.size());
+      pg.attend(dout.p);
       pc.attend(oc.data());
       pg.update();
       pc.update();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     }
     const wkv_stats st = gpu.stats();
     EXPECT_GT(st.cache_hits, 0u) << "later passes read frames";
