@@ -115,6 +115,23 @@ TEST(Int8Rows, ZeroTinyAndNonFiniteRows) {
   }
 }
 
+TEST(Int8Rows, DequantizationRoundsEachProductToNearestEven) {
+  // Every value of q and scales down to where f16 results are subnormal:
+  // the vector path (F16C where the CPU has it) against the scalar one.
+  std::vector<int8_t> q(256);
+  for (int i = 0; i < 256; ++i) q[i] = static_cast<int8_t>(i - 128 == -128 ? -127 : i - 128);
+  for (float scale : {1.0f, 0.0078125f, 3.3e-3f, 1e-7f, 6.1e-8f / 127.0f * 3.0f, 511.7f, 0x1p-100f}) {
+    uint16_t h[256], b[256];
+    ASSERT_TRUE(wkv::dequantize_row(wkv::DType::kF16, q.data(), scale, 256, h));
+    ASSERT_TRUE(wkv::dequantize_row(wkv::DType::kBF16, q.data(), scale, 256, b));
+    for (int i = 0; i < 256; ++i) {
+      const float x = static_cast<float>(q[i]) * scale;
+      EXPECT_EQ(h[i], wkv::float_to_f16(x)) << "scale " << scale << ", q " << int(q[i]);
+      EXPECT_EQ(b[i], wkv::float_to_bf16(x)) << "scale " << scale << ", q " << int(q[i]);
+    }
+  }
+}
+
 wkv::Config resolved(uint32_t d, uint32_t dtype, uint32_t page_format, uint32_t page_bytes = 2048) {
   wkv_config c;
   wkv_config_init(&c);
