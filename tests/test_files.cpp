@@ -538,28 +538,33 @@ TEST_F(SeqFileFaults, SavingOneSequenceDoesNotStopAnotherFromDecoding) {
 // load into the fuzz target's engine.
 TEST(FuzzSeeds, LoadIntoTheFuzzTargetsEngine) {
   const std::string seeds = WKV_FUZZ_SEEDS;
-  const char *const names[] = {"empty", "sink", "prompt", "generating", "generating-repair"};
+  // The last two are of 8-bit pages (format 2; mode bit 1: the target's
+  // engine of 8-bit pages).
+  const char *const names[] = {"empty",      "sink",        "prompt", "generating", "generating-repair",
+                               "int8-prompt", "int8-generating"};
   const Shape shape{1, 2, 1, 64, WKV_DTYPE_F16};
-  wavekv::Engine e(fuzz_config());
+  wkv_config c8 = fuzz_config();
+  c8.page_format = WKV_PAGE_FORMAT_INT8;
+  wavekv::Engine storage(fuzz_config()), eight(c8);
   ScratchDir dir;
   if (std::getenv("WKV_WRITE_FUZZ_SEEDS")) {
     Context ctx(shape, 3);
     std::vector<uint8_t> k, v;
-    const uint32_t tokens[] = {0, 3, 100, 100, 100};
-    for (int i = 0; i < 5; ++i) {
-      wavekv::Sequence seq(e);
+    const uint32_t tokens[] = {0, 3, 100, 100, 100, 100, 100};
+    for (int i = 0; i < 7; ++i) {
+      wavekv::Sequence seq(i >= 5 ? eight : storage);
       if (tokens[i]) {
         ctx.tokens(tokens[i], &k, &v);
         seq.append(0, k.data(), v.data(), tokens[i]);
       }
-      if (i >= 3) {
+      if (i == 3 || i == 4 || i == 6) {
         seq.end_prompt(0);
         ctx.tokens(40, &k, &v);
         seq.append(0, k.data(), v.data(), 40);  // a generated segment, and a tail
       }
       seq.save(dir.file("seed"), WKV_SAVE_NO_FSYNC);
       std::vector<uint8_t> b = read_bytes(dir.file("seed"));
-      b.insert(b.begin(), static_cast<uint8_t>(i == 4));
+      b.insert(b.begin(), static_cast<uint8_t>((i == 4 ? 1 : 0) | (i >= 5 ? 2 : 0)));
       write_bytes(seeds + "/" + names[i], b);
     }
   }
@@ -569,6 +574,6 @@ TEST(FuzzSeeds, LoadIntoTheFuzzTargetsEngine) {
     ASSERT_GT(b.size(), 1u);
     EXPECT_LT(b.size(), 50u << 10) << "seeds stay small";
     write_bytes(dir.file("seed"), std::vector<uint8_t>(b.begin() + 1, b.end()));
-    wavekv::Sequence seq = wavekv::Sequence::load(e, dir.file("seed"));
+    wavekv::Sequence seq = wavekv::Sequence::load(b[0] & 2 ? eight : storage, dir.file("seed"));
   }
 }

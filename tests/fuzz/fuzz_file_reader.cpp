@@ -4,7 +4,8 @@
 // and the trailer, every layer decoded and checked as an import checks it,
 // and, when it fits the small engine below, loaded into it (and destroyed).
 // Mode bit 0 recomputes every checksum first, so that the fuzzer reaches
-// the checks behind them: a hostile file can carry right checksums.
+// the checks behind them: a hostile file can carry right checksums; mode
+// bit 1 loads into an engine of 8-bit pages (format-2 files).
 //
 // Built by `make fuzz` (clang, -fsanitize=fuzzer,address,undefined) and run
 // on tests/fuzz/corpus/file_reader, whose seeds test_files writes and
@@ -55,14 +56,18 @@ class MemoryIO final : public wkv::FileIO {
   const std::vector<uint8_t> &b_;
 };
 
-wkv::Engine &engine() {
-  static std::shared_ptr<wkv::Engine> e = [] {
-    const wkv_config c = wkvtest::fuzz_config();
+// The engine a file is loaded into: pages of the storage dtype, or 8-bit
+// pages (mode bit 1).
+wkv::Engine &engine(bool int8) {
+  auto open = [](uint32_t page_format) {
+    wkv_config c = wkvtest::fuzz_config();
+    c.page_format = page_format;
     std::shared_ptr<wkv::Engine> out;
     if (!wkv::Engine::open(&c, &out).is_ok()) __builtin_trap();
     return out;
-  }();
-  return *e;
+  };
+  static std::shared_ptr<wkv::Engine> storage = open(WKV_PAGE_FORMAT_STORAGE), eight = open(WKV_PAGE_FORMAT_INT8);
+  return int8 ? *eight : *storage;
 }
 
 }  // namespace
@@ -79,7 +84,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   for (uint32_t l = 0; l < reader.header().n_layers(); ++l)
     if (reader.read_layer(l, &snap).is_ok()) (void)wkv::check_snapshot(cfg, snap);
   std::shared_ptr<wkv::Sequence> seq;
-  if (wkv::check_file_shape(reader.header(), engine().config()).is_ok())
-    (void)engine().load(io, MemoryIO::kFd, &seq);
+  wkv::Engine &e = engine(data[0] & 2);
+  if (wkv::check_file_shape(reader.header(), e.config()).is_ok()) (void)e.load(io, MemoryIO::kFd, &seq);
   return 0;
 }
