@@ -2,6 +2,7 @@
 // what the execution buffer then holds, files and the spill tier.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -335,6 +336,96 @@ TEST(Int8Pages, FilesRoundTripBitForBitRecordTheFormatAndLoadOnlyIntoTheirFormat
   write_bytes(dir.file("format2.wkv"), bytes);
   EXPECT_EQ(load_code(a, dir.file("format2.wkv"), &msg), WKV_ERR_CORRUPT);
   EXPECT_NE(msg.find("unknown page format"), std::string::npos) << msg;
+
+  // Rows and scales no quantization writes, with right checksums: an
+  // infinite or a subnormal scale, a value of -128, a zero scale over a
+  // row that is not zero. Each is refused as corrupt.
+  wkv::Config cfg;
+  ASSERT_TRUE(wkv::resolve_config(&ci, &cfg).is_ok());
+  const std::vector<wkv::SectionInfo> sections = sections_of(path);
+  size_t pages_at = 0;
+  for (const wkv::SectionInfo &sec : sections)
+    if (sec.kind == wkv::seqfile::Kind::kPages && sec.bytes > 0) {
+      pages_at = sec.offset + wkv::seqfile::kSectionHeaderBytes;
+      break;
+    }
+  ASSERT_GT(pages_at, 0u);
+  const size_t k_scale = pages_at + cfg.page_scales_at();  // the first page's first K scale
+  struct Damage {
+    const char *what;
+    size_t at;
+    std::vector<uint8_t> bytes;
+  } damages[] = {
+      {"an infinite scale", k_scale, {0x00, 0x00, 0x80, 0x7f}},
+      {"a subnormal scale", k_scale, {0x01, 0x00, 0x00, 0x00}},
+      {"a negative scale", k_scale + 4, {0x00, 0x00, 0x80, 0xbf}},
+      {"a value of -128", pages_at + 5, {0x80}},
+      {"a zero scale over a row", k_scale, {0x00, 0x00, 0x00, 0x00}},
+  };
+  for (const Damage &dm : damages) {
+    SCOPED_TRACE(dm.what);
+    std::vector<uint8_t> b = read_bytes(path);
+    std::copy(dm.bytes.begin(), dm.bytes.end(), b.begin() + static_cast<std::ptrdiff_t>(dm.at));
+    repair_checksums(b);
+    write_bytes(dir.file("damaged.wkv"), b);
+    EXPECT_EQ(load_code(a, dir.file("damaged.wkv"), &msg), WKV_ERR_CORRUPT);
+    EXPECT_NE(msg.find("is none that quantization writes"), std::string::npos) << msg;
+  }
+}
+
+// A file carries no bytes of another sequence: the unused rows of a
+// segment's last page, their scales and the slot's padding are zero even
+// where the slots held a longer sequence before.
+TEST(Int8Pages, AFileZeroesTheUnusedRowsTheirScalesAndThePadding) {
+  ScratchDir dir;
+  const Shape s{1, 4, 2, 64, WKV_DTYPE_F16};
+  wkv_config c = file_config(s);
+  c.page_format = WKV_PAGE_FORMAT_INT8;
+  wavekv::Engine e(c);
+  Context ctx(s);
+  std::vector<uint8_t> k, v;
+  {
+    wavekv::Sequence before(e);  // fills slots, then gives them back
+    ctx.tokens(2000, &k, &v);
+    before.append(0, k.data(), v.data(), 2000);
+    before.end_prompt(0);
+  }
+  wavekv::Sequence seq(e);
+  ctx.tokens(301, &k, &v);
+  seq.append(0, k.data(), v.data(), 301);
+  seq.end_prompt(0);
+  ctx.tokens(77, &k, &v);
+  seq.append(0, k.data(), v.data(), 77);
+  const std::string path = dir.file("seq.wkv");
+  seq.save(path);
+  wkv::FileIO &io = wkv::posix_io();
+  const int fd = io.open_read(path.c_str());
+  wkv::SeqFileReader reader(io, fd);
+  ASSERT_TRUE(reader.open().is_ok());
+  wkv::LayerSnapshot snap;
+  ASSERT_TRUE(reader.read_layer(0, &snap).is_ok());
+  io.close(fd);
+  wkv::Config cfg;
+  ASSERT_TRUE(wkv::resolve_config(&c, &cfg).is_ok());
+  const uint32_t pt = cfg.page_tokens(), slot = cfg.page_slot_bytes(), sc = cfg.page_scales_at(), d = 64;
+  auto zero = [](const uint8_t *p, size_t n) { return std::all_of(p, p + n, [](uint8_t b) { return b == 0; }); };
+  uint64_t checked = 0;
+  for (const wkv::HeadSnapshot &h : snap.heads)
+    for (const wkv::SegmentDesc &g : h.segments) {
+      const uint32_t used = g.tokens - (g.pages - 1) * pt;
+      for (uint32_t p = g.page_begin; p < g.page_begin + g.pages; ++p) {
+        const uint8_t *page = h.pages.data() + size_t(p) * slot;
+        EXPECT_TRUE(zero(page + sc + 8 * pt, slot - sc - 8 * pt)) << "padding of page " << p;
+        if (p + 1 < g.page_begin + g.pages || used == pt) continue;
+        ++checked;
+        EXPECT_TRUE(zero(page + used * d, (pt - used) * d)) << "K rows of page " << p;
+        EXPECT_TRUE(zero(page + (pt + used) * d, (pt - used) * d)) << "V rows of page " << p;
+        EXPECT_TRUE(zero(page + sc + used * 4, (pt - used) * 4)) << "K scales of page " << p;
+        EXPECT_TRUE(zero(page + sc + (pt + used) * 4, (pt - used) * 4)) << "V scales of page " << p;
+        EXPECT_FALSE(zero(page + sc + (used - 1) * 4, 4)) << "the last used token keeps its scale";
+      }
+    }
+  EXPECT_GT(checked, 0u);
 }
 
 TEST(Int8Pages, AnEvictedSequenceComesBackBitForBit) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <new>
 
 namespace wkv {
@@ -84,6 +85,22 @@ std::vector<float> head_value_mean(const HeadSnapshot &o, uint32_t d, ValueMean 
   std::vector<float> mean(d);
   for (uint32_t j = 0; j < d; ++j) mean[j] = static_cast<float>(v->value_total[j] / static_cast<double>(v->tokens));
   return mean;
+}
+
+// Whether an 8-bit row and its scale are what quantize_row writes
+// (kernels/dtype.hpp): a zero row with a scale of zero or kInt8NanScale, or
+// a finite scale of a row at or above the floor with values in [-127, 127].
+// Anything else, which only a crafted or damaged file holds, would decode
+// differently on the two backends (an infinite scale makes 0 * inf, whose
+// NaN's bits differ; a subnormal one, products that flush-to-zero alters).
+bool int8_row_written(const uint8_t *row, float scale, uint32_t d) {
+  constexpr float kMinScale = kInt8RowFloor / 127.0f, kMaxScale = std::numeric_limits<float>::max() / 127.0f;
+  uint32_t bits;
+  std::memcpy(&bits, &scale, 4);
+  const int8_t *q = reinterpret_cast<const int8_t *>(row);
+  if (scale == 0.0f || bits == kInt8NanScale)
+    return bits != 0x80000000u && std::all_of(q, q + d, [](int8_t v) { return v == 0; });
+  return scale >= kMinScale && scale <= kMaxScale && std::none_of(q, q + d, [](int8_t v) { return v == -128; });
 }
 
 #define SNAP_CHECK(cond, ...) \
@@ -225,6 +242,20 @@ Status check_snapshot(const Config &cfg, const LayerSnapshot &s) {
                static_cast<unsigned long long>(token), static_cast<unsigned long long>(cluster),
                static_cast<unsigned long long>(page), static_cast<unsigned long long>(s.tail_begin), C,
                static_cast<unsigned long long>(n_pages));
+    if (!cfg.int8_pages()) continue;
+    // 8-bit rows: every token's K and V row as quantize_row writes them.
+    const uint32_t scales = cfg.page_scales_at();
+    for (const SegmentDesc &g : o.segments)
+      for (uint64_t at = uint64_t(g.page_begin) * pt; at < uint64_t(g.page_begin) * pt + g.tokens; ++at) {
+        const uint8_t *pg = o.pages.data() + (at / pt) * slot;
+        for (uint32_t r : {uint32_t(at % pt), uint32_t(pt + at % pt)}) {
+          float scale;
+          std::memcpy(&scale, pg + scales + size_t(r) * 4, 4);
+          SNAP_CHECK(int8_row_written(pg + size_t(r) * d, scale, d),
+                     "head %zu: the 8-bit %s row of token slot %llu (scale %g) is none that quantization writes", h,
+                     r < pt ? "K" : "V", static_cast<unsigned long long>(at), static_cast<double>(scale));
+        }
+      }
   }
   return Status::ok();
 }
