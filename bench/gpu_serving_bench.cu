@@ -526,9 +526,13 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   for (double h : host) row.growth_steps += h > 1000.0;  // a token whose enqueue waited (an index growth)
   const double hits = double(st1.cache_hits - st0.cache_hits), misses = double(st1.cache_misses - st0.cache_misses);
   row.hit = hits + misses > 0 ? hits / (hits + misses) : 0;
-  // A unit's bytes: a page slot (K and V of page_tokens members, and with
-  // 8-bit pages their scales and the slot's padding).
-  const double unit_bytes = double(st1.page_bytes);
+  // A unit's bytes read: K and V rows of page_tokens members, with 8-bit
+  // pages their scales too (a slot's padding is not read).
+  wkv_config ec;
+  ec.size = sizeof ec;
+  CHECK(wkv_engine_config(e, &ec));
+  const double token_bytes = ec.page_format == WKV_PAGE_FORMAT_INT8 ? double(kD + 4) : double(kD * 2);
+  const double unit_bytes = 2.0 * std::floor(double(ec.page_bytes) / token_bytes) * token_bytes;
   row.miss_mb = misses * unit_bytes / (double(steps) * L) / 1e6;
   row.miss_per_step = misses / (double(steps) * L);
   row.admit_per_step = double(st1.cache_admissions - st0.cache_admissions) / (double(steps) * L);

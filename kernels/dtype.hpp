@@ -145,6 +145,8 @@ bool from_float(DType t, const float *src, void *dst, size_t n);
 //   and a caller's flush-to-zero changes nothing; a 16-bit float's smallest
 //   magnitude is far above it); a row with a NaN or an infinity has a NaN
 //   scale (kInt8NanScale) and zero values.
+//   (The CPU rounds in the thread's rounding mode, nearest even unless a
+//   caller changed it with fesetround; CUDA always rounds to nearest even.)
 //   x' = q * scale rounded to the storage dtype; a NaN scale gives the
 //   dtype's quiet NaN (0x7e00 f16, 0x7fc0 bf16, 0x7fc00000 f32) on both
 //   backends, whatever their NaN payloads.

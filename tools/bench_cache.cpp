@@ -563,7 +563,7 @@ int run_bench_cache(const Options &o) {
   const uint32_t n_units = t.n_units;
   const uint64_t counted_steps = t.step_end.size() - t.counted_from;
   const uint64_t layer_steps = std::max<uint64_t>(counted_steps * t.layers, 1);
-  const double unit_bytes = 2.0 * t.page_tokens * t.row_bytes;  // a frame: K rows, then V rows
+  const double unit_bytes = 2.0 * t.page_tokens * t.row_bytes;  // a unit: K rows, then V rows (and scales)
   const double row_pair = 2.0 * t.row_bytes;                    // a token's K and V row
   const Outcome first = run_first(t, n_units);
   const uint64_t reads = first.hits + first.misses;
@@ -627,7 +627,7 @@ int run_bench_cache(const Options &o) {
     std::cout << j.dump() << std::endl;
     return 0;
   }
-  std::printf("wavekv bench cache: %s; units of %u tokens (%.0f bytes a frame)\n", what.c_str(), t.page_tokens,
+  std::printf("wavekv bench cache: %s; units of %u tokens (%.0f bytes read a unit)\n", what.c_str(), t.page_tokens,
               unit_bytes);
   std::printf("a layer-step retrieves %.0f tokens (%.2f MB) in %.0f units; the KV held is %llu units\n",
               retrieved_tokens, retrieved_mb, double(reads) / double(layer_steps),

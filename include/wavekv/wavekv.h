@@ -307,7 +307,8 @@ typedef struct wkv_config {
   uint32_t window_tokens;   /* most recent tokens always attended (64) */
   float retrieval_frac;     /* fraction of clusters attended exactly (0.018) */
   float estimation_frac;    /* fraction of clusters estimated (0.232) */
-  uint32_t page_bytes;      /* bytes of K (and of V) per page (2048) */
+  uint32_t page_bytes;      /* bytes of K (and of V) per page (2048); with
+                               8-bit pages, of K rows and their scales */
   uint32_t threads;         /* worker threads; 0 = one per core (0) */
   uint32_t flags;           /* WKV_CONFIG_* bits (0) */
   uint32_t page_format;     /* WKV_PAGE_FORMAT_* (STORAGE); 0.10, before it

@@ -35,7 +35,8 @@ Status copy_rows_in(const IndexContext &ix, const std::vector<uint8_t> &k, const
 // The spread of every cluster of a checked snapshot from its pages' keys,
 // as split_outliers computes it (kernels/cpu_kernels.hpp).
 // With 8-bit pages the keys are the pages' rows dequantized to the storage
-// dtype, as attention reads them.
+// dtype, as attention reads them: such spreads differ a little from those a
+// growth computes from the rows as appended.
 std::vector<float> spread_from_pages(const HeadSnapshot &o, const Config &cfg) {
   const uint32_t d = cfg.c.head_dim, pt = cfg.page_tokens(), scales_at = cfg.page_scales_at();
   const size_t row = cfg.page_row_bytes(), slot = cfg.page_slot_bytes();
