@@ -138,13 +138,8 @@ TEST(GpuInt8Pages, CudaPageWritesAndGathersGiveTheCpuEnginesBytes) {
     for (int g = 0; g < 90; ++g) take(1);
     const std::string path = dir.file("gpu.wkv");
     sg.save(path);
-    wkv::FileIO &io = wkv::posix_io();
-    const int fd = io.open_read(path.c_str());
-    wkv::SeqFileReader reader(io, fd);
-    ASSERT_TRUE(reader.open().is_ok());
-    wkv::LayerSnapshot snap;
-    ASSERT_TRUE(reader.read_layer(0, &snap).is_ok());
-    io.close(fd);
+    const wkv::LayerSnapshot snap = layer_of(path, 0);
+    ASSERT_EQ(snap.heads.size(), s.kv_heads);
     wkv_config cc = config(s, WKV_DEVICE_CPU);
     wkv::Config cfg;
     ASSERT_TRUE(wkv::resolve_config(&cc, &cfg).is_ok());

@@ -79,17 +79,7 @@ TEST(SeqFile, RoundTripDecodesBitForBitAndGrowsTheSameWay) {
     }
     EXPECT_EQ(stats(b).tokens, stats(a).tokens);
     EXPECT_EQ(stats(b).clusters, stats(a).clusters);
-    for (int step = 0; step < 3; ++step) {
-      const std::vector<uint8_t> q = ctx.query();
-      EXPECT_EQ(decode_all(b, sb.get(), s, q), decode_all(a, sa.get(), s, q)) << "step " << step;
-      // The same tokens to both: growths after the load match too.
-      std::vector<uint8_t> k, v;
-      ctx.tokens(40, &k, &v);
-      for (uint32_t l = 0; l < s.layers; ++l) {
-        sa.append(l, k.data(), v.data(), 40);
-        sb.append(l, k.data(), v.data(), 40);
-      }
-    }
+    expect_same_decodes(b, sb, a, sa, s, ctx, 3);
     EXPECT_EQ(sb.info(0).segments, sa.info(0).segments);
   }
 }

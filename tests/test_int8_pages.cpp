@@ -296,16 +296,7 @@ TEST(Int8Pages, FilesRoundTripBitForBitRecordTheFormatAndLoadOnlyIntoTheirFormat
     const wkv_seq_info ia = sa.info(l), ib = sb.info(l);
     EXPECT_EQ(std::memcmp(&ia, &ib, sizeof ia), 0) << "layer " << l;
   }
-  for (int step = 0; step < 3; ++step) {
-    const std::vector<uint8_t> q = ctx.query();
-    EXPECT_EQ(decode_all(b, sb.get(), s, q), decode_all(a, sa.get(), s, q)) << "step " << step;
-    std::vector<uint8_t> k, v;
-    ctx.tokens(40, &k, &v);
-    for (uint32_t l = 0; l < s.layers; ++l) {
-      sa.append(l, k.data(), v.data(), 40);
-      sb.append(l, k.data(), v.data(), 40);
-    }
-  }
+  expect_same_decodes(b, sb, a, sa, s, ctx, 3);
   // Saved again after the load: the same bytes but the time of saving.
   sb.save(dir.file("again.wkv"));
   sa.save(dir.file("first.wkv"));
@@ -398,13 +389,8 @@ TEST(Int8Pages, AFileZeroesTheUnusedRowsTheirScalesAndThePadding) {
   seq.append(0, k.data(), v.data(), 77);
   const std::string path = dir.file("seq.wkv");
   seq.save(path);
-  wkv::FileIO &io = wkv::posix_io();
-  const int fd = io.open_read(path.c_str());
-  wkv::SeqFileReader reader(io, fd);
-  ASSERT_TRUE(reader.open().is_ok());
-  wkv::LayerSnapshot snap;
-  ASSERT_TRUE(reader.read_layer(0, &snap).is_ok());
-  io.close(fd);
+  const wkv::LayerSnapshot snap = layer_of(path, 0);
+  ASSERT_EQ(snap.heads.size(), 2u);
   wkv::Config cfg;
   ASSERT_TRUE(wkv::resolve_config(&c, &cfg).is_ok());
   const uint32_t pt = cfg.page_tokens(), slot = cfg.page_slot_bytes(), sc = cfg.page_scales_at(), d = 64;
