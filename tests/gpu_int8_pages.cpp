@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "files_support.hpp"
+#include "files_checks.hpp"
 #include "gpu_support.hpp"
 #include "kernels/dtype.hpp"
 #include "kernels/kmeans_cuda.hpp"

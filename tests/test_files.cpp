@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "files_support.hpp"
+#include "files_checks.hpp"
 #include "lib/engine/engine.hpp"
 #include "lib/engine/plan.hpp"
 #include "lib/engine/sequence.hpp"

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "files_support.hpp"
+#include "files_checks.hpp"
 #include "kernels/dtype.hpp"
 #include "lib/common/config.hpp"
 
