@@ -63,9 +63,11 @@ Outcome run_cli(std::vector<std::string> args) {
 }
 
 // A saved sequence of the default shape.
-std::string save_one(const ScratchDir &dir) {
+std::string save_one(const ScratchDir &dir, uint32_t page_format = WKV_PAGE_FORMAT_STORAGE) {
   const Shape s;
-  wavekv::Engine e(file_config(s));
+  wkv_config c = file_config(s);
+  c.page_format = page_format;
+  wavekv::Engine e(c);
   wavekv::Sequence seq(e);
   Context ctx(s);
   fill(seq, s, ctx);
@@ -161,6 +163,27 @@ TEST(Cli, InspectDescribesAFile) {
   EXPECT_LE(head["page_fill"].get<double>(), 1.0);
   ASSERT_EQ(j["sections"].size(), 18u);
   for (const nlohmann::json &s : j["sections"]) EXPECT_EQ(s["state"], "ok");
+}
+
+TEST(Cli, InspectNamesThePageFormat) {
+  ScratchDir dir;
+  Outcome r = run_cli({"inspect", save_one(dir)});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("slots of 4096 bytes, rows in f16"), std::string::npos) << r.out;
+  const std::string path = save_one(dir, WKV_PAGE_FORMAT_INT8);
+  r = run_cli({"inspect", path});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("30 tokens (2048 bytes of K), slots of 4096 bytes, 8-bit rows with a scale each"),
+            std::string::npos)
+      << r.out;
+  r = run_cli({"inspect", path, "--json"});
+  ASSERT_EQ(r.status, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["format_version"], 2);
+  EXPECT_EQ(j["settings"]["page_format"], "int8");
+  EXPECT_EQ(j["settings"]["page_tokens"], 30);
+  r = run_cli({"verify", path});
+  EXPECT_EQ(r.status, 0) << r.out;
 }
 
 TEST(Cli, EveryCorruptionIsReportedWithoutACrash) {
