@@ -268,33 +268,28 @@ Status CpuBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *) {
   const uint32_t pt = cfg.page_tokens(), d = cfg.c.head_dim;
   const size_t row = cfg.row_bytes();
   HostArena &arena = e_.arena();
-  if (!cfg.int8_pages()) {
-    e_.pool().parallel_for(n, [&](size_t i) {
-      const PageWriteJob &j = jobs[i];
-      for (uint32_t t = 0; t < j.tokens; ++t) {
-        uint8_t *slot = arena.page_ptr(j.pages[t / pt]);
-        const size_t src = static_cast<size_t>(j.order[t]) * row;
-        std::memcpy(slot + static_cast<size_t>(t % pt) * row, j.k + src, row);
-        std::memcpy(slot + static_cast<size_t>(pt + t % pt) * row, j.v + src, row);
-      }
-    });
-    return Status::ok();
-  }
   // 8-bit rows: K rows, V rows, then K scales and V scales (Config::page_scales_at).
+  const bool int8 = cfg.int8_pages();
   const DType dt = cfg.dtype();
-  const uint32_t scales_at = cfg.page_scales_at();
+  const uint32_t scales_at = cfg.page_scales_at(), prow = cfg.page_row_bytes();
   e_.pool().parallel_for(n, [&](size_t i) {
     const PageWriteJob &j = jobs[i];
     float x[256];  // head_dim <= 256 (checked at open)
     for (uint32_t t = 0; t < j.tokens; ++t) {
       uint8_t *slot = arena.page_ptr(j.pages[t / pt]);
       const size_t src = static_cast<size_t>(j.order[t]) * row;
-      float *scales = reinterpret_cast<float *>(slot + scales_at);
       const uint32_t r = t % pt;
+      uint8_t *k = slot + static_cast<size_t>(r) * prow, *v = slot + static_cast<size_t>(pt + r) * prow;
+      if (!int8) {
+        std::memcpy(k, j.k + src, row);
+        std::memcpy(v, j.v + src, row);
+        continue;
+      }
+      float *scales = reinterpret_cast<float *>(slot + scales_at);
       to_float(dt, j.k + src, x, d);
-      quantize_row(x, d, reinterpret_cast<int8_t *>(slot + static_cast<size_t>(r) * d), &scales[r]);
+      quantize_row(x, d, reinterpret_cast<int8_t *>(k), &scales[r]);
       to_float(dt, j.v + src, x, d);
-      quantize_row(x, d, reinterpret_cast<int8_t *>(slot + static_cast<size_t>(pt + r) * d), &scales[pt + r]);
+      quantize_row(x, d, reinterpret_cast<int8_t *>(v), &scales[pt + r]);
     }
   });
   return Status::ok();
