@@ -29,6 +29,12 @@
 #                                  capture (the runtime-captured step:
 #                                  the gpu_capture tests, then the serving
 #                                  bench's verbs against its captured graph)
+#                                  decode-profile (ncu: device time of each
+#                                  kernel of the serving bench's decoding
+#                                  steps, mean us a launch, for each case of
+#                                  PROFILE_CASES, "131072:7 1048576:1",
+#                                  tokens:batch, after its warm-up; the 1M
+#                                  case at a 20% device cache)
 #                                  policies (the device cache's replacement
 #                                  policies against each other: the serving
 #                                  bench at 128K, batch POLICY_BATCHES, 7,
@@ -236,6 +242,42 @@ if want policies; then
       step "cache policy $p, round $round" "rc=$?"
       grep -E "^ +[0-9]+ +[0-9.]+ |cache units per layer-step" "$LOG/policy-$p-$round.log" | tee -a "$LOG/summary.txt"
     done
+  done
+fi
+if want decode-profile && command -v ncu >/dev/null; then
+  # ncu serializes the profiled kernels, so these are device times without
+  # overlap (the estimate beside the gather, say): what each kernel costs,
+  # not the step's critical path.
+  dkern='regex:stage_|logits_kernel|select_kernel|estimate_kernel|offsets_kernel|gather_kernel|attend_kernel|combine_kernel|merge_kernel'
+  for case in ${PROFILE_CASES:-131072:7 1048576:1}; do
+    tok=${case%%:*} batch=${case##*:}
+    frac=0.05
+    [ "$tok" -ge 1048576 ] && frac=0.2
+    WKV_SERVING_CACHE_FRACTION=$frac timeout "${BENCH_TIMEOUT:-300}" ncu --clock-control none \
+      --metrics gpu__time_duration.sum --csv --kernel-name-base function --kernel-name "$dkern" \
+      --launch-skip "${PROFILE_SKIP:-2000}" --launch-count "${PROFILE_COUNT:-1400}" \
+      build-gpu/bin/gpu_serving_bench "$tok" "$batch" "${PROFILE_STEPS:-200}" 4 \
+      > "$LOG/ncu-decode-$tok-$batch.csv" 2> "$LOG/ncu-decode-$tok-$batch.err"
+    step "ncu decode $tok x $batch" "rc=$? (kernel, launches, mean us a launch)"
+    python3 - "$LOG/ncu-decode-$tok-$batch.csv" <<'PY' | tee -a "$LOG/summary.txt"
+import collections, csv, re, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows:
+    sys.exit("  no ncu rows")
+head, rows = rows[0], rows[1:]
+name, unit, val = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
+t, n = collections.defaultdict(float), collections.Counter()
+scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+for r in rows:
+    k = r[name]
+    while re.search(r"<[^<>]*>", k):
+        k = re.sub(r"<[^<>]*>", "", k)
+    k = k.split("(")[0].split("::")[-1].replace("void ", "")
+    t[k] += float(r[val].replace(",", "")) * scale.get(r[unit], 1.0)
+    n[k] += 1
+for k, v in sorted(t.items(), key=lambda x: -x[1]):
+    print(f"  {k[:40]:40s} {n[k]:6d} {v / n[k]:9.2f}")
+PY
   done
 fi
 if want profile && command -v ncu >/dev/null; then
