@@ -306,7 +306,7 @@ TEST(Int8Pages, FilesRoundTripBitForBitRecordTheFormatAndLoadOnlyIntoTheirFormat
 
   std::string msg;
   EXPECT_EQ(load_code(plain, path, &msg), WKV_ERR_INVALID_ARGUMENT);
-  EXPECT_NE(msg.find("file has 8-bit pages, engine storage-dtype pages"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("file has page format int8, engine storage"), std::string::npos) << msg;
   // A file of storage pages stays in format 1, and an 8-bit engine refuses it.
   wavekv::Sequence sp(plain);
   Context ctx2(s);
@@ -315,7 +315,7 @@ TEST(Int8Pages, FilesRoundTripBitForBitRecordTheFormatAndLoadOnlyIntoTheirFormat
   std::vector<uint8_t> pb = read_bytes(dir.file("plain.wkv"));
   EXPECT_EQ(get32(pb, 8), 1u);
   EXPECT_EQ(load_code(a, dir.file("plain.wkv"), &msg), WKV_ERR_INVALID_ARGUMENT);
-  EXPECT_NE(msg.find("file has storage-dtype pages, engine 8-bit pages"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("file has page format storage, engine int8"), std::string::npos) << msg;
   // A page format in format 1's reserved bytes, or one unknown: corrupt.
   pb[148] = 1;
   repair_checksums(pb);

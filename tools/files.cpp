@@ -217,7 +217,7 @@ ordered_json header_json(const wkv::FileHeader &h) {
         {"dtype", file_dtype(c.dtype)}}},
       {"settings",
        {{"page_bytes", c.page_bytes},
-        {"page_format", c.page_format == WKV_PAGE_FORMAT_INT8 ? "int8" : "storage"},
+        {"page_format", wkv::page_format_name(c.page_format)},
         {"page_tokens", h.page_tokens},
         {"page_slot_bytes", h.page_slot_bytes},
         {"segment_tokens", c.segment_tokens},

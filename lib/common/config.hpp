@@ -15,6 +15,12 @@ namespace wkv {
 constexpr uint32_t kHeadDims[] = {64, 80, 96, 128, 256};
 bool head_dim_supported(uint32_t d);
 
+// A page format's name (WKV_PAGE_FORMAT_*), as the engine's statistics,
+// `wavekv inspect`, the error messages and the Python binding spell it.
+inline const char *page_format_name(uint32_t f) {
+  return f == WKV_PAGE_FORMAT_INT8 ? "int8" : f == WKV_PAGE_FORMAT_STORAGE ? "storage" : "unknown";
+}
+
 struct Config {
   wkv_config c{};  // resolved: size = sizeof(wkv_config), defaults applied
   uint32_t env_overrides = 0;  // bit i: env_override_name(i) set a field

@@ -230,7 +230,7 @@ std::string Engine::stats_json() {
       {"estimation_frac", decimal(c.estimation_frac)},
       {"page_bytes", c.page_bytes},
       {"page_tokens", cfg_.page_tokens()},
-      {"page_format", cfg_.int8_pages() ? "int8" : "storage"},
+      {"page_format", page_format_name(cfg_.c.page_format)},
       {"threads", pool_->threads()},
       {"host_budget_bytes", c.host_budget_bytes},
       {"host_chunk_bytes", c.host_chunk_bytes},

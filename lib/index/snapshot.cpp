@@ -180,9 +180,8 @@ Status check_snapshot(const Config &cfg, const LayerSnapshot &s) {
   SNAP_CHECK(got.n_kv_heads == want.n_kv_heads && got.head_dim == want.head_dim && got.dtype == want.dtype,
              "snapshot shape (n_kv_heads %u, head_dim %u, dtype %u) differs from the engine's (%u, %u, %u)",
              got.n_kv_heads, got.head_dim, got.dtype, want.n_kv_heads, want.head_dim, want.dtype);
-  SNAP_CHECK(got.page_format == want.page_format, "snapshot pages hold %s rows, the engine's %s rows",
-             got.page_format == WKV_PAGE_FORMAT_INT8 ? "8-bit" : "storage dtype",
-             want.page_format == WKV_PAGE_FORMAT_INT8 ? "8-bit" : "storage dtype");
+  SNAP_CHECK(got.page_format == want.page_format, "snapshot page format %s differs from the engine's (%s)",
+             page_format_name(got.page_format), page_format_name(want.page_format));
   SNAP_CHECK(got.page_tokens == want.page_tokens && got.page_slot_bytes == want.page_slot_bytes,
              "snapshot pages (%u tokens, %u bytes) differ from the engine's (%u, %u)", got.page_tokens,
              got.page_slot_bytes, want.page_tokens, want.page_slot_bytes);

@@ -159,9 +159,8 @@ Status check_file_shape(const FileHeader &h, const Config &engine) {
     diff += format("%sfile has dtype %s, engine %s", diff.empty() ? "" : "; ",
                    dtype_name(static_cast<DType>(f.dtype)), dtype_name(engine.dtype()));
   if (f.page_format != e.page_format)
-    diff += format("%sfile has %s pages, engine %s pages", diff.empty() ? "" : "; ",
-                   f.page_format == WKV_PAGE_FORMAT_INT8 ? "8-bit" : "storage-dtype",
-                   e.page_format == WKV_PAGE_FORMAT_INT8 ? "8-bit" : "storage-dtype");
+    diff += format("%sfile has page format %s, engine %s", diff.empty() ? "" : "; ",
+                   page_format_name(f.page_format), page_format_name(e.page_format));
   differs("page_tokens", h.page_tokens, engine.page_tokens());
   differs("page_slot_bytes", h.page_slot_bytes, engine.page_slot_bytes());
   differs("sink_tokens", f.sink_tokens, e.sink_tokens);
