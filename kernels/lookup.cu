@@ -10,14 +10,16 @@
 //                       its clusters, meeting through distributed shared
 //                       memory; one CTA elsewhere or for small runs):
 //                       per-head softmax statistics, scores,
-//                       a radix select of the two thresholds, compaction in
-//                       id order, ret_pos and run_tokens; with n_one > 0 two
-//                       rounds (the retrieval zone of both classes, then
-//                       the estimation zone of the rest); every cluster's
-//                       zone. Where pages may be out (DevRun::cold_pt), a
-//                       retrieval cluster with one is marked kColdCluster,
-//                       counts no member, goes after the run's estimation
-//                       clusters and into the run's report (DevRun::wants).
+//                       a radix select of the thresholds, compaction in id
+//                       order, ret_pos and run_tokens; with n_one > 0 the
+//                       thresholds of both classes and of the best n_sel,
+//                       and a second round (the estimation zone of the
+//                       rest) only where a retrieval cluster falls outside
+//                       the best n_sel; every cluster's zone. Where pages
+//                       may be out (DevRun::cold_pt), a retrieval cluster
+//                       with one is marked kColdCluster, counts no member,
+//                       goes after the run's estimation clusters and into
+//                       the run's report (DevRun::wants).
 //   3. estimate_kernel  (run, group of up to 8 heads) pairs, each split over
 //                       a cluster of 8 CTAs on sm_90 that merge through
 //                       distributed shared memory: est_out and est_lse,
@@ -310,15 +312,20 @@ __global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel
 
 // 2. Scores, selection, ret_pos, run_tokens ---------------------------------
 
+// Selections the selection kernel makes at once, at most: with clusters of
+// one ranked apart, the larger clusters' retrieval zone, the clusters of
+// one's and the best n_ret + n_est of all (select_kernel, 2c').
+constexpr uint32_t kSelTargets = 3;
+
 struct SelectShared {
   float red_m[kSelectWarps], red_s[kSelectWarps];
   float loc_m[kMaxGroup], loc_s[kMaxGroup];  // this CTA's softmax statistics, per head
   float head_m[kMaxGroup], head_inv[kMaxGroup];
-  uint32_t hist[2][2][256];  // [pass parity][target][bin]: a pass fills one while the CTAs may read the other
-  uint32_t prefix[2], krem[2];
-  uint32_t wcnt[kSelectWarps][4];  // per warp: > T_ret, == T_ret, > T_sel, == T_sel
-  uint32_t loc_tot[4];             // this CTA's totals of the four counts
-  uint32_t tot[4], before[4];      // the run's totals; the CTAs' before this one
+  uint32_t hist[2][kSelTargets][256];  // [pass parity][target][bin]: a pass fills one while the CTAs may read the other
+  uint32_t prefix[kSelTargets], krem[kSelTargets];
+  uint32_t wcnt[kSelectWarps][2 * kSelTargets];  // per warp and target: > threshold, == threshold
+  uint32_t loc_tot[2 * kSelTargets];             // this CTA's totals of those counts
+  uint32_t tot[2 * kSelTargets], before[2 * kSelTargets];  // the run's totals; the CTAs' before this one
   uint32_t ret_n, ret_tokens;      // this CTA's retrieval clusters and their members
   uint32_t cold_n;                 // of them, clusters with a page out (DevRun::cold_pt)
   uint32_t tmp[32];
@@ -362,7 +369,11 @@ __device__ void radix_pick(SelectShared &sh, uint32_t buf, uint32_t t, uint32_t 
   uint32_t cnt[8], local = 0;
 #pragma unroll
   for (uint32_t i = 0; i < 8; ++i) cnt[i] = 0;
-  for (uint32_t k = 0; k < n_ranks; ++k) {
+  // The ranks' loads unrolled, so that they are in flight together (each is
+  // a round trip to another multiprocessor's shared memory).
+#pragma unroll
+  for (uint32_t k = 0; k < kSelectMaxSplit; ++k) {
+    if (k >= n_ranks) break;
     const uint32_t *h = in_rank(&sh.hist[buf][t][0], k);
 #pragma unroll
     for (uint32_t i = 0; i < 8; ++i) cnt[i] += h[255 - lane * 8 - i];
@@ -392,85 +403,88 @@ __device__ void radix_pick(SelectShared &sh, uint32_t buf, uint32_t t, uint32_t 
   }
 }
 
-// Two radix selections at once, 8 bits a pass from the top: for target t
-// with k_t > 0, the k_t-th largest of key_t(c) over the run's c < C (this
-// CTA counting its slice). Keys of 0 are never sought (every score's key is
-// above 0: score_key), so a key function leaves a cluster out by giving it
-// 0. On return sh.prefix[t] is that key, in every CTA of the run. One
-// cluster barrier a pass: a pass fills the histograms of its parity, so
-// that clearing them two passes later cannot race a slower CTA's reads.
-template <typename K0, typename K1>
-__device__ void radix_select2(SelectShared &sh, const Slice &sl, K0 key0, uint32_t k0, K1 key1, uint32_t k1) {
+// N radix selections at once (N <= kSelTargets), 8 bits a pass from the
+// top: for target t with k[t] > 0, the k[t]-th largest of keys(c, t) over
+// the run's c < C (this CTA counting its slice). Keys of 0 are never sought
+// (every score's key is above 0: score_key), so a key function leaves a
+// cluster out by giving it 0. On return sh.prefix[t] is that key, in every
+// CTA of the run. One cluster barrier a pass: a pass fills the histograms
+// of its parity, so that clearing them two passes later cannot race a
+// slower CTA's reads.
+template <uint32_t N, typename Keys>
+__device__ void radix_select(SelectShared &sh, const Slice &sl, Keys keys, const uint32_t (&k)[N]) {
+  static_assert(N >= 1 && N <= kSelTargets, "targets");
   const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const bool want0 = k0 > 0, want1 = k1 > 0;
-  if (tid == 0) {
-    sh.prefix[0] = sh.prefix[1] = 0;
-    sh.krem[0] = k0;
-    sh.krem[1] = k1;
+  if (tid < N) {
+    sh.prefix[tid] = 0;
+    sh.krem[tid] = k[tid];
   }
   for (uint32_t pass = 0; pass < 4; ++pass) {
     const uint32_t shift = 24 - 8 * pass;
     const uint32_t hmask = pass == 0 ? 0u : ~0u << (shift + 8);
     uint32_t(*hist)[256] = sh.hist[pass & 1];
-    for (uint32_t i = tid; i < 512; i += kSelectThreads) (&hist[0][0])[i] = 0;
+    for (uint32_t i = tid; i < N * 256; i += kSelectThreads) (&hist[0][0])[i] = 0;
     __syncthreads();
-    const uint32_t p0 = sh.prefix[0], p1 = sh.prefix[1];
+    uint32_t p[N];
+#pragma unroll
+    for (uint32_t t = 0; t < N; ++t) p[t] = sh.prefix[t];
     // Scores crowd into few bins (all lanes hit one bin in the first
     // passes): lanes of a warp with equal bins add once, together.
     for (uint32_t base = sl.lo; base < sl.hi; base += kSelectThreads) {
       const uint32_t c = base + tid;
       const bool ok = c < sl.hi;
-      if (want0) {
-        const uint32_t k = ok ? key0(c) : 0u;
-        const uint32_t bin = (k >> shift) & 255u;
-        const bool m = ok && (k & hmask) == p0;
+#pragma unroll
+      for (uint32_t t = 0; t < N; ++t) {
+        if (k[t] == 0) continue;  // uniform over the run
+        const uint32_t key = ok ? keys(c, t) : 0u;
+        const uint32_t bin = (key >> shift) & 255u;
+        const bool m = ok && (key & hmask) == p[t];
+        // After the first passes few keys match the prefix: a warp with
+        // none skips the match (a vote costs far less).
+        if (!__any_sync(kFull, m)) continue;
         const uint32_t peers = __match_any_sync(kFull, m ? bin : 256u);
-        if (m && lane == __ffs(peers) - 1) atomicAdd(&hist[0][bin], __popc(peers));
-      }
-      if (want1) {
-        const uint32_t k = ok ? key1(c) : 0u;
-        const uint32_t bin = (k >> shift) & 255u;
-        const bool m = ok && (k & hmask) == p1;
-        const uint32_t peers = __match_any_sync(kFull, m ? bin : 256u);
-        if (m && lane == __ffs(peers) - 1) atomicAdd(&hist[1][bin], __popc(peers));
+        if (m && lane == __ffs(peers) - 1) atomicAdd(&hist[t][bin], __popc(peers));
       }
     }
     cluster_barrier();  // every CTA's histograms of this pass are complete
-    if (warp == 0 && want0) radix_pick(sh, pass & 1, 0, shift, sl.n);
-    if (warp == 1 && want1) radix_pick(sh, pass & 1, 1, shift, sl.n);
+    if (warp < N && k[warp] > 0) radix_pick(sh, pass & 1, warp, shift, sl.n);
     __syncthreads();  // prefix and krem for the next pass (and the caller)
   }
 }
 
-// Compaction of two selections in id order. Selection t holds the c with
-// key_t(c) > t_t, and the lowest ids of those with key_t(c) == t_t up to
-// k_t in all (t_t = 0xffffffff and k_t = 0: none). The CTAs of the run own
-// consecutive slices and warp w of a CTA a consecutive part of its slice;
-// the count of ids below c that selection t holds is gt_t(<c) +
-// min(eq_t(<c), need_t). emit(c, in_0, in_1, before_0, before_1) runs for
-// every c of the slice.
-template <typename K0, typename K1, typename Emit>
-__device__ void compact2(SelectShared &sh, const Slice &sl, K0 key0, uint32_t t0, uint32_t k0, K1 key1,
-                         uint32_t t1, uint32_t k1, Emit emit) {
+// Compaction of N selections in id order. Selection t holds the c with
+// keys(c, t) > th[t], and the lowest ids of those with keys(c, t) == th[t]
+// up to k[t] in all (th[t] = 0xffffffff and k[t] = 0: none). The CTAs of
+// the run own consecutive slices and warp w of a CTA a consecutive part of
+// its slice; the count of ids below c that selection t holds is gt_t(<c) +
+// min(eq_t(<c), need_t). emit(c, in, before) runs for every c of the slice,
+// in[t] whether selection t holds c and before[t] that count.
+template <uint32_t N, typename Keys, typename Emit>
+__device__ void compact(SelectShared &sh, const Slice &sl, Keys keys, const uint32_t (&th)[N],
+                        const uint32_t (&k)[N], Emit emit) {
+  static_assert(N >= 1 && N <= kSelTargets, "targets");
   const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const uint32_t seg = (sl.hi - sl.lo + kSelectThreads - 1) / kSelectThreads * 32;
   const uint32_t lo = min(sl.hi, sl.lo + warp * seg), hi = min(sl.hi, lo + seg);
-  uint32_t cnt[4] = {0, 0, 0, 0};
+  uint32_t cnt[2 * N];
+#pragma unroll
+  for (uint32_t i = 0; i < 2 * N; ++i) cnt[i] = 0;
   for (uint32_t base = lo; base < hi; base += 32) {
     const uint32_t c = base + lane;
     const bool ok = c < hi;
-    const uint32_t a = ok ? key0(c) : 0u, b = ok ? key1(c) : 0u;
-    cnt[0] += __popc(__ballot_sync(kFull, ok && a > t0));
-    cnt[1] += __popc(__ballot_sync(kFull, ok && a == t0));
-    cnt[2] += __popc(__ballot_sync(kFull, ok && b > t1));
-    cnt[3] += __popc(__ballot_sync(kFull, ok && b == t1));
+#pragma unroll
+    for (uint32_t t = 0; t < N; ++t) {
+      const uint32_t a = ok ? keys(c, t) : 0u;
+      cnt[2 * t] += __popc(__ballot_sync(kFull, ok && a > th[t]));
+      cnt[2 * t + 1] += __popc(__ballot_sync(kFull, ok && a == th[t]));
+    }
   }
   if (lane == 0)
-    for (uint32_t i = 0; i < 4; ++i) sh.wcnt[warp][i] = cnt[i];
+    for (uint32_t i = 0; i < 2 * N; ++i) sh.wcnt[warp][i] = cnt[i];
   __syncthreads();
   if (warp == 0) {
 #pragma unroll
-    for (uint32_t i = 0; i < 4; ++i) {
+    for (uint32_t i = 0; i < 2 * N; ++i) {
       const uint32_t v = sh.wcnt[lane][i];
       uint32_t x = v;
 #pragma unroll
@@ -483,11 +497,11 @@ __device__ void compact2(SelectShared &sh, const Slice &sl, K0 key0, uint32_t t0
     }
   }
   cluster_barrier();  // every CTA's totals are complete
-  if (tid < 4) {
+  if (tid < 2 * N) {
     uint32_t before = 0, total = 0;
-    for (uint32_t k = 0; k < sl.n; ++k) {
-      const uint32_t v = in_rank(&sh.loc_tot[0], k)[tid];
-      if (k < sl.rank) before += v;
+    for (uint32_t r = 0; r < sl.n; ++r) {
+      const uint32_t v = in_rank(&sh.loc_tot[0], r)[tid];
+      if (r < sl.rank) before += v;
       total += v;
     }
     sh.before[tid] = before;
@@ -496,28 +510,31 @@ __device__ void compact2(SelectShared &sh, const Slice &sl, K0 key0, uint32_t t0
   // (loc_tot is rewritten by the next compaction only after the radix
   // selection between, whose barriers every CTA reaches after this read.)
   __syncthreads();
-  const uint32_t need0 = k0 > 0 ? k0 - sh.tot[0] : 0u, need1 = k1 > 0 ? k1 - sh.tot[2] : 0u;
-  uint32_t gt0 = sh.before[0] + sh.wcnt[warp][0], eq0 = sh.before[1] + sh.wcnt[warp][1];
-  uint32_t gt1 = sh.before[2] + sh.wcnt[warp][2], eq1 = sh.before[3] + sh.wcnt[warp][3];
+  uint32_t need[N], gt[N], eq[N];
+#pragma unroll
+  for (uint32_t t = 0; t < N; ++t) {
+    need[t] = k[t] > 0 ? k[t] - sh.tot[2 * t] : 0u;
+    gt[t] = sh.before[2 * t] + sh.wcnt[warp][2 * t];
+    eq[t] = sh.before[2 * t + 1] + sh.wcnt[warp][2 * t + 1];
+  }
   const uint32_t lt = (1u << lane) - 1u;
   for (uint32_t base = lo; base < hi; base += 32) {
     const uint32_t c = base + lane;
     const bool ok = c < hi;
-    const uint32_t a = ok ? key0(c) : 0u, b = ok ? key1(c) : 0u;
-    const uint32_t b_gt0 = __ballot_sync(kFull, ok && a > t0);
-    const uint32_t b_eq0 = __ballot_sync(kFull, ok && a == t0);
-    const uint32_t b_gt1 = __ballot_sync(kFull, ok && b > t1);
-    const uint32_t b_eq1 = __ballot_sync(kFull, ok && b == t1);
-    const uint32_t eq0_b = eq0 + __popc(b_eq0 & lt), eq1_b = eq1 + __popc(b_eq1 & lt);
-    const uint32_t before0 = gt0 + __popc(b_gt0 & lt) + min(eq0_b, need0);
-    const uint32_t before1 = gt1 + __popc(b_gt1 & lt) + min(eq1_b, need1);
-    const bool in0 = ok && (a > t0 || (a == t0 && eq0_b < need0));
-    const bool in1 = ok && (b > t1 || (b == t1 && eq1_b < need1));
-    if (ok) emit(c, in0, in1, before0, before1);
-    gt0 += __popc(b_gt0);
-    eq0 += __popc(b_eq0);
-    gt1 += __popc(b_gt1);
-    eq1 += __popc(b_eq1);
+    bool in[N];
+    uint32_t before[N];
+#pragma unroll
+    for (uint32_t t = 0; t < N; ++t) {
+      const uint32_t a = ok ? keys(c, t) : 0u;
+      const uint32_t b_gt = __ballot_sync(kFull, ok && a > th[t]);
+      const uint32_t b_eq = __ballot_sync(kFull, ok && a == th[t]);
+      const uint32_t eq_b = eq[t] + __popc(b_eq & lt);
+      before[t] = gt[t] + __popc(b_gt & lt) + min(eq_b, need[t]);
+      in[t] = ok && (a > th[t] || (a == th[t] && eq_b < need[t]));
+      gt[t] += __popc(b_gt);
+      eq[t] += __popc(b_eq);
+    }
+    if (ok) emit(c, in, before);
   }
   __syncthreads();
 }
@@ -688,47 +705,72 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
     if (n_sel == 0) {
       for (uint32_t c = sl.lo + tid; c < sl.hi; c += kSelectThreads) zone[c] = 0;
     } else {
-      radix_select2(sh, sl, key, n_sel, key, n_ret);
-      const uint32_t t_sel = sh.prefix[0], t_ret = n_ret > 0 ? sh.prefix[1] : 0xffffffffu;
-      compact2(sh, sl, key, t_sel, n_sel, key, t_ret, n_ret,
-               [&](uint32_t c, bool in_sel, bool in_ret, uint32_t sel_b, uint32_t ret_b) {
-                 if (in_ret) {
-                   ret_ids[ret_b] = take_ret(c);
-                 } else if (in_sel) {
-                   est_ids[sel_b - ret_b] = c;
-                 }
-                 zone[c] = in_ret ? 1 : in_sel ? 2 : 0;
-               });
+      auto keys = [&](uint32_t c, uint32_t) { return key(c); };
+      radix_select<2>(sh, sl, keys, {n_sel, n_ret});
+      const uint32_t th[2] = {sh.prefix[0], n_ret > 0 ? sh.prefix[1] : 0xffffffffu};
+      compact<2>(sh, sl, keys, th, {n_sel, n_ret}, [&](uint32_t c, const bool (&in)[2], const uint32_t (&b)[2]) {
+        if (in[1]) {
+          ret_ids[b[1]] = take_ret(c);
+        } else if (in[0]) {
+          est_ids[b[0] - b[1]] = c;
+        }
+        zone[c] = in[1] ? 1 : in[0] ? 2 : 0;
+      });
     }
   } else {
-    // 2c'. Clusters of one ranked apart: the top n_ret - n_one of the
-    // others and the top n_one of them, then the top n_est of the rest.
+    // 2c'. Clusters of one ranked apart: the retrieval zone is the top
+    // n_reg = n_ret - n_one of the others and the top n_one of them; the
+    // estimation zone the top n_est of the rest. One round of selection
+    // finds the thresholds of both classes and that of S, the top n_sel of
+    // all. Where both classes' thresholds lie above S's, every retrieval
+    // cluster is in S and outranks the rest of it, so that the estimation
+    // zone is S less the retrieval zone, and one compaction lays out both
+    // (select_zones_split's two passes, in one). Otherwise a second round
+    // selects the estimation zone from what the retrieval zone left.
     const uint32_t n_reg = n_ret - z.n_one;
     auto is_one = [&](uint32_t c) { return use_smem ? (cls_s[c - sl.lo] & 1) != 0 : run.size[c] == 1; };
-    auto reg = [&](uint32_t c) { return is_one(c) ? 0u : key(c); };
-    auto one = [&](uint32_t c) { return is_one(c) ? key(c) : 0u; };
-    radix_select2(sh, sl, reg, n_reg, one, z.n_one);
-    const uint32_t t_reg = n_reg > 0 ? sh.prefix[0] : 0xffffffffu, t_one = sh.prefix[1];
-    compact2(sh, sl, reg, t_reg, n_reg, one, t_one, z.n_one,
-             [&](uint32_t c, bool in_reg, bool in_one, uint32_t reg_b, uint32_t one_b) {
-               if (in_reg || in_one) {
-                 ret_ids[reg_b + one_b] = take_ret(c);
-                 if (use_smem) cls_s[c - sl.lo] |= 2;
-               }
-               zone[c] = in_reg || in_one ? 1 : 0;
-             });
-    __syncthreads();  // the zones of the slice written above are read below
-    if (z.n_est > 0) {
-      auto in_ret = [&](uint32_t c) { return use_smem ? (cls_s[c - sl.lo] & 2) != 0 : zone[c] != 0; };
-      auto rest = [&](uint32_t c) { return in_ret(c) ? 0u : key(c); };
-      radix_select2(sh, sl, rest, z.n_est, rest, 0);
-      compact2(sh, sl, rest, sh.prefix[0], z.n_est, rest, 0xffffffffu, 0,
-               [&](uint32_t c, bool in_est, bool, uint32_t est_b, uint32_t) {
-                 if (in_est) {
-                   est_ids[est_b] = c;
-                   zone[c] = 2;
-                 }
-               });
+    // Target 0: the larger clusters; 1: the clusters of one; 2: all.
+    auto keys = [&](uint32_t c, uint32_t t) {
+      const uint32_t k = key(c);
+      return t == 2 || (t == 1) == is_one(c) ? k : 0u;
+    };
+    const uint32_t ks[3] = {n_reg, z.n_one, z.n_est > 0 ? n_sel : 0u};
+    radix_select<3>(sh, sl, keys, ks);
+    const uint32_t th[3] = {n_reg > 0 ? sh.prefix[0] : 0xffffffffu, sh.prefix[1], sh.prefix[2]};
+    // The same in every CTA of the run (the thresholds are the run's).
+    const bool one_round = z.n_est > 0 && th[0] > th[2] && th[1] > th[2];
+    if (one_round) {
+      compact<3>(sh, sl, keys, th, ks, [&](uint32_t c, const bool (&in)[3], const uint32_t (&b)[3]) {
+        if (in[0] || in[1]) {
+          ret_ids[b[0] + b[1]] = take_ret(c);
+        } else if (in[2]) {
+          est_ids[b[2] - b[0] - b[1]] = c;
+        }
+        zone[c] = in[0] || in[1] ? 1 : in[2] ? 2 : 0;
+      });
+    } else {
+      const uint32_t th2[2] = {th[0], th[1]};
+      compact<2>(sh, sl, keys, th2, {n_reg, z.n_one},
+                 [&](uint32_t c, const bool (&in)[2], const uint32_t (&b)[2]) {
+                   if (in[0] || in[1]) {
+                     ret_ids[b[0] + b[1]] = take_ret(c);
+                     if (use_smem) cls_s[c - sl.lo] |= 2;
+                   }
+                   zone[c] = in[0] || in[1] ? 1 : 0;
+                 });
+      __syncthreads();  // the zones of the slice written above are read below
+      if (z.n_est > 0) {
+        auto in_ret = [&](uint32_t c) { return use_smem ? (cls_s[c - sl.lo] & 2) != 0 : zone[c] != 0; };
+        auto rest = [&](uint32_t c, uint32_t) { return in_ret(c) ? 0u : key(c); };
+        radix_select<1>(sh, sl, rest, {z.n_est});
+        const uint32_t th_est[1] = {sh.prefix[0]};
+        compact<1>(sh, sl, rest, th_est, {z.n_est}, [&](uint32_t c, const bool (&in)[1], const uint32_t (&b)[1]) {
+          if (in[0]) {
+            est_ids[b[0]] = c;
+            zone[c] = 2;
+          }
+        });
+      }
     }
   }
   // ret_ids of the slice are written (read below); the CTAs' retrieval

@@ -141,6 +141,10 @@ struct LookupSpec {
   bool spread = false;   // runs have spreads (WKV_METHOD_SPREAD)
   bool ones = false;     // a fifth of the clusters have one member, ranked apart (WKV_METHOD_ONES)
   bool tail = false;     // runs have a value mean (WKV_METHOD_TAIL)
+  // With ones: the clusters of one score near zero (centroids near the
+  // origin), so that the best of them lie outside the best n_ret + n_est of
+  // all and the selection takes its second round.
+  bool ones_low = false;
   // The centroids' f16 copy (DevRun::centroid16): kF32Only none; kNarrow the
   // copy, centroids drawn as f16 values and the f32 array poisoned, so that
   // only the copy gives the right logits; kOverflowed the copy flagged out
@@ -177,6 +181,9 @@ struct LookupOutputs {
   std::vector<float> est_out, est_lse, logits, scores;
   std::vector<int32_t> offsets;
   std::vector<uint8_t> zones;
+  // Runs with clusters of one whose retrieval zone lies within the best
+  // n_ret + n_est of all (one round of selection) and runs where it does not.
+  uint32_t ones_within = 0, ones_outside = 0;
 };
 
 // Builds the runs of spec on the device, runs lookup_zones (with or without
@@ -234,8 +241,9 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
     for (float &x : distinct) x = normal(rng);
     for (uint32_t c = 0; c < h.C; ++c) {
       const uint32_t pick = c % 3;
+      const bool low = spec.ones_low && sizes[h.size_off + c] == 1;
       for (uint32_t i = 0; i < d; ++i)
-        centroid.push_back(spec.ties ? distinct[pick * d + i] : mean[i] + normal(rng));
+        centroid.push_back(low ? 0.01f * normal(rng) : spec.ties ? distinct[pick * d + i] : mean[i] + normal(rng));
       for (uint32_t i = 0; i < d; ++i) value_sum.push_back(8.f * normal(rng));
       spread.push_back(sizes[h.size_off + c] == 1 ? 0.f : spread_dist(rng));
     }
@@ -414,6 +422,13 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
         ASSERT_EQ(got.ret_ids[h.ret_off + i], want_ret[i]) << "ret_ids[" << i << "]";
       for (uint32_t i = 0; i < h.n_est; ++i)
         ASSERT_EQ(got.est_ids[h.est_off + i], want_est[i]) << "est_ids[" << i << "]";
+      if (C > 0 && h.n_one > 0 && h.n_est > 0) {
+        // Which of the selection's ways the run took.
+        std::vector<uint32_t> best(h.n_ret + h.n_est);
+        select_zones(gs, C, h.n_ret + h.n_est, 0, best.data(), scratch.data(), scratch.data() + C);
+        const bool within = std::includes(best.begin(), best.end(), want_ret.begin(), want_ret.end());
+        ++(within ? got.ones_within : got.ones_outside);
+      }
     } else {
       // Without the scores the ids are checked by the caller against a run
       // with them; here only their shape.
@@ -516,6 +531,37 @@ TEST(LookupZones, TheRefinementsMatchCpu) {
     }
 }
 
+// With clusters of one ranked apart, the estimation zone is the best n_est
+// of what the retrieval zone leaves: S less the retrieval zone where that
+// lies within S (the best n_ret + n_est of all; one round of selection),
+// else a second round. Both ways, over runs in one CTA and split over
+// clusters of CTAs.
+TEST(LookupZones, TheEstimationZoneMatchesCpuWhereverTheOnesRank) {
+  REQUIRE_GPU();
+  uint64_t seed = 1700;
+  uint32_t within = 0, outside = 0;
+  for (bool low : {false, true})
+    for (Zones z : {Zones::kEngineRule, Zones::kRandom}) {
+      LookupSpec spec;
+      spec.d = 128;
+      spec.G = 4;
+      spec.seed = ++seed;
+      spec.ones = spec.tail = spec.spread = true;
+      spec.ones_low = low;
+      spec.zones = z;
+      spec.clusters = {40000, 3000, 9, 20000, 1, 700};
+      SCOPED_TRACE(std::string(low ? "ones score low" : "ones score as the rest") +
+                   (z == Zones::kRandom ? ", random zones" : ", the engine's zones"));
+      LookupOutputs got;
+      check_lookup(spec, true, &got);
+      if (HasFatalFailure()) return;
+      within += got.ones_within;
+      outside += got.ones_outside;
+    }
+  EXPECT_GT(within, 0u);
+  EXPECT_GT(outside, 0u);
+}
+
 TEST(LookupZones, TheRefinementsSelectThroughTheGlobalScratch) {
   REQUIRE_GPU();
   LookupSpec spec;
@@ -593,10 +639,9 @@ TEST(LookupZones, LargeRunsSelectThroughTheGlobalScratch) {
 }
 
 // A large run splits every run's selection over a cluster of CTAs (on
-// sm_90): of 16 CTAs with 7 runs on a device of 112 multiprocessors or more
-// that holds 7 such clusters at once (slices of 2500 clusters), of 8 with 12
-// runs (slices of 5000); small runs leave CTAs with empty slices, ties cross
-// slices, clusters of one are ranked apart across them.
+// sm_90): of 8 CTAs with 7 runs and with 12 (slices of 5000 clusters) on a
+// device of 96 multiprocessors or more; small runs leave CTAs with empty slices, ties cross slices, clusters of
+// one are ranked apart across them.
 TEST(LookupZones, RunsSplitOverAClusterOfCtasMatchCpu) {
   REQUIRE_GPU();
   uint64_t seed = 900;

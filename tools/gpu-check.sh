@@ -267,7 +267,7 @@ if not rows:
 head, rows = rows[0], rows[1:]
 name, unit, val = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
 t, n = collections.defaultdict(float), collections.Counter()
-scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
 for r in rows:
     k = r[name]
     while re.search(r"<[^<>]*>", k):
@@ -277,6 +277,43 @@ for r in rows:
     n[k] += 1
 for k, v in sorted(t.items(), key=lambda x: -x[1]):
     print(f"  {k[:40]:40s} {n[k]:6d} {v / n[k]:9.2f}")
+PY
+    # Where the lookup's kernels wait (PROFILE_DETAIL=0: not): throughputs,
+    # occupancy and the warps' stall reasons, per issued instruction, of
+    # PROFILE_DETAIL_KERNELS, a few launches each (replayed per metric pass).
+    [ "${PROFILE_DETAIL:-1}" = 1 ] || continue
+    WKV_SERVING_CACHE_FRACTION=$frac timeout "${BENCH_TIMEOUT:-300}" ncu --clock-control none --csv \
+      --kernel-name-base function --kernel-name "regex:${PROFILE_DETAIL_KERNELS:-select_kernel|logits_kernel}" \
+      --launch-skip 400 --launch-count 4 \
+      --metrics 'gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,dram__bytes_read.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__cycles_active.avg,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+      build-gpu/bin/gpu_serving_bench "$tok" "$batch" 120 4 \
+      > "$LOG/ncu-detail-$tok-$batch.csv" 2> "$LOG/ncu-detail-$tok-$batch.err"
+    step "ncu detail $tok x $batch" "rc=$? (metric: mean of the launches, per kernel)"
+    python3 - "$LOG/ncu-detail-$tok-$batch.csv" <<'PY' | tee -a "$LOG/summary.txt"
+import collections, csv, re, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows:
+    sys.exit("  no ncu rows")
+head, rows = rows[0], rows[1:]
+name, metric, val = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value")
+acc = collections.defaultdict(lambda: collections.defaultdict(list))
+for r in rows:
+    k = r[name]
+    while re.search(r"<[^<>]*>", k):
+        k = re.sub(r"<[^<>]*>", "", k)
+    k = k.split("(")[0].split("::")[-1].replace("void ", "")
+    try:
+        acc[k][r[metric]].append(float(r[val].replace(",", "")))
+    except ValueError:
+        pass
+for k, ms in acc.items():
+    print(f"  {k}")
+    for m, v in sorted(ms.items()):
+        x = sum(v) / len(v)
+        if "stalled" in m and x < 0.05:
+            continue
+        m = m.replace("smsp__average_warps_issue_stalled_", "stall ").replace("_per_issue_active.ratio", "")
+        print(f"    {m[:60]:60s} {x:14.2f}")
 PY
   done
 fi
