@@ -31,7 +31,9 @@
 #                                  bench's verbs against its captured graph)
 #                                  decode-profile (ncu: device time of each
 #                                  kernel of the serving bench's decoding
-#                                  steps, mean us a launch, for each case of
+#                                  steps, median and mean us a launch, and
+#                                  the lookup kernels' stall reasons (unless
+#                                  PROFILE_DETAIL=0), for each case of
 #                                  PROFILE_CASES, "131072:7 1048576:1",
 #                                  tokens:batch, after its warm-up; the 1M
 #                                  case at a 20% device cache)
@@ -258,25 +260,24 @@ if want decode-profile && command -v ncu >/dev/null; then
       --launch-skip "${PROFILE_SKIP:-2000}" --launch-count "${PROFILE_COUNT:-1400}" \
       build-gpu/bin/gpu_serving_bench "$tok" "$batch" "${PROFILE_STEPS:-200}" 4 \
       > "$LOG/ncu-decode-$tok-$batch.csv" 2> "$LOG/ncu-decode-$tok-$batch.err"
-    step "ncu decode $tok x $batch" "rc=$? (kernel, launches, mean us a launch)"
+    step "ncu decode $tok x $batch" "rc=$? (kernel, launches, median and mean us a launch)"
     python3 - "$LOG/ncu-decode-$tok-$batch.csv" <<'PY' | tee -a "$LOG/summary.txt"
-import collections, csv, re, sys
+import collections, csv, re, statistics, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 if not rows:
     sys.exit("  no ncu rows")
 head, rows = rows[0], rows[1:]
 name, unit, val = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
-t, n = collections.defaultdict(float), collections.Counter()
+t = collections.defaultdict(list)
 scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
 for r in rows:
     k = r[name]
     while re.search(r"<[^<>]*>", k):
         k = re.sub(r"<[^<>]*>", "", k)
     k = k.split("(")[0].split("::")[-1].replace("void ", "")
-    t[k] += float(r[val].replace(",", "")) * scale.get(r[unit], 1.0)
-    n[k] += 1
-for k, v in sorted(t.items(), key=lambda x: -x[1]):
-    print(f"  {k[:40]:40s} {n[k]:6d} {v / n[k]:9.2f}")
+    t[k].append(float(r[val].replace(",", "")) * scale.get(r[unit], 1.0))
+for k, v in sorted(t.items(), key=lambda x: -statistics.median(x[1])):
+    print(f"  {k[:40]:40s} {len(v):6d} {statistics.median(v):9.2f} {sum(v) / len(v):9.2f}")
 PY
     # Where the lookup's kernels wait (PROFILE_DETAIL=0: not): throughputs,
     # occupancy and the warps' stall reasons, per issued instruction, of
