@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -181,8 +182,9 @@ struct LookupOutputs {
   std::vector<float> est_out, est_lse, logits, scores;
   std::vector<int32_t> offsets;
   std::vector<uint8_t> zones;
-  // Runs with clusters of one whose retrieval zone lies within the best
-  // n_ret + n_est of all (one round of selection) and runs where it does not.
+  // Runs with clusters of one whose retrieval zone scores above the last of
+  // the best n_ret + n_est of all (the selection's one round) and the others
+  // (its second round).
   uint32_t ones_within = 0, ones_outside = 0;
 };
 
@@ -423,11 +425,17 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
       for (uint32_t i = 0; i < h.n_est; ++i)
         ASSERT_EQ(got.est_ids[h.est_off + i], want_est[i]) << "est_ids[" << i << "]";
       if (C > 0 && h.n_one > 0 && h.n_est > 0) {
-        // Which of the selection's ways the run took.
-        std::vector<uint32_t> best(h.n_ret + h.n_est);
-        select_zones(gs, C, h.n_ret + h.n_est, 0, best.data(), scratch.data(), scratch.data() + C);
-        const bool within = std::includes(best.begin(), best.end(), want_ret.begin(), want_ret.end());
-        ++(within ? got.ones_within : got.ones_outside);
+        // Which of the selection's ways the run took: one round where every
+        // retrieval cluster scores strictly above the last of the best
+        // n_ret + n_est (NaN ranking as -inf, as the kernel's keys do).
+        auto rank = [](float x) { return std::isnan(x) ? -kInf : x; };
+        std::vector<float> v(C);
+        for (uint32_t c = 0; c < C; ++c) v[c] = rank(gs[c]);
+        const uint32_t n_sel = h.n_ret + h.n_est;
+        std::nth_element(v.begin(), v.begin() + (n_sel - 1), v.end(), std::greater<float>());
+        float lowest = kInf;
+        for (uint32_t id : want_ret) lowest = std::min(lowest, rank(gs[id]));
+        ++(lowest > v[n_sel - 1] ? got.ones_within : got.ones_outside);
       }
     } else {
       // Without the scores the ids are checked by the caller against a run
@@ -533,9 +541,10 @@ TEST(LookupZones, TheRefinementsMatchCpu) {
 
 // With clusters of one ranked apart, the estimation zone is the best n_est
 // of what the retrieval zone leaves: S less the retrieval zone where that
-// lies within S (the best n_ret + n_est of all; one round of selection),
-// else a second round. Both ways, over runs in one CTA and split over
-// clusters of CTAs.
+// scores above S's last member (S the best n_ret + n_est of all; one round
+// of selection), else a second round. Both ways, over runs split across
+// clusters of CTAs (the refinements' tests above hold runs of one CTA and
+// runs past shared memory).
 TEST(LookupZones, TheEstimationZoneMatchesCpuWhereverTheOnesRank) {
   REQUIRE_GPU();
   uint64_t seed = 1700;
