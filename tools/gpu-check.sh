@@ -261,24 +261,7 @@ if want decode-profile && command -v ncu >/dev/null; then
       build-gpu/bin/gpu_serving_bench "$tok" "$batch" "${PROFILE_STEPS:-200}" 4 \
       > "$LOG/ncu-decode-$tok-$batch.csv" 2> "$LOG/ncu-decode-$tok-$batch.err"
     step "ncu decode $tok x $batch" "rc=$? (kernel, launches, median and mean us a launch)"
-    python3 - "$LOG/ncu-decode-$tok-$batch.csv" <<'PY' | tee -a "$LOG/summary.txt"
-import collections, csv, re, statistics, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-if not rows:
-    sys.exit("  no ncu rows")
-head, rows = rows[0], rows[1:]
-name, unit, val = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
-t = collections.defaultdict(list)
-scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
-for r in rows:
-    k = r[name]
-    while re.search(r"<[^<>]*>", k):
-        k = re.sub(r"<[^<>]*>", "", k)
-    k = k.split("(")[0].split("::")[-1].replace("void ", "")
-    t[k].append(float(r[val].replace(",", "")) * scale.get(r[unit], 1.0))
-for k, v in sorted(t.items(), key=lambda x: -statistics.median(x[1])):
-    print(f"  {k[:40]:40s} {len(v):6d} {statistics.median(v):9.2f} {sum(v) / len(v):9.2f}")
-PY
+    python3 tools/ncu_table.py time "$LOG/ncu-decode-$tok-$batch.csv" | tee -a "$LOG/summary.txt"
     # Where the lookup's kernels wait (PROFILE_DETAIL=0: not): throughputs,
     # occupancy and the warps' stall reasons, per issued instruction, of
     # PROFILE_DETAIL_KERNELS, a few launches each (replayed per metric pass).
@@ -290,72 +273,24 @@ PY
       build-gpu/bin/gpu_serving_bench "$tok" "$batch" 120 4 \
       > "$LOG/ncu-detail-$tok-$batch.csv" 2> "$LOG/ncu-detail-$tok-$batch.err"
     step "ncu detail $tok x $batch" "rc=$? (metric: mean of the launches, per kernel)"
-    python3 - "$LOG/ncu-detail-$tok-$batch.csv" <<'PY' | tee -a "$LOG/summary.txt"
-import collections, csv, re, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-if not rows:
-    sys.exit("  no ncu rows")
-head, rows = rows[0], rows[1:]
-name, metric, val = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value")
-acc = collections.defaultdict(lambda: collections.defaultdict(list))
-for r in rows:
-    k = r[name]
-    while re.search(r"<[^<>]*>", k):
-        k = re.sub(r"<[^<>]*>", "", k)
-    k = k.split("(")[0].split("::")[-1].replace("void ", "")
-    try:
-        acc[k][r[metric]].append(float(r[val].replace(",", "")))
-    except ValueError:
-        pass
-for k, ms in acc.items():
-    print(f"  {k}")
-    for m, v in sorted(ms.items()):
-        x = sum(v) / len(v)
-        if "stalled" in m and x < 0.05:
-            continue
-        m = m.replace("smsp__average_warps_issue_stalled_", "stall ").replace("_per_issue_active.ratio", "")
-        print(f"    {m[:60]:60s} {x:14.2f}")
-PY
+    python3 tools/ncu_table.py metrics "$LOG/ncu-detail-$tok-$batch.csv" | tee -a "$LOG/summary.txt"
   done
 fi
 if want profile && command -v ncu >/dev/null; then
   # Device time of each kernel of the k-means, summed by kernel: two calls of
   # the 128-segment batch on random keys (gpu_gather_bench), and the engine's
   # first index build on the step bench's keys (gpu_step_bench).
-  ncu_table() {  # csv, calls
-    python3 - "$1" "$2" <<'PY'
-import collections, csv, re, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-if not rows:
-    sys.exit("  no ncu rows")
-calls = int(sys.argv[2])
-head, rows = rows[0], rows[1:]
-name, unit, val = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
-t, n = collections.defaultdict(float), collections.Counter()
-scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0}
-for r in rows:
-    k = r[name]
-    while re.search(r"<[^<>]*>", k):
-        k = re.sub(r"<[^<>]*>", "", k)  # template arguments, (anonymous) namespaces
-    k = k.split("(")[0].split("::")[-1].replace("void ", "")
-    t[k] += float(r[val].replace(",", "")) * scale.get(r[unit], 1.0) / calls
-    n[k] += 1
-for k, v in sorted(t.items(), key=lambda x: -x[1]):
-    print(f"  {k[:44]:44s} {n[k] / calls:6.1f} {v:8.3f}")
-print(f"  {'total':44s} {sum(n.values()) / calls:6.1f} {sum(t.values()):8.3f}")
-PY
-  }
   kern='regex:upload_segs|mean_|normalize|init_dirs|assign|argmax|bucket|update|finalize|order_kernel|centroid|Radix|Scan'
   timeout "${BENCH_TIMEOUT:-240}" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
     --kernel-name-base function --kernel-name "$kern" \
     build-gpu/bin/gpu_gather_bench kmeans-profile > "$LOG/ncu-kmeans.csv" 2> "$LOG/ncu-kmeans.err"
   step "ncu k-means, random keys" "rc=$? (kernel, launches, ms per batch of 128 segments)"
-  ncu_table "$LOG/ncu-kmeans.csv" 2 | tee -a "$LOG/summary.txt"
+  python3 tools/ncu_table.py sum "$LOG/ncu-kmeans.csv" 2 | tee -a "$LOG/summary.txt"
   timeout "${BENCH_TIMEOUT:-240}" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
     --kernel-name-base function --kernel-name "$kern" --launch-count 400 \
     build-gpu/bin/gpu_step_bench > "$LOG/ncu-step.csv" 2> "$LOG/ncu-step.err"
   step "ncu k-means, step bench keys" "rc=$? (kernel, launches, ms per index build; two builds)"
-  ncu_table "$LOG/ncu-step.csv" 2 | tee -a "$LOG/summary.txt"
+  python3 tools/ncu_table.py sum "$LOG/ncu-step.csv" 2 | tee -a "$LOG/summary.txt"
 fi
 echo
 cat "$LOG/summary.txt"
