@@ -649,8 +649,8 @@ TEST(LookupZones, LargeRunsSelectThroughTheGlobalScratch) {
 
 // A large run splits every run's selection over a cluster of CTAs (on
 // sm_90): of 8 CTAs with 7 runs and with 12 (slices of 5000 clusters) on a
-// device of 96 multiprocessors or more; small runs leave CTAs with empty slices, ties cross slices, clusters of
-// one are ranked apart across them.
+// device of 96 multiprocessors or more; small runs leave CTAs with empty
+// slices, ties cross slices, clusters of one are ranked apart across them.
 TEST(LookupZones, RunsSplitOverAClusterOfCtasMatchCpu) {
   REQUIRE_GPU();
   uint64_t seed = 900;

@@ -268,7 +268,8 @@ Status CpuBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *) {
   const uint32_t pt = cfg.page_tokens(), d = cfg.c.head_dim;
   const size_t row = cfg.row_bytes();
   HostArena &arena = e_.arena();
-  // 8-bit rows: K rows, V rows, then K scales and V scales (Config::page_scales_at).
+  // A page: K rows, V rows (page_row_bytes apart), and with 8-bit rows the K
+  // scales then the V scales (Config::page_scales_at).
   const bool int8 = cfg.int8_pages();
   const DType dt = cfg.dtype();
   const uint32_t scales_at = cfg.page_scales_at(), prow = cfg.page_row_bytes();
