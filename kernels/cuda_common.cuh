@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/device_layout.hpp"
 #include "kernels/dtype.hpp"
@@ -129,6 +130,57 @@ template <> struct DevType<bf16> {
   static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
   static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
 };
+
+// An 8-bit value q of a row with scale `scale` in the storage type T:
+// dequantize_row's arithmetic (q x scale rounded to T); a NaN scale gives
+// T's quiet NaN, the same bits as the CPU's (kernels/dtype.hpp).
+template <typename T>
+__device__ __forceinline__ typename DevType<T>::type dequantized(int8_t q, float scale) {
+  if (scale != scale) {
+    if constexpr (std::is_same_v<T, float>)
+      return __uint_as_float(kInt8NanScale);
+    else if constexpr (std::is_same_v<T, f16>)
+      return __ushort_as_half(0x7e00);
+    else
+      return __ushort_as_bfloat16(0x7fc0);
+  }
+  return DevType<T>::from_f(__fmul_rn(static_cast<float>(q), scale));
+}
+
+// The head whose full dot product lane j holds after reduce_heads: the
+// bit reversal of j's low log2(HC) bits.
+template <uint32_t HC>
+__device__ __forceinline__ uint32_t head_of_lane(uint32_t j) {
+  uint32_t h = 0;
+#pragma unroll
+  for (uint32_t b = 1, w = HC / 2; b < HC; b <<= 1, w >>= 1)
+    if (j & b) h += w;
+  return h;
+}
+
+// Sums v[h] over kLanes aligned lanes (a power of two, at least HC) for every
+// head h with a transposing butterfly: each halving step keeps half of the
+// heads (chosen by one lane bit) and adds the partner's copy of that half,
+// so after log2(HC) steps one value is left, which the remaining butterfly
+// steps complete (HC - 1 + log2(kLanes / HC) shuffles for all heads, not
+// HC log2 kLanes). Returns the sum for head_of_lane(lane).
+template <uint32_t HC, uint32_t kLanes>
+__device__ __forceinline__ float reduce_heads(float (&v)[HC], uint32_t lane) {
+#pragma unroll
+  for (uint32_t n = HC, m = 1; n > 1; n >>= 1, m <<= 1) {
+    const bool upper = lane & m;
+#pragma unroll
+    for (uint32_t i = 0; i < n / 2; ++i) {
+      const float send = upper ? v[i] : v[i + n / 2];
+      const float keep = upper ? v[i + n / 2] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, m);
+    }
+  }
+  float x = v[0];
+#pragma unroll
+  for (uint32_t m = HC; m < kLanes; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
 
 // Calls body with constexpr HEAD_DIM set to d, or returns cudaErrorNotSupported.
 #define WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, ...)                                      \
