@@ -598,6 +598,10 @@ int wkv_plan_xbuf(const wkv_plan *plan, wkv_xbuf_view *view) {
               view->size);
     if (p->stage != wkv::Plan::Stage::kAssembled)
       return fail(WKV_ERR_STATE, "wkv_plan_xbuf: the plan has no assembled execution buffer");
+    if (!p->rows_laid_out)
+      return fail(WKV_ERR_STATE,
+                  "wkv_plan_xbuf: the plan's last step was a decode that attended from where its rows live; "
+                  "its execution buffer holds no rows (wkv_assemble lays them out)");
     wkv_xbuf_view full;
     wkv_xbuf_view_init(&full);
     const wkv::Config &cfg = p->engine().config();

@@ -104,14 +104,18 @@ struct Shape {
   static constexpr uint32_t kStages = clampu(WKV_ATTEND_WARP_SMEM / (2 * kBlockBytes), 2, 6);
   static constexpr uint32_t kWarpBytes = kStages * 2 * kBlockBytes;
   static constexpr uint32_t kPsFloats = kRows * 8 + 8;         // p [kRows][HC] and alpha [HC]
+  // Attending from frames (kSrc): a warp's row sources [kStages][kRows]
+  // and scales [kStages][2][kRows].
+  static constexpr uint32_t kSrcBytes = kStages * kRows * (sizeof(RowSource) + 2 * sizeof(float));
   static_assert(D % kVec == 0 && kLpr * kE >= D && kLpr <= 32, "row does not fit a warp");
   static_assert(kRowBytes % 16 == 0, "rows must be whole 16-byte slots");
 };
 
-template <uint32_t HC, typename Tag, uint32_t D>
+template <uint32_t HC, typename Tag, uint32_t D, bool kSrc>
 constexpr size_t attend_smem_bytes() {
   using S = Shape<Tag, D>;
-  const size_t pipe = static_cast<size_t>(kWarps) * S::kWarpBytes + kWarps * S::kPsFloats * sizeof(float);
+  const size_t pipe = static_cast<size_t>(kWarps) * S::kWarpBytes + kWarps * S::kPsFloats * sizeof(float) +
+                      (kSrc ? kWarps * S::kSrcBytes : 0);
   const size_t comb = (2 * kWarps * kMaxG + static_cast<size_t>(kWarps) * HC * D) * sizeof(float);
   return pipe > comb ? pipe : comb;
 }
@@ -120,6 +124,10 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool ok) 
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0)
                : "memory");
+}
+__device__ __forceinline__ void cp_async4(void *dst, const void *src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -171,44 +179,34 @@ __device__ __forceinline__ void load_row(const uint8_t *row, uint32_t j, float *
   }
 }
 
-// The head whose full dot product lane j holds after reduce_heads: the
-// bit reversal of j's low log2(HC) bits.
-template <uint32_t HC>
-__device__ __forceinline__ uint32_t head_of_lane(uint32_t j) {
-  uint32_t h = 0;
+// The kE elements of lane j of an 8-bit row in shared memory (its D bytes
+// at `row`) with scale `scale`, as the gather would have laid them out in
+// the storage type (dequantized) and load_row would read them back.
+template <typename Tag, uint32_t D>
+__device__ __forceinline__ void load_row_int8(const uint8_t *row, uint32_t j, float scale, float *f) {
+  using S = Shape<Tag, D>;
+  using W = std::conditional_t<S::kVec == 8, uint2, uint32_t>;
+  static_assert(S::kVec == sizeof(W), "a slot's 8-bit values are one load");
 #pragma unroll
-  for (uint32_t b = 1, w = HC / 2; b < HC; b <<= 1, w >>= 1)
-    if (j & b) h += w;
-  return h;
-}
-
-// Sums v[h] over the kLpr lanes of a row for every head h: each halving step
-// keeps half of the heads (chosen by one lane bit) and adds the partner's
-// copy of that half, so after log2(HC) steps one value is left, which the
-// remaining butterfly steps complete. Returns the sum for head_of_lane.
-template <uint32_t HC, uint32_t kLpr>
-__device__ __forceinline__ float reduce_heads(float (&v)[HC], uint32_t lane) {
+  for (uint32_t w = 0; w < S::kSpl; ++w) {
+    const uint32_t slot = j + S::kLpr * w;
+    if (slot < S::kSlots) {
+      const W raw = *reinterpret_cast<const W *>(row + slot * S::kVec);
+      const int8_t *q = reinterpret_cast<const int8_t *>(&raw);
 #pragma unroll
-  for (uint32_t n = HC, m = 1; n > 1; n >>= 1, m <<= 1) {
-    const bool upper = lane & m;
+      for (uint32_t i = 0; i < S::kVec; ++i) f[w * S::kVec + i] = DevType<Tag>::to_f(dequantized<Tag>(q[i], scale));
+    } else {
 #pragma unroll
-    for (uint32_t i = 0; i < n / 2; ++i) {
-      const float send = upper ? v[i] : v[i + n / 2];
-      const float keep = upper ? v[i + n / 2] : v[i];
-      v[i] = keep + __shfl_xor_sync(kFull, send, m);
+      for (uint32_t i = 0; i < S::kVec; ++i) f[w * S::kVec + i] = 0.f;
     }
   }
-  float x = v[0];
-#pragma unroll
-  for (uint32_t m = HC; m < kLpr; m <<= 1) x += __shfl_xor_sync(kFull, x, m);
-  return x;
 }
 
-template <typename Tag, uint32_t D, uint32_t HC>
+template <typename Tag, uint32_t D, uint32_t HC, bool kSrc>
 __global__ void __launch_bounds__(kThreads, 2)
     attend_kernel(const int32_t *__restrict__ offsets, const uint8_t *__restrict__ xk,
                   const uint8_t *__restrict__ xv, const float *__restrict__ q, uint32_t G, float qscale,
-                  uint32_t n_splits, float *__restrict__ part_o, float *__restrict__ part_lse) {
+                  uint32_t n_splits, float *__restrict__ part_o, float *__restrict__ part_lse, AttendRows rs) {
   using S = Shape<Tag, D>;
   extern __shared__ uint4 dyn_smem[];
   uint8_t *smem = reinterpret_cast<uint8_t *>(dyn_smem);
@@ -274,22 +272,64 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint8_t *wsm = smem + warp * S::kWarpBytes;
   float *ps = reinterpret_cast<float *>(smem + kWarps * S::kWarpBytes) + warp * S::kPsFloats;
   float *alpha_s = ps + S::kRows * HC;
+  // Attending from frames: this warp's row sources and scales, a stage each.
+  uint8_t *src_sm = smem + kWarps * S::kWarpBytes + kWarps * S::kPsFloats * sizeof(float) + warp * S::kSrcBytes;
+  RowSource *rsrc = reinterpret_cast<RowSource *>(src_sm);                                  // [kStages][kRows]
+  float *rscale = reinterpret_cast<float *>(src_sm + S::kStages * S::kRows * sizeof(RowSource));  // [kStages][2][kRows]
+
+  // The row sources of block i of this warp, lane `row` < kRows each ({0, 0}
+  // past the slice: a zero row of the storage type).
+  auto row_source = [&](uint32_t i) -> RowSource {
+    const uint32_t rb = t0 + (tw + i * ntw) * S::kRows, row = lane;
+    if (i < mine && row < S::kRows && rb + row < t1) return rs.src[static_cast<size_t>(beg) + rb + row];
+    return RowSource{0, 0};
+  };
+  if constexpr (kSrc) {
+    for (uint32_t i = 0; i < S::kStages; ++i) {
+      const RowSource x = row_source(i);
+      if (lane < S::kRows) rsrc[i * S::kRows + lane] = x;
+    }
+    __syncwarp();
+  }
 
   // Copies block i of this warp into its stage; rows past t1 are zero-filled
   // (from a valid address, reading nothing). Always commits a group, empty
-  // past the end, so that the wait count stays fixed.
+  // past the end, so that the wait count stays fixed. From frames, each row
+  // comes from where its source says, an 8-bit row's D bytes at the start
+  // of its slot and its scales beside the stage.
   auto issue = [&](uint32_t i) {
     if (i < mine) {
       const uint32_t rb = t0 + (tw + i * ntw) * S::kRows;
       const uint32_t valid = min(S::kRows, t1 - rb) * S::kRowBytes;
-      const size_t src = (static_cast<size_t>(beg) + rb) * S::kRowBytes;
       uint8_t *dk = wsm + (i % S::kStages) * 2 * S::kBlockBytes;
       uint8_t *dv = dk + S::kBlockBytes;
+      if constexpr (kSrc) {
+        const RowSource *src = rsrc + (i % S::kStages) * S::kRows;
 #pragma unroll
-      for (uint32_t c = lane * 16; c < S::kBlockBytes; c += 512) {
-        const bool ok = c < valid;
-        cp_async16(dk + c, ok ? xk + src + c : xk, ok);
-        cp_async16(dv + c, ok ? xv + src + c : xv, ok);
+        for (uint32_t c = lane * 16; c < S::kBlockBytes; c += 512) {
+          const uint32_t row = c / S::kRowBytes, within = c % S::kRowBytes;
+          const RowSource x = src[row];
+          const bool int8 = x.x & kRowInt8;
+          const bool ok = c < valid && (!int8 || within < D);
+          const uint8_t *k = reinterpret_cast<const uint8_t *>(x.k) + within;
+          const uint8_t *v = int8 ? k + rs.v_bytes : reinterpret_cast<const uint8_t *>(x.x) + within;
+          cp_async16(dk + c, ok ? k : xk, ok);
+          cp_async16(dv + c, ok ? v : xv, ok);
+        }
+        if (lane < S::kRows && (src[lane].x & kRowInt8)) {
+          const float *ks = reinterpret_cast<const float *>(src[lane].x & ~kRowInt8);
+          float *sc = rscale + (i % S::kStages) * 2 * S::kRows;
+          cp_async4(sc + lane, ks);
+          cp_async4(sc + S::kRows + lane, ks + rs.vs_floats);
+        }
+      } else {
+        const size_t src = (static_cast<size_t>(beg) + rb) * S::kRowBytes;
+#pragma unroll
+        for (uint32_t c = lane * 16; c < S::kBlockBytes; c += 512) {
+          const bool ok = c < valid;
+          cp_async16(dk + c, ok ? xk + src + c : xk, ok);
+          cp_async16(dv + c, ok ? xv + src + c : xv, ok);
+        }
       }
     }
     cp_async_commit();
@@ -298,6 +338,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
   for (uint32_t i = 0; i + 1 < S::kStages; ++i) issue(i);
   for (uint32_t i = 0; i < mine; ++i) {
+    // From frames: block i + kStages's row sources, loaded now and stored
+    // into block i's slot once it is attended (a block's latency hidden).
+    RowSource next_src{0, 0};
+    if constexpr (kSrc) next_src = row_source(i + S::kStages);
     issue(i + S::kStages - 1);
     cp_async_wait<S::kStages - 1>();
     __syncwarp();
@@ -305,6 +349,18 @@ __global__ void __launch_bounds__(kThreads, 2)
     const uint8_t *sv = sk + S::kBlockBytes;
     const uint32_t rb = t0 + (tw + i * ntw) * S::kRows;
     const uint32_t nrows = min(S::kRows, t1 - rb);
+    // From frames: whether each of this lane's rows is 8-bit, and its scales.
+    const RowSource *bsrc = rsrc + (i % S::kStages) * S::kRows;
+    const float *bscale = rscale + (i % S::kStages) * 2 * S::kRows;
+    auto row_values = [&](const uint8_t *block, uint32_t row, bool v, float *f) {
+      if constexpr (kSrc) {
+        if (bsrc[row].x & kRowInt8) {
+          load_row_int8<Tag, D>(block + row * S::kRowBytes, j, bscale[(v ? S::kRows : 0) + row], f);
+          return;
+        }
+      }
+      load_row<Tag, D>(block + row * S::kRowBytes, j, f);
+    };
 
     // Logits of kU rows per lane group, for head hid.
     float s[kU];
@@ -312,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (uint32_t u = 0; u < kU; ++u) {
       const uint32_t row = u * S::kRpw + rg;
       float kf[kE];
-      load_row<Tag, D>(sk + row * S::kRowBytes, j, kf);
+      row_values(sk, row, false, kf);
       float part[HC];
 #pragma unroll
       for (uint32_t h = 0; h < HC; ++h) {
@@ -359,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (uint32_t u = 0; u < kU; ++u) {
       const uint32_t row = u * S::kRpw + rg;
       float vf[kE];
-      load_row<Tag, D>(sv + row * S::kRowBytes, j, vf);
+      row_values(sv, row, true, vf);
       float p[HC];
       const float *pr = ps + row * HC;
       if constexpr (HC % 4 == 0) {
@@ -381,6 +437,10 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (uint32_t e = 0; e < kE; ++e) acc[h][e] = fmaf(p[h], vf[e], acc[h][e]);
     }
     __syncwarp();  // ps and this stage are rewritten next
+    if constexpr (kSrc) {
+      if (lane < S::kRows) rsrc[(i % S::kStages) * S::kRows + lane] = next_src;
+      __syncwarp();
+    }
   }
   cp_async_wait<0>();
 
@@ -572,20 +632,30 @@ cudaError_t attend_impl(const int32_t *offsets, const void *xk, const void *xv, 
                    uint32_t H, uint32_t G, float scale, uint32_t max_tokens, const float *est_out,
                    const float *est_lse, void *out, int64_t seq_stride, int64_t head_stride, float *lse,
                    float *scratch, size_t scratch_floats, const StepMark &mark, const StepVars *vars,
-                   cudaStream_t s) {
-  auto *kernel = attend_kernel<Tag, D, HC>;
-  constexpr size_t smem = attend_smem_bytes<HC, Tag, D>();
-  // The shared memory limit, once per device (an attribute of the device's
-  // context), and the CTAs that fill the device once, read once.
-  static std::atomic<uint64_t> smem_set{0};
-  WKV_CUDA_TRY(set_func_attribute_once(reinterpret_cast<const void *>(kernel),
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem), &smem_set));
+                   const AttendRows &rows, cudaStream_t s) {
+  auto *laid_out = attend_kernel<Tag, D, HC, false>;
+  auto *from_frames = attend_kernel<Tag, D, HC, true>;
+  constexpr size_t smem = attend_smem_bytes<HC, Tag, D, false>();
+  constexpr size_t smem_src = attend_smem_bytes<HC, Tag, D, true>();
+  // The shared memory limits, once per device (an attribute of the device's
+  // context), and the CTAs that fill the device once, read once: the
+  // kernel over a laid-out buffer's, for both, so that a decode from frames
+  // splits its runs as the split verbs do (and gives their bits).
+  static std::atomic<uint64_t> smem_set{0}, smem_src_set{0};
+  if (rows.src)
+    WKV_CUDA_TRY(set_func_attribute_once(reinterpret_cast<const void *>(from_frames),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_src),
+                                         &smem_src_set));
+  else
+    WKV_CUDA_TRY(set_func_attribute_once(reinterpret_cast<const void *>(laid_out),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem),
+                                         &smem_set));
   int dev = 0;
   WKV_CUDA_CHECK(cudaGetDevice(&dev));
   static const int fill = [&]() -> int {
     int sms = 0, per_sm = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) {
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, laid_out, kThreads, smem) != cudaSuccess) {
       (void)cudaGetLastError();
       return 0;
     }
@@ -601,9 +671,16 @@ cudaError_t attend_impl(const int32_t *offsets, const void *xk, const void *xv, 
     return cudaErrorInvalidValue;
   float *part_o = scratch;
   float *part_lse = scratch + static_cast<size_t>(R) * n_splits * G * D;
-  WKV_CUDA_TRY(launch_pdl(kernel, dim3(R, n_splits), dim3(kThreads), smem, s, 1, offsets,
-                                 static_cast<const uint8_t *>(xk), static_cast<const uint8_t *>(xv), q, G,
-                                 scale * kLog2e, n_splits, part_o, part_lse));
+  if (rows.src) {
+    // The row sources stand in as the (never read) address of zero-filled rows.
+    const uint8_t *any = reinterpret_cast<const uint8_t *>(rows.src);
+    WKV_CUDA_TRY(launch_pdl(from_frames, dim3(R, n_splits), dim3(kThreads), smem_src, s, 1, offsets, any, any, q, G,
+                            scale * kLog2e, n_splits, part_o, part_lse, rows));
+  } else {
+    WKV_CUDA_TRY(launch_pdl(laid_out, dim3(R, n_splits), dim3(kThreads), smem, s, 1, offsets,
+                            static_cast<const uint8_t *>(xk), static_cast<const uint8_t *>(xv), q, G,
+                            scale * kLog2e, n_splits, part_o, part_lse, rows));
+  }
   using T = typename DevType<Tag>::type;
   const uint32_t chunks = (D + kCombineCols * 4 - 1) / (kCombineCols * 4);
   return launch_pdl(combine_kernel<Tag>, dim3(R * G, chunks), dim3(kCombineThreads), 0, s, 1,
@@ -616,10 +693,10 @@ cudaError_t attend_dispatch_group(uint32_t G, const int32_t *offsets, const void
                              uint32_t R, uint32_t H, float scale, uint32_t max_tokens, const float *est_out,
                              const float *est_lse, void *out, int64_t seq_stride, int64_t head_stride,
                              float *lse, float *scratch, size_t scratch_floats, const StepMark &mark,
-                             const StepVars *vars, cudaStream_t s) {
+                             const StepVars *vars, const AttendRows &rows, cudaStream_t s) {
 #define WKV_ATTEND_HC(HC)                                                                                   \
   attend_impl<Tag, D, HC>(offsets, xk, xv, q, R, H, G, scale, max_tokens, est_out, est_lse, out, seq_stride, \
-                          head_stride, lse, scratch, scratch_floats, mark, vars, s)
+                          head_stride, lse, scratch, scratch_floats, mark, vars, rows, s)
   if (G <= 1) return WKV_ATTEND_HC(1);
   if (G <= 2) return WKV_ATTEND_HC(2);
   if (G <= 4) return WKV_ATTEND_HC(4);
@@ -637,7 +714,7 @@ cudaError_t attend_ragged(DType t, const int32_t *offsets, const void *xk, const
                      uint32_t R, uint32_t H, uint32_t G, uint32_t d, float scale, uint32_t max_tokens,
                      const float *est_out, const float *est_lse, void *out, int64_t seq_stride,
                      int64_t head_stride, float *lse, float *scratch, size_t scratch_floats, void *stream,
-                     const StepMark &mark, const StepVars *vars) {
+                     const StepMark &mark, const StepVars *vars, const AttendRows &rows) {
   if (G == 0 || G > kMaxG)
     return cudaErrorNotSupported;
   if (H == 0 || R % H != 0)
@@ -645,17 +722,19 @@ cudaError_t attend_ragged(DType t, const int32_t *offsets, const void *xk, const
   if ((est_out == nullptr) != (est_lse == nullptr))
     return cudaErrorInvalidValue;
   if (R == 0) return cudaSuccess;
-  if (offsets == nullptr || xk == nullptr || xv == nullptr || q == nullptr || (out == nullptr && vars == nullptr))
+  if (offsets == nullptr || (rows.src == nullptr && (xk == nullptr || xv == nullptr)) || q == nullptr ||
+      (out == nullptr && vars == nullptr))
     return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(xk) % 16 != 0 || reinterpret_cast<uintptr_t>(xv) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(q) % 16 != 0)
+      reinterpret_cast<uintptr_t>(q) % 16 != 0 || reinterpret_cast<uintptr_t>(rows.src) % 16 != 0 ||
+      rows.v_bytes % 16 != 0)
     return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> cudaError_t {
     return WKV_DISPATCH_DTYPE(t, Tag, cudaErrorNotSupported, [&]() -> cudaError_t {
       return attend_dispatch_group<Tag, HEAD_DIM>(G, offsets, xk, xv, q, R, H, scale, max_tokens, est_out, est_lse,
                                                   out, seq_stride, head_stride, lse, scratch, scratch_floats, mark,
-                                                  vars, s);
+                                                  vars, rows, s);
     });
   });
 }

@@ -18,6 +18,18 @@ namespace wkv::kernels {
 // token splits. At most max(R, 2048) * G * (d + 1) floats.
 size_t attend_ragged_scratch_floats(uint32_t R, uint32_t G, uint32_t d, uint32_t max_tokens);
 
+// Where attend_ragged reads rows that are not laid out in an execution
+// buffer (a decode that attends from frames): row t of the buffer's order
+// (offsets) at src[t] (RowSource, device_layout.hpp, as the gather wrote
+// them: GatherArgs::row_src); an 8-bit row's V row v_bytes after its K row
+// (page_tokens * d) and its V scale vs_floats floats after its K scale
+// (page_tokens). Each row gives the same floats as the gather's laid-out
+// row would, so the outputs are the same bits.
+struct AttendRows {
+  const RowSource *src = nullptr;
+  uint32_t v_bytes = 0, vs_floats = 0;
+};
+
 // Flash-decoding over R ragged runs (r = s * H + h, n_seqs = R / H), merged
 // with the estimate, in two kernels on `stream`; no host synchronization.
 //
@@ -40,6 +52,8 @@ size_t attend_ragged_scratch_floats(uint32_t R, uint32_t G, uint32_t d, uint32_t
 //   scratch      device, at least attend_ragged_scratch_floats(...) floats
 //   vars         where set (a decode graph), out, its strides and lse are
 //                read from this device block when the step runs instead
+//   rows         where rows.src is set, rows are read where they live
+//                (AttendRows) and xk, xv are not read (may be null)
 //
 // A run with no token and no estimate gives zeros and lse -inf. Requires
 // 1 <= G <= kMaxGroup (32) and d in {64, 80, 96, 128, 256}.
@@ -47,7 +61,8 @@ cudaError_t attend_ragged(DType t, const int32_t *offsets, const void *xk, const
                      uint32_t R, uint32_t H, uint32_t G, uint32_t d, float scale, uint32_t max_tokens,
                      const float *est_out, const float *est_lse, void *out, int64_t seq_stride,
                      int64_t head_stride, float *lse, float *scratch, size_t scratch_floats,
-                     void *stream, const StepMark &mark = StepMark{}, const StepVars *vars = nullptr);
+                     void *stream, const StepMark &mark = StepMark{}, const StepVars *vars = nullptr,
+                     const AttendRows &rows = AttendRows{});
 
 // Folds the estimate into an attention output the caller computed itself
 // (the wkv merge verb), in place, as merge_partials does:

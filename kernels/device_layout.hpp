@@ -101,6 +101,17 @@ constexpr uint32_t kMeta16Header = 16;
 constexpr uint32_t kUnitMapChunk = 4096;
 constexpr uint32_t kNoCacheFrame = 0xffffffffu;
 
+// Where a row of a decode's execution buffer lives, when the decode attends
+// from frames (GatherArgs::row_src): k, the K row's address (device memory,
+// or mapped host memory); x, for a row of the storage dtype (steady zone,
+// 16-bit pages) the V row's address, for an 8-bit row the K scale's address
+// with bit 0 set (kRowInt8), the V row then at k + page_tokens * head_dim
+// bytes and its scale page_tokens floats after the K scale's.
+struct RowSource {
+  uint64_t k, x;
+};
+constexpr uint64_t kRowInt8 = 1;
+
 // What a gather did with its i-th miss that could be admitted: took `frame`
 // from the pool and mapped unit map entry `entry` (a device address) to it,
 // or took it and mapped nothing (entry 0: another step admitted the unit

@@ -13,6 +13,12 @@
 //
 // Hit and miss counts are per unit, kept per lane and summed per warp: two
 // atomics per warp, not per unit.
+//
+// For a decode that attends from frames (GatherArgs::row_src) the same
+// walk lays out no row: it writes where each row lives (16 bytes a row)
+// and reads only the misses that take a frame, into the frame; hits are
+// not read at all, and a miss left without a frame is read by the
+// attention from its host pages.
 #include "kernels/gather_cuda.hpp"
 
 #include <algorithm>
@@ -84,29 +90,34 @@ __device__ __forceinline__ UnitSource unit_source(const uint8_t *frame, const ui
   return s;
 }
 
+// Where rows [0, rows) of a unit live, into row_src[row0 ..] (a decode that
+// attends from frames): lane by lane, one 16-byte store a row.
+template <bool kInt8>
+__device__ __forceinline__ void put_row_sources(RowSource *row_src, size_t row0, const UnitSource &s, uint32_t rows,
+                                                uint32_t prb, uint32_t lane) {
+  for (uint32_t m = lane; m < rows; m += 32) {
+    const bool first_part = m < s.split;
+    const uint32_t mr = first_part ? m : m - s.split;
+    RowSource o;
+    o.k = reinterpret_cast<uint64_t>((first_part ? s.k0 : s.k1) + size_t(mr) * prb);
+    if constexpr (kInt8)
+      o.x = reinterpret_cast<uint64_t>((first_part ? s.ks0 : s.ks1) + mr) | kRowInt8;
+    else
+      o.x = reinterpret_cast<uint64_t>((first_part ? s.v0 : s.v1) + size_t(mr) * prb);
+    row_src[row0 + m] = o;
+  }
+}
+
 // Sixteen 8-bit values of `piece` times `scale`, rounded to T, at dst (16
-// elements of T): dequantize_row's arithmetic; a NaN scale gives T's quiet
-// NaN, the same bits as the CPU's.
+// elements of T): dequantize_row's arithmetic (dequantized).
 template <typename T>
 __device__ __forceinline__ void put_dequantized(uint8_t *dst, const int4 piece, const float scale) {
   using DT = typename DevType<T>::type;
   constexpr uint32_t kBytes = 16 * sizeof(DT);
   alignas(16) DT out[16];
   const int8_t *q = reinterpret_cast<const int8_t *>(&piece);
-  if (scale != scale) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      if constexpr (std::is_same_v<T, float>)
-        out[i] = __uint_as_float(kInt8NanScale);
-      else if constexpr (std::is_same_v<T, f16>)
-        out[i] = __ushort_as_half(0x7e00);
-      else
-        out[i] = __ushort_as_bfloat16(0x7fc0);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) out[i] = DevType<T>::from_f(__fmul_rn(static_cast<float>(q[i]), scale));
-  }
+  for (int i = 0; i < 16; ++i) out[i] = dequantized<T>(q[i], scale);
 #pragma unroll
   for (uint32_t w = 0; w < kBytes / 16; ++w)
     reinterpret_cast<int4 *>(dst)[w] = reinterpret_cast<const int4 *>(out)[w];
@@ -114,8 +125,9 @@ __device__ __forceinline__ void put_dequantized(uint8_t *dst, const int4 piece, 
 
 // kInt8: pages and frames hold 8-bit rows (GatherArgs::int8_dim), which
 // become rows of T in the execution buffer; otherwise T is unused and rows
-// are copied as they are.
-template <bool kInt8, typename T>
+// are copied as they are. kRows: no row is laid out, only where each lives
+// (GatherArgs::row_src), and only misses that take a frame are read.
+template <bool kInt8, typename T, bool kRows>
 __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a) {
   constexpr uint32_t kNone = kNoCacheFrame, kChunk = kUnitMapChunk;
   const uint32_t r = blockIdx.x;
@@ -138,22 +150,32 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
     __syncthreads();
   }
 
-  // Steady zone: sink rows then tail rows, device to device.
-  const uint32_t steady = (sink + tail) * cpr;
-  for (uint32_t q = blockIdx.y * blockDim.x + threadIdx.x; q < steady; q += gridDim.y * blockDim.x) {
-    const uint32_t t = q / cpr, c = q - t * cpr;
-    const uint8_t *sk, *sv;
-    if (t < sink) {
-      sk = run.sink_k + size_t(t) * rb;
-      sv = run.sink_v + size_t(t) * rb;
-    } else {
-      sk = run.tail_k + size_t(t - sink) * rb;
-      sv = run.tail_v + size_t(t - sink) * rb;
+  // Steady zone: sink rows then tail rows, device to device (or where
+  // they live).
+  if constexpr (kRows) {
+    for (uint32_t t = blockIdx.y * blockDim.x + threadIdx.x; t < sink + tail; t += gridDim.y * blockDim.x) {
+      const bool s = t < sink;
+      const size_t at = size_t(s ? t : t - sink) * rb;
+      a.row_src[base + t] = RowSource{reinterpret_cast<uint64_t>((s ? run.sink_k : run.tail_k) + at),
+                                      reinterpret_cast<uint64_t>((s ? run.sink_v : run.tail_v) + at)};
     }
-    const int4 kv = __ldg(reinterpret_cast<const int4 *>(sk) + c);
-    const int4 vv = __ldg(reinterpret_cast<const int4 *>(sv) + c);
-    reinterpret_cast<int4 *>(a.xk + size_t(base + t) * rb)[c] = kv;
-    reinterpret_cast<int4 *>(a.xv + size_t(base + t) * rb)[c] = vv;
+  } else {
+    const uint32_t steady = (sink + tail) * cpr;
+    for (uint32_t q = blockIdx.y * blockDim.x + threadIdx.x; q < steady; q += gridDim.y * blockDim.x) {
+      const uint32_t t = q / cpr, c = q - t * cpr;
+      const uint8_t *sk, *sv;
+      if (t < sink) {
+        sk = run.sink_k + size_t(t) * rb;
+        sv = run.sink_v + size_t(t) * rb;
+      } else {
+        sk = run.tail_k + size_t(t - sink) * rb;
+        sv = run.tail_v + size_t(t - sink) * rb;
+      }
+      const int4 kv = __ldg(reinterpret_cast<const int4 *>(sk) + c);
+      const int4 vv = __ldg(reinterpret_cast<const int4 *>(sv) + c);
+      reinterpret_cast<int4 *>(a.xk + size_t(base + t) * rb)[c] = kv;
+      reinterpret_cast<int4 *>(a.xv + size_t(base + t) * rb)[c] = vv;
+    }
   }
 
   // Retrieval clusters, one warp each, unit by unit.
@@ -188,11 +210,35 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
         else
           ++misses;
       }
+      uint32_t g = 0xffffffffu, af = kNone;
+      const size_t row0 = size_t(dst_row) + j * pt;
+      if constexpr (kRows) {
+        // Where the rows live: a hit's frame, read by the attention; a
+        // miss takes a frame before anything is read, and is read (into
+        // the frame) only if it got one.
+        if (lane == 0) {
+          if (!hit && entry && record_counts) {
+            g = atomicAdd(&a.work[0], 1u);
+            if (admitting && g < admit_cap) af = take_frame(a.pool);
+          }
+          if (hit && hit_log) {
+            const uint32_t h = atomicAdd(&a.work[1], 1u);
+            if (h < hit_cap) hit_log[h] = f;
+          }
+        }
+        g = __shfl_sync(0xffffffffu, g, 0);
+        af = __shfl_sync(0xffffffffu, af, 0);
+        const bool framed = af < a.frames;
+        put_row_sources<kInt8>(a.row_src, row0,
+                               framed ? unit_source(a.cache + size_t(af) * a.frame_bytes, nullptr, 0, rows, pt, prb,
+                                                    a.scales_at)
+                                      : src,
+                               rows, prb, lane);
+      }
       // 2. The rows, kUnroll pieces of K and of V per lane in flight. A
       //    missed unit takes a frame from the pool, if it has one, while
       //    the first loads are in flight (two atomics and a read from L2).
-      const uint32_t total = rows * ppr;
-      uint32_t g = 0xffffffffu, af = kNone;
+      const uint32_t total = kRows && af >= a.frames ? 0 : rows * ppr;
       for (uint32_t q0 = 0; q0 < total; q0 += 32 * kUnroll) {
         int4 kv[kUnroll], vv[kUnroll];
         float ks[kUnroll], vs[kUnroll];  // with 8-bit rows, their scales
@@ -212,7 +258,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
             }
           }
         }
-        if (q0 == 0) {
+        if (!kRows && q0 == 0) {
           if (lane == 0) {
             // Every miss of a mapped unit is counted (the record's demand),
             // whether or not a frame is left for it.
@@ -234,17 +280,19 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
           const uint32_t q = q0 + x * 32 + lane;
           if (q < total) {
             const uint32_t m = q / ppr, c = q - m * ppr;
-            const size_t row = size_t(dst_row + j * pt + m);
+            const size_t row = row0 + m;
             if constexpr (kInt8) {
               // A piece of 16 values becomes 16 values of T in the buffer.
-              const size_t at = row * rb + size_t(c) * 16 * sizeof(typename DevType<T>::type);
-              put_dequantized<T>(a.xk + at, kv[x], ks[x]);
-              put_dequantized<T>(a.xv + at, vv[x], vs[x]);
+              if constexpr (!kRows) {
+                const size_t at = row * rb + size_t(c) * 16 * sizeof(typename DevType<T>::type);
+                put_dequantized<T>(a.xk + at, kv[x], ks[x]);
+                put_dequantized<T>(a.xv + at, vv[x], vs[x]);
+              }
               if (frame && c == 0) {
                 reinterpret_cast<float *>(frame + a.scales_at)[m] = ks[x];
                 reinterpret_cast<float *>(frame + a.scales_at)[pt + m] = vs[x];
               }
-            } else {
+            } else if constexpr (!kRows) {
               reinterpret_cast<int4 *>(a.xk + row * rb)[c] = kv[x];
               reinterpret_cast<int4 *>(a.xv + row * rb)[c] = vv[x];
             }
@@ -309,7 +357,8 @@ cudaError_t gather_cuda(const GatherArgs &a, cudaStream_t stream) {
   if (!a.runs || !a.xk || !a.xv || !a.lookup.offsets || !a.lookup.ret_ids || !a.lookup.ret_pos)
     return cudaErrorInvalidValue;
   if (a.row_bytes == 0 || a.row_bytes % 16 != 0 || a.page_tokens == 0) return cudaErrorInvalidValue;
-  if (reinterpret_cast<uintptr_t>(a.xk) % 16 != 0 || reinterpret_cast<uintptr_t>(a.xv) % 16 != 0)
+  if (reinterpret_cast<uintptr_t>(a.xk) % 16 != 0 || reinterpret_cast<uintptr_t>(a.xv) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(a.row_src) % 16 != 0)
     return cudaErrorInvalidValue;
   if ((a.admits || a.hits || a.mark.done || a.vars) && !a.work) return cudaErrorInvalidValue;
   if (a.pool.cap && (!a.pool.slots || !a.pool.avail || !a.pool.taken || !a.cache)) return cudaErrorInvalidValue;
@@ -326,13 +375,19 @@ cudaError_t gather_cuda(const GatherArgs &a, cudaStream_t stream) {
   if (a.n_runs > 0x7fffffffu) return cudaErrorInvalidValue;
   const uint32_t chunks = std::max<uint32_t>(1, std::min<uint32_t>((a.max_ret + kWarps - 1) / kWarps, 65535));
   const dim3 grid(a.n_runs, chunks), block(kWarps * 32);
-  if (!a.int8_dim) {
-    gather_kernel<false, float><<<grid, block, 0, stream>>>(a);
+  if (a.row_src) {
+    // Rows stay where they live: the dtype does not matter.
+    if (!a.int8_dim)
+      gather_kernel<false, float, true><<<grid, block, 0, stream>>>(a);
+    else
+      gather_kernel<true, float, true><<<grid, block, 0, stream>>>(a);
+  } else if (!a.int8_dim) {
+    gather_kernel<false, float, false><<<grid, block, 0, stream>>>(a);
   } else {
     switch (a.dtype) {
-      case DType::kF32: gather_kernel<true, float><<<grid, block, 0, stream>>>(a); break;
-      case DType::kF16: gather_kernel<true, f16><<<grid, block, 0, stream>>>(a); break;
-      case DType::kBF16: gather_kernel<true, bf16><<<grid, block, 0, stream>>>(a); break;
+      case DType::kF32: gather_kernel<true, float, false><<<grid, block, 0, stream>>>(a); break;
+      case DType::kF16: gather_kernel<true, f16, false><<<grid, block, 0, stream>>>(a); break;
+      case DType::kBF16: gather_kernel<true, bf16, false><<<grid, block, 0, stream>>>(a); break;
     }
   }
   WKV_CUDA_CHECK_LAUNCH("gather_kernel");

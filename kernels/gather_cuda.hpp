@@ -64,6 +64,12 @@ struct GatherArgs {
   DType dtype = DType::kF16;
   uint8_t *xk = nullptr;         // device execution buffer, K rows
   uint8_t *xv = nullptr;         // device execution buffer, V rows
+  // Where set (a decode that attends from frames), no row is laid out: the
+  // gather writes where each row of the execution buffer's order lives,
+  // row_src[t] for row t (device_layout.hpp), reads only what it admits (a
+  // missed unit it copies into a frame, where its rows then live) and
+  // leaves xk and xv alone: hits are not read. 16-byte aligned.
+  RowSource *row_src = nullptr;
   // The device block cache: `frames` frames of frame_bytes (>= one page).
   uint8_t *cache = nullptr;
   size_t frame_bytes = 0;

@@ -913,3 +913,83 @@ TEST(GpuBatch, DecodeGraphsOfFourThreadsOnOneEngineStayExact) {
   EXPECT_GE(on.stats().decode_graphs, uint64_t(kThreads) * steps * 8 / 10) << "steps replayed as graphs";
   for (Lane &ln : lanes) cudaStreamDestroy(ln.stream);
 }
+
+// A decode attends from frames (WKV_DECODE_FROM_FRAMES, on unless 0): its
+// gather writes where each row lives and its attention reads the rows
+// there (device cache frames, host pages, the steady zone), where the
+// split verbs (the engine without graphs) lay them out first. The same
+// bits either way, with 8-bit pages (dequantized by the attention as the
+// gather would) in bf16, with and without a device cache (every unit from
+// host pages), across growths.
+TEST(GpuBatch, DecodesFromFramesAreTheSplitVerbsBitsWithEightBitPages) {
+  REQUIRE_GPU();
+  for (const size_t cache : {size_t(8) << 20, size_t(1)}) {
+    SCOPED_TRACE(testing::Message() << "device cache bytes " << cache);
+    wkv_config c = graph_config(kQ, kKV);
+    c.page_format = WKV_PAGE_FORMAT_INT8;
+    c.dtype = WKV_DTYPE_BF16;
+    c.device_cache_bytes = cache;
+    Twin t(c, kN);
+    t.prompt(2100);
+    t.expect_exact_replays(150, 40, 59);
+    const wkv_stats s = t.on.stats();
+    if (cache > 1) {
+      EXPECT_GT(s.cache_admissions, 0u) << "misses were admitted into frames the attention read";
+      EXPECT_GT(s.cache_hits, 0u);
+    }
+    EXPECT_GT(s.cache_misses, 0u);
+  }
+}
+
+// The same with the switch off: the decode lays its rows out, as before.
+TEST(GpuBatch, DecodesThatLayOutTheirRowsStayTheSplitVerbsBits) {
+  REQUIRE_GPU();
+  wkvtest::ScopedEnv rows("WKV_DECODE_FROM_FRAMES", "0");
+  Twin t(graph_config(kQ, kKV), kN);
+  t.prompt(2100);
+  t.expect_exact_replays(100, 30, 61);
+}
+
+// After a decode that attended from frames the plan's execution buffer
+// holds no rows: wkv_plan_xbuf and wkv_attend say so (WKV_ERR_STATE) and
+// lose nothing; an assemble lays the rows out again. With the switch off a
+// decode leaves them laid out.
+TEST(GpuBatch, AfterADecodeFromFramesTheExecutionBufferIsRefusedUntilAnAssemble) {
+  REQUIRE_GPU();
+  for (const bool from_frames : {true, false}) {
+    SCOPED_TRACE(testing::Message() << "from frames " << from_frames);
+    wkvtest::ScopedEnv rows("WKV_DECODE_FROM_FRAMES", from_frames ? nullptr : "0");
+    Twin t(graph_config(kQ, kKV), 2);
+    t.prompt(700);
+    wavekv::Plan pon(t.on), poff(t.off);
+    KeyGen qgen(kKV, kD, 67);
+    t.append(1);
+    ASSERT_TRUE(t.decode(qgen, pon, poff));
+    wkv_xbuf_view v;
+    wkv_xbuf_view_init(&v);
+    Dev out(size_t(2) * kQ * kD * 2), q(size_t(2) * kQ * kD * 2);
+    ASSERT_EQ(cudaMemset(q.p, 0, size_t(2) * kQ * kD * 2), cudaSuccess);
+    const int want = from_frames ? WKV_ERR_STATE : WKV_OK;
+    EXPECT_EQ(wkv_plan_xbuf(pon.get(), &v), want);
+    if (from_frames) {
+      EXPECT_NE(std::string(wkv_last_error()).find("attended from where its rows live"), std::string::npos);
+    }
+    EXPECT_EQ(wkv_attend(pon.get(), out.p, 0, 0, nullptr, t.stream), want);
+    // The lookup, assemble and attend of the split verbs work after it, and
+    // the decodes go on exact.
+    wkv_seq *const *seqs = t.hon.data();
+    ASSERT_EQ(wkv_lookup(pon.get(), seqs, 2, 0, q.p, 0, 0, t.stream), WKV_OK);
+    ASSERT_EQ(wkv_assemble(pon.get(), t.stream), WKV_OK);
+    EXPECT_EQ(wkv_plan_xbuf(pon.get(), &v), WKV_OK);
+    EXPECT_EQ(wkv_attend(pon.get(), out.p, 0, 0, nullptr, t.stream), WKV_OK);
+    EXPECT_EQ(wkv_update(pon.get(), t.stream), WKV_OK);
+    ASSERT_EQ(cudaStreamSynchronize(t.stream), cudaSuccess);
+    ASSERT_EQ(wkv_lookup(poff.get(), t.hoff.data(), 2, 0, q.p, 0, 0, t.stream), WKV_OK);
+    ASSERT_EQ(wkv_assemble(poff.get(), t.stream), WKV_OK);
+    ASSERT_EQ(wkv_update(poff.get(), t.stream), WKV_OK);
+    for (int step = 0; step < 4; ++step) {
+      t.append(1);
+      EXPECT_TRUE(t.decode(qgen, pon, poff)) << "step " << step;
+    }
+  }
+}

@@ -292,6 +292,10 @@ class Backend {
   // CUDA: the step's kernels replayed as a graph). Called in place of
   // lookup, with the plan's runs sized.
   virtual bool decodes() const { return false; }
+  // Whether a decode leaves the step's rows in the plan's execution buffer
+  // (for wkv_plan_xbuf and wkv_attend after it); false where it attends
+  // from where the rows live.
+  virtual bool decode_lays_out_rows() const { return true; }
   virtual Status decode(Plan &plan, const DecodeOut &out) {
     (void)plan;
     (void)out;

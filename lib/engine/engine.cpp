@@ -678,6 +678,7 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
   if (whole) {
     WKV_RETURN_IF_ERROR(backend_->decode(plan, *decode));
     plan.stage = Plan::Stage::kAssembled;
+    plan.rows_laid_out = backend_->decode_lays_out_rows();
     counters_.lookups.fetch_add(n);
     return Status::ok();
   }
@@ -766,6 +767,7 @@ Status Engine::assemble(Plan &plan, void *stream) {
   plan.close_lookups();
   WKV_RETURN_IF_ERROR(st);
   plan.stage = Plan::Stage::kAssembled;
+  plan.rows_laid_out = true;
   return Status::ok();
 }
 
@@ -775,6 +777,12 @@ Status Engine::attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_st
   if (plan.stage != Plan::Stage::kAssembled) {
     plan.stage = Plan::Stage::kEmpty;
     return WKV_ERROR(WKV_ERR_STATE, "attend needs a lookup and an assemble first");
+  }
+  if (!plan.rows_laid_out) {
+    plan.stage = Plan::Stage::kEmpty;
+    return WKV_ERROR(WKV_ERR_STATE,
+                     "attend needs an assemble first: the plan's last step was a decode that attended from where its "
+                     "rows live and laid out no execution buffer");
   }
   Status st = plan.check_versions();
   if (st.is_ok()) st = backend_->check_stream(stream, "wkv_attend");

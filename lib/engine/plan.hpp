@@ -122,6 +122,10 @@ class Plan {
   const std::shared_ptr<StepTracker> &tracker_ptr() const { return tracker_; }
 
   Stage stage = Stage::kEmpty;
+  // At kAssembled: whether the execution buffer holds the step's rows (an
+  // assemble), or only where they live (a decode that attended from frames:
+  // Backend::decode_lays_out_rows false).
+  bool rows_laid_out = true;
   uint32_t layer = 0;
   uint32_t n_seqs = 0;
   void *stream = nullptr;                       // the caller's stream of the current verb

@@ -305,6 +305,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   void fill_stats(wkv_stats *out) override;
   Status lookup(Plan &plan) override;
   bool decodes() const override { return graphs_; }
+  bool decode_lays_out_rows() const override { return !from_frames_; }
   Status decode(Plan &plan, const DecodeOut &out) override;
   Status assemble(Plan &plan) override;
   Status attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse) override;
@@ -432,6 +433,13 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // alternate between streams of two priorities changes its graph's key at
   // every step, and launches one by one.
   bool fork_ = true;
+  // A decode's attention reads each row where it lives (a device cache
+  // frame, host pages, the steady zone's buffers; the gather then writes
+  // only where, and reads only what it admits) unless
+  // WKV_DECODE_FROM_FRAMES=0: then the gather lays the rows out in the
+  // execution buffer and the attention reads them there, as the split
+  // verbs do. The same bits either way.
+  bool from_frames_ = true;
   int least_priority_ = 0, greatest_priority_ = 0;
   std::vector<cudaStream_t> cap_priority_;  // [least - priority]
   cudaStream_t cap_side_ = nullptr;
@@ -543,6 +551,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
   if (const char *g = std::getenv("WKV_DECODE_GRAPHS")) graphs_ = std::strcmp(g, "0") != 0;
   if (const char *r = std::getenv("WKV_DECODE_RING")) rings_ = std::strcmp(r, "0") != 0;
   if (const char *f = std::getenv("WKV_DECODE_FORK")) fork_ = std::strcmp(f, "0") != 0;
+  if (const char *f = std::getenv("WKV_DECODE_FROM_FRAMES")) from_frames_ = std::strcmp(f, "0") != 0;
   const int side_priority = greatest_priority_ < least_priority_ ? greatest_priority_ + 1 : greatest_priority_;
   WKV_CU(cudaStreamCreateWithPriority(&cap_side_, cudaStreamNonBlocking, side_priority));
   WKV_CU(cudaEventCreateWithFlags(&fork_ev_, cudaEventDisableTiming));
@@ -1636,6 +1645,9 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cuda
   if (err == cudaSuccess) {
     kernels::GatherArgs a = gather_args(b.runs, b.R, b.lookup, b.max_ret, b.xk, b.xv, b.counters);
     a.vars = b.vars;
+    // From frames: the execution buffer's K rows hold where each row lives
+    // (16 bytes a row, within a row of it).
+    if (from_frames_) a.row_src = reinterpret_cast<kernels::RowSource *>(b.xk);
     if (frames_) {
       a.pool = e_.buffers().pool();
       a.reading.done = b.reading;  // frames are read: said before the entries (buffer_manager.hpp)
@@ -1653,9 +1665,16 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cuda
   if (err != cudaSuccess) return err;
   kernels::StepMark end{b.done, 0, reinterpret_cast<unsigned int *>(b.counters) + kAttendCtas};
   end.epoch_at = &b.vars->epoch;
+  kernels::AttendRows rows;
+  if (from_frames_) {
+    const Config &cfg = e_.config();
+    rows.src = reinterpret_cast<const kernels::RowSource *>(b.xk);
+    rows.vs_floats = cfg.page_tokens();
+    rows.v_bytes = cfg.int8_pages() ? cfg.page_tokens() * cfg.c.head_dim : 0;
+  }
   return kernels::attend_ragged(b.dtype, b.lookup.offsets, b.xk, b.xv, b.q, b.R, b.H, b.G, b.d, b.scale, b.max_run,
                                 b.lookup.est_out, b.lookup.est_lse, nullptr, 0, 0, nullptr, b.scratch,
-                                b.scratch_floats, s, end, b.vars);
+                                b.scratch_floats, s, end, b.vars, rows);
 }
 
 cudaError_t CudaBackend::capture_decode(const DecodeBody &b, cudaGraphExec_t *out, bool fail) {
