@@ -17,6 +17,16 @@
 // head_of_lane(j). The online softmax runs once per block of kU steps; the
 // probabilities go through shared memory to every lane for the V update.
 //
+// Attending from frames (a decode; AttendRows), a block's rows are copied
+// from where each lives, by the row sources the gather wrote (RowSource):
+// a warp keeps its next blocks' sources in shared memory, a stage each,
+// loaded one block ahead so that their latency hides behind a block's
+// work; an 8-bit row's D bytes go to the start of its slot and its two
+// scales beside the stage, and it is read back dequantized to the storage
+// type and then to f32, as the gather would have laid it out: the same
+// floats, the same blocks, the same bits as over a laid-out buffer (the
+// runs' splits are counted for the laid-out kernel in both cases).
+//
 // combine_kernel, one CTA per (run, head, 32 elements): merges the splits in
 // log space (32 lanes of splits in parallel), then the estimate exactly as
 // merge_partials does, and writes the output in the storage dtype (and the

@@ -50,15 +50,17 @@ namespace {
 constexpr float kNegInf = -INFINITY;
 constexpr uint32_t kFull = 0xffffffffu;
 
-// Logits: a CTA scores a tile of kLogitTile clusters of one run; the lanes
-// of a group (LogitShape) share a cluster, each holding its pieces of the
-// query heads in registers, and sum their partial dot products by a
-// transposing butterfly. Two batches of kLogitBatch clusters' loads are in
-// flight per group (the kernel waits on memory, not on arithmetic).
+// Logits: a CTA scores a tile of kLogitTile clusters of one run; the
+// kLogitParts lanes of a group share a cluster, each holding a slice of
+// D / kLogitParts dimensions of the query heads in registers, and sum their
+// partial dot products by shuffles. Two batches of kLogitBatch clusters'
+// loads are in flight per group (the kernel waits on memory, not on
+// arithmetic).
 constexpr uint32_t kLogitThreads = 256;
+constexpr uint32_t kLogitParts = 8;
+constexpr uint32_t kLogitSlots = kLogitThreads / kLogitParts;  // clusters a CTA scores at once
 constexpr uint32_t kLogitTile = 512;
 constexpr uint32_t kLogitBatch = 2;
-constexpr uint32_t kLogitCtas = 3;  // CTAs a multiprocessor holds at d <= 128 (bounds registers to 85)
 constexpr uint32_t kSelectThreads = 1024;
 constexpr uint32_t kSelectWarps = kSelectThreads / 32;
 constexpr uint32_t kSelectMaxSplit = 8;     // CTAs a run's selection is split over, at most (one cluster)
@@ -173,33 +175,8 @@ __device__ __forceinline__ void merge_ms(float &m, float &s, float m2, float s2)
 
 // 1. Logits ----------------------------------------------------------------
 
-// How the lanes of a group split a centroid row of D elements of EB bytes.
-// Where the row is whole multiples of 256 bytes, 16 lanes share it, lane j
-// holding the 16-byte pieces j, j + 16, ...: each load of a group reads
-// whole 32-byte sectors, and a lane's slice is small (8 f16 dimensions at
-// d = 128, so that kLogitCtas CTAs fit a multiprocessor). Otherwise 8 lanes
-// share it, lane j holding the j-th eighth of the row.
-template <uint32_t D, uint32_t EB>
-struct LogitShape {
-  static constexpr uint32_t kRowBytes = D * EB;
-  static constexpr bool kWide = kRowBytes % 256 == 0;
-  static constexpr uint32_t kParts = kWide ? 16 : 8;                // lanes a cluster
-  static constexpr uint32_t kPieceBytes = kWide ? 16 : kRowBytes / 8;
-  static constexpr uint32_t kPieces = kRowBytes / (kPieceBytes * kParts);  // a lane's
-  static constexpr uint32_t kPieceDims = kPieceBytes / EB;
-  static constexpr uint32_t kDims = kPieces * kPieceDims;           // dimensions a lane holds
-  static constexpr uint32_t kWords = kPieces * kPieceBytes / 4;     // 32-bit words a lane loads
-  static constexpr uint32_t kSlots = kLogitThreads / kParts;        // clusters a CTA scores at once
-  static_assert(kRowBytes % (kParts * 4) == 0 && kPieceBytes % 4 == 0, "pieces are whole words");
-  static_assert(kPieces * kPieceBytes * kParts == kRowBytes, "the lanes cover the row");
-  // The first dimension of a lane's piece p.
-  static __device__ __forceinline__ uint32_t dim(uint32_t part, uint32_t p) {
-    return (p * kParts + part) * kPieceDims;
-  }
-};
-
-// Loads BYTES bytes (a piece of a centroid row) as 32-bit words, in the
-// widest loads the piece's size (and so its alignment) allows.
+// Loads BYTES bytes (a lane's slice of a centroid row) as 32-bit words, in
+// the widest loads the slice's size (and so its alignment) allows.
 __device__ __forceinline__ void put_words(uint32_t *o, uint4 v) {
   o[0] = v.x;
   o[1] = v.y;
@@ -212,7 +189,7 @@ __device__ __forceinline__ void put_words(uint32_t *o, uint2 v) {
 }
 __device__ __forceinline__ void put_words(uint32_t *o, uint32_t v) { o[0] = v; }
 template <uint32_t BYTES>
-__device__ __forceinline__ void load_piece(const uint8_t *p, uint32_t *out) {
+__device__ __forceinline__ void load_slice(const uint8_t *p, uint32_t (&out)[BYTES / 4]) {
   using W = std::conditional_t<BYTES % 16 == 0, uint4, std::conditional_t<BYTES % 8 == 0, uint2, uint32_t>>;
   const W *src = reinterpret_cast<const W *>(p);
 #pragma unroll
@@ -226,39 +203,30 @@ template <uint32_t D, bool kHalf>
 __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, uint32_t C, uint32_t c0, uint32_t G,
                                             float scale, const float *qs, const float *fs,
                                             const float *__restrict__ spread, float *__restrict__ lg) {
-  constexpr uint32_t EB = kHalf ? 2 : 4;     // bytes an element
-  using L = LogitShape<D, EB>;
-  constexpr uint32_t NW = L::kWords;
-  constexpr uint32_t HP = D <= 128 ? 4 : 2;  // query heads a pass (registers)
-  static_assert(HP <= L::kParts, "a lane of the group writes each head");
-  const uint32_t part = threadIdx.x % L::kParts, slot = threadIdx.x / L::kParts;
-  const uint32_t lane = threadIdx.x % 32;
+  constexpr uint32_t S = D / kLogitParts;        // dimensions a lane holds
+  constexpr uint32_t EB = kHalf ? 2 : 4;         // bytes an element
+  constexpr uint32_t NW = S * EB / 4;            // 32-bit words a slice
+  constexpr uint32_t HP = D <= 128 ? 4 : 2;      // query heads a pass (registers)
+  const uint32_t part = threadIdx.x % kLogitParts, slot = threadIdx.x / kLogitParts;
   for (uint32_t h0 = 0; h0 < G; h0 += HP) {
-    float qr[HP][L::kDims];
+    float qr[HP][S];
 #pragma unroll
     for (uint32_t h = 0; h < HP; ++h)
 #pragma unroll
-      for (uint32_t p = 0; p < L::kPieces; ++p)
-#pragma unroll
-        for (uint32_t j = 0; j < L::kPieceDims; ++j)
-          qr[h][p * L::kPieceDims + j] = h0 + h < G ? qs[(h0 + h) * D + L::dim(part, p) + j] : 0.f;
+      for (uint32_t j = 0; j < S; ++j) qr[h][j] = h0 + h < G ? qs[(h0 + h) * D + part * S + j] : 0.f;
     // The next batch's loads are issued before this one's arithmetic, so
     // that 2 kLogitBatch rows a group are in flight.
-    constexpr uint32_t kRounds = kLogitTile / L::kSlots;
+    constexpr uint32_t kRounds = kLogitTile / kLogitSlots;
     static_assert(kRounds % kLogitBatch == 0, "a tile is whole batches");
     auto load_batch = [&](uint32_t k, uint32_t (&raw)[kLogitBatch][NW]) {
 #pragma unroll
       for (uint32_t b = 0; b < kLogitBatch; ++b) {
-        const uint32_t c = c0 + slot + (k + b) * L::kSlots;
+        const uint32_t c = c0 + slot + (k + b) * kLogitSlots;
+        if (c < C) {
+          load_slice<S * EB>(rows + (static_cast<size_t>(c) * D + part * S) * EB, raw[b]);
+        } else {
 #pragma unroll
-        for (uint32_t p = 0; p < L::kPieces; ++p) {
-          uint32_t *o = raw[b] + p * (L::kPieceBytes / 4);
-          if (c < C) {
-            load_piece<L::kPieceBytes>(rows + (static_cast<size_t>(c) * D + L::dim(part, p)) * EB, o);
-          } else {
-#pragma unroll
-            for (uint32_t w = 0; w < L::kPieceBytes / 4; ++w) o[w] = 0u;
-          }
+          for (uint32_t w = 0; w < NW; ++w) raw[b][w] = 0u;
         }
       }
     };
@@ -291,11 +259,18 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
             for (uint32_t h = 0; h < HP; ++h) acc[h] = fmaf(qr[h][w], x, acc[h]);
           }
         }
-        // Lane `part` < HP of the group writes head h0 + head_of_lane(part).
-        const float v = reduce_heads<HP, L::kParts>(acc, lane);
-        const uint32_t c = c0 + slot + (k + b) * L::kSlots, g = h0 + head_of_lane<HP>(part);
-        if (c < C && part < HP && g < G)
+#pragma unroll
+        for (uint32_t o = kLogitParts / 2; o > 0; o >>= 1)
+#pragma unroll
+          for (uint32_t h = 0; h < HP; ++h) acc[h] += __shfl_xor_sync(kFull, acc[h], o);
+        // Lane `part` of the group writes head h0 + part.
+        const uint32_t c = c0 + slot + (k + b) * kLogitSlots, g = h0 + part;
+        if (c < C && part < HP && g < G) {
+          float v = acc[0];
+#pragma unroll
+          for (uint32_t h = 1; h < HP; ++h) v = part == h ? acc[h] : v;
           lg[static_cast<size_t>(g) * C + c] = spread ? v * scale + fs[g] * spread[c] : v * scale;
+        }
       }
     }
   }
@@ -305,7 +280,7 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
 // run, from the centroids' f16 copy where the run has one and every
 // centroid fits (half the bytes), else from the f32 centroids.
 template <uint32_t D>
-__global__ void __launch_bounds__(kLogitThreads, D <= 128 ? kLogitCtas : 1) logits_kernel(const DevRun *__restrict__ runs, uint32_t G,
+__global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel(const DevRun *__restrict__ runs, uint32_t G,
                                                                float scale, const float *__restrict__ q,
                                                                float *__restrict__ logits) {
   __shared__ float qs[kMaxGroup * D];

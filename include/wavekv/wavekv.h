@@ -806,7 +806,9 @@ typedef struct wkv_xbuf_view {
 /* Sets view->size and zeroes the rest. NULL is a no-op. */
 WKV_API void wkv_xbuf_view_init(wkv_xbuf_view *view);
 
-/* Describes the plan's execution buffer into *view. Requires an assemble. */
+/* Describes the plan's execution buffer into *view. Requires an assemble
+ * (WKV_ERR_STATE otherwise, and after a CUDA engine's wkv_decode, which
+ * attends from where the rows live: see wkv_decode). */
 WKV_API int wkv_plan_xbuf(const wkv_plan *plan, wkv_xbuf_view *view);
 
 /*
@@ -864,6 +866,14 @@ WKV_API int wkv_update(wkv_plan *plan, void *stream);
  * plan whose steps alternate between streams of two priorities launches
  * one by one). WKV_DECODE_FORK=0: one stream order, at the priority of the
  * stream a replay is launched on.
+ *
+ * On such an engine the decode's attention reads each row where it lives
+ * (a frame of the device cache, the host pages of a miss, the steady
+ * zone), and the execution buffer is not laid out: after the decode,
+ * wkv_plan_xbuf and wkv_attend return WKV_ERR_STATE until an assemble
+ * (the results are those of lookup, assemble and attend either way, bit
+ * for bit). WKV_DECODE_FROM_FRAMES=0, read when the engine opens, lays the
+ * rows out as the split verbs do.
  *
  * A bound plan (wkv_plan_bind) decodes only on a stream being captured,
  * its batch in its order: the decode is captured as a call of its step.

@@ -21,10 +21,12 @@
 // once the oldest epoch in flight is past S: every step that could have
 // seen it has ended (a frame of a head that is gone is evicted so too: its
 // entry is not cleared). A cache unit of a live head evicted by the manager
-// waits for fewer steps: only a gather reads frames, and it reads a frame
-// only through its unit map entry. Every gather CTA writes its step's epoch into its
-// tracker's reading word (fenced, at system scope) before it reads an
-// entry; the manager clears the victims' entries, waits for the stores,
+// waits for fewer steps: only a gather finds frames, and it finds a frame
+// only through its unit map entry (a decode that attends from frames reads
+// the frames its gather found, or took, later in the same step, which has
+// not ended before its attention has). Every gather CTA writes its step's
+// epoch into its tracker's reading word (fenced, at system scope) before
+// it reads an entry; the manager clears the victims' entries, waits for the stores,
 // then reads the reading words. A step whose mark it does not see reads the
 // cleared entries (the two sides' fences: one of them sees the other's
 // write), so the frames wait only for the steps it sees reading: each
