@@ -114,9 +114,11 @@ struct Shape {
   static constexpr uint32_t kStages = clampu(WKV_ATTEND_WARP_SMEM / (2 * kBlockBytes), 2, 6);
   static constexpr uint32_t kWarpBytes = kStages * 2 * kBlockBytes;
   static constexpr uint32_t kPsFloats = kRows * 8 + 8;         // p [kRows][HC] and alpha [HC]
-  // Attending from frames (kSrc): a warp's row sources [kStages][kRows]
-  // and scales [kStages][2][kRows].
-  static constexpr uint32_t kSrcBytes = kStages * kRows * (sizeof(RowSource) + 2 * sizeof(float));
+  // Attending from frames (kSrc): a warp's row sources [2 kStages][kRows]
+  // (a block's are fetched kStages blocks before its rows) and scales
+  // [kStages][2][kRows].
+  static constexpr uint32_t kSrcSlots = 2 * kStages;
+  static constexpr uint32_t kSrcBytes = kRows * (kSrcSlots * sizeof(RowSource) + kStages * 2 * sizeof(float));
   static_assert(D % kVec == 0 && kLpr * kE >= D && kLpr <= 32, "row does not fit a warp");
   static_assert(kRowBytes % 16 == 0, "rows must be whole 16-byte slots");
 };
@@ -282,21 +284,25 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint8_t *wsm = smem + warp * S::kWarpBytes;
   float *ps = reinterpret_cast<float *>(smem + kWarps * S::kWarpBytes) + warp * S::kPsFloats;
   float *alpha_s = ps + S::kRows * HC;
-  // Attending from frames: this warp's row sources and scales, a stage each.
+  // Attending from frames: this warp's row sources, a block's in slot
+  // block % kSrcSlots, and its rows' scales, a stage each.
   uint8_t *src_sm = smem + kWarps * S::kWarpBytes + kWarps * S::kPsFloats * sizeof(float) + warp * S::kSrcBytes;
-  RowSource *rsrc = reinterpret_cast<RowSource *>(src_sm);                                  // [kStages][kRows]
-  float *rscale = reinterpret_cast<float *>(src_sm + S::kStages * S::kRows * sizeof(RowSource));  // [kStages][2][kRows]
+  RowSource *rsrc = reinterpret_cast<RowSource *>(src_sm);  // [kSrcSlots][kRows]
+  float *rscale = reinterpret_cast<float *>(src_sm + S::kSrcSlots * S::kRows * sizeof(RowSource));  // [kStages][2][kRows]
 
-  // The row sources of block i of this warp, lane `row` < kRows each ({0, 0}
-  // past the slice: a zero row of the storage type).
-  auto row_source = [&](uint32_t i) -> RowSource {
-    const uint32_t rb = t0 + (tw + i * ntw) * S::kRows, row = lane;
-    if (i < mine && row < S::kRows && rb + row < t1) return rs.src[static_cast<size_t>(beg) + rb + row];
-    return RowSource{0, 0};
+  // Whether lane `row` < kRows has a row of block i, and where its source is.
+  auto source_at = [&](uint32_t i, const RowSource **at) -> bool {
+    const uint32_t rb = t0 + (tw + i * ntw) * S::kRows;
+    *at = rs.src + static_cast<size_t>(beg) + rb + lane;
+    return i < mine && lane < S::kRows && rb + lane < t1;
   };
   if constexpr (kSrc) {
+    // The first kStages blocks' sources ({0, 0} past the slice: a zero row
+    // of the storage type).
+#pragma unroll
     for (uint32_t i = 0; i < S::kStages; ++i) {
-      const RowSource x = row_source(i);
+      const RowSource *at;
+      const RowSource x = source_at(i, &at) ? *at : RowSource{0, 0};
       if (lane < S::kRows) rsrc[i * S::kRows + lane] = x;
     }
     __syncwarp();
@@ -306,7 +312,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   // (from a valid address, reading nothing). Always commits a group, empty
   // past the end, so that the wait count stays fixed. From frames, each row
   // comes from where its source says, an 8-bit row's D bytes at the start
-  // of its slot and its scales beside the stage.
+  // of its slot and its scales beside the stage; the group also fetches
+  // block i + kStages's sources, which block i + kStages's copies (issued
+  // once this group is complete) read.
   auto issue = [&](uint32_t i) {
     if (i < mine) {
       const uint32_t rb = t0 + (tw + i * ntw) * S::kRows;
@@ -314,13 +322,14 @@ __global__ void __launch_bounds__(kThreads, 2)
       uint8_t *dk = wsm + (i % S::kStages) * 2 * S::kBlockBytes;
       uint8_t *dv = dk + S::kBlockBytes;
       if constexpr (kSrc) {
-        const RowSource *src = rsrc + (i % S::kStages) * S::kRows;
+        const RowSource *src = rsrc + (i % S::kSrcSlots) * S::kRows;
 #pragma unroll
         for (uint32_t c = lane * 16; c < S::kBlockBytes; c += 512) {
           const uint32_t row = c / S::kRowBytes, within = c % S::kRowBytes;
           const RowSource x = src[row];
           const bool int8 = x.x & kRowInt8;
-          const bool ok = c < valid && (!int8 || within < D);
+          if (int8 && within >= D) continue;  // past an 8-bit row's bytes: never read
+          const bool ok = c < valid;
           const uint8_t *k = reinterpret_cast<const uint8_t *>(x.k) + within;
           const uint8_t *v = int8 ? k + rs.v_bytes : reinterpret_cast<const uint8_t *>(x.x) + within;
           cp_async16(dk + c, ok ? k : xk, ok);
@@ -332,6 +341,9 @@ __global__ void __launch_bounds__(kThreads, 2)
           cp_async4(sc + lane, ks);
           cp_async4(sc + S::kRows + lane, ks + rs.vs_floats);
         }
+        const RowSource *at;
+        const bool has = source_at(i + S::kStages, &at);
+        if (lane < S::kRows) cp_async16(rsrc + ((i + S::kStages) % S::kSrcSlots) * S::kRows + lane, has ? at : rs.src, has);
       } else {
         const size_t src = (static_cast<size_t>(beg) + rb) * S::kRowBytes;
 #pragma unroll
@@ -348,10 +360,6 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
   for (uint32_t i = 0; i + 1 < S::kStages; ++i) issue(i);
   for (uint32_t i = 0; i < mine; ++i) {
-    // From frames: block i + kStages's row sources, loaded now and stored
-    // into block i's slot once it is attended (a block's latency hidden).
-    RowSource next_src{0, 0};
-    if constexpr (kSrc) next_src = row_source(i + S::kStages);
     issue(i + S::kStages - 1);
     cp_async_wait<S::kStages - 1>();
     __syncwarp();
@@ -360,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     const uint32_t rb = t0 + (tw + i * ntw) * S::kRows;
     const uint32_t nrows = min(S::kRows, t1 - rb);
     // From frames: whether each of this lane's rows is 8-bit, and its scales.
-    const RowSource *bsrc = rsrc + (i % S::kStages) * S::kRows;
+    const RowSource *bsrc = rsrc + (i % S::kSrcSlots) * S::kRows;
     const float *bscale = rscale + (i % S::kStages) * 2 * S::kRows;
     auto row_values = [&](const uint8_t *block, uint32_t row, bool v, float *f) {
       if constexpr (kSrc) {
@@ -446,11 +454,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (uint32_t e = 0; e < kE; ++e) acc[h][e] = fmaf(p[h], vf[e], acc[h][e]);
     }
-    __syncwarp();  // ps and this stage are rewritten next
-    if constexpr (kSrc) {
-      if (lane < S::kRows) rsrc[(i % S::kStages) * S::kRows + lane] = next_src;
-      __syncwarp();
-    }
+    __syncwarp();  // ps, this stage and its sources' slot are rewritten next
   }
   cp_async_wait<0>();
 
