@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gpu_support.hpp"
@@ -919,15 +920,19 @@ TEST(GpuBatch, DecodeGraphsOfFourThreadsOnOneEngineStayExact) {
 // there (device cache frames, host pages, the steady zone), where the
 // split verbs (the engine without graphs) lay them out first. The same
 // bits either way, with 8-bit pages (dequantized by the attention as the
-// gather would) in bf16, with and without a device cache (every unit from
-// host pages), across growths.
+// gather would) in each storage dtype, with and without a device cache
+// (every unit from host pages), across growths.
 TEST(GpuBatch, DecodesFromFramesAreTheSplitVerbsBitsWithEightBitPages) {
   REQUIRE_GPU();
-  for (const size_t cache : {size_t(8) << 20, size_t(1)}) {
-    SCOPED_TRACE(testing::Message() << "device cache bytes " << cache);
+  const std::pair<uint32_t, size_t> cases[] = {{WKV_DTYPE_BF16, size_t(8) << 20},
+                                               {WKV_DTYPE_BF16, 1},
+                                               {WKV_DTYPE_F16, size_t(8) << 20},
+                                               {WKV_DTYPE_F32, size_t(8) << 20}};
+  for (const auto &[dtype, cache] : cases) {
+    SCOPED_TRACE(testing::Message() << "dtype " << dtype << ", device cache bytes " << cache);
     wkv_config c = graph_config(kQ, kKV);
     c.page_format = WKV_PAGE_FORMAT_INT8;
-    c.dtype = WKV_DTYPE_BF16;
+    c.dtype = dtype;
     c.device_cache_bytes = cache;
     Twin t(c, kN);
     t.prompt(2100);
