@@ -58,6 +58,11 @@ constexpr uint32_t kMaxCtas = 2048;   // bound of R * n_splits (sizes the scratc
 #ifndef WKV_ATTEND_WARP_SMEM
 #define WKV_ATTEND_WARP_SMEM 16384
 #endif
+// ... attending from frames, whose rows come from device memory (not from
+// a buffer just written, partly in L2): more stages in flight.
+#ifndef WKV_ATTEND_SRC_WARP_SMEM
+#define WKV_ATTEND_SRC_WARP_SMEM 24576
+#endif
 constexpr uint32_t kCombineThreads = 256;
 constexpr uint32_t kCombineCols = 8;  // float4 columns (32 elements) per combine CTA
 constexpr uint32_t kCombineLanes = kCombineThreads / kCombineCols;  // splits summed in parallel
@@ -100,8 +105,9 @@ constexpr uint32_t pow2ceil(uint32_t x) {
 }
 constexpr uint32_t clampu(uint32_t x, uint32_t lo, uint32_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// Compile-time geometry of one (storage type, head_dim).
-template <typename Tag, uint32_t D>
+// Compile-time geometry of one (storage type, head_dim), with kSmem bytes
+// of a warp's pipeline.
+template <typename Tag, uint32_t D, uint32_t kSmem = WKV_ATTEND_WARP_SMEM>
 struct Shape {
   static constexpr uint32_t kVec = 16 / sizeof(Tag);           // elements per 16-byte slot
   static constexpr uint32_t kSlots = D / kVec;                 // slots per row
@@ -111,7 +117,7 @@ struct Shape {
   static constexpr uint32_t kRows = kU * kRpw;                 // rows per block
   static constexpr uint32_t kRowBytes = D * sizeof(Tag);
   static constexpr uint32_t kBlockBytes = kRows * kRowBytes;   // K (or V) of one block
-  static constexpr uint32_t kStages = clampu(WKV_ATTEND_WARP_SMEM / (2 * kBlockBytes), 2, 6);
+  static constexpr uint32_t kStages = clampu(kSmem / (2 * kBlockBytes), 2, 6);
   static constexpr uint32_t kWarpBytes = kStages * 2 * kBlockBytes;
   static constexpr uint32_t kPsFloats = kRows * 8 + 8;         // p [kRows][HC] and alpha [HC]
   // Attending from frames (kSrc): a warp's row sources [2 kStages][kRows]
@@ -123,9 +129,13 @@ struct Shape {
   static_assert(kRowBytes % 16 == 0, "rows must be whole 16-byte slots");
 };
 
+// The pipeline's shape of attend_kernel's instance (kSrc: from frames).
+template <typename Tag, uint32_t D, bool kSrc>
+using AttendShape = Shape<Tag, D, kSrc ? WKV_ATTEND_SRC_WARP_SMEM : WKV_ATTEND_WARP_SMEM>;
+
 template <uint32_t HC, typename Tag, uint32_t D, bool kSrc>
 constexpr size_t attend_smem_bytes() {
-  using S = Shape<Tag, D>;
+  using S = AttendShape<Tag, D, kSrc>;
   const size_t pipe = static_cast<size_t>(kWarps) * S::kWarpBytes + kWarps * S::kPsFloats * sizeof(float) +
                       (kSrc ? kWarps * S::kSrcBytes : 0);
   const size_t comb = (2 * kWarps * kMaxG + static_cast<size_t>(kWarps) * HC * D) * sizeof(float);
@@ -266,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     attend_kernel(const int32_t *__restrict__ offsets, const uint8_t *__restrict__ xk,
                   const uint8_t *__restrict__ xv, const float *__restrict__ q, uint32_t G, float qscale,
                   uint32_t n_splits, float *__restrict__ part_o, float *__restrict__ part_lse, AttendRows rs) {
-  using S = Shape<Tag, D>;
+  using S = AttendShape<Tag, D, kSrc>;
   extern __shared__ uint4 dyn_smem[];
   uint8_t *smem = reinterpret_cast<uint8_t *>(dyn_smem);
   wait_prior_grid();
