@@ -915,7 +915,7 @@ TEST(GpuBatch, DecodeGraphsOfFourThreadsOnOneEngineStayExact) {
   for (Lane &ln : lanes) cudaStreamDestroy(ln.stream);
 }
 
-// A decode attends from frames (WKV_DECODE_FROM_FRAMES, on unless 0): its
+// A decode attends from frames (WKV_DECODE_FROM_FRAMES=1; off by default): its
 // gather writes where each row lives and its attention reads the rows
 // there (device cache frames, host pages, the steady zone), where the
 // split verbs (the engine without graphs) lay them out first. The same
@@ -934,6 +934,7 @@ TEST(GpuBatch, DecodesFromFramesAreTheSplitVerbsBitsWithEightBitPages) {
     c.page_format = WKV_PAGE_FORMAT_INT8;
     c.dtype = dtype;
     c.device_cache_bytes = cache;
+    wkvtest::ScopedEnv rows("WKV_DECODE_FROM_FRAMES", "1");
     Twin t(c, kN);
     t.prompt(2100);
     t.expect_exact_replays(150, 40, 59);
@@ -946,7 +947,8 @@ TEST(GpuBatch, DecodesFromFramesAreTheSplitVerbsBitsWithEightBitPages) {
   }
 }
 
-// The same with the switch off: the decode lays its rows out, as before.
+// The same with the switch off (the default, said explicitly): the decode
+// lays its rows out, as before.
 TEST(GpuBatch, DecodesThatLayOutTheirRowsStayTheSplitVerbsBits) {
   REQUIRE_GPU();
   wkvtest::ScopedEnv rows("WKV_DECODE_FROM_FRAMES", "0");
@@ -963,7 +965,7 @@ TEST(GpuBatch, AfterADecodeFromFramesTheExecutionBufferIsRefusedUntilAnAssemble)
   REQUIRE_GPU();
   for (const bool from_frames : {true, false}) {
     SCOPED_TRACE(testing::Message() << "from frames " << from_frames);
-    wkvtest::ScopedEnv rows("WKV_DECODE_FROM_FRAMES", from_frames ? nullptr : "0");
+    wkvtest::ScopedEnv rows("WKV_DECODE_FROM_FRAMES", from_frames ? "1" : "0");
     Twin t(graph_config(kQ, kKV), 2);
     t.prompt(700);
     wavekv::Plan pon(t.on), poff(t.off);

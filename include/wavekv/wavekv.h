@@ -807,8 +807,8 @@ typedef struct wkv_xbuf_view {
 WKV_API void wkv_xbuf_view_init(wkv_xbuf_view *view);
 
 /* Describes the plan's execution buffer into *view. Requires an assemble
- * (WKV_ERR_STATE otherwise, and after a CUDA engine's wkv_decode, which
- * attends from where the rows live: see wkv_decode). */
+ * (WKV_ERR_STATE otherwise, and after a CUDA engine's wkv_decode that
+ * attended from where the rows live: see wkv_decode). */
 WKV_API int wkv_plan_xbuf(const wkv_plan *plan, wkv_xbuf_view *view);
 
 /*
@@ -867,13 +867,12 @@ WKV_API int wkv_update(wkv_plan *plan, void *stream);
  * one by one). WKV_DECODE_FORK=0: one stream order, at the priority of the
  * stream a replay is launched on.
  *
- * On such an engine the decode's attention reads each row where it lives
- * (a frame of the device cache, the host pages of a miss, the steady
- * zone), and the execution buffer is not laid out: after the decode,
- * wkv_plan_xbuf and wkv_attend return WKV_ERR_STATE until an assemble
- * (the results are those of lookup, assemble and attend either way, bit
- * for bit). WKV_DECODE_FROM_FRAMES=0, read when the engine opens, lays the
- * rows out as the split verbs do.
+ * With WKV_DECODE_FROM_FRAMES=1 (read when the engine opens; off by
+ * default) the decode's attention reads each row where it lives (a frame
+ * of the device cache, the host pages of a miss, the steady zone) and the
+ * execution buffer is not laid out: after the decode, wkv_plan_xbuf and
+ * wkv_attend return WKV_ERR_STATE until an assemble (the results are
+ * those of lookup, assemble and attend either way, bit for bit).
  *
  * A bound plan (wkv_plan_bind) decodes only on a stream being captured,
  * its batch in its order: the decode is captured as a call of its step.

@@ -433,13 +433,15 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // alternate between streams of two priorities changes its graph's key at
   // every step, and launches one by one.
   bool fork_ = true;
-  // A decode's attention reads each row where it lives (a device cache
-  // frame, host pages, the steady zone's buffers; the gather then writes
-  // only where, and reads only what it admits) unless
-  // WKV_DECODE_FROM_FRAMES=0: then the gather lays the rows out in the
-  // execution buffer and the attention reads them there, as the split
-  // verbs do. The same bits either way.
-  bool from_frames_ = true;
+  // With WKV_DECODE_FROM_FRAMES=1 a decode's attention reads each row
+  // where it lives (a device cache frame, host pages, the steady zone's
+  // buffers; the gather then writes only where, and reads only what it
+  // admits); by default the gather lays the rows out in the execution
+  // buffer and the attention reads them there, as the split verbs do. The
+  // same bits either way. Off by default: slower on the H100 (its
+  // attention waits on device memory with 8 warps a multiprocessor;
+  // bench/RESULTS.md, "fourth session").
+  bool from_frames_ = false;
   int least_priority_ = 0, greatest_priority_ = 0;
   std::vector<cudaStream_t> cap_priority_;  // [least - priority]
   cudaStream_t cap_side_ = nullptr;
@@ -551,7 +553,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
   if (const char *g = std::getenv("WKV_DECODE_GRAPHS")) graphs_ = std::strcmp(g, "0") != 0;
   if (const char *r = std::getenv("WKV_DECODE_RING")) rings_ = std::strcmp(r, "0") != 0;
   if (const char *f = std::getenv("WKV_DECODE_FORK")) fork_ = std::strcmp(f, "0") != 0;
-  if (const char *f = std::getenv("WKV_DECODE_FROM_FRAMES")) from_frames_ = std::strcmp(f, "0") != 0;
+  if (const char *f = std::getenv("WKV_DECODE_FROM_FRAMES")) from_frames_ = std::strcmp(f, "1") == 0;
   const int side_priority = greatest_priority_ < least_priority_ ? greatest_priority_ + 1 : greatest_priority_;
   WKV_CU(cudaStreamCreateWithPriority(&cap_side_, cudaStreamNonBlocking, side_priority));
   WKV_CU(cudaEventCreateWithFlags(&fork_ev_, cudaEventDisableTiming));
