@@ -45,17 +45,6 @@ __device__ uint32_t take_frame(const FramePool &p) {
   return __ldcg(p.slots + t % p.cap);  // L2: another CTA's L1 may hold the line from before the copy
 }
 
-// Asks L2 for `bytes` bytes at p (16-byte aligned, a multiple of 16) with
-// one bulk prefetch (sm_90; nothing elsewhere): no data comes back.
-__device__ __forceinline__ void prefetch_l2(const void *p, size_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(static_cast<uint32_t>(bytes)) : "memory");
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
-
 __device__ __forceinline__ int4 load_row_piece(const uint8_t *p) {
   return __ldcs(reinterpret_cast<const int4 *>(p));  // streamed: read once
 }
@@ -242,12 +231,10 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
         af = __shfl_sync(0xffffffffu, af, 0);
       };
       if constexpr (kRows) {
-        // Where the rows live: a hit's frame, read by the attention (and
-        // asked into L2 now, while the gather waits on its misses); a miss
-        // takes a frame before anything is read, and is read (into the
-        // frame) only if it got one.
+        // Where the rows live: a hit's frame, read by the attention; a
+        // miss takes a frame before anything is read, and is read (into
+        // the frame) only if it got one.
         record();
-        if (hit && lane == 0) prefetch_l2(a.cache + size_t(f) * a.frame_bytes, a.frame_bytes);
         const bool framed = af < a.frames;
         put_row_sources<kInt8>(a.row_src, row0,
                                framed ? unit_source(a.cache + size_t(af) * a.frame_bytes, nullptr, 0, rows, pt, prb,
