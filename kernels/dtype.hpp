@@ -156,6 +156,21 @@ void quantize_row(const float *x, uint32_t d, int8_t *q, float *scale);
 // dst: d elements of `t`. False (nothing written) for an unknown dtype.
 bool dequantize_row(DType t, const int8_t *q, float scale, uint32_t d, void *dst);
 
+// Centered K rows (WKV_PAGE_FORMAT_INT8_CENTERED): a key row is kept as its
+// difference from a reference, its cluster's centroid rounded to f16
+// (nearest even), where every component of the centroid is finite and
+// within f16's range (centered_reference true); otherwise the row is kept
+// plain (quantize_row). The reference is what a 16-bit meta index holds, so
+// either engine can rebuild it from its centroids alone.
+//   quantize_row_centered: quantize_row of x - ref (each difference one
+//   IEEE subtraction; a finite x less a reference within f16's range
+//   cannot overflow, FLT_MAX + 65504 rounding to FLT_MAX);
+//   dequantize_row_centered: x' = fma(q, scale, ref) rounded to the storage
+//   dtype, a NaN scale giving the dtype's quiet NaN as dequantize_row.
+bool centered_reference(const float *centroid, uint32_t d, float *ref);
+void quantize_row_centered(const float *x, const float *ref, uint32_t d, int8_t *q, float *scale);
+bool dequantize_row_centered(DType t, const int8_t *q, float scale, const float *ref, uint32_t d, void *dst);
+
 // Calls the lambda (...) with T the storage type of `t` (float, f16, bf16)
 // and returns its result; for an unknown dtype returns `unknown` instead.
 #define WKV_DISPATCH_DTYPE(t, T, unknown, ...)        \

@@ -583,8 +583,8 @@ static void test_open_errors(void) {
   expect_open_fails(&c, WKV_ERR_INVALID_ARGUMENT, "retrieval_frac NaN");
   base_config(&c); c.retrieval_frac = 0.6f; c.estimation_frac = 0.6f;
   expect_open_fails(&c, WKV_ERR_INVALID_ARGUMENT, "fractions summing to 1.2");
-  base_config(&c); c.page_format = 2;
-  expect_open_fails(&c, WKV_ERR_INVALID_ARGUMENT, "page_format 2");
+  base_config(&c); c.page_format = 3;
+  expect_open_fails(&c, WKV_ERR_INVALID_ARGUMENT, "page_format 3");
   CHECK(strstr(wkv_last_error(), "page_format") != NULL, "the refusal names page_format");
   base_config(&c); c.page_format = 0xffffffffu;
   expect_open_fails(&c, WKV_ERR_INVALID_ARGUMENT, "page_format 0xffffffff");

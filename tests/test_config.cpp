@@ -301,6 +301,9 @@ TEST_F(ResolveConfig, PageFormatDefaultsToStorageAndTheVariableSetsIt) {
   c.page_format = WKV_PAGE_FORMAT_INT8;
   ASSERT_EQ(open(c, &got), WKV_OK) << error();
   EXPECT_EQ(got.page_format, static_cast<uint32_t>(WKV_PAGE_FORMAT_INT8));
+  c.page_format = WKV_PAGE_FORMAT_INT8_CENTERED;
+  ASSERT_EQ(open(c, &got), WKV_OK) << error();
+  EXPECT_EQ(got.page_format, static_cast<uint32_t>(WKV_PAGE_FORMAT_INT8_CENTERED));
   EnvGuard f("WKV_PAGE_FORMAT", "1");
   ASSERT_EQ(open(minimal_config(), &got), WKV_OK) << error();
   EXPECT_EQ(got.page_format, static_cast<uint32_t>(WKV_PAGE_FORMAT_INT8));
@@ -308,9 +311,9 @@ TEST_F(ResolveConfig, PageFormatDefaultsToStorageAndTheVariableSetsIt) {
 
 TEST_F(ResolveConfig, RejectsUnknownPageFormatsNamingWhereTheyCameFrom) {
   wkv_config c = minimal_config();
-  c.page_format = 2;
+  c.page_format = 3;
   EXPECT_EQ(open(c), WKV_ERR_INVALID_ARGUMENT);
-  EXPECT_TRUE(contains(error(), "page_format 2 (from the config)")) << error();
+  EXPECT_TRUE(contains(error(), "page_format 3 (from the config)")) << error();
   EnvGuard f("WKV_PAGE_FORMAT", "7");
   EXPECT_EQ(open(minimal_config()), WKV_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(contains(error(), "from the environment variable WKV_PAGE_FORMAT")) << error();

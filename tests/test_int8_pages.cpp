@@ -149,6 +149,80 @@ wkv::Config resolved(uint32_t d, uint32_t dtype, uint32_t page_format, uint32_t 
   return out;
 }
 
+// Centered keys (WKV_PAGE_FORMAT_INT8_CENTERED): the reference is the
+// centroid rounded to f16 where it all fits f16, and a row is quantize_row
+// of its difference from it, read back by one fused multiply-add.
+TEST(Int8CenteredRows, TheReferenceIsTheCentroidInF16AndRowsComeBackAroundIt) {
+  const uint32_t d = 128;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> g(0.f, 1.f);
+  std::vector<float> c(d), ref(d), x(d), r(d);
+  for (uint32_t i = 0; i < d; ++i) c[i] = 6.f + 0.3f * g(rng);  // a large shared offset
+  ASSERT_TRUE(wkv::centered_reference(c.data(), d, ref.data()));
+  for (uint32_t i = 0; i < d; ++i) EXPECT_EQ(ref[i], wkv::f16_to_float(wkv::float_to_f16(c[i]))) << i;
+  for (uint32_t i = 0; i < d; ++i) x[i] = c[i] + 0.2f * g(rng);
+  // The bytes: quantize_row of the differences.
+  std::vector<int8_t> q(d), q2(d);
+  float s = 0, s2 = 0;
+  wkv::quantize_row_centered(x.data(), ref.data(), d, q.data(), &s);
+  for (uint32_t i = 0; i < d; ++i) r[i] = x[i] - ref[i];
+  wkv::quantize_row(r.data(), d, q2.data(), &s2);
+  EXPECT_EQ(q, q2);
+  EXPECT_EQ(bits_of(s), bits_of(s2));
+  // Back: fma(q, s, ref) in f32, then the dtype; within half a step of
+  // the differences' scale, far closer than the plain row's.
+  std::vector<float> back(d);
+  ASSERT_TRUE(wkv::dequantize_row_centered(wkv::DType::kF32, q.data(), s, ref.data(), d, back.data()));
+  std::vector<float> plain(d);
+  std::vector<int8_t> qp(d);
+  float sp = 0;
+  wkv::quantize_row(x.data(), d, qp.data(), &sp);
+  ASSERT_TRUE(wkv::dequantize_row(wkv::DType::kF32, qp.data(), sp, d, plain.data()));
+  double err_c = 0, err_p = 0;
+  for (uint32_t i = 0; i < d; ++i) {
+    EXPECT_EQ(bits_of(back[i]), bits_of(std::fma(float(q[i]), s, ref[i]))) << i;
+    EXPECT_LE(std::fabs(back[i] - x[i]), 0.5f * s * (1 + 1e-6f) + std::fabs(x[i]) * 0x1p-23f) << i;
+    err_c += (back[i] - x[i]) * (back[i] - x[i]);
+    err_p += (plain[i] - x[i]) * (plain[i] - x[i]);
+  }
+  EXPECT_LT(err_c * 10, err_p) << "a row less its centroid keeps far less of the 8-bit error";
+  // In a 16-bit dtype: the f32 value rounded once more.
+  std::vector<uint16_t> h(d);
+  ASSERT_TRUE(wkv::dequantize_row_centered(wkv::DType::kBF16, q.data(), s, ref.data(), d, h.data()));
+  for (uint32_t i = 0; i < d; ++i) EXPECT_EQ(h[i], wkv::float_to_bf16(back[i])) << i;
+  // A NaN scale (a row with a NaN or an infinity) reads back as the dtype's NaN.
+  x[3] = std::numeric_limits<float>::infinity();
+  wkv::quantize_row_centered(x.data(), ref.data(), d, q.data(), &s);
+  EXPECT_EQ(bits_of(s), wkv::kInt8NanScale);
+  ASSERT_TRUE(wkv::dequantize_row_centered(wkv::DType::kF16, q.data(), s, ref.data(), d, h.data()));
+  for (uint32_t i = 0; i < d; ++i) EXPECT_EQ(h[i], 0x7e00u) << i;
+}
+
+TEST(Int8CenteredRows, CentroidsOutsideF16sRangeOrNotFiniteHaveNoReference) {
+  const uint32_t d = 64;
+  std::vector<float> c(d, 1.f), ref(d);
+  for (const float bad : {65520.f, -1e6f, std::numeric_limits<float>::infinity(),
+                          std::numeric_limits<float>::quiet_NaN()}) {
+    c[17] = bad;
+    EXPECT_FALSE(wkv::centered_reference(c.data(), d, ref.data())) << bad;
+  }
+  c[17] = 65504.f;  // f16's largest: fits
+  ASSERT_TRUE(wkv::centered_reference(c.data(), d, ref.data()));
+  // A finite row as large as a float gets no infinite difference: FLT_MAX
+  // less a reference within f16's range rounds to FLT_MAX.
+  std::vector<float> x(d, 0.f);
+  x[17] = -std::numeric_limits<float>::max();
+  std::vector<int8_t> q(d);
+  float s = 0;
+  wkv::quantize_row_centered(x.data(), ref.data(), d, q.data(), &s);
+  EXPECT_TRUE(std::isfinite(s)) << s;
+  std::vector<float> back(d);
+  ASSERT_TRUE(wkv::dequantize_row_centered(wkv::DType::kF32, q.data(), s, ref.data(), d, back.data()));
+  // (Read back, it may round past FLT_MAX, as a plain row's -127 x scale
+  // may: an infinity of the right sign, never a NaN.)
+  EXPECT_TRUE(back[17] < -1e38f) << back[17];
+}
+
 TEST(Int8Pages, SlotsHoldAboutTwiceTheTokensInOne4KiBBlock) {
   struct Want {
     uint32_t d, tokens, slot;
@@ -322,7 +396,7 @@ TEST(Int8Pages, FilesRoundTripBitForBitRecordTheFormatAndLoadOnlyIntoTheirFormat
   write_bytes(dir.file("v1-int8.wkv"), pb);
   EXPECT_EQ(load_code(a, dir.file("v1-int8.wkv"), &msg), WKV_ERR_CORRUPT);
   EXPECT_NE(msg.find("reserved bytes are not zero"), std::string::npos) << msg;
-  bytes[148] = 2;
+  bytes[148] = 3;
   repair_checksums(bytes);
   write_bytes(dir.file("format2.wkv"), bytes);
   EXPECT_EQ(load_code(a, dir.file("format2.wkv"), &msg), WKV_ERR_CORRUPT);
@@ -435,6 +509,143 @@ TEST(Int8Pages, AnEvictedSequenceComesBackBitForBit) {
     ctx_twin.query();
     EXPECT_EQ(decode_all(e, seq.get(), s, q), decode_all(twin, other.get(), s, q)) << "step " << step;
   }
+}
+
+// Three engines alike but for their pages (16-bit, 8-bit, 8-bit centered),
+// fed the same tokens, whose keys share a large offset, as real models'
+// keys do. With every cluster retrieved, the centered engine's execution
+// buffer holds the 16-bit engine's rows (same clusters, same order) within
+// the 8-bit steps of their differences from the centroids, V rows as the
+// 8-bit engine's, and its attention is closer to the 16-bit engine's than
+// the plain 8-bit engine's is.
+TEST(Int8CenteredPages, KeysComeBackAroundTheirCentroidsCloserThanPlain8BitRows) {
+  for (uint32_t dtype : {WKV_DTYPE_F32, WKV_DTYPE_BF16}) {
+    SCOPED_TRACE(testing::Message() << "dtype " << dtype);
+    const uint32_t d = 64;
+    const Shape s{1, 4, 2, d, dtype};
+    wkv_config c = file_config(s);
+    c.retrieval_frac = 1.0f;
+    c.estimation_frac = 0.0f;
+    wkv_config c8 = c, cc = c;
+    c8.page_format = WKV_PAGE_FORMAT_INT8;
+    cc.page_format = WKV_PAGE_FORMAT_INT8_CENTERED;
+    wavekv::Engine e16(c), e8(c8), ec(cc);
+    wavekv::Sequence a(e16), b(e8), z(ec);
+    Context ctx(s);
+    std::vector<uint8_t> k, v;
+    ctx.tokens(700, &k, &v);
+    // The offset: +3 on every key element (exact in each dtype's rounding
+    // of the context's values is not needed: all three get the same bytes).
+    const wkv::DType dt = static_cast<wkv::DType>(dtype);
+    std::vector<float> kf(k.size() / wkv::dtype_bytes(dt));
+    wkv::to_float(dt, k.data(), kf.data(), kf.size());
+    for (float &x : kf) x += 3.0f;
+    wkv::from_float(dt, kf.data(), k.data(), kf.size());
+    for (wavekv::Sequence *q : {&a, &b, &z}) {
+      q->append(0, k.data(), v.data(), 700);
+      q->end_prompt(0);
+    }
+    EXPECT_EQ(z.info(0).clusters, a.info(0).clusters);
+    EXPECT_EQ(z.info(0).pages, b.info(0).pages) << "the same bytes a token as 8-bit pages";
+    wavekv::Plan pa(e16), pb(e8), pz(ec);
+    const std::vector<uint8_t> q = ctx.query();
+    wkv_seq *sa = a.get(), *sb = b.get(), *sz = z.get();
+    pa.lookup(&sa, 1, 0, q.data());
+    pb.lookup(&sb, 1, 0, q.data());
+    pz.lookup(&sz, 1, 0, q.data());
+    pa.assemble();
+    pb.assemble();
+    pz.assemble();
+    const wkv_xbuf_view xa = pa.xbuf(), xb = pb.xbuf(), xz = pz.xbuf();
+    ASSERT_EQ(xa.n_runs, xz.n_runs);
+    const size_t row = size_t(d) * wkv::dtype_bytes(dt);
+    const uint64_t steady = a.info(0).sink + a.info(0).tail;
+    uint64_t retrieved = 0;
+    std::vector<float> fa(d), fz(d);
+    for (uint32_t r = 0; r < xa.n_runs; ++r) {
+      ASSERT_EQ(xa.offsets[r + 1], xz.offsets[r + 1]) << "run " << r;
+      for (int32_t t = xa.offsets[r]; t < xa.offsets[r + 1]; ++t) {
+        const uint8_t *ka = static_cast<const uint8_t *>(xa.k) + size_t(t) * row;
+        const uint8_t *kz = static_cast<const uint8_t *>(xz.k) + size_t(t) * row;
+        const uint8_t *vb = static_cast<const uint8_t *>(xb.v) + size_t(t) * row;
+        const uint8_t *vz = static_cast<const uint8_t *>(xz.v) + size_t(t) * row;
+        if (uint64_t(t - xa.offsets[r]) < steady) {
+          EXPECT_EQ(std::memcmp(ka, kz, row), 0) << "run " << r << ", steady row " << t;
+          continue;
+        }
+        ++retrieved;
+        EXPECT_EQ(std::memcmp(vb, vz, row), 0) << "run " << r << ", V row " << t << ": V rows are plain";
+        wkv::to_float(dt, ka, fa.data(), d);
+        wkv::to_float(dt, kz, fz.data(), d);
+        // Within a step of 1/127 of 2 |x| (a difference from a centroid of
+        // the cluster's keys is at most about twice the key) and the dtype.
+        float amax = 0;
+        for (float x : fa) amax = std::max(amax, std::fabs(x));
+        for (uint32_t i = 0; i < d; ++i)
+          ASSERT_LE(std::fabs(fz[i] - fa[i]), amax / 127.f + std::fabs(fa[i]) * 0x1p-7f)
+              << "run " << r << ", K row " << t << ", element " << i;
+      }
+    }
+    EXPECT_GT(retrieved, 0u);
+    const size_t n_out = size_t(s.q_heads) * d;
+    std::vector<uint8_t> oa(q.size()), ob(q.size()), oz(q.size());
+    pa.attend(oa.data());
+    pb.attend(ob.data());
+    pz.attend(oz.data());
+    const std::vector<float> ga = unpack(dtype, oa, n_out), gb = unpack(dtype, ob, n_out),
+                             gz = unpack(dtype, oz, n_out);
+    double d8 = 0, dc = 0;
+    for (size_t i = 0; i < n_out; ++i) {
+      d8 += (double(gb[i]) - ga[i]) * (double(gb[i]) - ga[i]);
+      dc += (double(gz[i]) - ga[i]) * (double(gz[i]) - ga[i]);
+    }
+    EXPECT_LT(dc, d8) << "centered keys are closer to 16-bit pages than plain 8-bit rows";
+  }
+}
+
+// Files of centered pages: format 2 with page format 2, the same bytes after
+// a load and a save, decodes alike, and only an engine of the same format
+// loads them. Eviction and restore give the same bits. A CUDA engine
+// refuses the format.
+TEST(Int8CenteredPages, FilesAndTheSpillTierKeepThemBitForBitAndCudaRefusesThem) {
+  ScratchDir dir;
+  const Shape s{2, 4, 2, 64, WKV_DTYPE_BF16};
+  wkv_config cc = file_config(s);
+  cc.page_format = WKV_PAGE_FORMAT_INT8_CENTERED;
+  cc.spill_dir = dir.path().c_str();
+  wkv_config c8 = file_config(s);
+  c8.page_format = WKV_PAGE_FORMAT_INT8;
+  wavekv::Engine a(cc), b(cc), eight(c8);
+  Context ctx(s);
+  wavekv::Sequence sa(a);
+  fill(sa, s, ctx);
+  const std::string path = dir.file("centered.wkv");
+  sa.save(path);
+  const std::vector<uint8_t> bytes = read_bytes(path);
+  EXPECT_EQ(get32(bytes, 8), 2u);
+  EXPECT_EQ(get32(bytes, 148), uint32_t{WKV_PAGE_FORMAT_INT8_CENTERED});
+  wavekv::Sequence sb = wavekv::Sequence::load(b, path);
+  expect_same_decodes(b, sb, a, sa, s, ctx, 2);
+  sb.save(dir.file("again.wkv"));
+  sa.save(dir.file("first.wkv"));
+  const std::vector<uint8_t> x = read_bytes(dir.file("again.wkv")), y = read_bytes(dir.file("first.wkv"));
+  ASSERT_EQ(x.size(), y.size());
+  EXPECT_EQ(std::memcmp(x.data() + 256, y.data() + 256, x.size() - 256), 0) << "sections differ";
+  std::string msg;
+  EXPECT_EQ(load_code(eight, path, &msg), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(msg.find("file has page format int8-centered, engine int8"), std::string::npos) << msg;
+  // Evicted and restored: the same decodes as the sequence loaded beside it.
+  sa.evict();
+  EXPECT_GT(sa.info(0).spilled_pages, 0u);
+  sa.restore();
+  expect_same_decodes(b, sb, a, sa, s, ctx, 2);
+  // On a CUDA engine: refused (a build without CUDA refuses the device).
+  wkv_config cuda = cc;
+  cuda.spill_dir = nullptr;
+  cuda.device = WKV_DEVICE_CUDA;
+  wkv_engine *e = nullptr;
+  EXPECT_EQ(wkv_engine_open(&cuda, &e), WKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(e, nullptr);
 }
 
 }  // namespace

@@ -180,11 +180,30 @@ bool xbuf_holds(const wkv_xbuf_view &x, uint32_t h, const void *row, const wkv_c
     wkv::quantize_row(f.data(), engine.head_dim, q.data(), &scale);
     wkv::dequantize_row(dt, q.data(), scale, engine.head_dim, paged.data());
   }
+  // Centered keys come back against their cluster's centroid, which is not
+  // known here: a row within two 8-bit steps of the row's largest
+  // magnitude (and the storage dtype's rounding) in every element is it.
+  std::vector<float> want, have;
+  float step = 0.f;
+  if (engine.page_format == WKV_PAGE_FORMAT_INT8_CENTERED) {
+    want.resize(engine.head_dim);
+    have.resize(engine.head_dim);
+    wkv::to_float(dt, row, want.data(), engine.head_dim);
+    for (float w : want) step = std::max(step, std::fabs(w));
+    step = 2.f * step / 127.f;
+  }
   const uint8_t *k = static_cast<const uint8_t *>(x.k);
   for (int32_t t = x.offsets[h]; t < x.offsets[h + 1]; ++t) {
     const uint8_t *got = k + static_cast<size_t>(t) * row_bytes;
     if (std::memcmp(got, row, row_bytes) == 0) return true;
     if (!paged.empty() && std::memcmp(got, paged.data(), row_bytes) == 0) return true;
+    if (!want.empty()) {
+      wkv::to_float(dt, got, have.data(), engine.head_dim);
+      bool near = true;
+      for (uint32_t i = 0; near && i < engine.head_dim; ++i)
+        near = std::fabs(have[i] - want[i]) <= step + std::fabs(want[i]) * 0x1p-7f;
+      if (near) return true;
+    }
   }
   return false;
 }

@@ -298,7 +298,9 @@ void print_inspect_text(const Report &r) {
     t.row({"pages", std::to_string(h.page_tokens) + " tokens (" + std::to_string(c.page_bytes) +
                         " bytes of K), slots of " + std::to_string(h.page_slot_bytes) + " bytes, " +
                         (c.page_format == WKV_PAGE_FORMAT_INT8 ? "8-bit rows with a scale each"
-                                                               : "rows in " + file_dtype(c.dtype))});
+                         : c.page_format == WKV_PAGE_FORMAT_INT8_CENTERED
+                             ? "8-bit rows with a scale each, keys less their clusters' centroids"
+                             : "rows in " + file_dtype(c.dtype))});
     t.row({"index", "segments of " + std::to_string(c.segment_tokens) + " prompt / " +
                         std::to_string(c.update_segment_tokens) + " generated tokens, " +
                         std::to_string(c.cluster_tokens) + " tokens per cluster, " + std::to_string(c.kmeans_iters) +

@@ -58,6 +58,9 @@ type PageFormat uint32
 const (
 	PageFormatStorage PageFormat = C.WKV_PAGE_FORMAT_STORAGE // rows in the storage dtype, as appended
 	PageFormatInt8    PageFormat = C.WKV_PAGE_FORMAT_INT8    // 8-bit rows with an f32 scale each
+	// The same, keys kept as differences from their clusters' centroids
+	// (0.11; CPU engines).
+	PageFormatInt8Centered PageFormat = C.WKV_PAGE_FORMAT_INT8_CENTERED
 )
 
 func (f PageFormat) String() string {
@@ -66,6 +69,8 @@ func (f PageFormat) String() string {
 		return "storage"
 	case PageFormatInt8:
 		return "int8"
+	case PageFormatInt8Centered:
+		return "int8-centered"
 	}
 	return fmt.Sprintf("page_format(%d)", uint32(f))
 }

@@ -43,14 +43,23 @@ type Engine struct {
 }
 
 // Open opens an engine (wkv_engine_open). Close it when done. A PageFormat
-// other than PageFormatStorage needs libwavekv 0.10 or later: an older one
-// gives ErrUnsupported.
+// other than PageFormatStorage needs libwavekv 0.10 or later
+// (PageFormatInt8Centered: 0.11): an older one gives ErrUnsupported.
 func Open(cfg Config) (*Engine, error) {
-	if major, minor, _ := Version(); cfg.PageFormat != PageFormatStorage && major == 0 && minor < 10 {
-		// An older library's reserved0 would refuse it, naming a field that
-		// the caller never set.
-		return nil, errorf(ErrUnsupported, "wkv_engine_open: page_format %v needs libwavekv 0.10 or later; the one loaded is %s",
-			cfg.PageFormat, VersionString())
+	// The minor version that brought the page format: an older library's
+	// reserved0 (or its check of the value) would refuse it, naming a field
+	// or value the caller may not know.
+	since := 0
+	switch cfg.PageFormat {
+	case PageFormatStorage:
+	case PageFormatInt8:
+		since = 10
+	default:
+		since = 11
+	}
+	if major, minor, _ := Version(); major == 0 && minor < since {
+		return nil, errorf(ErrUnsupported, "wkv_engine_open: page_format %v needs libwavekv 0.%d or later; the one loaded is %s",
+			cfg.PageFormat, since, VersionString())
 	}
 	c := cfg.toC()
 	if cfg.SpillDir != "" {

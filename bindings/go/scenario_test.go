@@ -760,47 +760,50 @@ func TestInt8PagesDecodeCloseToExactAttention(t *testing.T) {
 	if f := wavekv.DefaultConfig().PageFormat; f != wavekv.PageFormatStorage {
 		t.Fatalf("default page format %v", f)
 	}
-	cfg := config(1.0, 0.0)
-	cfg.PageFormat = wavekv.PageFormatInt8
-	engine, err := wavekv.Open(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer engine.Close()
-	c, err := engine.Config()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if c.PageFormat != wavekv.PageFormatInt8 || c.Dtype != wavekv.DtypeF32 {
-		t.Fatalf("config %+v", c)
-	}
-	r := &rng{21}
-	m := newModel(r)
-	ctx := newContext(m, r, 1200)
-	seq, err := engine.NewSequence()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer seq.Close()
-	prefill(t, seq, ctx)
-	plan, err := engine.NewPlan()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer plan.Close()
-	q := m.query(r, nil)
-	out := make(wavekv.F32, nQ*dim)
-	if err := plan.Decode([]*wavekv.Sequence{seq}, 0, wavekv.F32(q), out); err != nil {
-		t.Fatal(err)
-	}
-	want, _ := exactAttention(q, ctx.k[0], ctx.v[0], nil, nil)
-	if e := relL2(out, want); e >= 0.05 {
-		t.Fatalf("relative L2 error %g", e)
+	// Centered keys (0.11) likewise, keys less their clusters' centroids.
+	for _, f := range []wavekv.PageFormat{wavekv.PageFormatInt8, wavekv.PageFormatInt8Centered} {
+		cfg := config(1.0, 0.0)
+		cfg.PageFormat = f
+		engine, err := wavekv.Open(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer engine.Close()
+		c, err := engine.Config()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.PageFormat != f || c.Dtype != wavekv.DtypeF32 {
+			t.Fatalf("config %+v", c)
+		}
+		r := &rng{21}
+		m := newModel(r)
+		ctx := newContext(m, r, 1200)
+		seq, err := engine.NewSequence()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer seq.Close()
+		prefill(t, seq, ctx)
+		plan, err := engine.NewPlan()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer plan.Close()
+		q := m.query(r, nil)
+		out := make(wavekv.F32, nQ*dim)
+		if err := plan.Decode([]*wavekv.Sequence{seq}, 0, wavekv.F32(q), out); err != nil {
+			t.Fatal(err)
+		}
+		want, _ := exactAttention(q, ctx.k[0], ctx.v[0], nil, nil)
+		if e := relL2(out, want); e >= 0.05 {
+			t.Fatalf("%v: relative L2 error %g", f, e)
+		}
 	}
 
 	bad := config(1.0, 0.0)
-	bad.PageFormat = 2
-	_, err = wavekv.Open(bad)
+	bad.PageFormat = 3
+	_, err := wavekv.Open(bad)
 	wantError(t, err, wavekv.ErrInvalidArgument, "page_format")
 }
 

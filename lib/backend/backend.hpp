@@ -67,6 +67,12 @@ struct PageWriteJob {
   const PageId *pages = nullptr;
   uint8_t *const *dev_pages = nullptr;
   uint32_t tokens = 0;
+  // Centered keys (Config::centered_keys): the segment's clusters, cluster
+  // c's tokens at positions [begin[c], begin[c] + size[c]) of `order`, its
+  // centroid at centroid[c * head_dim] (f32, memory the writer reads).
+  uint32_t clusters = 0;
+  const uint32_t *begin = nullptr, *size = nullptr;
+  const float *centroid = nullptr;
 };
 
 // One write of Backend::write_spans: n bytes from src to dst, or, where

@@ -241,9 +241,10 @@ Status resolve_config(const wkv_config *user, Config *out) {
   if (c.threads > kMaxThreads)
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "threads %u is too many (%s; at most %u)", c.threads,
                      from(&c.threads).c_str(), kMaxThreads);
-  if (c.page_format > WKV_PAGE_FORMAT_INT8)
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "page_format %u (%s) is no WKV_PAGE_FORMAT_* (storage=0, int8=1)",
-                     c.page_format, from(&c.page_format).c_str());
+  if (c.page_format > WKV_PAGE_FORMAT_INT8_CENTERED)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
+                     "page_format %u (%s) is no WKV_PAGE_FORMAT_* (storage=0, int8=1, int8-centered=2)", c.page_format,
+                     from(&c.page_format).c_str());
   if (c.reserved1 != 0) return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "reserved1 must be 0");
   if (c.stats_path && c.stats_path[0] == '\0')
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "stats_path is empty (NULL means no statistics file)");

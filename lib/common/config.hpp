@@ -18,7 +18,10 @@ bool head_dim_supported(uint32_t d);
 // A page format's name (WKV_PAGE_FORMAT_*), as the engine's statistics,
 // `wavekv inspect`, the error messages and the Python binding spell it.
 inline const char *page_format_name(uint32_t f) {
-  return f == WKV_PAGE_FORMAT_INT8 ? "int8" : f == WKV_PAGE_FORMAT_STORAGE ? "storage" : "unknown";
+  return f == WKV_PAGE_FORMAT_INT8            ? "int8"
+         : f == WKV_PAGE_FORMAT_INT8_CENTERED ? "int8-centered"
+         : f == WKV_PAGE_FORMAT_STORAGE       ? "storage"
+                                              : "unknown";
 }
 
 struct Config {
@@ -30,8 +33,13 @@ struct Config {
   // Bytes of one row in the storage dtype: sink and window rows, the
   // execution buffer, every input and output.
   uint32_t row_bytes() const { return c.head_dim * dtype_bytes(dtype()); }
-  // Whether pages hold 8-bit rows with an f32 scale each (WKV_PAGE_FORMAT_INT8).
-  bool int8_pages() const { return c.page_format == WKV_PAGE_FORMAT_INT8; }
+  // Whether pages hold 8-bit rows with an f32 scale each (WKV_PAGE_FORMAT_INT8,
+  // and WKV_PAGE_FORMAT_INT8_CENTERED, whose K rows are kept as differences
+  // from their clusters' centroids: centered_keys).
+  bool int8_pages() const {
+    return c.page_format == WKV_PAGE_FORMAT_INT8 || c.page_format == WKV_PAGE_FORMAT_INT8_CENTERED;
+  }
+  bool centered_keys() const { return c.page_format == WKV_PAGE_FORMAT_INT8_CENTERED; }
   // Bytes of one row inside a page: the row stride of its K and V rows.
   uint32_t page_row_bytes() const { return int8_pages() ? c.head_dim : row_bytes(); }
   // Bytes a token takes in a page: its row, and its scale where pages have

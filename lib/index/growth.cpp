@@ -373,6 +373,12 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       w.pages = g.pages.data() + pp;
       w.dev_pages = hs.mirror.pages.p ? hs.mirror.pages.as<uint8_t *>() + hs.map.pages.size() + pp : nullptr;
       w.tokens = jobs[si].tokens;
+      if (cfg.centered_keys()) {
+        w.clusters = nc;
+        w.begin = out.begin + co + si;
+        w.size = out.size + co;
+        w.centroid = out.centroid + co * d;
+      }
       c += nc;
       pp += seg_pages[si];
     }

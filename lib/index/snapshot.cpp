@@ -35,17 +35,19 @@ Status copy_rows_in(const IndexContext &ix, const std::vector<uint8_t> &k, const
 // The spread of every cluster of a checked snapshot from its pages' keys,
 // as split_outliers computes it (kernels/cpu_kernels.hpp).
 // With 8-bit pages the keys are the pages' rows dequantized to the storage
-// dtype, as attention reads them: such spreads differ a little from those a
-// growth computes from the rows as appended.
+// dtype (centered rows against their cluster's reference), as attention
+// reads them: such spreads differ a little from those a growth computes
+// from the rows as appended.
 std::vector<float> spread_from_pages(const HeadSnapshot &o, const Config &cfg) {
   const uint32_t d = cfg.c.head_dim, pt = cfg.page_tokens(), scales_at = cfg.page_scales_at();
   const size_t row = cfg.page_row_bytes(), slot = cfg.page_slot_bytes();
   const DType dt = cfg.dtype();
   const size_t C = o.size.size();
-  std::vector<float> spread(C), key(d);
+  std::vector<float> spread(C), key(d), ref(d);
   std::vector<uint8_t> deq(cfg.row_bytes());
   for (size_t c = 0; c < C; ++c) {
     const float *cen = o.centroid.data() + c * d;
+    const bool has_ref = cfg.centered_keys() && centered_reference(cen, d, ref.data());
     double sum = 0.0;
     for (uint32_t m = 0; m < o.size[c]; ++m) {
       const uint64_t s = uint64_t(o.first_slot[c]) + m;
@@ -53,7 +55,11 @@ std::vector<float> spread_from_pages(const HeadSnapshot &o, const Config &cfg) {
       if (cfg.int8_pages()) {
         float scale;
         std::memcpy(&scale, page + scales_at + (s % pt) * 4, 4);
-        dequantize_row(dt, reinterpret_cast<const int8_t *>(page + (s % pt) * row), scale, d, deq.data());
+        const int8_t *q = reinterpret_cast<const int8_t *>(page + (s % pt) * row);
+        if (has_ref)
+          dequantize_row_centered(dt, q, scale, ref.data(), d, deq.data());
+        else
+          dequantize_row(dt, q, scale, d, deq.data());
         to_float(dt, deq.data(), key.data(), d);
       } else {
         to_float(dt, page + (s % pt) * row, key.data(), d);

@@ -391,8 +391,8 @@ Status SeqFileReader::read_header() {
   const Config cfg = h.config();
   const char *bad = nullptr;
   if (!reserved_zero || (h.format_version == 1 && c.page_format != 0)) bad = "reserved bytes are not zero";
-  else if (c.page_format > WKV_PAGE_FORMAT_INT8) bad = "unknown page format";
-  else if (h.format_version == kFormatVersionInt8Pages && c.page_format != WKV_PAGE_FORMAT_INT8)
+  else if (c.page_format > WKV_PAGE_FORMAT_INT8_CENTERED) bad = "unknown page format";
+  else if (h.format_version == kFormatVersionInt8Pages && c.page_format == WKV_PAGE_FORMAT_STORAGE)
     bad = "format 2 without 8-bit pages (a file of storage-dtype pages is format 1)";
   else if (c.n_layers == 0 || c.n_layers > 4096 || c.n_q_heads == 0 || c.n_q_heads > 1024 || c.n_kv_heads == 0 ||
            c.n_q_heads % c.n_kv_heads != 0)

@@ -56,9 +56,9 @@ class MemoryIO final : public wkv::FileIO {
   const std::vector<uint8_t> &b_;
 };
 
-// The engine a file is loaded into: pages of the storage dtype, or 8-bit
-// pages (mode bit 1).
-wkv::Engine &engine(bool int8) {
+// The engine a file is loaded into: pages of the storage dtype, 8-bit pages
+// (mode bit 1), or 8-bit pages with centered keys (mode bits 1 and 2).
+wkv::Engine &engine(uint8_t mode) {
   auto open = [](uint32_t page_format) {
     wkv_config c = wkvtest::fuzz_config();
     c.page_format = page_format;
@@ -66,8 +66,10 @@ wkv::Engine &engine(bool int8) {
     if (!wkv::Engine::open(&c, &out).is_ok()) __builtin_trap();
     return out;
   };
-  static std::shared_ptr<wkv::Engine> storage = open(WKV_PAGE_FORMAT_STORAGE), eight = open(WKV_PAGE_FORMAT_INT8);
-  return int8 ? *eight : *storage;
+  static std::shared_ptr<wkv::Engine> storage = open(WKV_PAGE_FORMAT_STORAGE), eight = open(WKV_PAGE_FORMAT_INT8),
+                                      centered = open(WKV_PAGE_FORMAT_INT8_CENTERED);
+  if (!(mode & 2)) return *storage;
+  return (mode & 4) ? *centered : *eight;
 }
 
 }  // namespace
@@ -84,7 +86,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   for (uint32_t l = 0; l < reader.header().n_layers(); ++l)
     if (reader.read_layer(l, &snap).is_ok()) (void)wkv::check_snapshot(cfg, snap);
   std::shared_ptr<wkv::Sequence> seq;
-  wkv::Engine &e = engine(data[0] & 2);
+  wkv::Engine &e = engine(data[0]);
   if (wkv::check_file_shape(reader.header(), e.config()).is_ok()) (void)e.load(io, MemoryIO::kFd, &seq);
   return 0;
 }

@@ -49,23 +49,28 @@ def test_int8_pages(np: Any, exact: Any) -> None:
         assert wavekv.Config(n_layers=1, n_q_heads=HQ, n_kv_heads=HKV, head_dim=D,
                              page_format=value).page_format == "int8"
     assert wavekv.Config(n_layers=1, n_q_heads=HQ, n_kv_heads=HKV, head_dim=D).page_format == "storage"
-    for bad in ("int4", 2, True, None):
+    for value in ("int8-centered", 2, wavekv.PAGE_FORMAT_INT8_CENTERED):
+        assert wavekv.Config(n_layers=1, n_q_heads=HQ, n_kv_heads=HKV, head_dim=D,
+                             page_format=value).page_format == "int8-centered"
+    for bad in ("int4", 3, True, None):
         with pytest.raises(wavekv.InvalidArgumentError, match="page_format"):
             wavekv.Config(n_layers=1, n_q_heads=HQ, n_kv_heads=HKV, head_dim=D, page_format=bad)
     # Enough tokens that segments are clustered (their rows kept in 8 bits);
     # every cluster retrieved, so the output is attention over the 8-bit rows.
-    with small_engine(page_format=wavekv.PAGE_FORMAT_INT8, segment_tokens=256, retrieval_frac=1.0,
-                      estimation_frac=0.0) as eng, eng.sequence() as seq, eng.plan() as plan:
-        assert eng.config.page_format == "int8" and eng.dtype == "f32"
-        k, v = kv(np, 600)
-        seq.append(0, k, v)
-        seq.end_prompt(0)
-        info = seq.info(0)
-        assert info.tokens == 600 and info.clustered > 0, info
-        q = q_of(np)
-        out = plan.decode([seq], 0, q)
-        want = exact(q[0], k, v)
-        assert np.linalg.norm(out[0] - want) < 0.05 * np.linalg.norm(want)
+    # Centered keys likewise, keys less their clusters' centroids.
+    for fmt in (wavekv.PAGE_FORMAT_INT8, wavekv.PAGE_FORMAT_INT8_CENTERED):
+        with small_engine(page_format=fmt, segment_tokens=256, retrieval_frac=1.0,
+                          estimation_frac=0.0) as eng, eng.sequence() as seq, eng.plan() as plan:
+            assert eng.config.page_format == fmt and eng.dtype == "f32"
+            k, v = kv(np, 600)
+            seq.append(0, k, v)
+            seq.end_prompt(0)
+            info = seq.info(0)
+            assert info.tokens == 600 and info.clustered > 0, info
+            q = q_of(np)
+            out = plan.decode([seq], 0, q)
+            want = exact(q[0], k, v)
+            assert np.linalg.norm(out[0] - want) < 0.05 * np.linalg.norm(want), fmt
 
 
 def test_environment_overrides_show_in_config(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ from . import errors
 from ._lib import library_path
 from .engine import (
     PAGE_FORMAT_INT8,
+    PAGE_FORMAT_INT8_CENTERED,
     PAGE_FORMAT_STORAGE,
     Config,
     Engine,
@@ -60,6 +61,7 @@ __all__ = [
     "RawArray",
     "PAGE_FORMAT_STORAGE",
     "PAGE_FORMAT_INT8",
+    "PAGE_FORMAT_INT8_CENTERED",
     "library_path",
     "library_version",
     "errors",

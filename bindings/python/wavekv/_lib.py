@@ -23,15 +23,18 @@ __all__ = ["lib", "library_path", "check", "WkvConfig", "WkvStats", "WkvSeqInfo"
 ABI_MAJOR = 0
 # The minor version of the header the declarations below mirror (wkv_stats
 # as of 0.8, wkv_seq_info as of 0.6; wkv_append_batch: 0.5; wkv_plan_bind,
-# _prepare and _unbind: 0.9; wkv_config.page_format: 0.10). An older library
+# _prepare and _unbind: 0.9; wkv_config.page_format: 0.10; its value
+# int8-centered: 0.11). An older library
 # from 0.5 on has every function of _SIGNATURES and leaves the fields it
 # lacks 0 (its wkv_stats_init and wkv_seq_info_init set its own sizes); the
 # functions of _SINCE it may lack are refused when called (UnsupportedError),
 # and so is a page_format other than storage (before 0.10 the field was
-# reserved0, which had to be 0).
-ABI_MINOR = 10
-# The minor version that gave wkv_config its page_format.
+# reserved0, which had to be 0), or int8-centered before 0.11.
+ABI_MINOR = 11
+# The minor version that gave wkv_config its page_format, and the one that
+# gave each page format (by its C value).
 PAGE_FORMAT_SINCE = 10
+PAGE_FORMAT_VALUE_SINCE = {1: 10, 2: 11}
 # The oldest minor version that loads (wkv_append_batch).
 ABI_MIN_MINOR = 5
 WKV_SAVE_NO_FSYNC = 1

@@ -25,7 +25,7 @@ from . import _tensor as T
 from .errors import InvalidArgumentError, InvalidHandleError, OutOfRangeError, StateError, UnsupportedError
 
 __all__ = ["Config", "Engine", "Sequence", "Plan", "Stats", "SeqInfo", "XBuf", "RawArray",
-           "PAGE_FORMAT_STORAGE", "PAGE_FORMAT_INT8"]
+           "PAGE_FORMAT_STORAGE", "PAGE_FORMAT_INT8", "PAGE_FORMAT_INT8_CENTERED"]
 
 _DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
 _DTYPE_ALIASES = {
@@ -41,7 +41,10 @@ _DEVICE_NAMES = {v: k for k, v in _DEVICES.items()}
 # 0.10); named as dtype and device are, the C values accepted too.
 PAGE_FORMAT_STORAGE = "storage"  # rows in the storage dtype (WKV_PAGE_FORMAT_STORAGE = 0)
 PAGE_FORMAT_INT8 = "int8"        # 8-bit rows with an f32 scale each (WKV_PAGE_FORMAT_INT8 = 1)
-_PAGE_FORMATS = {PAGE_FORMAT_STORAGE: 0, PAGE_FORMAT_INT8: 1}
+# ... with keys kept as differences from their clusters' centroids
+# (WKV_PAGE_FORMAT_INT8_CENTERED = 2, 0.11; CPU engines)
+PAGE_FORMAT_INT8_CENTERED = "int8-centered"
+_PAGE_FORMATS = {PAGE_FORMAT_STORAGE: 0, PAGE_FORMAT_INT8: 1, PAGE_FORMAT_INT8_CENTERED: 2}
 _PAGE_FORMAT_NAMES = {v: k for k, v in _PAGE_FORMATS.items()}
 
 _U32 = (1 << 32) - 1
@@ -82,7 +85,8 @@ def _canonical_page_format(value: Any) -> str:
         return _PAGE_FORMAT_NAMES[value]
     if isinstance(value, str) and value.lower() in _PAGE_FORMATS:
         return value.lower()
-    raise InvalidArgumentError(1, "page_format %r is not one of storage (0), int8 (1)" % (value,))
+    raise InvalidArgumentError(1, "page_format %r is not one of storage (0), int8 (1), int8-centered (2)"
+                               % (value,))
 
 
 @dataclass
@@ -94,9 +98,11 @@ class Config:
     wkv_config_init when the Config is made. ``device`` is "cpu", "cuda",
     "cuda:N" (which sets device_id) or "auto"; ``dtype`` is "f32", "f16" or
     "bf16" (aliases such as "float16" and torch/NumPy dtypes are accepted);
-    ``page_format`` is "storage" (PAGE_FORMAT_STORAGE: rows in the dtype) or
+    ``page_format`` is "storage" (PAGE_FORMAT_STORAGE: rows in the dtype),
     "int8" (PAGE_FORMAT_INT8: 8-bit rows with an f32 scale each, libwavekv
-    0.10 on), or the C value 0 or 1. Environment variables (WKV_THREADS,
+    0.10 on) or "int8-centered" (PAGE_FORMAT_INT8_CENTERED: the same with keys
+    kept less their clusters' centroids, libwavekv 0.11 on, CPU engines), or
+    the C value 0, 1 or 2. Environment variables (WKV_THREADS,
     WKV_RETRIEVAL_FRAC, WKV_PAGE_FORMAT, ...) override fields when the engine
     opens; Engine.config shows the values in force.
     """
@@ -397,12 +403,13 @@ class Engine(_Owner):
         elif fields:
             config = dataclasses.replace(config, **fields)
         cfg = config.to_c()
-        if cfg.page_format != 0 and _lib.library_minor() < _lib.PAGE_FORMAT_SINCE:
-            # An older library's reserved0 would refuse it, naming a field
-            # that the caller never set.
+        since = _lib.PAGE_FORMAT_VALUE_SINCE.get(cfg.page_format, 0)
+        if _lib.library_minor() < since:
+            # An older library's reserved0 (or its page_format check) would
+            # refuse it, naming a field or value the caller may not know.
             raise UnsupportedError(4, "Engine: page_format %s needs libwavekv 0.%d or later; the one loaded is %s"
                                    % (_PAGE_FORMAT_NAMES.get(cfg.page_format, cfg.page_format),
-                                      _lib.PAGE_FORMAT_SINCE, _lib.lib().wkv_version_string().decode()))
+                                      since, _lib.lib().wkv_version_string().decode()))
         handle = ctypes.c_void_p()
         _lib.check(_lib.lib().wkv_engine_open(ctypes.byref(cfg), ctypes.byref(handle)))
         super().__init__(handle.value or 0, exclusive=False)

@@ -269,14 +269,24 @@ Status CpuBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *) {
   const size_t row = cfg.row_bytes();
   HostArena &arena = e_.arena();
   // A page: K rows, V rows (page_row_bytes apart), and with 8-bit rows the K
-  // scales then the V scales (Config::page_scales_at).
-  const bool int8 = cfg.int8_pages();
+  // scales then the V scales (Config::page_scales_at). Centered keys: a K
+  // row less its cluster's reference (centered_reference), where it has one.
+  const bool int8 = cfg.int8_pages(), centered = cfg.centered_keys();
   const DType dt = cfg.dtype();
   const uint32_t scales_at = cfg.page_scales_at(), prow = cfg.page_row_bytes();
+  for (uint32_t i = 0; i < n; ++i)
+    if (centered && jobs[i].tokens > 0 && (!jobs[i].begin || !jobs[i].size || !jobs[i].centroid))
+      return WKV_ERROR(WKV_ERR_INTERNAL, "a page write of centered keys without its clusters");
   e_.pool().parallel_for(n, [&](size_t i) {
     const PageWriteJob &j = jobs[i];
-    float x[256];  // head_dim <= 256 (checked at open)
+    float x[256], ref[256];  // head_dim <= 256 (checked at open)
+    uint32_t c = 0;              // the cluster of token t (centered keys)
+    bool has_ref = false;
     for (uint32_t t = 0; t < j.tokens; ++t) {
+      if (centered && (t == 0 || t >= j.begin[c] + j.size[c])) {
+        while (c + 1 < j.clusters && t >= j.begin[c] + j.size[c]) ++c;
+        has_ref = centered_reference(j.centroid + size_t(c) * d, d, ref);
+      }
       uint8_t *slot = arena.page_ptr(j.pages[t / pt]);
       const size_t src = static_cast<size_t>(j.order[t]) * row;
       const uint32_t r = t % pt;
@@ -288,7 +298,10 @@ Status CpuBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *) {
       }
       float *scales = reinterpret_cast<float *>(slot + scales_at);
       to_float(dt, j.k + src, x, d);
-      quantize_row(x, d, reinterpret_cast<int8_t *>(k), &scales[r]);
+      if (has_ref)
+        quantize_row_centered(x, ref, d, reinterpret_cast<int8_t *>(k), &scales[r]);
+      else
+        quantize_row(x, d, reinterpret_cast<int8_t *>(k), &scales[r]);
       to_float(dt, j.v + src, x, d);
       quantize_row(x, d, reinterpret_cast<int8_t *>(v), &scales[pt + r]);
     }
@@ -424,7 +437,7 @@ Status CpuBackend::assemble(Plan &plan) {
   const Config &cfg = e_.config();
   const size_t row = cfg.row_bytes();
   const uint32_t pt = cfg.page_tokens(), d = cfg.c.head_dim, scales_at = cfg.page_scales_at();
-  const bool int8 = cfg.int8_pages();
+  const bool int8 = cfg.int8_pages(), centered = cfg.centered_keys();
   const DType dt = cfg.dtype();
   // 1. Offsets of the ragged runs.
   uint64_t total = 0;
@@ -459,24 +472,31 @@ Status CpuBackend::assemble(Plan &plan) {
         std::memcpy(xv + t * row, v, rows * row);
         t += rows;
       };
-      // m rows of a page from row `off` on, 8-bit rows dequantized.
-      auto put_page = [&](const uint8_t *page, uint32_t off, uint32_t m) {
+      // m rows of a page from row `off` on, 8-bit rows dequantized (centered
+      // K rows against `ref` where it is set).
+      auto put_page = [&](const uint8_t *page, uint32_t off, uint32_t m, const float *ref) {
         if (!int8) {
           put(page + static_cast<size_t>(off) * row, page + static_cast<size_t>(pt + off) * row, m);
           return;
         }
         const float *scales = reinterpret_cast<const float *>(page + scales_at);
         for (uint32_t i = off; i < off + m; ++i, ++t) {
-          dequantize_row(dt, reinterpret_cast<const int8_t *>(page + static_cast<size_t>(i) * d), scales[i], d,
-                         xk + t * row);
+          const int8_t *kq = reinterpret_cast<const int8_t *>(page + static_cast<size_t>(i) * d);
+          if (ref)
+            dequantize_row_centered(dt, kq, scales[i], ref, d, xk + t * row);
+          else
+            dequantize_row(dt, kq, scales[i], d, xk + t * row);
           dequantize_row(dt, reinterpret_cast<const int8_t *>(page + static_cast<size_t>(pt + i) * d),
                          scales[pt + i], d, xv + t * row);
         }
       };
       put(hs.sink.k_at(0), hs.sink.v_at(0), hs.sink.n);
       put(hs.tail.k_at(0), hs.tail.v_at(0), hs.tail.n);
+      float ref[256];  // head_dim <= 256
       for (uint32_t i = 0; i < r.n_ret; ++i) {
         const uint32_t id = plan.ret_ids[r.ret_off + i];
+        const bool has_ref =
+            centered && centered_reference(hs.meta.centroid.as<float>() + static_cast<size_t>(id) * d, d, ref);
         uint32_t slot = hs.map.first_slot[id], left = hs.map.size[id];
         while (left > 0) {
           const uint32_t off = slot % pt, m = std::min(left, pt - off);
@@ -486,7 +506,7 @@ Status CpuBackend::assemble(Plan &plan) {
             return;
           }
           const uint8_t *page = arena.page_ptr(id_p);
-          put_page(page, off, m);
+          put_page(page, off, m, has_ref ? ref : nullptr);
           left -= m;
           slot += m;
         }

@@ -14,7 +14,7 @@ use std::os::raw::{c_char, c_void};
 // Versions
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
-pub const WKV_VERSION_MINOR: u32 = 10;
+pub const WKV_VERSION_MINOR: u32 = 11;
 pub const WKV_VERSION_PATCH: u32 = 0;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
@@ -63,6 +63,7 @@ pub const WKV_METHOD_DEFAULT: u32 =
 
 pub const WKV_PAGE_FORMAT_STORAGE: u32 = 0;
 pub const WKV_PAGE_FORMAT_INT8: u32 = 1;
+pub const WKV_PAGE_FORMAT_INT8_CENTERED: u32 = 2;
 
 /// Everything an engine is opened with; fill it with `wkv_config_init`.
 #[repr(C)]

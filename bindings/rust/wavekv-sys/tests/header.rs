@@ -412,6 +412,7 @@ fn declarations_match_the_header() {
         WKV_METHOD_DEFAULT,
         WKV_PAGE_FORMAT_STORAGE,
         WKV_PAGE_FORMAT_INT8,
+        WKV_PAGE_FORMAT_INT8_CENTERED,
     );
     assert_eq!(
         sorted(const_names.iter().map(|s| s.to_string()).collect()),

@@ -51,6 +51,11 @@ pub enum PageFormat {
     /// file and the device cache; attention to a retrieved token is to its
     /// 8-bit row.
     Int8,
+    /// As `Int8`, with each key row kept as its difference from its
+    /// cluster's centroid rounded to f16 (`WKV_PAGE_FORMAT_INT8_CENTERED`,
+    /// libwavekv 0.11; CPU engines): the same bytes, less of the 8-bit
+    /// error on keys that share a large offset.
+    Int8Centered,
 }
 
 impl PageFormat {
@@ -59,6 +64,7 @@ impl PageFormat {
         match self {
             PageFormat::Storage => sys::WKV_PAGE_FORMAT_STORAGE,
             PageFormat::Int8 => sys::WKV_PAGE_FORMAT_INT8,
+            PageFormat::Int8Centered => sys::WKV_PAGE_FORMAT_INT8_CENTERED,
         }
     }
 
@@ -68,6 +74,7 @@ impl PageFormat {
         match raw {
             sys::WKV_PAGE_FORMAT_STORAGE => Some(PageFormat::Storage),
             sys::WKV_PAGE_FORMAT_INT8 => Some(PageFormat::Int8),
+            sys::WKV_PAGE_FORMAT_INT8_CENTERED => Some(PageFormat::Int8Centered),
             _ => None,
         }
     }

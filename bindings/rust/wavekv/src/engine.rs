@@ -93,17 +93,25 @@ impl Engine {
 
     /// Opens an engine (`wkv_engine_open`). A page format other than
     /// [`PageFormat::Storage`](crate::PageFormat::Storage) needs libwavekv
-    /// 0.10 or later: an older one gives [`Status::Unsupported`].
+    /// 0.10 or later ([`PageFormat::Int8Centered`](crate::PageFormat::Int8Centered):
+    /// 0.11): an older one gives [`Status::Unsupported`].
     pub fn open(config: &Config) -> Result<Engine> {
         let (major, minor, _) = crate::version();
-        if config.page_format != sys::WKV_PAGE_FORMAT_STORAGE && major == 0 && minor < 10 {
-            // An older library's reserved0 would refuse it, naming a field
-            // that the caller never set.
+        // The minor version that brought the page format: an older
+        // library's reserved0 (or its check of the value) would refuse it,
+        // naming a field or value the caller may not know.
+        let since = match config.page_format {
+            sys::WKV_PAGE_FORMAT_STORAGE => 0,
+            sys::WKV_PAGE_FORMAT_INT8 => 10,
+            _ => 11,
+        };
+        if major == 0 && minor < since {
             return fail(
                 Status::Unsupported,
                 format!(
-                    "wkv_engine_open: page_format {} needs libwavekv 0.10 or later; the one loaded is {}",
+                    "wkv_engine_open: page_format {} needs libwavekv 0.{} or later; the one loaded is {}",
                     config.page_format,
+                    since,
                     crate::version_string()
                 ),
             );

@@ -622,27 +622,30 @@ fn an_engine_of_int8_pages_decodes_close_to_exact_attention() {
         Config::new(2, 4, 2, 64).page_format,
         PageFormat::Storage.raw()
     );
-    let engine = Engine::open(&config(1.0, 0.0).page_format(PageFormat::Int8)).unwrap();
-    let c = engine.config().unwrap();
-    assert_eq!(PageFormat::from_raw(c.page_format), Some(PageFormat::Int8));
-    assert_eq!(c.dtype, Dtype::F32.raw());
-    let mut rng = Rng(21);
-    let model = Model::new(&mut rng);
-    let ctx = context(&model, &mut rng, 1200);
-    let mut seq = engine.create_sequence().unwrap();
-    prefill(&mut seq, &ctx);
-    let mut plan = engine.create_plan().unwrap();
-    let mut q = Vec::new();
-    model.query(&mut rng, &mut q);
-    let mut out = vec![0.0f32; N_Q * D];
-    plan.decode(&[&seq], 0, &q, &mut out).unwrap();
-    let (mut want, mut lse) = (Vec::new(), Vec::new());
-    exact_attention(&q, &ctx.k[0], &ctx.v[0], &mut want, &mut lse);
-    let err = rel_l2(&out, &want);
-    assert!(err < 0.05, "relative L2 error {}", err);
+    // Centered keys (0.11) likewise, keys less their clusters' centroids.
+    for format in [PageFormat::Int8, PageFormat::Int8Centered] {
+        let engine = Engine::open(&config(1.0, 0.0).page_format(format)).unwrap();
+        let c = engine.config().unwrap();
+        assert_eq!(PageFormat::from_raw(c.page_format), Some(format));
+        assert_eq!(c.dtype, Dtype::F32.raw());
+        let mut rng = Rng(21);
+        let model = Model::new(&mut rng);
+        let ctx = context(&model, &mut rng, 1200);
+        let mut seq = engine.create_sequence().unwrap();
+        prefill(&mut seq, &ctx);
+        let mut plan = engine.create_plan().unwrap();
+        let mut q = Vec::new();
+        model.query(&mut rng, &mut q);
+        let mut out = vec![0.0f32; N_Q * D];
+        plan.decode(&[&seq], 0, &q, &mut out).unwrap();
+        let (mut want, mut lse) = (Vec::new(), Vec::new());
+        exact_attention(&q, &ctx.k[0], &ctx.v[0], &mut want, &mut lse);
+        let err = rel_l2(&out, &want);
+        assert!(err < 0.05, "{:?}: relative L2 error {}", format, err);
+    }
 
     let mut bad = config(1.0, 0.0);
-    bad.as_raw_mut().page_format = 2;
+    bad.as_raw_mut().page_format = 3;
     let e = Engine::open(&bad).unwrap_err();
     assert_eq!(e.status(), Status::InvalidArgument, "{}", e);
     assert!(e.message().contains("page_format"), "{}", e.message());
