@@ -135,16 +135,25 @@ template <> struct DevType<bf16> {
 // dequantize_row's arithmetic (q x scale rounded to T); a NaN scale gives
 // T's quiet NaN, the same bits as the CPU's (kernels/dtype.hpp).
 template <typename T>
+__device__ __forceinline__ typename DevType<T>::type quiet_nan() {
+  if constexpr (std::is_same_v<T, float>)
+    return __uint_as_float(kInt8NanScale);
+  else if constexpr (std::is_same_v<T, f16>)
+    return __ushort_as_half(0x7e00);
+  else
+    return __ushort_as_bfloat16(0x7fc0);
+}
+template <typename T>
 __device__ __forceinline__ typename DevType<T>::type dequantized(int8_t q, float scale) {
-  if (scale != scale) {
-    if constexpr (std::is_same_v<T, float>)
-      return __uint_as_float(kInt8NanScale);
-    else if constexpr (std::is_same_v<T, f16>)
-      return __ushort_as_half(0x7e00);
-    else
-      return __ushort_as_bfloat16(0x7fc0);
-  }
+  if (scale != scale) return quiet_nan<T>();
   return DevType<T>::from_f(__fmul_rn(static_cast<float>(q), scale));
+}
+// ... of a centered K row against its reference value ref:
+// dequantize_row_centered's arithmetic (one fused multiply-add, then T).
+template <typename T>
+__device__ __forceinline__ typename DevType<T>::type dequantized_centered(int8_t q, float scale, float ref) {
+  if (scale != scale) return quiet_nan<T>();
+  return DevType<T>::from_f(__fmaf_rn(static_cast<float>(q), scale, ref));
 }
 
 // The head whose full dot product lane j holds after reduce_heads: the

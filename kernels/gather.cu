@@ -123,6 +123,28 @@ __device__ __forceinline__ void put_dequantized(uint8_t *dst, const int4 piece, 
     reinterpret_cast<int4 *>(dst)[w] = reinterpret_cast<const int4 *>(out)[w];
 }
 
+// ... of a centered K row, against the 16 f32 centroid values at cen
+// rounded to f16 (the reference).
+template <typename T>
+__device__ __forceinline__ void put_dequantized_centered(uint8_t *dst, const int4 piece, const float scale,
+                                                         const float *cen) {
+  using DT = typename DevType<T>::type;
+  constexpr uint32_t kBytes = 16 * sizeof(DT);
+  alignas(16) DT out[16];
+  const int8_t *q = reinterpret_cast<const int8_t *>(&piece);
+#pragma unroll
+  for (int i = 0; i < 16; i += 4) {
+    const float4 c = __ldg(reinterpret_cast<const float4 *>(cen + i));
+    const float r[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      out[i + e] = dequantized_centered<T>(q[i + e], scale, __half2float(__float2half_rn(r[e])));
+  }
+#pragma unroll
+  for (uint32_t w = 0; w < kBytes / 16; ++w)
+    reinterpret_cast<int4 *>(dst)[w] = reinterpret_cast<const int4 *>(out)[w];
+}
+
 // kInt8: pages and frames hold 8-bit rows (GatherArgs::int8_dim), which
 // become rows of T in the execution buffer; otherwise T is unused and rows
 // are copied as they are. kRows: no row is laid out, only where each lives
@@ -196,6 +218,16 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
     const uint32_t first = run.first_slot[id], n = run.size[id];
     const uint32_t dst_row = rbase + a.lookup.ret_pos[ret_off + i];
     const uint32_t ub = run.unit_dir ? run.unit_begin[id] : 0;
+    // Centered K rows: the cluster's centroid, where all of it fits f16.
+    const float *cen = nullptr;
+    if constexpr (kInt8 && !kRows) {
+      if (a.centered) {
+        const float *c = run.centroid + size_t(id) * prb;
+        bool fits = true;
+        for (uint32_t e = lane; e < prb; e += 32) fits &= fabsf(c[e]) <= 65504.0f;  // false for NaN
+        if (__all_sync(0xffffffffu, fits)) cen = c;
+      }
+    }
     for (uint32_t j = 0; j * pt < n; ++j) {
       const uint32_t rows = min(pt, n - j * pt), u = ub + j;
       // 1. Where the unit is: its frame in the cache, or its pages.
@@ -277,7 +309,10 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
               // A piece of 16 values becomes 16 values of T in the buffer.
               if constexpr (!kRows) {
                 const size_t at = row * rb + size_t(c) * 16 * sizeof(typename DevType<T>::type);
-                put_dequantized<T>(a.xk + at, kv[x], ks[x]);
+                if (cen)
+                  put_dequantized_centered<T>(a.xk + at, kv[x], ks[x], cen + size_t(c) * 16);
+                else
+                  put_dequantized<T>(a.xk + at, kv[x], ks[x]);
                 put_dequantized<T>(a.xv + at, vv[x], vs[x]);
               }
               if (frame && c == 0) {
@@ -358,6 +393,7 @@ cudaError_t gather_cuda(const GatherArgs &a, cudaStream_t stream) {
   // A frame holds a page slot's rows (and scales): K rows, V rows, scales.
   const size_t slot_used = a.int8_dim ? size_t(a.scales_at) + size_t(8) * a.page_tokens
                                       : size_t(2) * a.page_tokens * a.row_bytes;
+  if (a.centered && (!a.int8_dim || a.row_src)) return cudaErrorInvalidValue;
   if (a.int8_dim && (a.int8_dim % 16 != 0 || !dtype_known(a.dtype) ||
                      size_t(a.int8_dim) * dtype_bytes(a.dtype) != a.row_bytes ||
                      a.scales_at != size_t(2) * a.page_tokens * a.int8_dim))

@@ -61,6 +61,11 @@ struct GatherArgs {
   // unit's frame gets its 8-bit rows and scales.
   uint32_t int8_dim = 0;
   uint32_t scales_at = 0;
+  // WKV_PAGE_FORMAT_INT8_CENTERED: each 8-bit K row is a difference from
+  // its cluster's reference (DevRun::centroid rounded to f16, where every
+  // component fits f16; centered_reference), added back as
+  // dequantize_row_centered does. Not with row_src.
+  bool centered = false;
   DType dtype = DType::kF16;
   uint8_t *xk = nullptr;         // device execution buffer, K rows
   uint8_t *xv = nullptr;         // device execution buffer, V rows

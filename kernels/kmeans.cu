@@ -1405,7 +1405,7 @@ __device__ __forceinline__ void write_job(const WritePagesJob &job, uint32_t cpr
   }
 }
 
-constexpr uint32_t kPageJobsPerLaunch = 96;
+constexpr uint32_t kPageJobsPerLaunch = 64;
 
 struct PageJobChunk {
   WritePagesJob j[kPageJobsPerLaunch];
@@ -1444,15 +1444,54 @@ constexpr uint32_t kPageBlocksMax = 2048;
 constexpr uint32_t kInt8WriteWarps = 8;
 constexpr uint32_t kInt8MaxGroups = 2;  // head_dim / 4 / 32, head_dim <= 256
 
+// The cluster of slot j of a centered job: the last c with begin[c] <= j
+// (a binary search; every lane finds the same).
+__device__ __forceinline__ uint32_t cluster_of_slot(const WritePagesJob &job, uint32_t j) {
+  uint32_t lo = 0, hi = job.clusters;  // the answer lies in [lo, hi)
+  while (hi - lo > 1) {
+    const uint32_t mid = (lo + hi) / 2;
+    if (job.begin[mid] <= j)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 template <typename T>
 __device__ __forceinline__ void write_job_int8(const WritePagesJob &job, const Int8PageLayout &l, uint64_t w,
                                                uint64_t warps) {
   using DT = typename DevType<T>::type;
   const uint32_t lane = threadIdx.x & 31, groups = l.head_dim / 4;
+  const bool centered = l.centered && job.clusters > 0;
   for (uint64_t i = w; i < 2ull * job.tokens; i += warps) {
     const uint32_t j = static_cast<uint32_t>(i >> 1), is_v = static_cast<uint32_t>(i & 1);
     const DT *x = reinterpret_cast<const DT *>((is_v ? job.v : job.k) +
                                                size_t(job.order[j]) * l.head_dim * sizeof(DT));
+    // Centered K rows: less the cluster's centroid rounded to f16, where
+    // every component of it fits f16 (centered_reference).
+    float ref[kInt8MaxGroups][4] = {};
+    if (centered && !is_v) {
+      const float *cen = job.centroid + size_t(cluster_of_slot(job, j)) * l.head_dim;
+      bool fits = true;
+#pragma unroll
+      for (uint32_t k = 0; k < kInt8MaxGroups; ++k) {
+        const uint32_t g = lane + 32 * k;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float c = g < groups ? cen[4 * g + e] : 0.0f;
+          fits &= fabsf(c) <= 65504.0f;  // false for NaN
+          ref[k][e] = __half2float(__float2half_rn(c));
+        }
+      }
+      if (!__all_sync(0xffffffffu, fits)) {
+#pragma unroll
+        for (uint32_t k = 0; k < kInt8MaxGroups; ++k)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ref[k][e] = 0.0f;
+      }
+    }
+    const bool less_ref = centered && !is_v;
     float v[kInt8MaxGroups][4];
     float amax = 0.0f;
     bool finite = true;
@@ -1462,6 +1501,7 @@ __device__ __forceinline__ void write_job_int8(const WritePagesJob &job, const I
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         v[k][e] = g < groups ? DevType<T>::to_f(x[4 * g + e]) : 0.0f;
+        if (less_ref) v[k][e] = __fsub_rn(v[k][e], ref[k][e]);
         const float a = fabsf(v[k][e]);
         finite &= a <= 3.402823466e38f;  // false for NaN and inf
         amax = a > amax ? a : amax;
@@ -1572,7 +1612,8 @@ cudaError_t check_page_jobs(const WritePagesJob *jobs, uint32_t n, uint32_t row_
   WKV_CUDA_TRY(check_page_args(row_bytes, page_tokens));
   if (n > 0 && !jobs) return cudaErrorInvalidValue;
   for (uint32_t i = 0; i < n; ++i)
-    if (jobs[i].tokens > 0 && (!jobs[i].order || !jobs[i].k || !jobs[i].v || !jobs[i].pages))
+    if (jobs[i].tokens > 0 && (!jobs[i].order || !jobs[i].k || !jobs[i].v || !jobs[i].pages ||
+                               (jobs[i].clusters > 0 && (!jobs[i].begin || !jobs[i].centroid))))
       return cudaErrorInvalidValue;
   return cudaSuccess;
 }

@@ -94,7 +94,12 @@ struct WritePagesJob {
   const uint8_t *v = nullptr;       // [tokens][row_bytes] its V rows
   uint8_t *const *pages = nullptr;  // [ceil(tokens / page_tokens)] page addresses
   uint32_t tokens = 0;
-  uint32_t reserved = 0;
+  // Centered keys (Int8PageLayout::centered): the segment's clusters,
+  // cluster c's slots from begin[c] on (device, [clusters + 1]), its
+  // centroid at centroid[c * head_dim] (device, f32).
+  uint32_t clusters = 0;
+  const uint32_t *begin = nullptr;
+  const float *centroid = nullptr;
 };
 
 // Writes one segment (`job` in host memory, its pointers device-accessible).
@@ -127,6 +132,9 @@ struct Int8PageLayout {
   uint32_t head_dim = 0;
   uint32_t page_tokens = 0;
   uint32_t scales_at = 0;  // 2 * page_tokens * head_dim
+  // WKV_PAGE_FORMAT_INT8_CENTERED: each K row less its cluster's reference
+  // (centered_reference, kernels/dtype.hpp), as the CPU writes it.
+  bool centered = false;
 };
 
 // write_pages_many_cuda with each row quantized as quantize_row does

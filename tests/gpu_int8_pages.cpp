@@ -1,13 +1,15 @@
-// 8-bit pages (WKV_PAGE_FORMAT_INT8) on a GPU: the CUDA page writes quantize
-// every row to the CPU's bytes, and the gather (from host pages on a miss,
-// from the device cache's frames on a hit) writes the same execution buffer
-// as the CPU engine's assemble. Skips where no CUDA device exists.
+// 8-bit pages (WKV_PAGE_FORMAT_INT8 and _INT8_CENTERED) on a GPU: the CUDA
+// page writes quantize every row to the CPU's bytes, and the gather (from
+// host pages on a miss, from the device cache's frames on a hit) writes the
+// same execution buffer as the CPU engine's assemble. Skips where no CUDA
+// device exists.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <random>
 #include <set>
 #include <string>
@@ -22,10 +24,10 @@ using namespace wkvtest;
 
 namespace {
 
-wkv_config config(const Shape &s, uint32_t device) {
+wkv_config config(const Shape &s, uint32_t device, uint32_t page_format = WKV_PAGE_FORMAT_INT8) {
   wkv_config c = file_config(s);
   c.device = device;
-  c.page_format = WKV_PAGE_FORMAT_INT8;
+  c.page_format = page_format;
   c.device_cache_bytes = 8u << 20;
   // Full retrieval: both engines attend every cluster, in id order, so
   // that their execution buffers must agree byte for byte.
@@ -91,16 +93,20 @@ HostXbuf host_xbuf(const wavekv::Plan &p, bool device, size_t row) {
   return h;
 }
 
+// With centered keys (WKV_PAGE_FORMAT_INT8_CENTERED) each K row is checked
+// against its cluster's reference, the centroid the file holds.
 TEST(GpuInt8Pages, CudaPageWritesAndGathersGiveTheCpuEnginesBytes) {
   REQUIRE_GPU();
   ScratchDir dir;
   const Shape shapes[] = {{1, 8, 2, 128, WKV_DTYPE_BF16}, {1, 4, 2, 64, WKV_DTYPE_F16},
                           {1, 4, 2, 80, WKV_DTYPE_F32}, {1, 4, 1, 256, WKV_DTYPE_F16}};
+  for (const uint32_t fmt : {uint32_t{WKV_PAGE_FORMAT_INT8}, uint32_t{WKV_PAGE_FORMAT_INT8_CENTERED}}) {
   for (const Shape &s : shapes) {
-    SCOPED_TRACE(testing::Message() << "d=" << s.head_dim << ", dtype " << s.dtype);
+    SCOPED_TRACE(testing::Message() << "page format " << fmt << ", d=" << s.head_dim << ", dtype " << s.dtype);
+    const bool centered = fmt == WKV_PAGE_FORMAT_INT8_CENTERED;
     const uint32_t d = s.head_dim;
     const size_t row = size_t(d) * wkv::dtype_bytes(static_cast<wkv::DType>(s.dtype));
-    wavekv::Engine gpu(config(s, WKV_DEVICE_CUDA)), cpu(config(s, WKV_DEVICE_CPU));
+    wavekv::Engine gpu(config(s, WKV_DEVICE_CUDA, fmt)), cpu(config(s, WKV_DEVICE_CPU, fmt));
     Context ctx(s), again(s);
     wavekv::Sequence sg(gpu);
     {  // a prompt, then tokens one at a time (device rows, as a CUDA engine takes them)
@@ -122,6 +128,8 @@ TEST(GpuInt8Pages, CudaPageWritesAndGathersGiveTheCpuEnginesBytes) {
     //    their scales) is the CPU's quantization of a token appended to its
     //    head.
     std::vector<std::set<std::string>> appended(s.kv_heads);
+    // Centered: by a token's paged V row and scale, its K rows as appended.
+    std::vector<std::multimap<std::string, std::vector<float>>> by_v(s.kv_heads);
     std::vector<uint8_t> k, v;
     uint64_t taken = 0;
     auto take = [&](uint32_t tokens) {  // as they were appended
@@ -131,7 +139,13 @@ TEST(GpuInt8Pages, CudaPageWritesAndGathersGiveTheCpuEnginesBytes) {
       for (uint32_t t = 0; t < tokens; ++t)
         for (uint32_t h = 0; h < s.kv_heads; ++h) {
           const size_t at = (size_t(t) * s.kv_heads + h) * row;
-          appended[h].insert(paged_slot(s.dtype, k.data() + at, v.data() + at, d));
+          const std::string key = paged_slot(s.dtype, k.data() + at, v.data() + at, d);
+          appended[h].insert(key);
+          if (centered) {
+            std::vector<float> kf(d);
+            wkv::to_float(static_cast<wkv::DType>(s.dtype), k.data() + at, kf.data(), d);
+            by_v[h].emplace(key.substr(d + 4), std::move(kf));
+          }
         }
     };
     take(1500);
@@ -140,7 +154,7 @@ TEST(GpuInt8Pages, CudaPageWritesAndGathersGiveTheCpuEnginesBytes) {
     sg.save(path);
     const wkv::LayerSnapshot snap = layer_of(path, 0);
     ASSERT_EQ(snap.heads.size(), s.kv_heads);
-    wkv_config cc = config(s, WKV_DEVICE_CPU);
+    wkv_config cc = config(s, WKV_DEVICE_CPU, fmt);
     wkv::Config cfg;
     ASSERT_TRUE(wkv::resolve_config(&cc, &cfg).is_ok());
     const uint32_t pt = cfg.page_tokens(), slot = cfg.page_slot_bytes(), scales = cfg.page_scales_at();
@@ -148,6 +162,8 @@ TEST(GpuInt8Pages, CudaPageWritesAndGathersGiveTheCpuEnginesBytes) {
     for (uint32_t h = 0; h < s.kv_heads; ++h) {
       const wkv::HeadSnapshot &o = snap.heads[h];
       for (size_t c = 0; c < o.size.size(); ++c) {
+        std::vector<float> ref(d);
+        const bool has_ref = centered && wkv::centered_reference(o.centroid.data() + c * d, d, ref.data());
         for (uint32_t m = 0; m < o.size[c]; ++m) {
           const uint64_t at = uint64_t(o.first_slot[c]) + m, r = at % pt;
           const uint8_t *page = o.pages.data() + (at / pt) * slot;
@@ -157,7 +173,26 @@ TEST(GpuInt8Pages, CudaPageWritesAndGathersGiveTheCpuEnginesBytes) {
           std::memcpy(key.data() + d + 4, page + (pt + r) * d, d);
           std::memcpy(key.data() + 2 * d + 4, page + scales + (pt + r) * 4, 4);
           ++rows;
-          found += appended[h].count(key);
+          if (!centered) {
+            found += appended[h].count(key);
+            continue;
+          }
+          // A token with this V row whose K row, less the reference, is
+          // this K row and scale.
+          const auto range = by_v[h].equal_range(key.substr(d + 4));
+          bool hit = false;
+          for (auto it = range.first; !hit && it != range.second; ++it) {
+            std::string want(d + 4, '\0');
+            float sc = 0;
+            if (has_ref)
+              wkv::quantize_row_centered(it->second.data(), ref.data(), d, reinterpret_cast<int8_t *>(want.data()),
+                                         &sc);
+            else
+              wkv::quantize_row(it->second.data(), d, reinterpret_cast<int8_t *>(want.data()), &sc);
+            std::memcpy(want.data() + d, &sc, 4);
+            hit = want == key.substr(0, d + 4);
+          }
+          found += hit;
         }
         // Units of the cluster whose members lie in two pages.
         for (uint32_t j = 0; j * pt < o.size[c]; ++j)
@@ -198,6 +233,7 @@ TEST(GpuInt8Pages, CudaPageWritesAndGathersGiveTheCpuEnginesBytes) {
       }
     }
     EXPECT_GT(gpu.stats().cache_hits, hits_after_first) << "later passes read frames admitted by the first";
+  }
   }
 }
 

@@ -211,8 +211,8 @@ enum {
      spends its levels on. Same bytes a token; on the needle workload of
      `wavekv accuracy` about a third of INT8's error over 16-bit pages. A
      row whose centroid has a component that is not finite or lies outside
-     f16's range is kept plain. CPU engines only (0.11): a CUDA engine
-     refuses it with WKV_ERR_UNSUPPORTED. */
+     f16's range is kept plain. 0.11. On a CUDA engine, decodes lay their
+     rows out whatever WKV_DECODE_FROM_FRAMES says (see wkv_decode). */
   WKV_PAGE_FORMAT_INT8_CENTERED = 2
 };
 

@@ -47,6 +47,7 @@ struct ClusterOut {
   const uint32_t *n_clusters = nullptr;  // [S]
   const uint32_t *n_outliers = nullptr;  // [S] of them, the last ones: outliers split off
   const uint32_t *begin = nullptr;       // [sum k + S]
+  const uint32_t *begin_engine = nullptr;  // the same in engine memory (where page writes read it)
   const uint32_t *size = nullptr;        // [sum k]
   const uint64_t *tok_off = nullptr;     // [S]
   const uint64_t *clu_off = nullptr;     // [S]
@@ -69,9 +70,11 @@ struct PageWriteJob {
   uint32_t tokens = 0;
   // Centered keys (Config::centered_keys): the segment's clusters, cluster
   // c's tokens at positions [begin[c], begin[c] + size[c]) of `order`, its
-  // centroid at centroid[c * head_dim] (f32, memory the writer reads).
+  // centroid at centroid[c * head_dim] (f32, engine memory). begin_engine
+  // is begin in engine memory (CUDA's page writes read it; size is host
+  // memory, read by the CPU's).
   uint32_t clusters = 0;
-  const uint32_t *begin = nullptr, *size = nullptr;
+  const uint32_t *begin = nullptr, *size = nullptr, *begin_engine = nullptr;
   const float *centroid = nullptr;
 };
 

@@ -72,11 +72,6 @@ Status Engine::open(const wkv_config *user, std::shared_ptr<Engine> *out) {
 #if defined(WKV_WITH_CUDA)
   if (device == WKV_DEVICE_AUTO) device = cuda_device_usable(cfg.c.device_id) ? WKV_DEVICE_CUDA : WKV_DEVICE_CPU;
   e->cfg_.c.device = device;
-  if (device == WKV_DEVICE_CUDA && cfg.centered_keys())
-    return WKV_ERROR(WKV_ERR_UNSUPPORTED,
-                     "page_format %s is built for CPU engines only (the CUDA page writes and gather keep plain "
-                     "8-bit rows); open the engine with device WKV_DEVICE_CPU, or use page_format int8",
-                     page_format_name(cfg.c.page_format));
   if (device == WKV_DEVICE_CUDA) WKV_RETURN_IF_ERROR(make_cuda_backend(*e, &e->backend_, &ao));
 #else
   if (device == WKV_DEVICE_AUTO) device = WKV_DEVICE_CPU;

@@ -376,6 +376,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       if (cfg.centered_keys()) {
         w.clusters = nc;
         w.begin = out.begin + co + si;
+        w.begin_engine = out.begin_engine + co + si;
         w.size = out.size + co;
         w.centroid = out.centroid + co * d;
       }

@@ -252,6 +252,7 @@ Status CpuBackend::cluster_take(ClusterBatch *b, void *, ClusterOut *out) {
   out->n_clusters = kb.n.data();
   out->n_outliers = kb.nout.data();
   out->begin = kb.begin.data();
+  out->begin_engine = kb.begin.data();
   out->size = kb.size.data();
   out->tok_off = kb.tok_off.data();
   out->clu_off = kb.clu_off.data();

@@ -305,7 +305,10 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   void fill_stats(wkv_stats *out) override;
   Status lookup(Plan &plan) override;
   bool decodes() const override { return graphs_; }
-  bool decode_lays_out_rows() const override { return !from_frames_; }
+  bool decode_lays_out_rows() const override { return !from_frames(); }
+  // Decodes from frames, where the page format allows: the attention adds
+  // no centroid back (centered keys lay their rows out).
+  bool from_frames() const { return from_frames_ && !e_.config().centered_keys(); }
   Status decode(Plan &plan, const DecodeOut &out) override;
   Status assemble(Plan &plan) override;
   Status attend(Plan &plan, void *out, int64_t seq_stride, int64_t head_stride, float *lse) override;
@@ -1163,6 +1166,7 @@ Status CudaBackend::cluster_take(ClusterBatch *b, void *stream, ClusterOut *out)
   out->n_clusters = kb.host;
   out->n_outliers = kb.host + kb.S;
   out->begin = reinterpret_cast<const uint32_t *>(h + kb.begin_at);
+  out->begin_engine = kb.begin.as<uint32_t>();
   out->size = reinterpret_cast<const uint32_t *>(h + kb.size_at);
   out->value_total = reinterpret_cast<const double *>(h + kb.totals_at);
   out->tok_off = kb.tok_off.data();
@@ -1219,15 +1223,23 @@ Status CudaBackend::write_pages(const PageWriteJob *jobs, uint32_t n, void *stre
   int8.head_dim = cfg.c.head_dim;
   int8.page_tokens = pt;
   int8.scales_at = cfg.page_scales_at();
+  int8.centered = cfg.centered_keys();
   return checked_launches<kernels::WritePagesJob>(
       jobs, n,
-      [](const PageWriteJob &j, kernels::WritePagesJob *k) {
+      [&](const PageWriteJob &j, kernels::WritePagesJob *k) {
         *k = kernels::WritePagesJob{};
         k->order = j.order;
         k->k = j.k;
         k->v = j.v;
         k->pages = j.dev_pages;
         k->tokens = j.tokens;
+        if (cfg.centered_keys() && j.tokens > 0) {
+          if (!j.begin_engine || !j.centroid || j.clusters == 0)
+            return WKV_ERROR(WKV_ERR_INTERNAL, "a page write of centered keys without its clusters");
+          k->clusters = j.clusters;
+          k->begin = j.begin_engine;
+          k->centroid = j.centroid;
+        }
         return Status::ok();
       },
       [&](const kernels::WritePagesJob *b, uint32_t m) { return kernels::check_page_jobs(b, m, row_bytes, pt); },
@@ -1649,7 +1661,7 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cuda
     a.vars = b.vars;
     // From frames: the execution buffer's K rows hold where each row lives
     // (16 bytes a row, within a row of it).
-    if (from_frames_) a.row_src = reinterpret_cast<kernels::RowSource *>(b.xk);
+    if (from_frames()) a.row_src = reinterpret_cast<kernels::RowSource *>(b.xk);
     if (frames_) {
       a.pool = e_.buffers().pool();
       a.reading.done = b.reading;  // frames are read: said before the entries (buffer_manager.hpp)
@@ -1668,7 +1680,7 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cuda
   kernels::StepMark end{b.done, 0, reinterpret_cast<unsigned int *>(b.counters) + kAttendCtas};
   end.epoch_at = &b.vars->epoch;
   kernels::AttendRows rows;
-  if (from_frames_) {
+  if (from_frames()) {
     const Config &cfg = e_.config();
     rows.src = reinterpret_cast<const kernels::RowSource *>(b.xk);
     rows.vs_floats = cfg.page_tokens();
@@ -1964,6 +1976,7 @@ kernels::GatherArgs CudaBackend::gather_args(const kernels::DevRun *runs, uint32
     a.int8_dim = cfg.c.head_dim;
     a.scales_at = cfg.page_scales_at();
     a.dtype = cfg.dtype();
+    a.centered = cfg.centered_keys();
   }
   a.xk = xk;
   a.xv = xv;
