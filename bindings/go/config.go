@@ -59,7 +59,7 @@ const (
 	PageFormatStorage PageFormat = C.WKV_PAGE_FORMAT_STORAGE // rows in the storage dtype, as appended
 	PageFormatInt8    PageFormat = C.WKV_PAGE_FORMAT_INT8    // 8-bit rows with an f32 scale each
 	// The same, keys kept as differences from their clusters' centroids
-	// (0.11; CPU engines).
+	// (0.11).
 	PageFormatInt8Centered PageFormat = C.WKV_PAGE_FORMAT_INT8_CENTERED
 )
 

@@ -42,7 +42,7 @@ _DEVICE_NAMES = {v: k for k, v in _DEVICES.items()}
 PAGE_FORMAT_STORAGE = "storage"  # rows in the storage dtype (WKV_PAGE_FORMAT_STORAGE = 0)
 PAGE_FORMAT_INT8 = "int8"        # 8-bit rows with an f32 scale each (WKV_PAGE_FORMAT_INT8 = 1)
 # ... with keys kept as differences from their clusters' centroids
-# (WKV_PAGE_FORMAT_INT8_CENTERED = 2, 0.11; CPU engines)
+# (WKV_PAGE_FORMAT_INT8_CENTERED = 2, 0.11)
 PAGE_FORMAT_INT8_CENTERED = "int8-centered"
 _PAGE_FORMATS = {PAGE_FORMAT_STORAGE: 0, PAGE_FORMAT_INT8: 1, PAGE_FORMAT_INT8_CENTERED: 2}
 _PAGE_FORMAT_NAMES = {v: k for k, v in _PAGE_FORMATS.items()}
@@ -101,7 +101,7 @@ class Config:
     ``page_format`` is "storage" (PAGE_FORMAT_STORAGE: rows in the dtype),
     "int8" (PAGE_FORMAT_INT8: 8-bit rows with an f32 scale each, libwavekv
     0.10 on) or "int8-centered" (PAGE_FORMAT_INT8_CENTERED: the same with keys
-    kept less their clusters' centroids, libwavekv 0.11 on, CPU engines), or
+    kept less their clusters' centroids, libwavekv 0.11 on), or
     the C value 0, 1 or 2. Environment variables (WKV_THREADS,
     WKV_RETRIEVAL_FRAC, WKV_PAGE_FORMAT, ...) override fields when the engine
     opens; Engine.config shows the values in force.

@@ -53,7 +53,7 @@ pub enum PageFormat {
     Int8,
     /// As `Int8`, with each key row kept as its difference from its
     /// cluster's centroid rounded to f16 (`WKV_PAGE_FORMAT_INT8_CENTERED`,
-    /// libwavekv 0.11; CPU engines): the same bytes, less of the 8-bit
+    /// libwavekv 0.11): the same bytes, less of the 8-bit
     /// error on keys that share a large offset.
     Int8Centered,
 }
