@@ -26,8 +26,8 @@
 // the frames its gather found, or took, later in the same step, which has
 // not ended before its attention has). Every gather CTA writes its step's
 // epoch into its tracker's reading word (fenced, at system scope) before
-// it reads an entry; the manager clears the victims' entries, waits for the stores,
-// then reads the reading words. A step whose mark it does not see reads the
+// it reads an entry; the manager clears the victims' entries, waits for
+// the stores, then reads the reading words. A step whose mark it does not see reads the
 // cleared entries (the two sides' fences: one of them sees the other's
 // write), so the frames wait only for the steps it sees reading: each
 // batch keeps, for every tracker then seen reading (its reading word past
