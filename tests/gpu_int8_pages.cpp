@@ -101,139 +101,139 @@ TEST(GpuInt8Pages, CudaPageWritesAndGathersGiveTheCpuEnginesBytes) {
   const Shape shapes[] = {{1, 8, 2, 128, WKV_DTYPE_BF16}, {1, 4, 2, 64, WKV_DTYPE_F16},
                           {1, 4, 2, 80, WKV_DTYPE_F32}, {1, 4, 1, 256, WKV_DTYPE_F16}};
   for (const uint32_t fmt : {uint32_t{WKV_PAGE_FORMAT_INT8}, uint32_t{WKV_PAGE_FORMAT_INT8_CENTERED}}) {
-  for (const Shape &s : shapes) {
-    SCOPED_TRACE(testing::Message() << "page format " << fmt << ", d=" << s.head_dim << ", dtype " << s.dtype);
-    const bool centered = fmt == WKV_PAGE_FORMAT_INT8_CENTERED;
-    const uint32_t d = s.head_dim;
-    const size_t row = size_t(d) * wkv::dtype_bytes(static_cast<wkv::DType>(s.dtype));
-    wavekv::Engine gpu(config(s, WKV_DEVICE_CUDA, fmt)), cpu(config(s, WKV_DEVICE_CPU, fmt));
-    Context ctx(s), again(s);
-    wavekv::Sequence sg(gpu);
-    {  // a prompt, then tokens one at a time (device rows, as a CUDA engine takes them)
-      std::vector<uint8_t> hk, hv;
-      uint64_t appended_tokens = 0;
-      auto append = [&](uint32_t n) {
-        ctx.tokens(n, &hk, &hv);
-        doctor_values(hv, appended_tokens, n, s.kv_heads, d, s.dtype);
-        appended_tokens += n;
-        Buf dk(true, hk), dv(true, hv);
-        sg.append(0, dk.p, dv.p, n);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // before the buffers go
+    for (const Shape &s : shapes) {
+      SCOPED_TRACE(testing::Message() << "page format " << fmt << ", d=" << s.head_dim << ", dtype " << s.dtype);
+      const bool centered = fmt == WKV_PAGE_FORMAT_INT8_CENTERED;
+      const uint32_t d = s.head_dim;
+      const size_t row = size_t(d) * wkv::dtype_bytes(static_cast<wkv::DType>(s.dtype));
+      wavekv::Engine gpu(config(s, WKV_DEVICE_CUDA, fmt)), cpu(config(s, WKV_DEVICE_CPU, fmt));
+      Context ctx(s), again(s);
+      wavekv::Sequence sg(gpu);
+      {  // a prompt, then tokens one at a time (device rows, as a CUDA engine takes them)
+        std::vector<uint8_t> hk, hv;
+        uint64_t appended_tokens = 0;
+        auto append = [&](uint32_t n) {
+          ctx.tokens(n, &hk, &hv);
+          doctor_values(hv, appended_tokens, n, s.kv_heads, d, s.dtype);
+          appended_tokens += n;
+          Buf dk(true, hk), dv(true, hv);
+          sg.append(0, dk.p, dv.p, n);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // before the buffers go
+        };
+        append(1500);
+        sg.end_prompt(0);
+        for (int g = 0; g < 90; ++g) append(1);
+      }
+      // 1. Every token the CUDA engine wrote into a page (its K and V rows and
+      //    their scales) is the CPU's quantization of a token appended to its
+      //    head.
+      std::vector<std::set<std::string>> appended(s.kv_heads);
+      // Centered: by a token's paged V row and scale, its K rows as appended.
+      std::vector<std::multimap<std::string, std::vector<float>>> by_v(s.kv_heads);
+      std::vector<uint8_t> k, v;
+      uint64_t taken = 0;
+      auto take = [&](uint32_t tokens) {  // as they were appended
+        again.tokens(tokens, &k, &v);
+        doctor_values(v, taken, tokens, s.kv_heads, d, s.dtype);
+        taken += tokens;
+        for (uint32_t t = 0; t < tokens; ++t)
+          for (uint32_t h = 0; h < s.kv_heads; ++h) {
+            const size_t at = (size_t(t) * s.kv_heads + h) * row;
+            const std::string key = paged_slot(s.dtype, k.data() + at, v.data() + at, d);
+            appended[h].insert(key);
+            if (centered) {
+              std::vector<float> kf(d);
+              wkv::to_float(static_cast<wkv::DType>(s.dtype), k.data() + at, kf.data(), d);
+              by_v[h].emplace(key.substr(d + 4), std::move(kf));
+            }
+          }
       };
-      append(1500);
-      sg.end_prompt(0);
-      for (int g = 0; g < 90; ++g) append(1);
-    }
-    // 1. Every token the CUDA engine wrote into a page (its K and V rows and
-    //    their scales) is the CPU's quantization of a token appended to its
-    //    head.
-    std::vector<std::set<std::string>> appended(s.kv_heads);
-    // Centered: by a token's paged V row and scale, its K rows as appended.
-    std::vector<std::multimap<std::string, std::vector<float>>> by_v(s.kv_heads);
-    std::vector<uint8_t> k, v;
-    uint64_t taken = 0;
-    auto take = [&](uint32_t tokens) {  // as they were appended
-      again.tokens(tokens, &k, &v);
-      doctor_values(v, taken, tokens, s.kv_heads, d, s.dtype);
-      taken += tokens;
-      for (uint32_t t = 0; t < tokens; ++t)
-        for (uint32_t h = 0; h < s.kv_heads; ++h) {
-          const size_t at = (size_t(t) * s.kv_heads + h) * row;
-          const std::string key = paged_slot(s.dtype, k.data() + at, v.data() + at, d);
-          appended[h].insert(key);
-          if (centered) {
-            std::vector<float> kf(d);
-            wkv::to_float(static_cast<wkv::DType>(s.dtype), k.data() + at, kf.data(), d);
-            by_v[h].emplace(key.substr(d + 4), std::move(kf));
+      take(1500);
+      for (int g = 0; g < 90; ++g) take(1);
+      const std::string path = dir.file("gpu.wkv");
+      sg.save(path);
+      const wkv::LayerSnapshot snap = layer_of(path, 0);
+      ASSERT_EQ(snap.heads.size(), s.kv_heads);
+      wkv_config cc = config(s, WKV_DEVICE_CPU, fmt);
+      wkv::Config cfg;
+      ASSERT_TRUE(wkv::resolve_config(&cc, &cfg).is_ok());
+      const uint32_t pt = cfg.page_tokens(), slot = cfg.page_slot_bytes(), scales = cfg.page_scales_at();
+      uint64_t rows = 0, found = 0, crossing = 0;
+      for (uint32_t h = 0; h < s.kv_heads; ++h) {
+        const wkv::HeadSnapshot &o = snap.heads[h];
+        for (size_t c = 0; c < o.size.size(); ++c) {
+          std::vector<float> ref(d);
+          const bool has_ref = centered && wkv::centered_reference(o.centroid.data() + c * d, d, ref.data());
+          for (uint32_t m = 0; m < o.size[c]; ++m) {
+            const uint64_t at = uint64_t(o.first_slot[c]) + m, r = at % pt;
+            const uint8_t *page = o.pages.data() + (at / pt) * slot;
+            std::string key(2 * (d + 4), '\0');
+            std::memcpy(key.data(), page + r * d, d);
+            std::memcpy(key.data() + d, page + scales + r * 4, 4);
+            std::memcpy(key.data() + d + 4, page + (pt + r) * d, d);
+            std::memcpy(key.data() + 2 * d + 4, page + scales + (pt + r) * 4, 4);
+            ++rows;
+            if (!centered) {
+              found += appended[h].count(key);
+              continue;
+            }
+            // A token with this V row whose K row, less the reference, is
+            // this K row and scale.
+            const auto range = by_v[h].equal_range(key.substr(d + 4));
+            bool hit = false;
+            for (auto it = range.first; !hit && it != range.second; ++it) {
+              std::string want(d + 4, '\0');
+              float sc = 0;
+              if (has_ref)
+                wkv::quantize_row_centered(it->second.data(), ref.data(), d, reinterpret_cast<int8_t *>(want.data()),
+                                           &sc);
+              else
+                wkv::quantize_row(it->second.data(), d, reinterpret_cast<int8_t *>(want.data()), &sc);
+              std::memcpy(want.data() + d, &sc, 4);
+              hit = want == key.substr(0, d + 4);
+            }
+            found += hit;
           }
+          // Units of the cluster whose members lie in two pages.
+          for (uint32_t j = 0; j * pt < o.size[c]; ++j)
+            crossing += (o.first_slot[c] + j * pt) % pt + std::min(pt, o.size[c] - j * pt) > pt;
         }
-    };
-    take(1500);
-    for (int g = 0; g < 90; ++g) take(1);
-    const std::string path = dir.file("gpu.wkv");
-    sg.save(path);
-    const wkv::LayerSnapshot snap = layer_of(path, 0);
-    ASSERT_EQ(snap.heads.size(), s.kv_heads);
-    wkv_config cc = config(s, WKV_DEVICE_CPU, fmt);
-    wkv::Config cfg;
-    ASSERT_TRUE(wkv::resolve_config(&cc, &cfg).is_ok());
-    const uint32_t pt = cfg.page_tokens(), slot = cfg.page_slot_bytes(), scales = cfg.page_scales_at();
-    uint64_t rows = 0, found = 0, crossing = 0;
-    for (uint32_t h = 0; h < s.kv_heads; ++h) {
-      const wkv::HeadSnapshot &o = snap.heads[h];
-      for (size_t c = 0; c < o.size.size(); ++c) {
-        std::vector<float> ref(d);
-        const bool has_ref = centered && wkv::centered_reference(o.centroid.data() + c * d, d, ref.data());
-        for (uint32_t m = 0; m < o.size[c]; ++m) {
-          const uint64_t at = uint64_t(o.first_slot[c]) + m, r = at % pt;
-          const uint8_t *page = o.pages.data() + (at / pt) * slot;
-          std::string key(2 * (d + 4), '\0');
-          std::memcpy(key.data(), page + r * d, d);
-          std::memcpy(key.data() + d, page + scales + r * 4, 4);
-          std::memcpy(key.data() + d + 4, page + (pt + r) * d, d);
-          std::memcpy(key.data() + 2 * d + 4, page + scales + (pt + r) * 4, 4);
-          ++rows;
-          if (!centered) {
-            found += appended[h].count(key);
-            continue;
-          }
-          // A token with this V row whose K row, less the reference, is
-          // this K row and scale.
-          const auto range = by_v[h].equal_range(key.substr(d + 4));
-          bool hit = false;
-          for (auto it = range.first; !hit && it != range.second; ++it) {
-            std::string want(d + 4, '\0');
-            float sc = 0;
-            if (has_ref)
-              wkv::quantize_row_centered(it->second.data(), ref.data(), d, reinterpret_cast<int8_t *>(want.data()),
-                                         &sc);
-            else
-              wkv::quantize_row(it->second.data(), d, reinterpret_cast<int8_t *>(want.data()), &sc);
-            std::memcpy(want.data() + d, &sc, 4);
-            hit = want == key.substr(0, d + 4);
-          }
-          found += hit;
+      }
+      EXPECT_GT(rows, 1000u);
+      EXPECT_EQ(found, rows) << "tokens of the CUDA engine's pages that are no CPU quantization of an appended token";
+      EXPECT_GT(crossing, 0u) << "units that cross into a second page are gathered";
+      // 2. The same pages in a CPU engine: the same execution buffer, on a
+      //    miss (from host pages) and on a hit (from the frames admitted).
+      wavekv::Sequence sc = wavekv::Sequence::load(cpu, path);
+      wavekv::Plan pg(gpu), pc(cpu);
+      const std::vector<uint8_t> q = ctx.query();
+      Buf dq(true, q), dout(true, std::vector<uint8_t>(q.size()));
+      uint64_t hits_after_first = 0;
+      for (int pass = 0; pass < 3; ++pass) {
+        SCOPED_TRACE(testing::Message() << "pass " << pass);
+        wkv_seq *a = sg.get(), *b = sc.get();
+        pg.lookup(&a, 1, 0, dq.p);
+        pc.lookup(&b, 1, 0, q.data());
+        pg.assemble();
+        pc.assemble();
+        const HostXbuf xg = host_xbuf(pg, true, row), xc = host_xbuf(pc, false, row);
+        EXPECT_EQ(xg.offsets, xc.offsets);
+        EXPECT_TRUE(xg.k == xc.k) << "K rows differ";
+        EXPECT_TRUE(xg.v == xc.v) << "V rows differ";
+        std::vector<uint8_t> oc(q.size());
+        pg.attend(dout.p);
+        pc.attend(oc.data());
+        pg.update();
+        pc.update();
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        if (pass == 0) {
+          const wkv_stats st = gpu.stats();
+          EXPECT_GT(st.cache_misses, 0u) << "the first pass reads host pages";
+          hits_after_first = st.cache_hits;
         }
-        // Units of the cluster whose members lie in two pages.
-        for (uint32_t j = 0; j * pt < o.size[c]; ++j)
-          crossing += (o.first_slot[c] + j * pt) % pt + std::min(pt, o.size[c] - j * pt) > pt;
       }
+      EXPECT_GT(gpu.stats().cache_hits, hits_after_first) << "later passes read frames admitted by the first";
     }
-    EXPECT_GT(rows, 1000u);
-    EXPECT_EQ(found, rows) << "tokens of the CUDA engine's pages that are no CPU quantization of an appended token";
-    EXPECT_GT(crossing, 0u) << "units that cross into a second page are gathered";
-    // 2. The same pages in a CPU engine: the same execution buffer, on a
-    //    miss (from host pages) and on a hit (from the frames admitted).
-    wavekv::Sequence sc = wavekv::Sequence::load(cpu, path);
-    wavekv::Plan pg(gpu), pc(cpu);
-    const std::vector<uint8_t> q = ctx.query();
-    Buf dq(true, q), dout(true, std::vector<uint8_t>(q.size()));
-    uint64_t hits_after_first = 0;
-    for (int pass = 0; pass < 3; ++pass) {
-      SCOPED_TRACE(testing::Message() << "pass " << pass);
-      wkv_seq *a = sg.get(), *b = sc.get();
-      pg.lookup(&a, 1, 0, dq.p);
-      pc.lookup(&b, 1, 0, q.data());
-      pg.assemble();
-      pc.assemble();
-      const HostXbuf xg = host_xbuf(pg, true, row), xc = host_xbuf(pc, false, row);
-      EXPECT_EQ(xg.offsets, xc.offsets);
-      EXPECT_TRUE(xg.k == xc.k) << "K rows differ";
-      EXPECT_TRUE(xg.v == xc.v) << "V rows differ";
-      std::vector<uint8_t> oc(q.size());
-      pg.attend(dout.p);
-      pc.attend(oc.data());
-      pg.update();
-      pc.update();
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      if (pass == 0) {
-        const wkv_stats st = gpu.stats();
-        EXPECT_GT(st.cache_misses, 0u) << "the first pass reads host pages";
-        hits_after_first = st.cache_hits;
-      }
-    }
-    EXPECT_GT(gpu.stats().cache_hits, hits_after_first) << "later passes read frames admitted by the first";
-  }
   }
 }
 
