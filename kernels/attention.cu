@@ -19,13 +19,14 @@
 //
 // Attending from frames (a decode; AttendRows), a block's rows are copied
 // from where each lives, by the row sources the gather wrote (RowSource):
-// a warp keeps its next blocks' sources in shared memory, a stage each,
-// loaded one block ahead so that their latency hides behind a block's
-// work; an 8-bit row's D bytes go to the start of its slot and its two
-// scales beside the stage, and it is read back dequantized to the storage
-// type and then to f32, as the gather would have laid it out: the same
-// floats, the same blocks, the same bits as over a laid-out buffer (the
-// runs' splits are counted for the laid-out kernel in both cases).
+// a warp keeps its blocks' sources in shared memory, each block's fetched
+// kStages blocks ahead of its rows in the same cp.async groups, so that
+// their latency hides as the rows' does; an 8-bit row's D bytes go to the
+// start of its slot and its two scales beside the stage, and it is read
+// back dequantized to the storage type and then to f32, as the gather
+// would have laid it out: the same floats, the same blocks, the same bits
+// as over a laid-out buffer (the runs' splits are counted for the laid-out
+// kernel in both cases).
 //
 // combine_kernel, one CTA per (run, head, 32 elements): merges the splits in
 // log space (32 lanes of splits in parallel), then the estimate exactly as

@@ -131,9 +131,8 @@ template <> struct DevType<bf16> {
   static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
 };
 
-// An 8-bit value q of a row with scale `scale` in the storage type T:
-// dequantize_row's arithmetic (q x scale rounded to T); a NaN scale gives
-// T's quiet NaN, the same bits as the CPU's (kernels/dtype.hpp).
+// T's quiet NaN, the bits the CPU writes for a row of NaN scale
+// (kernels/dtype.hpp), whatever the payloads.
 template <typename T>
 __device__ __forceinline__ typename DevType<T>::type quiet_nan() {
   if constexpr (std::is_same_v<T, float>)
@@ -143,6 +142,9 @@ __device__ __forceinline__ typename DevType<T>::type quiet_nan() {
   else
     return __ushort_as_bfloat16(0x7fc0);
 }
+// An 8-bit value q of a row with scale `scale` in the storage type T:
+// dequantize_row's arithmetic (q x scale rounded to T); a NaN scale gives
+// T's quiet NaN.
 template <typename T>
 __device__ __forceinline__ typename DevType<T>::type dequantized(int8_t q, float scale) {
   if (scale != scale) return quiet_nan<T>();

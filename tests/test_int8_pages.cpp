@@ -534,8 +534,8 @@ TEST(Int8CenteredPages, KeysComeBackAroundTheirCentroidsCloserThanPlain8BitRows)
     Context ctx(s);
     std::vector<uint8_t> k, v;
     ctx.tokens(700, &k, &v);
-    // The offset: +3 on every key element (exact in each dtype's rounding
-    // of the context's values is not needed: all three get the same bytes).
+    // The offset: +3 on every key element, rounded to the dtype once here,
+    // so that all three engines get the same bytes.
     const wkv::DType dt = static_cast<wkv::DType>(dtype);
     std::vector<float> kf(k.size() / wkv::dtype_bytes(dt));
     wkv::to_float(dt, k.data(), kf.data(), kf.size());
