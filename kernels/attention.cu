@@ -240,7 +240,7 @@ __device__ __forceinline__ void load_row_int8(const uint8_t *row, uint32_t j, fl
   constexpr uint32_t kWords = S::kVec / 4;  // 32-bit words of 8-bit values a slot
   static_assert(S::kVec % 4 == 0, "a slot's 8-bit values are whole words");
   const bool nan_scale = scale != scale;
-  const float nan_value = DevType<Tag>::to_f(dequantized<Tag>(0, scale));
+  const float nan_value = DevType<Tag>::to_f(quiet_nan<Tag>());
 #pragma unroll
   for (uint32_t w = 0; w < S::kSpl; ++w) {
     const uint32_t slot = j + S::kLpr * w;

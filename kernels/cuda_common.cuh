@@ -150,6 +150,12 @@ __device__ __forceinline__ typename DevType<T>::type dequantized(int8_t q, float
   if (scale != scale) return quiet_nan<T>();
   return DevType<T>::from_f(__fmul_rn(static_cast<float>(q), scale));
 }
+// Centered K rows' reference rule (centered_reference, kernels/dtype.cpp):
+// a centroid is a reference only where every component fits f16 (finite
+// and within its range; false for NaN), and each component is then used
+// rounded to f16.
+__device__ __forceinline__ bool fits_f16(float c) { return fabsf(c) <= 65504.0f; }
+__device__ __forceinline__ float f16_rounded(float c) { return __half2float(__float2half_rn(c)); }
 // ... of a centered K row against its reference value ref:
 // dequantize_row_centered's arithmetic (one fused multiply-add, then T).
 template <typename T>

@@ -138,7 +138,7 @@ __device__ __forceinline__ void put_dequantized_centered(uint8_t *dst, const int
     const float r[4] = {c.x, c.y, c.z, c.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      out[i + e] = dequantized_centered<T>(q[i + e], scale, __half2float(__float2half_rn(r[e])));
+      out[i + e] = dequantized_centered<T>(q[i + e], scale, f16_rounded(r[e]));
   }
 #pragma unroll
   for (uint32_t w = 0; w < kBytes / 16; ++w)
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a)
       if (a.centered) {
         const float *c = run.centroid + size_t(id) * prb;
         bool fits = true;
-        for (uint32_t e = lane; e < prb; e += 32) fits &= fabsf(c[e]) <= 65504.0f;  // false for NaN
+        for (uint32_t e = lane; e < prb; e += 32) fits &= fits_f16(c[e]);
         if (__all_sync(0xffffffffu, fits)) cen = c;
       }
     }

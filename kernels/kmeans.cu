@@ -1470,7 +1470,8 @@ __device__ __forceinline__ void write_job_int8(const WritePagesJob &job, const I
                                                size_t(job.order[j]) * l.head_dim * sizeof(DT));
     // Centered K rows: less the cluster's centroid rounded to f16, where
     // every component of it fits f16 (centered_reference).
-    float ref[kInt8MaxGroups][4] = {};
+    float ref[kInt8MaxGroups][4];
+    bool less_ref = false;
     if (centered && !is_v) {
       const float *cen = job.centroid + size_t(cluster_of_slot(job, j)) * l.head_dim;
       bool fits = true;
@@ -1480,18 +1481,12 @@ __device__ __forceinline__ void write_job_int8(const WritePagesJob &job, const I
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float c = g < groups ? cen[4 * g + e] : 0.0f;
-          fits &= fabsf(c) <= 65504.0f;  // false for NaN
-          ref[k][e] = __half2float(__float2half_rn(c));
+          fits &= fits_f16(c);
+          ref[k][e] = f16_rounded(c);
         }
       }
-      if (!__all_sync(0xffffffffu, fits)) {
-#pragma unroll
-        for (uint32_t k = 0; k < kInt8MaxGroups; ++k)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) ref[k][e] = 0.0f;
-      }
+      less_ref = __all_sync(0xffffffffu, fits);
     }
-    const bool less_ref = centered && !is_v;
     float v[kInt8MaxGroups][4];
     float amax = 0.0f;
     bool finite = true;

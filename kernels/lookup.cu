@@ -321,7 +321,8 @@ struct SelectShared {
   float red_m[kSelectWarps], red_s[kSelectWarps];
   float loc_m[kMaxGroup], loc_s[kMaxGroup];  // this CTA's softmax statistics, per head
   float head_m[kMaxGroup], head_inv[kMaxGroup];
-  uint32_t hist[2][kSelTargets][256];  // [pass parity][target][bin]: a pass fills one while the CTAs may read the other
+  uint32_t hist[kSelTargets][256];      // [target][bin]: this CTA's counts of a pass
+  uint32_t total[2][kSelTargets][256];  // [pass parity][target][bin]: the run's, every CTA's counts added in
   uint32_t prefix[kSelTargets], krem[kSelTargets];
   uint32_t wcnt[kSelectWarps][2 * kSelTargets];  // per warp and target: > threshold, == threshold
   uint32_t loc_tot[2 * kSelTargets];             // this CTA's totals of those counts
@@ -350,6 +351,14 @@ __device__ __forceinline__ T *in_rank(T *p, uint32_t k) {
   return p;
 #endif
 }
+// The value at `p` in each of the run's n CTAs' copies (fill past n): the
+// loads unrolled, so that they are in flight together (each is a round trip
+// to another multiprocessor's shared memory).
+template <typename T>
+__device__ __forceinline__ void from_ranks(T *p, uint32_t n, T fill, T (&v)[kSelectMaxSplit]) {
+#pragma unroll
+  for (uint32_t k = 0; k < kSelectMaxSplit; ++k) v[k] = k < n ? *in_rank(p, k) : fill;
+}
 // Every thread of every CTA of the cluster arrives; shared memory writes
 // before it are visible to every CTA after it.
 __device__ __forceinline__ void cluster_barrier() {
@@ -360,26 +369,18 @@ __device__ __forceinline__ void cluster_barrier() {
 #endif
 }
 
-// Finds, for target t, the bin of the run's histogram t (the sum of every
-// CTA's) that holds the krem[t]-th largest key among those matching
-// prefix[t], and narrows prefix/krem to it. One warp; lane L owns bins
-// 255 - 8L down to 248 - 8L.
-__device__ void radix_pick(SelectShared &sh, uint32_t buf, uint32_t t, uint32_t shift, uint32_t n_ranks) {
+// Finds, for target t, the bin of the run's histogram t (total[buf][t],
+// every CTA's counts added in) that holds the krem[t]-th largest key among
+// those matching prefix[t], and narrows prefix/krem to it. One warp; lane L
+// owns bins 255 - 8L down to 248 - 8L.
+__device__ void radix_pick(SelectShared &sh, uint32_t buf, uint32_t t, uint32_t shift) {
   const uint32_t lane = threadIdx.x % 32;
   uint32_t cnt[8], local = 0;
 #pragma unroll
-  for (uint32_t i = 0; i < 8; ++i) cnt[i] = 0;
-  // The ranks' loads unrolled, so that they are in flight together (each is
-  // a round trip to another multiprocessor's shared memory).
-#pragma unroll
-  for (uint32_t k = 0; k < kSelectMaxSplit; ++k) {
-    if (k >= n_ranks) break;
-    const uint32_t *h = in_rank(&sh.hist[buf][t][0], k);
-#pragma unroll
-    for (uint32_t i = 0; i < 8; ++i) cnt[i] += h[255 - lane * 8 - i];
+  for (uint32_t i = 0; i < 8; ++i) {
+    cnt[i] = sh.total[buf][t][255 - lane * 8 - i];
+    local += cnt[i];
   }
-#pragma unroll
-  for (uint32_t i = 0; i < 8; ++i) local += cnt[i];
   uint32_t incl = local;
 #pragma unroll
   for (uint32_t o = 1; o < 32; o <<= 1) {
@@ -408,9 +409,19 @@ __device__ void radix_pick(SelectShared &sh, uint32_t buf, uint32_t t, uint32_t 
 // the run's c < C (this CTA counting its slice). Keys of 0 are never sought
 // (every score's key is above 0: score_key), so a key function leaves a
 // cluster out by giving it 0. On return sh.prefix[t] is that key, in every
-// CTA of the run. One cluster barrier a pass: a pass fills the histograms
-// of its parity, so that clearing them two passes later cannot race a
-// slower CTA's reads.
+// CTA of the run.
+//
+// A CTA counts its slice into its own histograms, then adds each non-zero
+// count into the run's histograms (total) of every CTA of the run: the
+// adds to other multiprocessors' shared memory are sent, not waited for,
+// and are sparse (scores crowd into few bins, and later passes count only
+// the keys that match the prefix), so that after the pass's one cluster
+// barrier each CTA picks from its own shared memory. A pass adds into the
+// run's histograms of its parity, and each CTA clears those of the other
+// parity (read in the pass before) before it reaches the next barrier, so
+// that no CTA's adds of pass n + 2 can precede the clearing of pass n's.
+// sh.total must be zero on entry (select_kernel clears it), and is on
+// return.
 template <uint32_t N, typename Keys>
 __device__ void radix_select(SelectShared &sh, const Slice &sl, Keys keys, const uint32_t (&k)[N]) {
   static_assert(N >= 1 && N <= kSelTargets, "targets");
@@ -420,10 +431,12 @@ __device__ void radix_select(SelectShared &sh, const Slice &sl, Keys keys, const
     sh.krem[tid] = k[tid];
   }
   for (uint32_t pass = 0; pass < 4; ++pass) {
-    const uint32_t shift = 24 - 8 * pass;
+    const uint32_t shift = 24 - 8 * pass, buf = pass & 1;
     const uint32_t hmask = pass == 0 ? 0u : ~0u << (shift + 8);
-    uint32_t(*hist)[256] = sh.hist[pass & 1];
-    for (uint32_t i = tid; i < N * 256; i += kSelectThreads) (&hist[0][0])[i] = 0;
+    for (uint32_t i = tid; i < N * 256; i += kSelectThreads) {
+      (&sh.hist[0][0])[i] = 0;
+      (&sh.total[buf ^ 1][0][0])[i] = 0;  // the last pass's, read by this CTA's pick
+    }
     __syncthreads();
     uint32_t p[N];
 #pragma unroll
@@ -443,13 +456,21 @@ __device__ void radix_select(SelectShared &sh, const Slice &sl, Keys keys, const
         // none skips the match (a vote costs far less).
         if (!__any_sync(kFull, m)) continue;
         const uint32_t peers = __match_any_sync(kFull, m ? bin : 256u);
-        if (m && lane == __ffs(peers) - 1) atomicAdd(&hist[t][bin], __popc(peers));
+        if (m && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[t][bin], __popc(peers));
       }
     }
-    cluster_barrier();  // every CTA's histograms of this pass are complete
-    if (warp < N && k[warp] > 0) radix_pick(sh, pass & 1, warp, shift, sl.n);
+    __syncthreads();  // this CTA's counts are complete
+    for (uint32_t i = tid; i < N * 256; i += kSelectThreads) {
+      const uint32_t v = (&sh.hist[0][0])[i];
+      if (v == 0) continue;
+      for (uint32_t r = 0; r < sl.n; ++r) atomicAdd(in_rank(&sh.total[buf][0][0] + i, r), v);
+    }
+    cluster_barrier();  // every CTA's counts are in every CTA's totals
+    if (warp < N && k[warp] > 0) radix_pick(sh, buf, warp, shift);
     __syncthreads();  // prefix and krem for the next pass (and the caller)
   }
+  // The last pass's totals (parity 1), for the next selection.
+  for (uint32_t i = tid; i < N * 256; i += kSelectThreads) (&sh.total[1][0][0])[i] = 0;
 }
 
 // Compaction of N selections in id order. Selection t holds the c with
@@ -498,11 +519,12 @@ __device__ void compact(SelectShared &sh, const Slice &sl, Keys keys, const uint
   }
   cluster_barrier();  // every CTA's totals are complete
   if (tid < 2 * N) {
-    uint32_t before = 0, total = 0;
-    for (uint32_t r = 0; r < sl.n; ++r) {
-      const uint32_t v = in_rank(&sh.loc_tot[0], r)[tid];
-      if (r < sl.rank) before += v;
-      total += v;
+    uint32_t v[kSelectMaxSplit], before = 0, total = 0;
+    from_ranks(&sh.loc_tot[tid], sl.n, 0u, v);
+#pragma unroll
+    for (uint32_t r = 0; r < kSelectMaxSplit; ++r) {
+      if (r < sl.rank) before += v[r];
+      total += v[r];
     }
     sh.before[tid] = before;
     sh.tot[tid] = total;
@@ -587,6 +609,10 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
   const float *lg = out.logits + run.scratch_off;
   uint8_t *cls_s = reinterpret_cast<uint8_t *>(keys_s + smem_cap);
 
+  // The run's histograms start at zero (radix_select): before the first
+  // cluster barrier, after which other CTAs add into them.
+  for (uint32_t i = tid; i < 2 * kSelTargets * 256; i += kSelectThreads) (&sh.total[0][0][0])[i] = 0;
+
   // 2a. Per head: max and sum of exp over the slice; 32 / G warps a head.
   //     Then the run's, merged in rank order by every CTA.
   {
@@ -635,7 +661,11 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
     cluster_barrier();  // every CTA's statistics are complete
     if (tid < G) {
       float hm = kNegInf, hs = 0.f;
-      for (uint32_t k = 0; k < sl.n; ++k) merge_ms(hm, hs, in_rank(sh.loc_m, k)[tid], in_rank(sh.loc_s, k)[tid]);
+      float rm[kSelectMaxSplit], rs[kSelectMaxSplit];
+      from_ranks(&sh.loc_m[tid], sl.n, kNegInf, rm);
+      from_ranks(&sh.loc_s[tid], sl.n, 0.f, rs);
+#pragma unroll
+      for (uint32_t k = 0; k < kSelectMaxSplit; ++k) merge_ms(hm, hs, rm[k], rs[k]);
       // A head with no finite logit adds nothing, as in score_clusters.
       sh.head_m[tid] = hm;
       sh.head_inv[tid] = hm == kNegInf ? 0.f : 1.f / hs;
@@ -779,15 +809,21 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
   uint32_t ret_first = 0, ret_total = 0;  // this CTA's first entry; members of the CTAs before it
   uint32_t run_total = 0;                 // members of the run's retrieval clusters
   uint32_t cold_first = 0, run_cold = 0;  // cold clusters of the CTAs before it; of the run
-  for (uint32_t k = 0; k < sl.n; ++k) {
-    const uint32_t n = *in_rank(&sh.ret_n, k), t = *in_rank(&sh.ret_tokens, k), o = *in_rank(&sh.cold_n, k);
-    if (k < sl.rank) {
-      ret_first += n;
-      ret_total += t;
-      cold_first += o;
+  {
+    uint32_t n[kSelectMaxSplit], t[kSelectMaxSplit], o[kSelectMaxSplit];
+    from_ranks(&sh.ret_n, sl.n, 0u, n);
+    from_ranks(&sh.ret_tokens, sl.n, 0u, t);
+    from_ranks(&sh.cold_n, sl.n, 0u, o);
+#pragma unroll
+    for (uint32_t k = 0; k < kSelectMaxSplit; ++k) {
+      if (k < sl.rank) {
+        ret_first += n[k];
+        ret_total += t[k];
+        cold_first += o[k];
+      }
+      run_total += t[k];
+      run_cold += o[k];
     }
-    run_total += t;
-    run_cold += o;
   }
   const uint32_t ret_last = ret_first + sh.ret_n;
   cluster_barrier();  // every CTA has read the counts: none leaves before
