@@ -441,8 +441,12 @@ __device__ void radix_select(SelectShared &sh, const Slice &sl, Keys keys, const
     uint32_t p[N];
 #pragma unroll
     for (uint32_t t = 0; t < N; ++t) p[t] = sh.prefix[t];
-    // Scores crowd into few bins (all lanes hit one bin in the first
-    // passes): lanes of a warp with equal bins add once, together.
+    // Scores crowd into few bins (in the first passes every lane of a warp
+    // hits one): a warp whose matching lanes share a bin adds once, its
+    // first matching lane for all of them; other warps add lane by lane
+    // (the hardware serializes the lanes that share an address). A vote
+    // and a shuffle cost far less than __match_any_sync, and after the
+    // first passes few keys match the prefix: a warp with none skips.
     for (uint32_t base = sl.lo; base < sl.hi; base += kSelectThreads) {
       const uint32_t c = base + tid;
       const bool ok = c < sl.hi;
@@ -452,11 +456,15 @@ __device__ void radix_select(SelectShared &sh, const Slice &sl, Keys keys, const
         const uint32_t key = ok ? keys(c, t) : 0u;
         const uint32_t bin = (key >> shift) & 255u;
         const bool m = ok && (key & hmask) == p[t];
-        // After the first passes few keys match the prefix: a warp with
-        // none skips the match (a vote costs far less).
-        if (!__any_sync(kFull, m)) continue;
-        const uint32_t peers = __match_any_sync(kFull, m ? bin : 256u);
-        if (m && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[t][bin], __popc(peers));
+        const uint32_t mb = __ballot_sync(kFull, m);
+        if (mb == 0) continue;
+        const uint32_t lead = __ffs(mb) - 1;
+        const uint32_t lead_bin = __shfl_sync(kFull, bin, lead);
+        if (__all_sync(kFull, !m || bin == lead_bin)) {
+          if (lane == lead) atomicAdd(&sh.hist[t][lead_bin], __popc(mb));
+        } else if (m) {
+          atomicAdd(&sh.hist[t][bin], 1u);
+        }
       }
     }
     __syncthreads();  // this CTA's counts are complete
