@@ -37,6 +37,13 @@
 #                                  PROFILE_CASES, "131072:7 1048576:1",
 #                                  tokens:batch, after its warm-up; the 1M
 #                                  case at a 20% device cache)
+#                                  source-profile (ncu: where the warps of
+#                                  SOURCE_KERNEL, select_kernel, wait, by
+#                                  instruction (warp samples), one launch
+#                                  of the serving bench's decode at
+#                                  SOURCE_CASE, 1048576:1 (tokens:batch; 1M
+#                                  at a 20% device cache); the report and
+#                                  its source page go to $OUT)
 #                                  policies (the device cache's replacement
 #                                  policies against each other: the serving
 #                                  bench at 128K, batch POLICY_BATCHES, 7,
@@ -275,6 +282,24 @@ if want decode-profile && command -v ncu >/dev/null; then
     step "ncu detail $tok x $batch" "rc=$? (metric: mean of the launches, per kernel)"
     python3 tools/ncu_table.py metrics "$LOG/ncu-detail-$tok-$batch.csv" | tee -a "$LOG/summary.txt"
   done
+fi
+if want source-profile && command -v ncu >/dev/null; then
+  # Warp samples by instruction need no line information; a build with
+  # CUDAFLAGS=-lineinfo lets the report (in Nsight Compute's GUI) show the
+  # CUDA lines beside the SASS.
+  case=${SOURCE_CASE:-1048576:1} kern=${SOURCE_KERNEL:-select_kernel}
+  tok=${case%%:*} batch=${case##*:}
+  frac=0.05
+  [ "$tok" -ge 1048576 ] && frac=0.2
+  WKV_SERVING_CACHE_FRACTION=$frac timeout "${BENCH_TIMEOUT:-300}" ncu --clock-control none \
+    --kernel-name "regex:$kern" --launch-skip 200 --launch-count 1 --section SourceCounters \
+    --section WarpStateStats --import-source yes -f -o "$OUT/source-$kern-$tok-$batch" \
+    build-gpu/bin/gpu_serving_bench "$tok" "$batch" 80 4 > "$LOG/ncu-source.log" 2>&1
+  step "ncu source $kern $tok x $batch" "rc=$? (warp samples by instruction)"
+  ncu -i "$OUT/source-$kern-$tok-$batch.ncu-rep" --page source --csv --print-source sass \
+    > "$LOG/source-$kern.csv" 2>> "$LOG/ncu-source.log"
+  gzip -c "$LOG/source-$kern.csv" > "$OUT/source-$kern-$tok-$batch.csv.gz"
+  python3 tools/ncu_table.py source "$LOG/source-$kern.csv" 30 | tee -a "$LOG/summary.txt"
 fi
 if want profile && command -v ncu >/dev/null; then
   # Device time of each kernel of the k-means, summed by kernel: two calls of

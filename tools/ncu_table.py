@@ -7,6 +7,10 @@
                                  gpu__time_duration (us)
     ncu_table.py metrics CSV     each kernel's metrics, the mean over its
                                  launches (stall reasons under 0.05 left out)
+    ncu_table.py source CSV [N]  a source page (ncu -i REPORT --page source
+                                 --csv --print-source sass): the warp samples
+                                 by opcode, then the N instructions (30) that
+                                 hold the most, with the share of each
 
 Kernel names lose their template arguments, namespaces and parameters.
 """
@@ -37,8 +41,42 @@ def number(text):
     return float(text.replace(",", ""))
 
 
+def source(path, top):
+    """Warp stall samples of a source page, by opcode and by instruction."""
+    rows = list(csv.reader(open(path, newline="", errors="replace")))
+    at = next((i for i, r in enumerate(rows) if r and r[0] == "Address" and "Source" in r), None)
+    if at is None:
+        sys.exit("  no source page (Address, Source, ...) in " + path)
+    head = rows[at]
+    src, samples = head.index("Source"), head.index("Warp Stall Sampling (All Samples)")
+
+    def count(r):
+        try:
+            return number(r[samples])
+        except ValueError:
+            return 0.0
+
+    body = [r for r in rows[at + 1:] if len(r) > samples]
+    total = sum(count(r) for r in body) or 1.0
+    by_op = collections.Counter()
+    for r in body:
+        words = r[src].split()
+        if words:
+            op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+            by_op[op.split(".")[0]] += count(r)
+    print(f"  {total:.0f} warp samples over {len(body)} instructions; by opcode:")
+    print("  " + ", ".join(f"{op} {100 * v / total:.1f}%" for op, v in by_op.most_common(12)))
+    for r in sorted(body, key=lambda r: -count(r))[:top]:
+        if count(r) == 0:
+            break
+        print(f"  {100 * count(r) / total:5.1f}% {r[0]:>18s}  {r[src].strip()[:90]}")
+
+
 def main(argv):
     mode, path = argv[1], argv[2]
+    if mode == "source":
+        source(path, int(argv[3]) if len(argv) > 3 else 30)
+        return
     col, rows = rows_of(path)
     if mode == "metrics":
         acc = collections.defaultdict(lambda: collections.defaultdict(list))
