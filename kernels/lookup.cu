@@ -335,8 +335,9 @@ struct SelectShared {
 // A run's selection is split over the CTAs of a thread-block cluster on
 // sm_90 (one CTA elsewhere): CTA `rank` of `n` owns the cluster ids
 // [lo, hi), a contiguous slice, and the CTAs meet through distributed
-// shared memory: softmax statistics, histograms and counts are each CTA's,
-// summed in rank order by every CTA alike.
+// shared memory: softmax statistics and counts are each CTA's, read and
+// summed in rank order by every CTA alike; the radix passes' histograms are
+// added by every CTA into every CTA's copy (radix_select).
 struct Slice {
   uint32_t rank, n, lo, hi;
 };
