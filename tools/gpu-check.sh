@@ -105,6 +105,14 @@ if want build || [ ! -d build-gpu ]; then
   if [ $build_rc != 0 ]; then grep -E "error" -A3 "$LOG/build.log" | head -60; exit 1; fi
 fi
 
+# The engines read their WKV_* configuration variables in every process,
+# tests included: say which ones this run has, since a suite run with one
+# set (WKV_PAGE_FORMAT=1, say) is a suite in that mode, and the tests that
+# compare modes with each other fail under it (docs/gpu-machine.md).
+wkv_env=$(env | grep -E '^WKV_' | grep -vE '^WKV_(SKIP_DEPS|SHARED_DIR)=' | sort | tr '\n' ' ')
+if want test || want sanitize; then
+  step "WKV_ variables set" "${wkv_env:-none}"
+fi
 if want test; then
   (cd build-gpu && ctest --output-on-failure -j8 --timeout 300) > "$LOG/ctest.log" 2>&1
   step "ctest (all)" "$(grep -E 'tests passed|tests failed' "$LOG/ctest.log" | tail -1)"
