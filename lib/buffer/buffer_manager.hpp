@@ -25,14 +25,14 @@
 // only through its unit map entry (a decode that attends from frames reads
 // the frames its gather found, or took, later in the same step, which has
 // not ended before its attention has). Every gather CTA writes its step's
-// epoch into its tracker's reading word (fenced, at system scope) before
-// it reads an entry; the manager clears the victims' entries, waits for
-// the stores, then reads the reading words. A step whose mark it does not see reads the
-// cleared entries (the two sides' fences: one of them sees the other's
-// write), so the frames wait only for the steps it sees reading: each
-// batch keeps, for every tracker then seen reading (its reading word past
-// its done word), the epoch it was reading, and is released once each of
-// those trackers' done words has reached it. A token's burst of layers,
+// epoch into its tracker's reading word (fenced, at system scope) before it
+// reads an entry; the manager clears the victims' entries, waits for the
+// stores, then reads the reading words. A step whose mark it does not see
+// reads the cleared entries (the two sides' fences: one of them sees the
+// other's write), so the frames wait only for the steps it sees reading:
+// each batch keeps, for every tracker then seen reading (its reading word
+// past its done word), the epoch it was reading, and is released once each
+// of those trackers' done words has reached it. A token's burst of layers,
 // enqueued back to back, thus reuses within the burst what the manager
 // evicted after its first steps ended, rather than only at the next token.
 // (Options::reader_quarantine false: every step begun so far, as before.)
