@@ -8,6 +8,8 @@
 #   python3 docs/wip/radix_model.py    # prints "ok 3000"
 
 import random
+import struct
+
 SHIFT=[21,10,0]; BINS=[2048,2048,1024]
 def pick(tot, bins, shift, prefix, krem):
     per=bins//32
@@ -44,7 +46,6 @@ def select(keys,k):
         prefix,krem,ok=pick(tot,bins,shift,prefix,krem)
         assert ok
     return prefix
-import struct
 def fkey(f): 
     u=struct.unpack('<I',struct.pack('<f',f))[0]
     return (~u)&0xffffffff if u&0x80000000 else u|0x80000000
