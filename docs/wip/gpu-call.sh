@@ -10,55 +10,70 @@
 #   # device call, carrying .debs and build-base-src:
 #   LIMIT=590 bash docs/wip/gpu-call.sh
 #
-# Builds both (all targets of the patched tree; only the three it times and
-# tests when LIMIT < 500); runs the lookup tests with either logits and the
-# batch tests; one A/B round at 1M, 8-bit pages, a 20% device cache (main,
-# the patches, the patches with WKV_LOGIT_WIDE=1); ncu of the select and
-# the logits in each; then the rest of the GPU suite and a racecheck of the
-# lookup tests with the time left. LIMIT: the call's seconds; steps that
-# would pass it are skipped. Logs go to $OUT/logs.tar.gz after each step.
+# PHASE=time (the default): builds the three targets it runs (the bench and
+# the lookup and batch tests) of the patched tree and main's bench; one A/B
+# round at 1M, 8-bit pages, a 20% device cache (main, the patches, the
+# patches with WKV_LOGIT_WIDE=1, the patches with WKV_DECODE_FORK=0); ncu of
+# the select and the logits in main, the patches and the wide logits; then
+# the lookup tests with either logits and the batch tests.
+# PHASE=suite (a second call, on the machine the first left warm): builds
+# every target, runs the rest of the GPU suite, then memcheck and racecheck
+# of the lookup tests a test at a time, with the time left.
+# LIMIT: the call's seconds; steps that would pass it are skipped. Logs go
+# to $OUT/logs.tar.gz after each step.
 set -u
 OUT=${OUT:-$PWD/gpu-call-logs}
 mkdir -p "$OUT"
 T0=$SECONDS
 LIMIT=${LIMIT:-590}
+PHASE=${PHASE:-time}
 left() { echo $((LIMIT - 10 - (SECONDS - T0))); }
-pack() { tar -czf $OUT/logs.tar.gz -C /tmp $(cd /tmp && ls -d build-cur.txt build-base.txt lookup-tests*.txt batch-tests.txt ab ctest-gpu.txt racecheck-lookup.txt memcheck-lookup.txt ncu-*.csv 2>/dev/null); }
-export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
-nvidia-smi --query-gpu=name --format=csv,noheader
-CUR_TARGETS=""; [ "$LIMIT" -lt 500 ] && CUR_TARGETS="gpu_serving_bench gpu_lookup_attention gpu_batch"
-(JOBS=11 BUILD_TARGETS="$CUR_TARGETS" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$?") &
-(cd build-base-src && ln -sfn ../.debs .debs && JOBS=5 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/base tools/gpu-check.sh build > /tmp/build-base.txt 2>&1; echo "build base rc=$?") &
-wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
+pack() { tar -czf $OUT/logs.tar.gz -C /tmp $(cd /tmp && ls -d build-*.txt lookup-tests*.txt batch-tests.txt ab ctest-gpu.txt san ncu-*.csv 2>/dev/null); }
 t() { echo "$1 rc=$2 $((SECONDS-T0)) s $(grep -E '^\[  (PASSED|FAILED)|tests ran' $3 | tr '\n' ' ')"; grep -E "Failure|FAILED  \]" $3 | head -5; }
-timeout 100 build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt
-WKV_LOGIT_WIDE=1 timeout 100 build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests-wide.txt 2>&1; t "gpu_lookup_attention WIDE" $? /tmp/lookup-tests-wide.txt
-timeout 120 build-gpu/bin/gpu_batch --gtest_brief=1 > /tmp/batch-tests.txt 2>&1; t gpu_batch $? /tmp/batch-tests.txt
-pack
-export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
-[ "$(left)" -gt 170 ] && ROUNDS=1 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh "BENCH=build-base-src/build-gpu/bin/gpu_serving_bench" '' 'WKV_LOGIT_WIDE=1' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
-echo "ab $((SECONDS-T0)) s"
-# ncu: each build's select and logits (and the offsets kernel main still has).
-for which in cur base wide; do
-  [ "$(left)" -gt 80 ] || break
-  bin=build-gpu/bin/gpu_serving_bench; [ $which = base ] && bin=build-base-src/build-gpu/bin/gpu_serving_bench
-  env $([ $which = wide ] && echo WKV_LOGIT_WIDE=1) timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
-    --csv --kernel-name-base function --kernel-name regex:'select_kernel|logits_kernel|offsets_kernel' \
-    --launch-skip 400 --launch-count 200 $bin 1048576 1 80 4 > /tmp/ncu-$which.csv 2>/dev/null
-  echo "ncu $which rc=$? $((SECONDS-T0)) s"; python3 tools/ncu_table.py time /tmp/ncu-$which.csv | grep -E "select|logits|offsets"
-done
-unset WKV_PAGE_FORMAT WKV_SERVING_CACHE_FRACTION
-pack
-if [ -z "$CUR_TARGETS" ] && [ "$(left)" -gt 60 ]; then
-  (cd build-gpu && timeout $(( $(left) - 45 )) ctest -R gpu_ -E 'gpu_lookup_attention|gpu_batch' --output-on-failure -j3 --timeout 200) > /tmp/ctest-gpu.txt 2>&1
-  echo "ctest gpu_ (others) rc=$? $((SECONDS-T0)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Not Run" /tmp/ctest-gpu.txt | head -20
-  grep -cE "Test +#[0-9]+: .*Passed" /tmp/ctest-gpu.txt
-fi
-pack
-if [ "$(left)" -gt 30 ]; then
-  WKV_TEST_UNDER_SANITIZER=1 timeout $(left) compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 \
-    build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/racecheck-lookup.txt 2>&1
-  echo "racecheck gpu_lookup_attention rc=$? $((SECONDS-T0)) s $(grep -E 'RACECHECK SUMMARY' /tmp/racecheck-lookup.txt | tail -1)"
+export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+
+if [ "$PHASE" = time ]; then
+  (JOBS=11 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention gpu_batch" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$?") &
+  (cd build-base-src && ln -sfn ../.debs .debs && JOBS=5 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/base tools/gpu-check.sh build > /tmp/build-base.txt 2>&1; echo "build base rc=$?") &
+  wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
+  export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
+  [ "$(left)" -gt 220 ] && ROUNDS=1 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh "BENCH=build-base-src/build-gpu/bin/gpu_serving_bench" '' 'WKV_LOGIT_WIDE=1' 'WKV_DECODE_FORK=0' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  echo "ab $((SECONDS-T0)) s"
+  pack
+  # ncu: each build's select and logits (and the offsets kernel main still has).
+  for which in cur base wide; do
+    [ "$(left)" -gt 110 ] || break
+    bin=build-gpu/bin/gpu_serving_bench; [ $which = base ] && bin=build-base-src/build-gpu/bin/gpu_serving_bench
+    env $([ $which = wide ] && echo WKV_LOGIT_WIDE=1) timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
+      --csv --kernel-name-base function --kernel-name regex:'select_kernel|logits_kernel|offsets_kernel' \
+      --launch-skip 400 --launch-count 200 $bin 1048576 1 80 4 > /tmp/ncu-$which.csv 2>/dev/null
+    echo "ncu $which rc=$? $((SECONDS-T0)) s"; python3 tools/ncu_table.py time /tmp/ncu-$which.csv | grep -E "select|logits|offsets"
+  done
+  unset WKV_PAGE_FORMAT WKV_SERVING_CACHE_FRACTION
+  pack
+  [ "$(left)" -gt 40 ] && { timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt; }
+  [ "$(left)" -gt 40 ] && { WKV_LOGIT_WIDE=1 timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests-wide.txt 2>&1; t "gpu_lookup_attention WIDE" $? /tmp/lookup-tests-wide.txt; }
+  [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_batch --gtest_brief=1 > /tmp/batch-tests.txt 2>&1; t gpu_batch $? /tmp/batch-tests.txt; }
+else
+  JOBS=16 OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-all.txt 2>&1; echo "build all rc=$? $((SECONDS-T0)) s"
+  grep -hE "error" -A3 /tmp/build-all.txt | head -20
+  if [ "$(left)" -gt 60 ]; then
+    (cd build-gpu && timeout $(( $(left) - 45 )) ctest -R gpu_ -E 'gpu_lookup_attention|gpu_batch' --output-on-failure -j3 --timeout 200) > /tmp/ctest-gpu.txt 2>&1
+    echo "ctest gpu_ (others) rc=$? $((SECONDS-T0)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Not Run" /tmp/ctest-gpu.txt | head -20
+    grep -cE "Test +#[0-9]+: .*Passed" /tmp/ctest-gpu.txt
+  fi
+  pack
+  # memcheck, then racecheck, of the lookup tests a test at a time.
+  mkdir -p /tmp/san
+  for tool in memcheck racecheck; do
+    for unit in $(build-gpu/bin/gpu_lookup_attention --gtest_list_tests | awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
+      [ "$(left)" -gt 25 ] || break 2
+      WKV_TEST_UNDER_SANITIZER=1 timeout $(( $(left) < 120 ? $(left) : 120 )) compute-sanitizer --tool $tool --report-api-errors no \
+        --error-exitcode 9 build-gpu/bin/gpu_lookup_attention --gtest_brief=1 --gtest_filter="$unit" > /tmp/san/$tool-$unit.txt 2>&1
+      echo "$tool $unit rc=$? $((SECONDS-T0)) s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' /tmp/san/$tool-$unit.txt | tail -1)"
+    done
+  done
 fi
 pack
 echo "done $((SECONDS-T0)) s"
