@@ -13,11 +13,12 @@
 # PHASE=time (the default): builds the three targets it runs (the bench and
 # the lookup and batch tests) of the patched tree and main's bench; one A/B
 # round at 1M, 8-bit pages, a 20% device cache (main, the patches, the
-# patches with WKV_LOGIT_WIDE=1, the patches with WKV_DECODE_FORK=0); ncu of
+# patches with WKV_LOGIT_WIDE=1, with WKV_DECODE_FORK=0, and with
+# WKV_ESTIMATION_FRAC=0: what the estimate beside the gather costs); ncu of
 # the select and the logits in main, the patches and the wide logits; then
 # the lookup tests with either logits and the batch tests.
 # PHASE=suite (a second call, on the machine the first left warm): builds
-# every target, runs the rest of the GPU suite, then memcheck and racecheck
+# every target, runs the GPU suite (ctest -R gpu_), then memcheck and racecheck
 # of the lookup tests a test at a time, with the time left.
 # LIMIT: the call's seconds; steps that would pass it are skipped. Logs go
 # to $OUT/logs.tar.gz after each step.
@@ -38,7 +39,7 @@ if [ "$PHASE" = time ]; then
   (cd build-base-src && ln -sfn ../.debs .debs && JOBS=5 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/base tools/gpu-check.sh build > /tmp/build-base.txt 2>&1; echo "build base rc=$?") &
   wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
   export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
-  [ "$(left)" -gt 220 ] && ROUNDS=1 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh "BENCH=build-base-src/build-gpu/bin/gpu_serving_bench" '' 'WKV_LOGIT_WIDE=1' 'WKV_DECODE_FORK=0' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  [ "$(left)" -gt 270 ] && ROUNDS=1 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh "BENCH=build-base-src/build-gpu/bin/gpu_serving_bench" '' 'WKV_LOGIT_WIDE=1' 'WKV_DECODE_FORK=0' 'WKV_ESTIMATION_FRAC=0' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
   echo "ab $((SECONDS-T0)) s"
   pack
   # ncu: each build's select and logits (and the offsets kernel main still has).
@@ -59,8 +60,8 @@ else
   JOBS=16 OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-all.txt 2>&1; echo "build all rc=$? $((SECONDS-T0)) s"
   grep -hE "error" -A3 /tmp/build-all.txt | head -20
   if [ "$(left)" -gt 60 ]; then
-    (cd build-gpu && timeout $(( $(left) - 45 )) ctest -R gpu_ -E 'gpu_lookup_attention|gpu_batch' --output-on-failure -j3 --timeout 200) > /tmp/ctest-gpu.txt 2>&1
-    echo "ctest gpu_ (others) rc=$? $((SECONDS-T0)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Not Run" /tmp/ctest-gpu.txt | head -20
+    (cd build-gpu && timeout $(( $(left) - 45 )) ctest -R gpu_ --output-on-failure -j3 --timeout 200) > /tmp/ctest-gpu.txt 2>&1
+    echo "ctest gpu_ rc=$? $((SECONDS-T0)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Not Run" /tmp/ctest-gpu.txt | head -20
     grep -cE "Test +#[0-9]+: .*Passed" /tmp/ctest-gpu.txt
   fi
   pack
