@@ -72,12 +72,15 @@
 //   scores    kCublas only: [chunk][Tm][Km] float
 #include "kernels/kmeans_cuda.hpp"
 
-#include <cublas_v2.h>
+#include <cublas_v2.h>  // types and declarations only: the library is loaded at first use
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <cstring>
 #include <cub/cub.cuh>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda_common.cuh"
@@ -1237,6 +1240,57 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(const DevSeg *segs
       return wkv_cb_ == CUBLAS_STATUS_ALLOC_FAILED ? cudaErrorMemoryAllocation : cudaErrorUnknown; \
   } while (0)
 
+// cuBLAS serves only KMeansAssign::kCublas, which the engine never takes
+// (its growths run the fused assignment; the tests and the gather bench
+// compare the two). Linked, it made every process that loads libwavekv map
+// libcublas and libcublasLt (about 600 MB, 220 MB resident after their
+// relocations, 0.2 s: a `wavekv verify` or a Python import paid that), so
+// it is opened here when the first handle is made, and never closed.
+struct CublasApi {
+  decltype(&cublasCreate_v2) create = nullptr;
+  decltype(&cublasDestroy_v2) destroy = nullptr;
+  decltype(&cublasSetStream_v2) set_stream = nullptr;
+  // The C entry point (cublas_api.h also declares a C++ overload of it).
+  cublasStatus_t (*gemm_strided_batched)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                                         const void *, const void *, cudaDataType, int, long long, const void *,
+                                         cudaDataType, int, long long, const void *, void *, cudaDataType, int,
+                                         long long, int, cublasComputeType_t, cublasGemmAlgo_t) = nullptr;
+  static_assert(std::is_same_v<decltype(static_cast<decltype(gemm_strided_batched)>(&cublasGemmStridedBatchedEx)),
+                               decltype(gemm_strided_batched)>,
+                "the type is cublas_api.h's C declaration");
+};
+
+// The loaded library's entry points, or null where it cannot be opened
+// (then kmeans_cublas_create fails and nothing else is called).
+const CublasApi *cublas_api() {
+  static const CublasApi *const api = []() -> const CublasApi * {
+#define WKV_KMEANS_STR2(x) #x
+#define WKV_KMEANS_STR(x) WKV_KMEANS_STR2(x)
+    const std::string soname = "libcublas.so." WKV_KMEANS_STR(CUBLAS_VER_MAJOR);
+#undef WKV_KMEANS_STR
+#undef WKV_KMEANS_STR2
+    // By its name (LD_LIBRARY_PATH, the caller's run path, the loader's
+    // cache), else beside the CUDA runtime this process uses: a toolkit
+    // keeps both in one directory.
+    void *lib = dlopen(soname.c_str(), RTLD_NOW | RTLD_LOCAL);
+    Dl_info rt{};
+    if (!lib && dladdr(reinterpret_cast<const void *>(&cudaGetDeviceCount), &rt) && rt.dli_fname) {
+      std::string dir = rt.dli_fname;
+      dir.erase(dir.find_last_of('/') + 1);
+      lib = dlopen((dir + soname).c_str(), RTLD_NOW | RTLD_LOCAL);
+    }
+    if (!lib) return nullptr;
+    static CublasApi a;
+    a.create = reinterpret_cast<decltype(a.create)>(dlsym(lib, "cublasCreate_v2"));
+    a.destroy = reinterpret_cast<decltype(a.destroy)>(dlsym(lib, "cublasDestroy_v2"));
+    a.set_stream = reinterpret_cast<decltype(a.set_stream)>(dlsym(lib, "cublasSetStream_v2"));
+    a.gemm_strided_batched = reinterpret_cast<decltype(a.gemm_strided_batched)>(dlsym(lib, "cublasGemmStridedBatchedEx"));
+    if (!a.create || !a.destroy || !a.set_stream || !a.gemm_strided_batched) return nullptr;
+    return &a;
+  }();
+  return api;
+}
+
 template <typename T, int D>
 cudaError_t run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hsegs, const KMeansBatchShape &sh,
                  const Layout &L, int end_bit, const KMeansBatchOut &out, uint8_t *ws, void *cublas,
@@ -1312,7 +1366,7 @@ cudaError_t run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hse
     WKV_CUDA_CHECK(cudaFuncSetAttribute(assign_fused_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(C::kSmem)));
   if (p.assign == KMeansAssign::kCublas)
-    WKV_CUBLAS_CHECK(cublasSetStream(static_cast<cublasHandle_t>(cublas), stream));
+    WKV_CUBLAS_CHECK(cublas_api()->set_stream(static_cast<cublasHandle_t>(cublas), stream));
   const uint32_t n_cid = S * Km;
   uint32_t *big_n = ao.counts + n_cid;  // zeroed every round (with the counts, or by bucket_kernel)
   const unsigned warp_blocks = static_cast<unsigned>((uint64_t(n_cid) * 32 + 255) / 256);
@@ -1330,7 +1384,7 @@ cudaError_t run_batch(const KMeansBatchParams &p, const std::vector<DevSeg> &hse
         const uint32_t cs = std::min(L.score_chunk, S - s0);
         // Column-major view: scores (Km x Tm, ld Km) = dirs^T (Km x d) * x (d x Tm),
         // i.e. row-major scores[i][c] = x_i . dir_c.
-        WKV_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        WKV_CUBLAS_CHECK(cublas_api()->gemm_strided_batched(
             static_cast<cublasHandle_t>(cublas), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(Km),
             static_cast<int>(Tm), D, &one, dirs + size_t(s0) * Km * D, CUDA_R_16F, D,
             static_cast<long long>(Km) * D, x + size_t(s0) * Tm * D, CUDA_R_16F, D,
@@ -1547,14 +1601,16 @@ cudaError_t kmeans_batch_workspace_size(const KMeansBatchParams &p, const KMeans
 
 cudaError_t kmeans_cublas_create(void **handle) {
   if (!handle) return cudaErrorInvalidValue;
+  const CublasApi *api = cublas_api();
+  if (!api) return cudaErrorSharedObjectInitFailed;  // libcublas is not installed
   cublasHandle_t h = nullptr;
-  WKV_CUBLAS_CHECK(cublasCreate(&h));
+  WKV_CUBLAS_CHECK(api->create(&h));
   *handle = h;
   return cudaSuccess;
 }
 
 void kmeans_cublas_destroy(void *handle) {
-  if (handle) cublasDestroy(static_cast<cublasHandle_t>(handle));
+  if (handle) cublas_api()->destroy(static_cast<cublasHandle_t>(handle));  // a handle means it loaded
 }
 
 cudaError_t kmeans_batch_cuda(const KMeansBatchParams &p, const KMeansSegmentDesc *segs, uint32_t n,

@@ -57,7 +57,9 @@ cudaError_t kmeans_batch_workspace_size(const KMeansBatchParams &p,
 
 // Creates and destroys the cuBLAS handle that kmeans_batch_cuda takes
 // (cublasHandle_t as void*). One handle per stream that runs k-means at a
-// time; destroying nullptr is a no-op.
+// time; destroying nullptr is a no-op. libcublas is opened (dlopen) by the
+// first create, not linked: cudaErrorSharedObjectInitFailed where it is
+// not installed.
 cudaError_t kmeans_cublas_create(void **handle);
 void kmeans_cublas_destroy(void *handle);
 

@@ -1,7 +1,8 @@
 """libwavekv loaded through ctypes into a Python process whose C++ runtime is
 already loaded privately and in use (NumPy's, when NumPy is installed, and
 libstdc++ opened with RTLD_LOCAL in any case, as extension modules bring it
-in). Error paths and wkv_engine_stats_json must work there.
+in). Error paths and wkv_engine_stats_json must work there, and loading
+it maps no cuBLAS.
 
     python3 loader_python.py LIBWAVEKV
 """
@@ -60,6 +61,13 @@ else:
             break
     lib.wkv_engine_close(engine)
 cxx_delete(before)
+# cuBLAS serves one k-means path the engine never takes and is opened only
+# there: a process that loads libwavekv and runs a CPU engine maps none of it
+# (linked, it cost every such process about 0.2 s and 200 MB resident).
+with open("/proc/self/maps") as maps:
+    cublas = sorted({line.split()[-1] for line in maps if "libcublas" in line})
+if cublas:
+    failures.append(f"libwavekv brought in cuBLAS: {cublas}")
 if failures:
     print("\n".join(failures))
     sys.exit(1)
