@@ -446,6 +446,16 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // bench/RESULTS.md, "fourth session").
   bool from_frames_ = false;
   int least_priority_ = 0, greatest_priority_ = 0;
+  // The estimate's stream (cap_side_, a plan's bind_side): side_levels_
+  // priorities below the device's highest, at most its least (1 unless
+  // WKV_DECODE_SIDE_LEVELS says otherwise: a diagnostic, so that an A/B can
+  // price what the estimate's priority over the gather costs a step; a
+  // large value gives the caller's default priority).
+  int side_levels_ = 1;
+  int side_priority() const {
+    // Numerically lower is higher: greatest_priority_ <= least_priority_.
+    return std::min(least_priority_, greatest_priority_ + side_levels_);
+  }
   std::vector<cudaStream_t> cap_priority_;  // [least - priority]
   cudaStream_t cap_side_ = nullptr;
   cudaEvent_t fork_ev_ = nullptr, join_ev_ = nullptr;
@@ -557,8 +567,8 @@ Status CudaBackend::init(HostArena::Options *ao) {
   if (const char *r = std::getenv("WKV_DECODE_RING")) rings_ = std::strcmp(r, "0") != 0;
   if (const char *f = std::getenv("WKV_DECODE_FORK")) fork_ = std::strcmp(f, "0") != 0;
   if (const char *f = std::getenv("WKV_DECODE_FROM_FRAMES")) from_frames_ = std::strcmp(f, "1") == 0;
-  const int side_priority = greatest_priority_ < least_priority_ ? greatest_priority_ + 1 : greatest_priority_;
-  WKV_CU(cudaStreamCreateWithPriority(&cap_side_, cudaStreamNonBlocking, side_priority));
+  if (const char *l = std::getenv("WKV_DECODE_SIDE_LEVELS")) side_levels_ = std::max(0, std::atoi(l));
+  WKV_CU(cudaStreamCreateWithPriority(&cap_side_, cudaStreamNonBlocking, side_priority()));
   WKV_CU(cudaEventCreateWithFlags(&fork_ev_, cudaEventDisableTiming));
   WKV_CU(cudaEventCreateWithFlags(&join_ev_, cudaEventDisableTiming));
 
@@ -2140,10 +2150,9 @@ Status CudaBackend::bind(Plan &plan, Binding &b) {
   }
   if (const cudaError_t err = kernels::bound_load(); err != cudaSuccess) return kernel_status(err, "bound_load");
   if (!pd.bind_side) {
-    const int side_priority = greatest_priority_ < least_priority_ ? greatest_priority_ + 1 : greatest_priority_;
     cudaStream_t side = nullptr;
     cudaEvent_t fork = nullptr, join = nullptr;
-    cudaError_t err = cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, side_priority);
+    cudaError_t err = cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, side_priority());
     if (err == cudaSuccess) err = cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
     if (err == cudaSuccess) err = cudaEventCreateWithFlags(&join, cudaEventDisableTiming);
     if (err != cudaSuccess) {
