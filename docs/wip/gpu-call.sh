@@ -1,25 +1,25 @@
 #!/bin/bash
 # One device call for docs/wip's patches (docs/wip/README.md): run on the GPU
-# machine from the repository root, with the five patches applied to the
+# machine from the repository root, with the two patches applied to the
 # working tree and main's code in build-base-src/ (both prepared before the
 # call, on this side):
 #
-#   git apply docs/wip/1-*.patch docs/wip/2-*.patch docs/wip/3-*.patch && \
-#     git apply docs/wip/4-*.patch && git apply docs/wip/5-*.patch
+#   git apply docs/wip/2-select-lays-out-offsets.patch docs/wip/3-logits-whole-sectors.patch
 #   rm -rf build-base-src && mkdir build-base-src && git archive HEAD | tar -x -C build-base-src
-#   # device call, carrying .debs and build-base-src:
+#   # device call (name kind nvidia-h200: a failed start then costs 90 s,
+#   # not 180), carrying .debs and build-base-src:
 #   LIMIT=590 bash docs/wip/gpu-call.sh
 #
 # PHASE=time (the default): builds the three targets it runs (the bench and
-# the lookup and batch tests) of the patched tree and main's bench; one A/B
-# round at 1M, 8-bit pages, a 20% device cache (main, the patches, the
-# patches with WKV_LOGIT_WIDE=1, with WKV_DECODE_FORK=0, and with
-# WKV_ESTIMATION_FRAC=0: what the estimate beside the gather costs); ncu of
-# the select and the logits in main, the patches and the wide logits; then
-# the lookup tests with either logits and the batch tests.
+# the lookup and batch tests) of the patched tree and main's bench; two A/B
+# rounds at 1M, 8-bit pages, a 20% device cache (main, the patches, the
+# patches with the estimate at the caller's priority:
+# WKV_DECODE_SIDE_LEVELS=9, docs/gpu-serving.md); ncu of
+# the select, the logits and main's offsets kernel in both; then the lookup
+# and batch tests.
 # PHASE=suite (a second call, on the machine the first left warm): builds
-# every target, runs the GPU suite (ctest -R gpu_), then memcheck and racecheck
-# of the lookup tests a test at a time, with the time left.
+# every target, runs the GPU suite (ctest -R gpu_), then memcheck and
+# racecheck of the lookup tests a test at a time, with the time left.
 # LIMIT: the call's seconds; steps that would pass it are skipped. Logs go
 # to $OUT/logs.tar.gz after each step.
 set -u
@@ -39,14 +39,14 @@ if [ "$PHASE" = time ]; then
   (cd build-base-src && ln -sfn ../.debs .debs && JOBS=5 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/base tools/gpu-check.sh build > /tmp/build-base.txt 2>&1; echo "build base rc=$?") &
   wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
   export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
-  [ "$(left)" -gt 270 ] && ROUNDS=1 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh "BENCH=build-base-src/build-gpu/bin/gpu_serving_bench" '' 'WKV_LOGIT_WIDE=1' 'WKV_DECODE_FORK=0' 'WKV_ESTIMATION_FRAC=0' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  [ "$(left)" -gt 200 ] && ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh "BENCH=build-base-src/build-gpu/bin/gpu_serving_bench" '' 'WKV_DECODE_SIDE_LEVELS=9' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
   echo "ab $((SECONDS-T0)) s"
   pack
   # ncu: each build's select and logits (and the offsets kernel main still has).
-  for which in cur base wide; do
+  for which in cur base; do
     [ "$(left)" -gt 110 ] || break
     bin=build-gpu/bin/gpu_serving_bench; [ $which = base ] && bin=build-base-src/build-gpu/bin/gpu_serving_bench
-    env $([ $which = wide ] && echo WKV_LOGIT_WIDE=1) timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
+    timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
       --csv --kernel-name-base function --kernel-name regex:'select_kernel|logits_kernel|offsets_kernel' \
       --launch-skip 400 --launch-count 200 $bin 1048576 1 80 4 > /tmp/ncu-$which.csv 2>/dev/null
     echo "ncu $which rc=$? $((SECONDS-T0)) s"; python3 tools/ncu_table.py time /tmp/ncu-$which.csv | grep -E "select|logits|offsets"
@@ -54,7 +54,6 @@ if [ "$PHASE" = time ]; then
   unset WKV_PAGE_FORMAT WKV_SERVING_CACHE_FRACTION
   pack
   [ "$(left)" -gt 40 ] && { timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt; }
-  [ "$(left)" -gt 40 ] && { WKV_LOGIT_WIDE=1 timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests-wide.txt 2>&1; t "gpu_lookup_attention WIDE" $? /tmp/lookup-tests-wide.txt; }
   [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_batch --gtest_brief=1 > /tmp/batch-tests.txt 2>&1; t gpu_batch $? /tmp/batch-tests.txt; }
 else
   JOBS=16 OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-all.txt 2>&1; echo "build all rc=$? $((SECONDS-T0)) s"
