@@ -64,16 +64,10 @@ else
     grep -cE "Test +#[0-9]+: .*Passed" /tmp/ctest-gpu.txt
   fi
   pack
-  # memcheck, then racecheck, of the lookup tests a test at a time.
-  mkdir -p /tmp/san
-  for tool in memcheck racecheck; do
-    for unit in $(build-gpu/bin/gpu_lookup_attention --gtest_list_tests | awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
-      [ "$(left)" -gt 25 ] || break 2
-      WKV_TEST_UNDER_SANITIZER=1 timeout $(( $(left) < 120 ? $(left) : 120 )) compute-sanitizer --tool $tool --report-api-errors no \
-        --error-exitcode 9 build-gpu/bin/gpu_lookup_attention --gtest_brief=1 --gtest_filter="$unit" > /tmp/san/$tool-$unit.txt 2>&1
-      echo "$tool $unit rc=$? $((SECONDS-T0)) s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' /tmp/san/$tool-$unit.txt | tail -1)"
-    done
-  done
+  # memcheck, then racecheck, of the lookup tests a test at a time
+  # (gpu-check.sh's sanitize step; its logs in /tmp/san).
+  [ "$(left)" -gt 25 ] && SANITIZER_TOOLS="memcheck racecheck" SANITIZER_TESTS=gpu_lookup_attention SANITIZER_PER_TEST=1 \
+    SANITIZER_TIMEOUT=120 OUT=/tmp/san timeout $(left) tools/gpu-check.sh sanitize
 fi
 pack
 echo "done $((SECONDS-T0)) s"
