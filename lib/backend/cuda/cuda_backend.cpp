@@ -426,10 +426,10 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   cudaStream_t cap_ = nullptr;
   // A graph's estimate beside its gather (launch_decode's fork) unless
   // WKV_DECODE_FORK=0; captured on cap_side_, one priority below the
-  // device's highest (where the range has two), so that its CTAs are placed
-  // as soon as the gather's leave room, yet after the buffer manager's
-  // clears and publishes of free frames (side_ and pool_stream_, at the
-  // highest), which no step's CTAs may hold up.
+  // device's highest where the range has two (side_priority()), so that
+  // its CTAs are placed as soon as the gather's leave room, yet after the
+  // buffer manager's clears and publishes of free frames (side_ and
+  // pool_stream_, at the highest), which no step's CTAs may hold up.
   // The graph's other kernels keep the priority of the caller's stream:
   // they are captured on a stream of that priority (cap_priority_, made
   // when first asked; cap_ is the least's, the default). A plan whose steps
