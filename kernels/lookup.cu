@@ -29,9 +29,10 @@
 //                       step's mark has a CTA counter (StepMark::ctas), the
 //                       estimate's last CTA does it instead (end_lookup),
 //                       and the lookup takes one launch fewer.
-// lookup_select, lookup_estimate and lookup_offsets enqueue the same work
-// in three parts (1 and 2; 3; 4), for a caller that runs the estimate on a
-// stream of its own beside the gather (a decode graph's fork).
+// lookup_select and lookup_estimate enqueue the same work in two parts (1,
+// 2 and 4, the selection's last CTA laying out the offsets; 3), for a
+// caller that runs the estimate on a stream of its own beside the gather
+// (a decode graph's fork).
 // Each kernel is launched with programmatic dependent launch and waits for
 // the grid before it (griddepcontrol.wait) before touching memory, so that
 // its launch overlaps the tail of the one before.
@@ -330,6 +331,7 @@ struct SelectShared {
   uint32_t ret_n, ret_tokens;      // this CTA's retrieval clusters and their members
   uint32_t cold_n;                 // of them, clusters with a page out (DevRun::cold_pt)
   uint32_t tmp[32];
+  bool last;                       // this CTA is the launch's last to end (select_kernel)
 };
 
 // A run's selection is split over the CTAs of a thread-block cluster on
@@ -580,6 +582,22 @@ __device__ __forceinline__ bool cluster_out(const DevRun &run, uint32_t c) {
   return false;
 }
 
+// offsets[r] = the exclusive prefix of run_tokens, r <= R (offsets[R] the
+// total), by one CTA of kThreads; tmp holds 32 words. Every thread calls it.
+template <uint32_t kThreads>
+__device__ void write_offsets(const uint32_t *run_tokens, uint32_t R, int32_t *offsets, uint32_t *tmp) {
+  uint32_t carry = 0;
+  for (uint32_t base = 0; base < R; base += kThreads) {
+    const uint32_t i = base + threadIdx.x;
+    const uint32_t v = i < R ? run_tokens[i] : 0u;
+    uint32_t total;
+    const uint32_t before = block_excl_scan<kThreads>(v, tmp, &total);
+    if (i < R) offsets[i] = static_cast<int32_t>(carry + before);
+    carry += total;
+  }
+  if (threadIdx.x == 0) offsets[R] = static_cast<int32_t>(carry);
+}
+
 // CTA blockIdx.x % n of run blockIdx.x / n (n = the cluster's size, 1
 // without clusters) selects over its slice of the run's clusters. scores
 // (optional) is the global score scratch; dynamic shared memory holds the
@@ -587,13 +605,9 @@ __device__ __forceinline__ bool cluster_out(const DevRun &run, uint32_t c) {
 // byte a cluster for the selection with clusters of one ranked apart (bit 0:
 // one member; bit 1: in the retrieval zone), so that no key the selection
 // evaluates again and again waits on global memory.
-__global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun *__restrict__ runs,
-                                                                 uint32_t G, DevLookup out,
-                                                                 float *scores, uint32_t smem_cap,
-                                                                 uint32_t n_split) {
-  extern __shared__ uint32_t keys_s[];
-  __shared__ SelectShared sh;
-  wait_prior_grid();
+__device__ __forceinline__ void select_slice(const DevRun *__restrict__ runs, uint32_t G, const DevLookup &out,
+                                             float *scores, uint32_t smem_cap, uint32_t n_split, SelectShared &sh,
+                                             uint32_t *keys_s) {
   const uint32_t r = blockIdx.x / n_split, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const DevRun &run = runs[r];
   const uint32_t C = run.clusters;
@@ -879,6 +893,31 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
   }
 }
 
+// The selection (select_slice) of runs.clusters split over n_split CTAs a
+// run. Where ctas (a device word, zero between launches) is not null, the
+// last CTA to end lays out the offsets, the exclusive prefix of the runs'
+// run_tokens (one launch fewer for a caller that runs the estimate beside).
+__global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun *__restrict__ runs,
+                                                                 uint32_t G, DevLookup out,
+                                                                 float *scores, uint32_t smem_cap,
+                                                                 uint32_t n_split, unsigned int *ctas) {
+  extern __shared__ uint32_t keys_s[];
+  __shared__ SelectShared sh;
+  wait_prior_grid();
+  select_slice(runs, G, out, scores, smem_cap, n_split, sh, keys_s);
+  if (ctas == nullptr) return;
+  __syncthreads();  // this CTA's writes are issued (its run_tokens by thread 0)
+  if (threadIdx.x == 0) {
+    __threadfence();
+    sh.last = atomicAdd(ctas, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!sh.last) return;  // uniform over the CTA
+  __threadfence();       // the other CTAs' writes, counted before ours, are visible
+  write_offsets<kSelectThreads>(out.run_tokens, gridDim.x / n_split, out.offsets, sh.tmp);
+  if (threadIdx.x == 0) *ctas = 0;  // for the next launch, which stream order puts after this one
+}
+
 // 3. Estimate ----------------------------------------------------------------
 
 // Partial estimates of one CTA for its GT heads: local maxima, denominators
@@ -912,22 +951,6 @@ __device__ void block_reduce_n(float (&x)[GT], float (*tmp)[GT]) {
     x[j] = y;
   }
   __syncthreads();
-}
-
-// offsets[r] = the exclusive prefix of run_tokens, r <= R (offsets[R] the
-// total), by one CTA of kThreads; tmp holds 32 words. Every thread calls it.
-template <uint32_t kThreads>
-__device__ void write_offsets(const uint32_t *run_tokens, uint32_t R, int32_t *offsets, uint32_t *tmp) {
-  uint32_t carry = 0;
-  for (uint32_t base = 0; base < R; base += kThreads) {
-    const uint32_t i = base + threadIdx.x;
-    const uint32_t v = i < R ? run_tokens[i] : 0u;
-    uint32_t total;
-    const uint32_t before = block_excl_scan<kThreads>(v, tmp, &total);
-    if (i < R) offsets[i] = static_cast<int32_t>(carry + before);
-    carry += total;
-  }
-  if (threadIdx.x == 0) offsets[R] = static_cast<int32_t>(carry);
 }
 
 // The lookup's last step, in the last CTA of the estimate to end (so that
@@ -1288,11 +1311,14 @@ uint32_t select_split(uint32_t R, uint32_t clusters) {
 
 namespace {
 
-// 1 and 2: the logits and the selection.
+cudaError_t offsets_launch(const DevLookup &out, uint32_t R, const StepMark &mark, cudaStream_t s);
+
+// 1 and 2: the logits and the selection; with ctas, the offsets too
+// (select_kernel).
 template <uint32_t D>
 cudaError_t select_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
                         const DevLookup &out, float *scores, uint32_t max_clusters, uint32_t split_clusters,
-                        cudaStream_t s) {
+                        unsigned int *ctas, cudaStream_t s) {
   static std::atomic<uint64_t> select_smem_set{0};
   if (R > 0 && max_clusters > 0) {
     // 1. Logits.
@@ -1300,7 +1326,7 @@ cudaError_t select_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
     WKV_CUDA_TRY(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), 0, s, 1, runs, G, scale, q,
                             out.logits));
   }
-  if (R == 0) return cudaSuccess;
+  if (R == 0) return ctas ? offsets_launch(out, 0, StepMark{}, s) : cudaSuccess;
   // 2. Scores and selection: each run split over a cluster of CTAs while
   //    that keeps slices of kSelectMinSlice clusters and the grid within
   //    one wave (a CTA per multiprocessor).
@@ -1310,13 +1336,13 @@ cudaError_t select_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
   WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(select_kernel), select_smem(kLookupSmemClusters),
                            &select_smem_set));
   cudaError_t err = launch_pdl(select_kernel, dim3(R * split), dim3(kSelectThreads), select_smem(cap), s, split,
-                               runs, G, out, scores, cap, split);
+                               runs, G, out, scores, cap, split, ctas);
   if (err == cudaErrorInvalidClusterSize && split > 1) {
     // No room for the cluster (a device shared by limit): one CTA a run.
     (void)cudaGetLastError();
     const uint32_t cap1 = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
     err = launch_pdl(select_kernel, dim3(R), dim3(kSelectThreads), select_smem(cap1), s, 1, runs, G, out, scores,
-                     cap1, 1u);
+                     cap1, 1u, ctas);
   }
   return err;
 }
@@ -1341,7 +1367,7 @@ template <uint32_t D>
 cudaError_t lookup_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale, const float *q,
                    const DevLookup &out, float *scores, uint32_t max_clusters, uint32_t split_clusters,
                    const StepMark &mark, cudaStream_t s) {
-  WKV_CUDA_TRY(select_impl<D>(runs, R, G, scale, q, out, scores, max_clusters, split_clusters, s));
+  WKV_CUDA_TRY(select_impl<D>(runs, R, G, scale, q, out, scores, max_clusters, split_clusters, nullptr, s));
   if (R > 0) {
     // The estimate's last CTA lays out the offsets and ends the step where
     // mark has a CTA counter (one launch fewer).
@@ -1379,18 +1405,14 @@ cudaError_t lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d,
 }
 
 cudaError_t lookup_select(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale, const float *q,
-                          const DevLookup &out, float *scores, uint32_t max_clusters, void *stream,
-                          uint32_t split_clusters) {
+                          const DevLookup &out, float *scores, uint32_t max_clusters, unsigned int *ctas,
+                          void *stream, uint32_t split_clusters) {
   WKV_CUDA_TRY(check_lookup(runs, R, G, q, out, scores, max_clusters));
+  if (ctas == nullptr) return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, [&]() -> cudaError_t {
-    return select_impl<HEAD_DIM>(runs, R, G, scale, q, out, scores, max_clusters, split_clusters, s);
+    return select_impl<HEAD_DIM>(runs, R, G, scale, q, out, scores, max_clusters, split_clusters, ctas, s);
   });
-}
-
-cudaError_t lookup_offsets(const DevLookup &out, uint32_t R, void *stream) {
-  if (out.offsets == nullptr || (R > 0 && out.run_tokens == nullptr)) return cudaErrorInvalidValue;
-  return offsets_launch(out, R, StepMark{}, static_cast<cudaStream_t>(stream));
 }
 
 cudaError_t lookup_estimate(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, const DevLookup &out,

@@ -69,24 +69,25 @@ cudaError_t lookup_zones(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d,
                     const float *q, const DevLookup &out, float *scores, uint32_t max_clusters,
                     void *stream, const StepMark &mark = StepMark{}, uint32_t split_clusters = 0);
 
-// The same lookup in three parts, for a caller that runs the estimate beside
+// The same lookup in two parts, for a caller that runs the estimate beside
 // the work that does not need it (a decode graph forks after the selection:
 // the gather and the exact attention read the selection and the offsets;
 // only the attention's combine reads est_out and est_lse). lookup_select
-// enqueues the logits and the selection on `stream`; lookup_offsets the
-// offsets (no mark: a caller ends the step later); lookup_estimate the
-// estimate alone, which must follow lookup_select's selection (an event
-// between the streams) and end before anything reads est_out or est_lse, or
-// writes the runs, est_ids, the zones or the logits again. Together they
-// write what lookup_zones writes. lookup_select checks its arguments as
-// lookup_zones does; lookup_estimate the ones it reads (the runs, est_ids,
-// est_out, est_lse, logits, zones), lookup_offsets offsets and run_tokens.
+// enqueues the logits and the selection on `stream`, the selection's last
+// CTA laying out the offsets (no mark: a caller ends the step later); ctas
+// is a device word, zero before the first call, that each call leaves
+// zero. lookup_estimate enqueues the estimate alone, which must follow
+// lookup_select's selection (an event between the streams) and end before
+// anything reads est_out or est_lse, or writes the runs, est_ids, the zones
+// or the logits again. Together they write what lookup_zones writes.
+// lookup_select checks its arguments as lookup_zones does (and ctas);
+// lookup_estimate the ones it reads (the runs, est_ids, est_out, est_lse,
+// logits, zones).
 cudaError_t lookup_select(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, float scale, const float *q,
-                          const DevLookup &out, float *scores, uint32_t max_clusters, void *stream,
-                          uint32_t split_clusters = 0);
+                          const DevLookup &out, float *scores, uint32_t max_clusters, unsigned int *ctas,
+                          void *stream, uint32_t split_clusters = 0);
 cudaError_t lookup_estimate(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, const DevLookup &out,
                             void *stream);
-cudaError_t lookup_offsets(const DevLookup &out, uint32_t R, void *stream);
 
 // The CTAs a selection of R runs of up to `clusters` clusters is split over.
 uint32_t select_split(uint32_t R, uint32_t clusters);

@@ -219,10 +219,11 @@ struct PlanSizes {
 };
 
 // The plan's kernel counters (PlanDevice::counters): the gather's three,
-// the finished CTAs of attend's, merge's and the lookup's last kernels, and
-// a replay's staging: its finished CTAs and the ring's count of slots taken.
+// the finished CTAs of attend's, merge's and the lookup's last kernels, a
+// replay's staging: its finished CTAs and the ring's count of slots taken,
+// and the finished CTAs of a forked decode's selection.
 constexpr uint32_t kGatherWork = 0, kAttendCtas = 3, kMergeCtas = 4, kLookupCtas = 5, kStageCtas = 6,
-                   kStageTaken = 7, kCounterWords = 8;
+                   kStageTaken = 7, kSelectCtas = 8, kCounterWords = 9;
 
 // A growth's k-means batch: its outputs in device memory, what the host
 // reads of them (counts, first members, sizes, value totals) and the
@@ -1645,11 +1646,11 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cuda
   cudaError_t err = cudaSuccess;
   bool forked = false;
   if (side) {
-    // The selection; then the estimate on `side`, which only the
-    // attention's combine reads, while the offsets and the gather (which
-    // waits on PCIe) run on `s`.
-    err = kernels::lookup_select(b.runs, b.R, b.G, b.d, b.scale, b.q, b.lookup, b.scores, b.max_clusters, s,
-                                 b.split_clusters);
+    // The selection, whose last CTA lays out the offsets; then the
+    // estimate on `side`, which only the attention's combine reads, while
+    // the gather (which waits on PCIe) runs on `s`.
+    err = kernels::lookup_select(b.runs, b.R, b.G, b.d, b.scale, b.q, b.lookup, b.scores, b.max_clusters,
+                                 reinterpret_cast<unsigned int *>(b.counters) + kSelectCtas, s, b.split_clusters);
     if (err == cudaSuccess) err = cudaEventRecord(fork_ev, s);
     if (err == cudaSuccess) {
       // From here `side` may be in the capture: it is joined whatever fails.
@@ -1658,7 +1659,6 @@ cudaError_t CudaBackend::launch_decode(const DecodeBody &b, cudaStream_t s, cuda
     }
     if (err == cudaSuccess) err = kernels::lookup_estimate(b.runs, b.R, b.G, b.d, b.lookup, side);
     if (err == cudaSuccess && fail_in_fork) err = cudaErrorLaunchFailure;
-    if (err == cudaSuccess) err = kernels::lookup_offsets(b.lookup, b.R, s);
   } else {
     // The lookup: its last CTA lays out the offsets (no mark: the step
     // ends with the attention).
