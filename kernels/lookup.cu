@@ -52,9 +52,10 @@ constexpr float kNegInf = -INFINITY;
 constexpr uint32_t kFull = 0xffffffffu;
 
 // Logits: a CTA scores a tile of kLogitTile clusters of one run; the
-// kLogitParts lanes of a group share a cluster, each holding a slice of
-// D / kLogitParts dimensions of the query heads in registers, and sum their
-// partial dot products by shuffles. Two batches of kLogitBatch clusters'
+// kLogitParts lanes of a group share a cluster, each holding D /
+// kLogitParts of its dimensions of the query heads in registers (16-byte
+// chunks interleaved where they divide the slice: load_slice), and sum
+// their partial dot products by shuffles. Two batches of kLogitBatch clusters'
 // loads are in flight per group (the kernel waits on memory, not on
 // arithmetic).
 constexpr uint32_t kLogitThreads = 256;
@@ -189,12 +190,26 @@ __device__ __forceinline__ void put_words(uint32_t *o, uint2 v) {
   o[1] = v.y;
 }
 __device__ __forceinline__ void put_words(uint32_t *o, uint32_t v) { o[0] = v; }
+// A lane's slice of BYTES bytes of a row, lane `part` of kLogitParts: where
+// BYTES is a multiple of 16, 16-byte chunks kLogitParts * 16 bytes apart
+// (chunk j at (j * kLogitParts + part) * 16), so that each load of the
+// group reads whole sectors; else BYTES contiguous bytes at part * BYTES.
 template <uint32_t BYTES>
-__device__ __forceinline__ void load_slice(const uint8_t *p, uint32_t (&out)[BYTES / 4]) {
-  using W = std::conditional_t<BYTES % 16 == 0, uint4, std::conditional_t<BYTES % 8 == 0, uint2, uint32_t>>;
-  const W *src = reinterpret_cast<const W *>(p);
+struct Slicing {
+  static constexpr uint32_t kChunk = BYTES % 16 == 0 ? 16 : BYTES;  // bytes a load
+  // The row's byte where chunk j of lane part starts.
+  __device__ static constexpr uint32_t at(uint32_t j, uint32_t part) { return (j * kLogitParts + part) * kChunk; }
+};
+template <uint32_t BYTES>
+__device__ __forceinline__ void load_slice(const uint8_t *row, uint32_t part, uint32_t (&out)[BYTES / 4]) {
+  constexpr uint32_t CB = Slicing<BYTES>::kChunk;
+  using W = std::conditional_t<CB % 16 == 0, uint4, std::conditional_t<CB % 8 == 0, uint2, uint32_t>>;
 #pragma unroll
-  for (uint32_t i = 0; i < BYTES / sizeof(W); ++i) put_words(out + i * (sizeof(W) / 4), __ldg(src + i));
+  for (uint32_t j = 0; j < BYTES / CB; ++j) {
+    const W *src = reinterpret_cast<const W *>(row + Slicing<BYTES>::at(j, part));
+#pragma unroll
+    for (uint32_t i = 0; i < CB / sizeof(W); ++i) put_words(out + (j * CB + i * sizeof(W)) / 4, __ldg(src + i));
+  }
 }
 
 // One CTA's tile: clusters [c0, c0 + kLogitTile) of a run, from `rows`
@@ -211,10 +226,15 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
   const uint32_t part = threadIdx.x % kLogitParts, slot = threadIdx.x / kLogitParts;
   for (uint32_t h0 = 0; h0 < G; h0 += HP) {
     float qr[HP][S];
+    // Element j of the lane's slice is dimension dim(j) (load_slice).
+    constexpr uint32_t CE = Slicing<S * EB>::kChunk / EB;  // elements a chunk
 #pragma unroll
     for (uint32_t h = 0; h < HP; ++h)
 #pragma unroll
-      for (uint32_t j = 0; j < S; ++j) qr[h][j] = h0 + h < G ? qs[(h0 + h) * D + part * S + j] : 0.f;
+      for (uint32_t j = 0; j < S; ++j) {
+        const uint32_t dim = Slicing<S * EB>::at(j / CE, part) / EB + j % CE;
+        qr[h][j] = h0 + h < G ? qs[(h0 + h) * D + dim] : 0.f;
+      }
     // The next batch's loads are issued before this one's arithmetic, so
     // that 2 kLogitBatch rows a group are in flight.
     constexpr uint32_t kRounds = kLogitTile / kLogitSlots;
@@ -224,7 +244,7 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
       for (uint32_t b = 0; b < kLogitBatch; ++b) {
         const uint32_t c = c0 + slot + (k + b) * kLogitSlots;
         if (c < C) {
-          load_slice<S * EB>(rows + (static_cast<size_t>(c) * D + part * S) * EB, raw[b]);
+          load_slice<S * EB>(rows + static_cast<size_t>(c) * D * EB, part, raw[b]);
         } else {
 #pragma unroll
           for (uint32_t w = 0; w < NW; ++w) raw[b][w] = 0u;
