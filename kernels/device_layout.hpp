@@ -24,6 +24,9 @@ namespace wkv::kernels {
 //                      which the first word is nonzero once a centroid fell
 //                      outside f16's range (then the logits read the f32
 //                      centroids), then [clusters][d] f16. Null: f32 only.
+//   value_sum16        the value sums' f16 copy that the estimate reads,
+//                      laid out as centroid16 (its overflow word set: the
+//                      estimate reads the f32 value sums). Null: f32 only.
 // Mapping-table mirror:
 //   first_slot[c]      token slot of the cluster's first member in the head's
 //                      page list: page first_slot / page_tokens, row
@@ -65,6 +68,7 @@ struct DevRun {
   const float *spread;
   const float *value_mean;
   const uint8_t *centroid16;
+  const uint8_t *value_sum16;
   const uint32_t *size;
   const uint32_t *first_slot;
   const uint32_t *unit_begin;

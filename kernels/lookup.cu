@@ -1000,6 +1000,36 @@ __device__ void end_lookup(const DevLookup &out, const LookupEnd &end) {
   *reinterpret_cast<volatile unsigned long long *>(end.mark.done) = mark_epoch(end.mark);
 }
 
+// Four columns of a value sum row, from f32 rows or from their f16 copy.
+__device__ __forceinline__ float4 value_sum4(const float4 *rows, size_t i) { return __ldg(rows + i); }
+__device__ __forceinline__ float4 value_sum4(const uint2 *rows, size_t i) {
+  const uint2 raw = __ldg(rows + i);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&raw.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&raw.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// A batch's value sums weighted into this thread's accumulators: rows
+// rl, rl + rows, ... of the batch's nb clusters (ids cs), the thread's
+// four columns col of each, for every head of the group (weights w).
+template <uint32_t GT, typename Row>
+__device__ __forceinline__ void weigh_value_sums(const Row *vs, uint32_t cols, uint32_t col, uint32_t rl,
+                                                 uint32_t rows, uint32_t nb, const uint32_t *cs,
+                                                 const float (*w)[kEstThreads], float4 (&acc)[GT]) {
+#pragma unroll 8
+  for (uint32_t k = rl; k < nb; k += rows) {
+    const float4 v = value_sum4(vs, static_cast<size_t>(cs[k]) * cols + col);
+#pragma unroll
+    for (uint32_t j = 0; j < GT; ++j) {
+      const float wk = w[j][k];
+      acc[j].x = fmaf(wk, v.x, acc[j].x);
+      acc[j].y = fmaf(wk, v.y, acc[j].y);
+      acc[j].z = fmaf(wk, v.z, acc[j].z);
+      acc[j].w = fmaf(wk, v.w, acc[j].w);
+    }
+  }
+}
+
 // CTA (hb, split) estimates heads g0 .. g0 + GT - 1 of run r (hb = r * G /
 // GT + g0 / GT) over its slice of the estimation clusters, kEstThreads
 // clusters a batch: the batch's ids, sizes and the GT heads' logits are
@@ -1027,6 +1057,11 @@ __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__r
   const uint32_t *ids = out.est_ids + run.est_off;
   const float *lg = out.logits + run.scratch_off + static_cast<size_t>(g0) * C;  // head g0 + j at lg + j C
   const float4 *vs = reinterpret_cast<const float4 *>(run.value_sum);
+  // The f16 copy where the head keeps one and no sum overflowed it (uniform
+  // over the CTA): half the bytes of the f32 rows.
+  const uint2 *vs16 = run.value_sum16 && *reinterpret_cast<const uint32_t *>(run.value_sum16) == 0
+                          ? reinterpret_cast<const uint2 *>(run.value_sum16 + kMeta16Header)
+                          : nullptr;
 
   constexpr uint32_t kCols = D / 4, kRows = kEstThreads / kCols;
   const uint32_t col = tid % kCols, rl = tid / kCols;
@@ -1070,18 +1105,10 @@ __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__r
     if (tid < nb) sh.c[tid] = c;
     __syncthreads();
     if (rl < kRows) {
-#pragma unroll 8
-      for (uint32_t k = rl; k < nb; k += kRows) {
-        const float4 v = __ldg(vs + static_cast<size_t>(sh.c[k]) * kCols + col);
-#pragma unroll
-        for (uint32_t j = 0; j < GT; ++j) {
-          const float wk = sh.w[j][k];
-          acc[j].x = fmaf(wk, v.x, acc[j].x);
-          acc[j].y = fmaf(wk, v.y, acc[j].y);
-          acc[j].z = fmaf(wk, v.z, acc[j].z);
-          acc[j].w = fmaf(wk, v.w, acc[j].w);
-        }
-      }
+      if (vs16)
+        weigh_value_sums<GT>(vs16, kCols, col, rl, kRows, nb, sh.c, sh.w, acc);
+      else
+        weigh_value_sums<GT>(vs, kCols, col, rl, kRows, nb, sh.c, sh.w, acc);
     }
     __syncthreads();  // sh.c and sh.w are rewritten next batch
   }

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/device_layout.hpp"
@@ -169,24 +170,29 @@ std::map<std::vector<uint8_t>, std::vector<std::vector<uint8_t>>> clusters_of(co
 // The same input gives the same cuts, the same seeds and, but for near-ties
 // of f16 dot products summed in another order, the same clusters; decoding
 // agrees at the default budget. The measured agreement is printed.
-// The device's f16 copy of a head's centroids, which the logits read: its
-// overflow word clear and every row the f32 centroid rounded to f16.
-void expect_centroid16(const wkv::HeadState &hs) {
+// The device's f16 copies of a head's centroids and value sums, which the
+// logits and the estimate read: their overflow words clear and every row
+// the f32 row rounded to f16.
+void expect_meta16(const wkv::HeadState &hs) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const size_t n = size_t(hs.clusters()) * kD;
   ASSERT_GT(n, 0u);
-  ASSERT_NE(hs.meta.centroid16.p, nullptr) << "a CUDA engine with f16 storage keeps the copy";
-  std::vector<uint8_t> raw(wkv::kernels::kMeta16Header + n * 2);
-  std::vector<float> f32(n);
-  ASSERT_EQ(cudaMemcpy(raw.data(), hs.meta.centroid16.p, raw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(f32.data(), hs.meta.centroid.p, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-  uint32_t overflow;
-  std::memcpy(&overflow, raw.data(), 4);
-  EXPECT_EQ(overflow, 0u);
-  std::vector<uint16_t> want(n);
-  wkv::from_float(wkv::DType::kF16, f32.data(), want.data(), n);
-  EXPECT_EQ(std::memcmp(want.data(), raw.data() + wkv::kernels::kMeta16Header, n * 2), 0)
-      << "the copy holds every cluster's centroid";
+  for (auto [copy, rows, what] : {std::tuple{&hs.meta.centroid16, &hs.meta.centroid, "centroid"},
+                                  std::tuple{&hs.meta.value_sum16, &hs.meta.value_sum, "value sum"}}) {
+    SCOPED_TRACE(what);
+    ASSERT_NE(copy->p, nullptr) << "a CUDA engine with f16 storage keeps the copy";
+    std::vector<uint8_t> raw(wkv::kernels::kMeta16Header + n * 2);
+    std::vector<float> f32(n);
+    ASSERT_EQ(cudaMemcpy(raw.data(), copy->p, raw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(f32.data(), rows->p, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    uint32_t overflow;
+    std::memcpy(&overflow, raw.data(), 4);
+    EXPECT_EQ(overflow, 0u);
+    std::vector<uint16_t> want(n);
+    wkv::from_float(wkv::DType::kF16, f32.data(), want.data(), n);
+    EXPECT_EQ(std::memcmp(want.data(), raw.data() + wkv::kernels::kMeta16Header, n * 2), 0)
+        << "the copy holds every cluster's row";
+  }
 }
 
 TEST(GpuHeadState, CpuAndCudaEnginesBuildTheSameIndex) {
@@ -206,7 +212,7 @@ TEST(GpuHeadState, CpuAndCudaEnginesBuildTheSameIndex) {
   cpu.append(*sc, k, v, 700);
   gpu.append(*sg, k, v, 700);
   const auto snap_c = cpu.snapshot(*sc), snap_g = gpu.snapshot(*sg);
-  for (uint32_t h = 0; h < kKV; ++h) expect_centroid16(sg->layer(0).heads[h]);
+  for (uint32_t h = 0; h < kKV; ++h) expect_meta16(sg->layer(0).heads[h]);
   size_t tokens = 0, same = 0;
   for (uint32_t h = 0; h < kKV; ++h) {
     const auto &a = snap_c[0].heads[h], &b = snap_g[0].heads[h];
@@ -272,7 +278,7 @@ TEST(GpuHeadState, ALayerMovesBetweenCpuAndCudaAndDecodesTheSame) {
     }
     EXPECT_EQ(sg->layer(0).heads[0].segments.size(), sc->layer(0).heads[0].segments.size());
     // Imported, then grown: the f16 copy holds the clusters of both.
-    for (uint32_t h = 0; h < kKV; ++h) expect_centroid16(sg->layer(0).heads[h]);
+    for (uint32_t h = 0; h < kKV; ++h) expect_meta16(sg->layer(0).heads[h]);
   }
 }
 

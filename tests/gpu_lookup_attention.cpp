@@ -146,10 +146,12 @@ struct LookupSpec {
   // origin), so that the best of them lie outside the best n_ret + n_est of
   // all and the selection takes its second round.
   bool ones_low = false;
-  // The centroids' f16 copy (DevRun::centroid16): kF32Only none; kNarrow the
-  // copy, centroids drawn as f16 values and the f32 array poisoned, so that
-  // only the copy gives the right logits; kOverflowed the copy flagged out
-  // of range with its rows poisoned, so that only the f32 array does.
+  // The f16 copies of the centroids and value sums (DevRun::centroid16,
+  // value_sum16): kF32Only none; kNarrow the copies, centroids and value
+  // sums drawn as f16 values and the f32 arrays poisoned, so that only the
+  // copies give the right logits and estimates; kOverflowed the copies
+  // flagged out of range with their rows poisoned, so that only the f32
+  // arrays do.
   enum Meta16 { kF32Only, kNarrow, kOverflowed } meta16 = kF32Only;
   uint64_t seed = 1;
   // The offsets by their own kernel (a mark without a CTA counter) rather
@@ -254,34 +256,38 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   std::vector<float> q(static_cast<size_t>(R) * G * d);
   for (float &x : q) x = normal(rng);
 
-  // The f16 copy: per run kMeta16Header bytes (the overflow word first),
-  // then its rows.
-  std::vector<uint16_t> meta16;
+  // The f16 copies of the centroids and of the value sums: per run
+  // kMeta16Header bytes (the overflow word first), then its rows.
   std::vector<size_t> meta16_off(R);
-  if (spec.meta16 != LookupSpec::kF32Only) {
-    std::vector<f16> half(centroid.size());
-    from_float(DType::kF16, centroid.data(), half.data(), centroid.size());
-    if (spec.meta16 == LookupSpec::kNarrow) to_float(DType::kF16, half.data(), centroid.data(), centroid.size());
+  auto copy16 = [&](std::vector<float> &rows) {
+    std::vector<uint16_t> out;
+    if (spec.meta16 == LookupSpec::kF32Only) return out;
+    std::vector<f16> half(rows.size());
+    from_float(DType::kF16, rows.data(), half.data(), rows.size());
+    if (spec.meta16 == LookupSpec::kNarrow) to_float(DType::kF16, half.data(), rows.data(), rows.size());
     constexpr size_t kHead = kMeta16Header / 2;
     for (uint32_t r = 0; r < R; ++r) {
-      meta16_off[r] = meta16.size();
-      meta16.resize(meta16.size() + kHead, 0);
-      if (spec.meta16 == LookupSpec::kOverflowed) meta16[meta16_off[r]] = 1;
+      meta16_off[r] = out.size();
+      out.resize(out.size() + kHead, 0);
+      if (spec.meta16 == LookupSpec::kOverflowed) out[meta16_off[r]] = 1;
       for (size_t i = 0; i < size_t(hr[r].C) * d; ++i)
-        meta16.push_back(spec.meta16 == LookupSpec::kNarrow ? half[hr[r].meta_off + i].bits
-                                                             : uint16_t{0x7c01});  // a NaN
+        out.push_back(spec.meta16 == LookupSpec::kNarrow ? half[hr[r].meta_off + i].bits
+                                                         : uint16_t{0x7c01});  // a NaN
     }
-  }
+    return out;
+  };
+  const std::vector<uint16_t> meta16 = copy16(centroid), value_sum16 = copy16(value_sum);
   std::vector<float> poisoned;
   if (spec.meta16 == LookupSpec::kNarrow) poisoned.assign(centroid.size(), std::numeric_limits<float>::quiet_NaN());
 
   // 2. Device copies.
   DevArray<float> d_centroid, d_value_sum, d_spread, d_value_mean, d_q;
-  DevArray<uint16_t> d_meta16;
+  DevArray<uint16_t> d_meta16, d_value_sum16;
   DevArray<uint32_t> d_sizes;
   CUDA_OK(d_centroid.upload(spec.meta16 == LookupSpec::kNarrow ? poisoned : centroid));
   CUDA_OK(d_meta16.upload(meta16));
-  CUDA_OK(d_value_sum.upload(value_sum));
+  CUDA_OK(d_value_sum16.upload(value_sum16));
+  CUDA_OK(d_value_sum.upload(spec.meta16 == LookupSpec::kNarrow ? poisoned : value_sum));
   CUDA_OK(d_spread.upload(spread));
   CUDA_OK(d_value_mean.upload(value_mean));
   CUDA_OK(d_sizes.upload(sizes));
@@ -293,6 +299,8 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
     x.centroid = d_centroid.get() + hr[r].meta_off;
     x.value_sum = d_value_sum.get() + hr[r].meta_off;
     x.centroid16 = meta16.empty() ? nullptr : reinterpret_cast<const uint8_t *>(d_meta16.get() + meta16_off[r]);
+    x.value_sum16 =
+        value_sum16.empty() ? nullptr : reinterpret_cast<const uint8_t *>(d_value_sum16.get() + meta16_off[r]);
     x.size = d_sizes.get() + hr[r].size_off;
     x.spread = spec.spread ? d_spread.get() + hr[r].size_off : nullptr;
     x.value_mean = spec.tail ? d_value_mean.get() + size_t(r) * d : nullptr;
@@ -584,10 +592,11 @@ TEST(LookupZones, TheRefinementsSelectThroughTheGlobalScratch) {
   check_lookup(spec, true);
 }
 
-// The logits read the centroids' f16 copy where a run has one and its
-// overflow word is clear, the f32 centroids where it is set (the other array
-// is poisoned in each case: reading it would fail every logit).
-TEST(LookupZones, TheF16CentroidCopyIsReadUnlessFlagged) {
+// The logits read the centroids' f16 copy, and the estimate the value
+// sums', where a run has them and their overflow word is clear, the f32
+// arrays where it is set (the other arrays are poisoned in each case:
+// reading them would fail every logit and every estimate).
+TEST(LookupZones, TheF16MetaCopiesAreReadUnlessFlagged) {
   REQUIRE_GPU();
   uint64_t seed = 1300;
   for (uint32_t d : kDims)

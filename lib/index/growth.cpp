@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <new>
+#include <utility>
 #include <vector>
 
 namespace wkv {
@@ -155,14 +156,19 @@ Status grow_begin(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_
   return Status::ok();
 }
 
-// The narrowing of n centroid rows from c0 on into the head's f16 copy;
-// false where the head keeps none.
-bool centroid16_span(const IndexContext &ix, HeadState &h, size_t c0, const float *src, size_t n, SpanWrite *out) {
-  Region &r = h.meta.centroid16;
-  if (!r.p) return false;
+// The narrowing of n f32 rows at src into rows c0 .. c0 + n of the f16
+// copy r (kernels::kMeta16Header bytes, then the rows).
+SpanWrite meta16_span(const IndexContext &ix, Region &r, size_t c0, const float *src, size_t n) {
   const size_t d = ix.cfg.c.head_dim;
-  *out = SpanWrite{r.p + kernels::kMeta16Header + c0 * d * 2, src, n * d, r.as<uint32_t>()};
-  return true;
+  return SpanWrite{r.p + kernels::kMeta16Header + c0 * d * 2, src, n * d, r.as<uint32_t>()};
+}
+
+// The narrowings of n centroid and value sum rows from c0 on into the
+// head's f16 copies, appended to `out`; none where the head keeps none.
+void meta16_spans(const IndexContext &ix, HeadState &h, size_t c0, const float *centroid, const float *value_sum,
+                  size_t n, std::vector<SpanWrite> *out) {
+  if (h.meta.centroid16.p) out->push_back(meta16_span(ix, h.meta.centroid16, c0, centroid, n));
+  if (h.meta.value_sum16.p) out->push_back(meta16_span(ix, h.meta.value_sum16, c0, value_sum, n));
 }
 
 // Where the mirror keeps n_clusters entries from cluster c0 on and n_pages
@@ -322,7 +328,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
                                     size_t(hs.clusters()) * d * sizeof(float), stream));
     WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.spread, C1 * sizeof(float), size_t(hs.clusters()) * sizeof(float),
                                     stream));
-    WKV_RETURN_IF_ERROR(centroid16_reserve(ix, hs, C1, stream));
+    WKV_RETURN_IF_ERROR(meta16_reserve(ix, hs, C1, stream));
     WKV_RETURN_IF_ERROR(grow_region(ix, &hs.values.mean, d * sizeof(float), 0, stream));
     WKV_RETURN_IF_ERROR(mirror_reserve(ix, hs, static_cast<uint32_t>(C1),
                                        static_cast<uint32_t>(hs.map.pages.size() + g.add_p),
@@ -338,7 +344,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
   try {
     writes.resize(S);
     means.resize(H);
-    spans.reserve(size_t(H) * (4 * count + 4));
+    spans.reserve(size_t(H) * (5 * count + 4));  // meta rows, their f16 copies, the mirror
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the writes of %u segments", S);
   }
@@ -364,8 +370,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       spans.push_back(SpanWrite{hs.meta.value_sum.as<float>() + size_t(c) * d, out.value_sum + co * d,
                                 size_t(nc) * d * sizeof(float)});
       spans.push_back(SpanWrite{hs.meta.spread.as<float>() + c, out.spread + co, size_t(nc) * sizeof(float)});
-      SpanWrite narrow;
-      if (centroid16_span(ix, hs, c, out.centroid + co * d, nc, &narrow)) spans.push_back(narrow);
+      meta16_spans(ix, hs, c, out.centroid + co * d, out.value_sum + co * d, nc, &spans);
       PageWriteJob &w = writes[si];
       w.order = out.order + out.tok_off[si];
       w.k = hs.tail.k_at(first_row[si]);
@@ -471,27 +476,33 @@ uint64_t segment_seed(uint64_t seed, uint32_t layer, uint32_t head, uint64_t tok
   return z ^ (z >> 31);
 }
 
-bool keeps_centroid16(const IndexContext &ix) {
+bool keeps_meta16(const IndexContext &ix) {
   return !ix.backend.host_memory() && ix.cfg.dtype() != DType::kF32;
 }
 
-Status centroid16_reserve(const IndexContext &ix, HeadState &h, size_t clusters, void *stream) {
-  if (!keeps_centroid16(ix)) return Status::ok();
+Status meta16_reserve(const IndexContext &ix, HeadState &h, size_t clusters, void *stream) {
+  if (!keeps_meta16(ix)) return Status::ok();
   const size_t row = size_t(ix.cfg.c.head_dim) * 2;
-  Region &r = h.meta.centroid16;
-  const bool fresh = r.p == nullptr;
-  WKV_RETURN_IF_ERROR(grow_region(ix, &r, kernels::kMeta16Header + clusters * row,
-                                  kernels::kMeta16Header + size_t(h.clusters()) * row, stream));
-  return fresh ? ix.backend.mem_fill(r.p, 0, kernels::kMeta16Header, stream) : Status::ok();
+  for (Region *r : {&h.meta.centroid16, &h.meta.value_sum16}) {
+    const bool fresh = r->p == nullptr;
+    WKV_RETURN_IF_ERROR(grow_region(ix, r, kernels::kMeta16Header + clusters * row,
+                                    kernels::kMeta16Header + size_t(h.clusters()) * row, stream));
+    if (fresh) WKV_RETURN_IF_ERROR(ix.backend.mem_fill(r->p, 0, kernels::kMeta16Header, stream));
+  }
+  return Status::ok();
 }
 
-Status centroid16_write(const IndexContext &ix, HeadState &h, size_t c0, const float *src, size_t n, void *stream) {
-  // One span: narrow_f16's own launch, sized to the whole table (a load
+Status meta16_write(const IndexContext &ix, HeadState &h, size_t c0, const float *centroid, const float *value_sum,
+                    size_t n, void *stream) {
+  // narrow_f16's own launch per copy, sized to the whole table (a load
   // narrows every row at once).
-  SpanWrite w;
-  return centroid16_span(ix, h, c0, src, n, &w)
-             ? ix.backend.narrow_f16(static_cast<const float *>(w.src), w.n, w.dst, w.narrow_overflow, stream)
-             : Status::ok();
+  using Copy = std::pair<Region *, const float *>;
+  for (const Copy &c : {Copy{&h.meta.centroid16, centroid}, Copy{&h.meta.value_sum16, value_sum}}) {
+    if (!c.first->p) continue;
+    const SpanWrite w = meta16_span(ix, *c.first, c0, c.second, n);
+    WKV_RETURN_IF_ERROR(ix.backend.narrow_f16(c.second, w.n, w.dst, w.narrow_overflow, stream));
+  }
+  return Status::ok();
 }
 
 Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream) {
@@ -597,7 +608,8 @@ void release_layer(const IndexContext &ix, LayerState &L, bool counted) noexcept
   }
   for (HeadState &h : L.heads) {
     ix.backend.on_head_destroyed(h);
-    for (Region *r : {&h.sink.k, &h.sink.v, &h.tail.k, &h.tail.v, &h.meta.centroid, &h.meta.value_sum, &h.meta.spread, &h.meta.centroid16, &h.values.mean,
+    for (Region *r : {&h.sink.k, &h.sink.v, &h.tail.k, &h.tail.v, &h.meta.centroid, &h.meta.value_sum, &h.meta.spread,
+                      &h.meta.centroid16, &h.meta.value_sum16, &h.values.mean,
                       &h.mirror.first_slot, &h.mirror.size, &h.mirror.unit_begin, &h.mirror.pages, &h.mirror.unit_dir,
                       &h.mirror.stamps})
       ix.backend.mem_free_deferred(r);

@@ -79,13 +79,15 @@ struct SegmentDesc {
 // centroid at every step, estimation a quarter of the value rows: half the
 // bytes is about half the time); empty for good once a value falls outside
 // f16's range, when the step reads the f32 arrays. On a CUDA engine with
-// 16-bit storage, centroid16 is the centroids' f16 copy in device memory
-// that the logits read (kernels::DevRun::centroid16: an overflow word the
-// device sets when a value does not fit, then the rows); the value sums stay
-// f32 (the estimate reads a few of them a step).
+// 16-bit storage, centroid16 and value_sum16 are f16 copies in device
+// memory of the centroids, which the logits read, and of the value sums,
+// which the estimate reads (kernels::DevRun::centroid16 and value_sum16:
+// an overflow word the device sets when a value does not fit, then the
+// rows). The f32 arrays stay: saves read them, and a step reads them where
+// a copy overflowed.
 struct MetaIndex {
   Region centroid, value_sum, spread;
-  Region centroid16;
+  Region centroid16, value_sum16;
   MetaVector<f16> centroid_f16, value_mean_f16;
   bool compact_ok = true;  // the f16 mirror holds every cluster
 };

@@ -323,8 +323,9 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
       WKV_RETURN_IF_ERROR(
           ix.backend.mem_copy(hs.meta.spread.p, o.spread.empty() ? spread.data() : o.spread.data(), C * 4, stream));
       WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.values.mean.p, mean.data(), d * 4, stream));
-      WKV_RETURN_IF_ERROR(centroid16_reserve(ix, hs, C, stream));
-      WKV_RETURN_IF_ERROR(centroid16_write(ix, hs, 0, hs.meta.centroid.as<float>(), C, stream));
+      WKV_RETURN_IF_ERROR(meta16_reserve(ix, hs, C, stream));
+      WKV_RETURN_IF_ERROR(
+          meta16_write(ix, hs, 0, hs.meta.centroid.as<float>(), hs.meta.value_sum.as<float>(), C, stream));
     }
     if (ix.backend.host_memory() && ix.cfg.dtype() != DType::kF32) {
       // The CPU engine's compact f16 mirror, rebuilt as its growths build it.

@@ -446,6 +446,10 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // attention waits on device memory with 8 warps a multiprocessor;
   // bench/RESULTS.md, "fourth session").
   bool from_frames_ = false;
+  // The estimate reads the value sums' f16 copy (MetaIndex::value_sum16)
+  // where a head keeps one; WKV_VALUE_SUM16=0 (a diagnostic) keeps it on
+  // the f32 rows, twice the bytes.
+  bool value_sum16_ = true;
   int least_priority_ = 0, greatest_priority_ = 0;
   // The estimate's stream (cap_side_, a plan's bind_side): side_levels_
   // priorities below the device's highest, at most its least (1 unless
@@ -568,6 +572,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
   if (const char *r = std::getenv("WKV_DECODE_RING")) rings_ = std::strcmp(r, "0") != 0;
   if (const char *f = std::getenv("WKV_DECODE_FORK")) fork_ = std::strcmp(f, "0") != 0;
   if (const char *f = std::getenv("WKV_DECODE_FROM_FRAMES")) from_frames_ = std::strcmp(f, "1") == 0;
+  if (const char *v = std::getenv("WKV_VALUE_SUM16")) value_sum16_ = std::strcmp(v, "0") != 0;
   if (const char *l = std::getenv("WKV_DECODE_SIDE_LEVELS")) side_levels_ = std::max(0, std::atoi(l));
   WKV_CU(cudaStreamCreateWithPriority(&cap_side_, cudaStreamNonBlocking, side_priority()));
   WKV_CU(cudaEventCreateWithFlags(&fork_ev_, cudaEventDisableTiming));
@@ -1438,6 +1443,7 @@ Status CudaBackend::size_plan(Plan &plan, cudaStream_t s, bool graph, PlanSizes 
     dr.spread = cfg.c.method & WKV_METHOD_SPREAD ? hs.meta.spread.as<const float>() : nullptr;
     dr.value_mean = cfg.c.method & WKV_METHOD_TAIL ? hs.values.mean.as<const float>() : nullptr;
     dr.centroid16 = hs.meta.centroid16.p;
+    dr.value_sum16 = value_sum16_ ? hs.meta.value_sum16.p : nullptr;
     dr.size = hs.mirror.size.as<const uint32_t>();
     dr.first_slot = hs.mirror.first_slot.as<const uint32_t>();
     dr.unit_begin = hs.mirror.unit_begin.as<const uint32_t>();
