@@ -1,25 +1,29 @@
 #!/bin/bash
-# One device call for docs/wip's patches (docs/wip/README.md): run on the GPU
-# machine from the repository root, with the two patches applied to the
-# working tree and main's code in build-base-src/ (both prepared before the
-# call, on this side):
+# One device call for kernel changes of issue 9 not yet on main (docs/wip/
+# README.md): run on the GPU machine from the repository root, with the
+# changes under test in the working tree and, for PHASE=time, main's code in
+# build-base-src/ (prepared before the call, on this side):
 #
-#   git apply docs/wip/2-select-lays-out-offsets.patch docs/wip/3-logits-whole-sectors.patch
 #   rm -rf build-base-src && mkdir build-base-src && git archive HEAD | tar -x -C build-base-src
-#   # device call (name kind nvidia-h200: a failed start then costs 90 s,
-#   # not 180), carrying .debs and build-base-src:
-#   LIMIT=590 bash docs/wip/gpu-call.sh
+#   # device call, kind nvidia-h200 or nvidia-h100-x1 (whichever status
+#   # shows no refusal window for), carrying .debs (and build-base-src):
+#   LIMIT=585 bash docs/wip/gpu-call.sh
 #
-# PHASE=time (the default): builds the three targets it runs (the bench and
-# the lookup and batch tests) of the patched tree and main's bench; two A/B
-# rounds at 1M, 8-bit pages, a 20% device cache (main, the patches, the
-# patches with the estimate at the caller's priority:
-# WKV_DECODE_SIDE_LEVELS=9, docs/gpu-serving.md); ncu of
-# the select, the logits and main's offsets kernel in both; then the lookup
-# and batch tests.
+# The A/B settings below are the ninth session's (the value sums' f16 copy
+# against WKV_VALUE_SUM16=0, the estimate at the caller's priority); edit
+# them for the change at hand.
+# PHASE=one: every target of the tree, one A/B round within it, the GPU
+# suite (ctest -R gpu_), then memcheck of the lookup tests a test at a
+# time; what the ninth session ran (268 s on an H100), for a budget that
+# may allow one call only.
+# PHASE=time (the default): the bench and the lookup, head-state and batch
+# tests of the tree and main's bench; two A/B rounds at 1M, 8-bit pages, a
+# 20% device cache (main against the tree's settings); the tests; ncu of
+# the select, the logits and the estimate; ncu's sections of each kernel.
 # PHASE=suite (a second call, on the machine the first left warm): builds
-# every target, runs the GPU suite (ctest -R gpu_), then memcheck and
-# racecheck of the lookup tests a test at a time, with the time left.
+# every target, runs the GPU suite, then memcheck and racecheck of the
+# lookup tests a test at a time, with the time left (racecheck takes more
+# than 120 s for some of them).
 # LIMIT: the call's seconds; steps that would pass it are skipped. Logs go
 # to $OUT/logs.tar.gz after each step.
 set -u
@@ -29,32 +33,66 @@ T0=$SECONDS
 LIMIT=${LIMIT:-590}
 PHASE=${PHASE:-time}
 left() { echo $((LIMIT - 10 - (SECONDS - T0))); }
-pack() { tar -czf $OUT/logs.tar.gz -C /tmp $(cd /tmp && ls -d build-*.txt lookup-tests*.txt batch-tests.txt ab ctest-gpu.txt san ncu-*.csv 2>/dev/null); }
+pack() { tar -czf $OUT/logs.tar.gz -C /tmp $(cd /tmp && ls -d build-*.txt lookup-tests*.txt head-tests.txt batch-tests.txt ab ctest-gpu.txt san ncu-*.csv ncu-sections.txt 2>/dev/null); }
 t() { echo "$1 rc=$2 $((SECONDS-T0)) s $(grep -E '^\[  (PASSED|FAILED)|tests ran' $3 | tr '\n' ' ')"; grep -E "Failure|FAILED  \]" $3 | head -5; }
 export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 
-if [ "$PHASE" = time ]; then
-  (JOBS=11 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention gpu_batch" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$?") &
+if [ "$PHASE" = one ]; then
+  # Time and suite in one call, where the budget allows one: every target
+  # of the patched tree; the A/B within it (value sums f16 and f32 twice,
+  # the estimate at the caller's priority once; main's step against the
+  # patches is the eighth session's), the GPU suite, then memcheck of the
+  # lookup tests with the time left.
+  JOBS=16 OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-all.txt 2>&1; echo "build all rc=$? $((SECONDS-T0)) s"
+  grep -hE "error" -A3 /tmp/build-all.txt | head -20
+  [ "$(left)" -gt 250 ] && WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ROUNDS=1 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh '' 'WKV_VALUE_SUM16=0' '' 'WKV_VALUE_SUM16=0' 'WKV_DECODE_SIDE_LEVELS=9' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  echo "ab $((SECONDS-T0)) s"
+  pack
+  if [ "$(left)" -gt 60 ]; then
+    (cd build-gpu && timeout $(( $(left) - 30 )) ctest -R gpu_ --output-on-failure -j3 --timeout 200) > /tmp/ctest-gpu.txt 2>&1
+    echo "ctest gpu_ rc=$? $((SECONDS-T0)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Not Run" /tmp/ctest-gpu.txt | head -20
+  fi
+  pack
+  [ "$(left)" -gt 25 ] && SANITIZER_TOOLS="memcheck" SANITIZER_TESTS=gpu_lookup_attention SANITIZER_PER_TEST=1 \
+    SANITIZER_TIMEOUT=120 OUT=/tmp/san timeout $(left) tools/gpu-check.sh sanitize
+elif [ "$PHASE" = time ]; then
+  (JOBS=11 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention gpu_batch gpu_head_state" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$?") &
   (cd build-base-src && ln -sfn ../.debs .debs && JOBS=5 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/base tools/gpu-check.sh build > /tmp/build-base.txt 2>&1; echo "build base rc=$?") &
   wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
   export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
-  [ "$(left)" -gt 200 ] && ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh "BENCH=build-base-src/build-gpu/bin/gpu_serving_bench" '' 'WKV_DECODE_SIDE_LEVELS=9' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  [ "$(left)" -gt 200 ] && ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh "BENCH=build-base-src/build-gpu/bin/gpu_serving_bench" '' 'WKV_VALUE_SUM16=0' 'WKV_DECODE_SIDE_LEVELS=9' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
   echo "ab $((SECONDS-T0)) s"
   pack
-  # ncu: each build's select and logits (and the offsets kernel main still has).
-  for which in cur base; do
+  # The tests read no WKV_* variable.
+  unset WKV_PAGE_FORMAT WKV_SERVING_CACHE_FRACTION
+  [ "$(left)" -gt 60 ] && { timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt; }
+  [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt; }
+  [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_batch --gtest_brief=1 > /tmp/batch-tests.txt 2>&1; t gpu_batch $? /tmp/batch-tests.txt; }
+  export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
+  # ncu: the select, the logits and the estimate of the patched tree, with
+  # the value sums' f16 copy (cur) and without it (f32); main's figures for
+  # the select and the logits are the eighth session's.
+  for which in cur f32; do
     [ "$(left)" -gt 110 ] || break
-    bin=build-gpu/bin/gpu_serving_bench; [ $which = base ] && bin=build-base-src/build-gpu/bin/gpu_serving_bench
-    timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
-      --csv --kernel-name-base function --kernel-name regex:'select_kernel|logits_kernel|offsets_kernel' \
-      --launch-skip 400 --launch-count 200 $bin 1048576 1 80 4 > /tmp/ncu-$which.csv 2>/dev/null
-    echo "ncu $which rc=$? $((SECONDS-T0)) s"; python3 tools/ncu_table.py time /tmp/ncu-$which.csv | grep -E "select|logits|offsets"
+    WKV_VALUE_SUM16=$([ $which = f32 ] && echo 0 || echo 1) timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
+      --csv --kernel-name-base function --kernel-name regex:'select_kernel|logits_kernel|offsets_kernel|estimate_kernel' \
+      --launch-skip 400 --launch-count 200 build-gpu/bin/gpu_serving_bench 1048576 1 80 4 > /tmp/ncu-$which.csv 2>/dev/null
+    echo "ncu $which rc=$? $((SECONDS-T0)) s"; python3 tools/ncu_table.py time /tmp/ncu-$which.csv | grep -E "select|logits|offsets|estimate"
   done
+  # One launch each of the step's kernels under ncu's sections (where the
+  # time goes inside them: throughput, occupancy, stalls), for the next
+  # kernel work; the text is in the logs.
+  if [ "$(left)" -gt 120 ]; then
+    timeout 90 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats --kernel-name-base function \
+      --kernel-name regex:'logits_kernel|select_kernel|estimate_kernel|gather_kernel|attend|combine|stage' \
+      --launch-skip 400 --launch-count 8 build-gpu/bin/gpu_serving_bench 1048576 1 60 4 > /tmp/ncu-sections.txt 2>&1
+    echo "ncu sections rc=$? $((SECONDS-T0)) s"
+    grep -E "^  [a-z_:<>0-9A-Z]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|No Eligible|Block Limit Reg" /tmp/ncu-sections.txt | head -80
+  fi
   unset WKV_PAGE_FORMAT WKV_SERVING_CACHE_FRACTION
   pack
-  [ "$(left)" -gt 40 ] && { timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt; }
-  [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_batch --gtest_brief=1 > /tmp/batch-tests.txt 2>&1; t gpu_batch $? /tmp/batch-tests.txt; }
 else
   JOBS=16 OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-all.txt 2>&1; echo "build all rc=$? $((SECONDS-T0)) s"
   grep -hE "error" -A3 /tmp/build-all.txt | head -20
