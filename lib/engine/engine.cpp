@@ -164,11 +164,15 @@ void Engine::fill_stats(wkv_stats *out) {
   out->pages_used = a.pages_used;
   out->pages_free = a.pages_total - a.pages_used;
   out->steady_bytes = counters_.steady_rows.load() * 2ull * cfg_.row_bytes();
-  // Centroid and value sum (f32) plus the mapping table's three words, and
-  // with a 16-bit storage dtype the f16 copies the steps read: centroids and
-  // value means on a CPU engine (while they fit), centroids on a GPU.
-  const uint64_t copies16 = cfg_.dtype() == DType::kF32 ? 0 : backend_->host_memory() ? 2 : 1;
-  out->meta_bytes = out->clusters * (2 * d * sizeof(float) + 3 * sizeof(uint32_t) + copies16 * d * 2);
+  // Per cluster: centroid and value sum (f32), the spread, the mapping
+  // table's three words (and on a device backend the mirror's three), and
+  // with a 16-bit storage dtype the two f16 copies the steps read:
+  // centroids and value means on a CPU engine (while they fit), centroids
+  // and value sums on a GPU. Not counted: the cold tier's stamps (a word a
+  // cluster on a device with a spill file) and regions' spare capacity.
+  const uint64_t copies16 = cfg_.dtype() == DType::kF32 ? 0 : 2;
+  const uint64_t words = backend_->host_memory() ? 3 : 6;
+  out->meta_bytes = out->clusters * ((2 * d + 1) * sizeof(float) + words * sizeof(uint32_t) + copies16 * d * 2);
   out->lookups = counters_.lookups.load();
   out->retrieved_clusters = counters_.retrieved_clusters.load();
   out->estimated_clusters = counters_.estimated_clusters.load();
