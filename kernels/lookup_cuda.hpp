@@ -28,10 +28,11 @@ constexpr uint32_t kMaxGroup = 32;
 // r = s * H + h) in four kernels on `stream`; no host synchronization.
 //
 //   runs       [R] DevRun, device memory. Read: centroid, centroid16,
-//              value_sum, spread, value_mean, size, clusters, n_ret, n_one,
-//              n_est, sink_tokens, tail_tokens, ret_off, est_off,
-//              scratch_off. centroid, centroid16 and value_sum 16-byte
-//              aligned.
+//              value_sum, value_sum16, spread, value_mean, size, clusters,
+//              n_ret, n_one, n_est, sink_tokens, tail_tokens, ret_off,
+//              est_off, scratch_off. centroid, centroid16, value_sum and
+//              value_sum16 16-byte aligned (the f16 copies' rows then are,
+//              after their 16-byte header).
 //   q          [R][G][d] f32, device, 16-byte aligned: the query heads of each
 //              run's group.
 //   out        DevLookup: every field is written for every run (see

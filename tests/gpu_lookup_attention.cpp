@@ -14,6 +14,7 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -153,6 +154,10 @@ struct LookupSpec {
   // flagged out of range with their rows poisoned, so that only the f32
   // arrays do.
   enum Meta16 { kF32Only, kNarrow, kOverflowed } meta16 = kF32Only;
+  // The value sums' copy where it differs from the centroids' (each copy
+  // has its own overflow word: sums grow with a cluster's size, so theirs
+  // may be set while the centroids' is clear).
+  std::optional<Meta16> meta16_values;
   uint64_t seed = 1;
   // The offsets by their own kernel (a mark without a CTA counter) rather
   // than by the estimate's last CTA, as the engine has them.
@@ -259,26 +264,28 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   // The f16 copies of the centroids and of the value sums: per run
   // kMeta16Header bytes (the overflow word first), then its rows.
   std::vector<size_t> meta16_off(R);
-  auto copy16 = [&](std::vector<float> &rows) {
+  const LookupSpec::Meta16 values16 = spec.meta16_values.value_or(spec.meta16);
+  auto copy16 = [&](std::vector<float> &rows, LookupSpec::Meta16 mode) {
     std::vector<uint16_t> out;
-    if (spec.meta16 == LookupSpec::kF32Only) return out;
+    if (mode == LookupSpec::kF32Only) return out;
     std::vector<f16> half(rows.size());
     from_float(DType::kF16, rows.data(), half.data(), rows.size());
-    if (spec.meta16 == LookupSpec::kNarrow) to_float(DType::kF16, half.data(), rows.data(), rows.size());
+    if (mode == LookupSpec::kNarrow) to_float(DType::kF16, half.data(), rows.data(), rows.size());
     constexpr size_t kHead = kMeta16Header / 2;
     for (uint32_t r = 0; r < R; ++r) {
       meta16_off[r] = out.size();
       out.resize(out.size() + kHead, 0);
-      if (spec.meta16 == LookupSpec::kOverflowed) out[meta16_off[r]] = 1;
+      if (mode == LookupSpec::kOverflowed) out[meta16_off[r]] = 1;
       for (size_t i = 0; i < size_t(hr[r].C) * d; ++i)
-        out.push_back(spec.meta16 == LookupSpec::kNarrow ? half[hr[r].meta_off + i].bits
-                                                         : uint16_t{0x7c01});  // a NaN
+        out.push_back(mode == LookupSpec::kNarrow ? half[hr[r].meta_off + i].bits : uint16_t{0x7c01});  // a NaN
     }
     return out;
   };
-  const std::vector<uint16_t> meta16 = copy16(centroid), value_sum16 = copy16(value_sum);
+  const std::vector<uint16_t> meta16 = copy16(centroid, spec.meta16), value_sum16 = copy16(value_sum, values16);
+  // NaN rows in place of the f32 arrays that a copy stands for.
   std::vector<float> poisoned;
-  if (spec.meta16 == LookupSpec::kNarrow) poisoned.assign(centroid.size(), std::numeric_limits<float>::quiet_NaN());
+  if (spec.meta16 == LookupSpec::kNarrow || values16 == LookupSpec::kNarrow)
+    poisoned.assign(centroid.size(), std::numeric_limits<float>::quiet_NaN());
 
   // 2. Device copies.
   DevArray<float> d_centroid, d_value_sum, d_spread, d_value_mean, d_q;
@@ -287,7 +294,7 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   CUDA_OK(d_centroid.upload(spec.meta16 == LookupSpec::kNarrow ? poisoned : centroid));
   CUDA_OK(d_meta16.upload(meta16));
   CUDA_OK(d_value_sum16.upload(value_sum16));
-  CUDA_OK(d_value_sum.upload(spec.meta16 == LookupSpec::kNarrow ? poisoned : value_sum));
+  CUDA_OK(d_value_sum.upload(values16 == LookupSpec::kNarrow ? poisoned : value_sum));
   CUDA_OK(d_spread.upload(spread));
   CUDA_OK(d_value_mean.upload(value_mean));
   CUDA_OK(d_sizes.upload(sizes));
@@ -598,16 +605,22 @@ TEST(LookupZones, TheRefinementsSelectThroughTheGlobalScratch) {
 // reading them would fail every logit and every estimate).
 TEST(LookupZones, TheF16MetaCopiesAreReadUnlessFlagged) {
   REQUIRE_GPU();
+  using M = LookupSpec::Meta16;
+  auto name = [](M m) { return m == LookupSpec::kNarrow ? std::string("f16 copy") : std::string("flagged"); };
   uint64_t seed = 1300;
   for (uint32_t d : kDims)
-    for (auto mode : {LookupSpec::kNarrow, LookupSpec::kOverflowed}) {
-      SCOPED_TRACE("d=" + std::to_string(d) + (mode == LookupSpec::kNarrow ? " f16 copy" : " flagged"));
+    for (auto [centroids, values] : {std::pair{LookupSpec::kNarrow, LookupSpec::kNarrow},
+                                     std::pair{LookupSpec::kOverflowed, LookupSpec::kOverflowed},
+                                     std::pair{LookupSpec::kNarrow, LookupSpec::kOverflowed},
+                                     std::pair{LookupSpec::kOverflowed, LookupSpec::kNarrow}}) {
+      SCOPED_TRACE("d=" + std::to_string(d) + ", centroids " + name(centroids) + ", value sums " + name(values));
       LookupSpec spec;
       spec.d = d;
       spec.G = 4;
       spec.seed = ++seed;
       spec.spread = spec.ones = spec.tail = seed % 2;
-      spec.meta16 = mode;
+      spec.meta16 = centroids;
+      spec.meta16_values = values;
       spec.clusters = mixed_clusters(seed, 3);
       check_lookup(spec, true);
       if (HasFatalFailure()) return;

@@ -393,7 +393,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
                          static_cast<uint32_t>(hs.map.pages.size()), st.addr, g.add_p, &spans);
   }
   // On CUDA a launch per 96 spans or segments, not a driver call per copy
-  // (a generated segment's growth of 8 KV heads: 64 spans, 8 page jobs, 8
+  // (a generated segment's growth of 8 KV heads: 72 spans, 8 page jobs, 8
   // means, three launches): meta rows and mirror entries, the clustered
   // rows into their pages (reading the mirror's new page addresses), then
   // the mean values. Each call checks all its jobs before it launches any
