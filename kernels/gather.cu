@@ -32,6 +32,16 @@ namespace {
 
 constexpr int kWarps = 8;   // warps per CTA
 constexpr int kUnroll = 4;  // 16-byte pieces of K (and of V) in flight per lane
+// The gather's CTAs a multiprocessor that ptxas must make room for
+// (__launch_bounds__' second argument, which caps the registers); unset,
+// none: ptxas chooses (128 registers). Set at configure
+// (CUDAFLAGS=-DWKV_GATHER_MIN_CTAS=3) for an A/B (docs/gpu-serving.md, "The
+// estimate beside the gather, priced").
+#ifdef WKV_GATHER_MIN_CTAS
+#define WKV_GATHER_BOUNDS __launch_bounds__(kWarps * 32, WKV_GATHER_MIN_CTAS)
+#else
+#define WKV_GATHER_BOUNDS __launch_bounds__(kWarps * 32)
+#endif
 
 // Takes a frame from the pool (FramePool, device_layout.hpp), or returns
 // kNoCacheFrame when it is empty.
@@ -150,7 +160,7 @@ __device__ __forceinline__ void put_dequantized_centered(uint8_t *dst, const int
 // are copied as they are. kRows: no row is laid out, only where each lives
 // (GatherArgs::row_src), and only misses that take a frame are read.
 template <bool kInt8, typename T, bool kRows>
-__global__ void __launch_bounds__(kWarps * 32) gather_kernel(const GatherArgs a) {
+__global__ void WKV_GATHER_BOUNDS gather_kernel(const GatherArgs a) {
   constexpr uint32_t kNone = kNoCacheFrame, kChunk = kUnitMapChunk;
   const uint32_t r = blockIdx.x;
   const DevRun &run = a.runs[r];

@@ -68,6 +68,17 @@ constexpr uint32_t kSelectWarps = kSelectThreads / 32;
 constexpr uint32_t kSelectMaxSplit = 8;     // CTAs a run's selection is split over, at most (one cluster)
 constexpr uint32_t kSelectMinSlice = 2048;  // clusters a CTA's slice keeps, at least
 constexpr uint32_t kEstThreads = 256;
+// The estimate's CTAs a multiprocessor that ptxas must make room for
+// (__launch_bounds__' second argument, which caps the registers); unset,
+// none: ptxas chooses (128 registers at d = 128). Set at configure
+// (CUDAFLAGS=-DWKV_ESTIMATE_MIN_CTAS=4) for an A/B of how the estimate
+// shares multiprocessors with the gather (docs/gpu-serving.md, "The
+// estimate beside the gather, priced").
+#ifdef WKV_ESTIMATE_MIN_CTAS
+#define WKV_ESTIMATE_BOUNDS __launch_bounds__(kEstThreads, WKV_ESTIMATE_MIN_CTAS)
+#else
+#define WKV_ESTIMATE_BOUNDS __launch_bounds__(kEstThreads)
+#endif
 constexpr uint32_t kEstSplits = 8;       // CTAs per (run, head group) on sm_90: one cluster
 constexpr uint32_t kEstWideSplits = 16;  // ... when that leaves multiprocessors idle (a non-portable cluster size)
 constexpr uint32_t kOffsetThreads = 1024;
@@ -1041,7 +1052,7 @@ __device__ __forceinline__ void weigh_value_sums(const Row *vs, uint32_t cols, u
 // form a thread-block cluster and rank 0 merges their partials from
 // distributed shared memory.
 template <uint32_t D, uint32_t kSplits, uint32_t GT>
-__global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__restrict__ runs,
+__global__ void WKV_ESTIMATE_BOUNDS estimate_kernel(const DevRun *__restrict__ runs,
                                                                uint32_t G, DevLookup out, LookupEnd end) {
   __shared__ EstShared<D, GT> sh;
   wait_prior_grid();
@@ -1057,8 +1068,10 @@ __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const DevRun *__r
   const uint32_t *ids = out.est_ids + run.est_off;
   const float *lg = out.logits + run.scratch_off + static_cast<size_t>(g0) * C;  // head g0 + j at lg + j C
   const float4 *vs = reinterpret_cast<const float4 *>(run.value_sum);
-  // The f16 copy where the head keeps one and no sum overflowed it (uniform
-  // over the CTA): half the bytes of the f32 rows.
+  // The f16 copy where the head keeps one and no sum overflowed it: half
+  // the bytes of the f32 rows. Every thread reads the same word (only a
+  // growth's narrowing writes it, in stream order, never while a step
+  // runs), so the choice is the CTA's.
   const uint2 *vs16 = run.value_sum16 && *reinterpret_cast<const uint32_t *>(run.value_sum16) == 0
                           ? reinterpret_cast<const uint2 *>(run.value_sum16 + kMeta16Header)
                           : nullptr;
