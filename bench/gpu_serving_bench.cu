@@ -46,7 +46,7 @@
 // file's directory; with both, the KV beyond the budget goes to disk and the
 // bench prints the prompt's ingest time, what was written, and per token
 // what was read back and how many retrievals were estimated for want of it.
-// Usage: gpu_serving_bench [tokens] [batches, comma-separated] [steps] [layers]
+// Usage: gpu_serving_bench [tokens] [batches, comma-separated] [steps, at least 64] [layers]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -679,6 +679,12 @@ int main(int argc, char **argv) {
   }
   const uint32_t steps = argc > 3 ? std::atoi(argv[3]) : 1024 + 64;  // update_segment_tokens + 64
   const uint32_t L = argc > 4 ? std::atoi(argv[4]) : 4;
+  // The split form's timing replays the last 64 tokens (run(): steps - 64 + x).
+  if (steps < 64 || L == 0) {
+    std::fprintf(stderr, "gpu_serving_bench: steps must be at least 64 (got %s) and layers at least 1 (got %s)\n",
+                 argc > 3 ? argv[3] : "the default", argc > 4 ? argv[4] : "the default");
+    return 2;
+  }
   const auto full = parse_ms(std::getenv("WKV_FULL_ATTN_MS"));
   const uint32_t full_max = std::getenv("WKV_FULL_BATCH_MAX") ? std::atoi(std::getenv("WKV_FULL_BATCH_MAX")) : 0;
   const double stream_ms = std::getenv("WKV_STREAM_MS") ? std::atof(std::getenv("WKV_STREAM_MS")) : 0;
