@@ -9,17 +9,19 @@
 #   # shows no refusal window for), carrying .debs (and build-base-src):
 #   LIMIT=585 bash docs/wip/gpu-call.sh
 #
-# The A/B settings below are the ninth session's (the value sums' f16 copy
-# against WKV_VALUE_SUM16=0, the estimate at the caller's priority); edit
-# them for the change at hand.
+# PHASE=one's A/B settings are the ninth session's (the value sums' f16
+# copy against WKV_VALUE_SUM16=0, the estimate at the caller's priority);
+# PHASE=time's are the next experiment's (the register bounds); edit them
+# for the change at hand.
 # PHASE=one: every target of the tree, one A/B round within it, the GPU
 # suite (ctest -R gpu_), then memcheck of the lookup tests a test at a
 # time; what the ninth session ran (268 s on an H100), for a budget that
 # may allow one call only.
 # PHASE=time (the default): the bench and the lookup, head-state and batch
-# tests of the tree and main's bench; two A/B rounds at 1M, 8-bit pages, a
-# 20% device cache (main against the tree's settings); the tests; ncu of
-# the select, the logits and the estimate; ncu's sections of each kernel.
+# tests of the tree, and its bench built again under each variant's
+# CUDAFLAGS (the register bounds of the estimate and the gather); two A/B
+# rounds at 1M, 8-bit pages, a 20% device cache; the tests; ncu of the
+# step's kernels; ncu's sections of each kernel. Needs no build-base-src.
 # PHASE=suite (a second call, on the machine the first left warm): builds
 # every target, runs the GPU suite, then memcheck and racecheck of the
 # lookup tests a test at a time, with the time left (racecheck takes more
@@ -57,11 +59,23 @@ if [ "$PHASE" = one ]; then
   [ "$(left)" -gt 25 ] && SANITIZER_TOOLS="memcheck" SANITIZER_TESTS=gpu_lookup_attention SANITIZER_PER_TEST=1 \
     SANITIZER_TIMEOUT=120 OUT=/tmp/san timeout $(left) tools/gpu-check.sh sanitize
 elif [ "$PHASE" = time ]; then
-  (JOBS=11 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention gpu_batch gpu_head_state" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$?") &
-  (cd build-base-src && ln -sfn ../.debs .debs && JOBS=5 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/base tools/gpu-check.sh build > /tmp/build-base.txt 2>&1; echo "build base rc=$?") &
+  # The tree's bench and tests, and its bench built again under each
+  # variant's CUDAFLAGS (a copy of the tree a variant, build-var-<name>/):
+  # est4, the estimate bounded to 64 registers (WKV_ESTIMATE_MIN_CTAS=4);
+  # g3, the gather to 80 (WKV_GATHER_MIN_CTAS=3); both (docs/gpu-serving.md,
+  # "The estimate beside the gather, priced").
+  variant() {
+    rm -rf "build-var-$1" && mkdir "build-var-$1" && tar -c --exclude='./build*' --exclude=./.debs --exclude=./.git . | tar -x -C "build-var-$1"
+    (cd "build-var-$1" && ln -sfn ../.debs .debs && CUDAFLAGS="$2" JOBS=3 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/var-$1 tools/gpu-check.sh build > /tmp/build-var-$1.txt 2>&1; echo "build $1 rc=$?")
+  }
+  (JOBS=7 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention gpu_batch gpu_head_state" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$?") &
+  variant est4 "-DWKV_ESTIMATE_MIN_CTAS=4" &
+  variant g3 "-DWKV_GATHER_MIN_CTAS=3" &
+  variant est4g3 "-DWKV_ESTIMATE_MIN_CTAS=4 -DWKV_GATHER_MIN_CTAS=3" &
   wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
   export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
-  [ "$(left)" -gt 200 ] && ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh "BENCH=build-base-src/build-gpu/bin/gpu_serving_bench" '' 'WKV_VALUE_SUM16=0' 'WKV_DECODE_SIDE_LEVELS=9' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  v=build-gpu/bin/gpu_serving_bench
+  [ "$(left)" -gt 200 ] && ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh '' "BENCH=build-var-est4/$v" "BENCH=build-var-g3/$v" "BENCH=build-var-est4g3/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
   echo "ab $((SECONDS-T0)) s"
   pack
   # The tests read no WKV_* variable.
@@ -70,15 +84,14 @@ elif [ "$PHASE" = time ]; then
   [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt; }
   [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_batch --gtest_brief=1 > /tmp/batch-tests.txt 2>&1; t gpu_batch $? /tmp/batch-tests.txt; }
   export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
-  # ncu: the select, the logits and the estimate of the patched tree, with
-  # the value sums' f16 copy (cur) and without it (f32); main's figures for
-  # the select and the logits are the eighth session's.
-  for which in cur f32; do
+  # ncu: the step's kernels of the tree and of both bounds.
+  for which in cur est4g3; do
     [ "$(left)" -gt 110 ] || break
-    WKV_VALUE_SUM16=$([ $which = f32 ] && echo 0 || echo 1) timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
-      --csv --kernel-name-base function --kernel-name regex:'select_kernel|logits_kernel|offsets_kernel|estimate_kernel' \
-      --launch-skip 400 --launch-count 200 build-gpu/bin/gpu_serving_bench 1048576 1 80 4 > /tmp/ncu-$which.csv 2>/dev/null
-    echo "ncu $which rc=$? $((SECONDS-T0)) s"; python3 tools/ncu_table.py time /tmp/ncu-$which.csv | grep -E "select|logits|offsets|estimate"
+    bin=build-gpu/bin/gpu_serving_bench; [ $which = cur ] || bin=build-var-$which/$bin
+    timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
+      --csv --kernel-name-base function --kernel-name regex:'select_kernel|logits_kernel|estimate_kernel|gather_kernel|attend|combine' \
+      --launch-skip 400 --launch-count 180 $bin 1048576 1 80 4 > /tmp/ncu-$which.csv 2>/dev/null
+    echo "ncu $which rc=$? $((SECONDS-T0)) s"; python3 tools/ncu_table.py time /tmp/ncu-$which.csv | head -8
   done
   # One launch each of the step's kernels under ncu's sections (where the
   # time goes inside them: throughput, occupancy, stalls), for the next
@@ -87,7 +100,7 @@ elif [ "$PHASE" = time ]; then
     timeout 90 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
       --section LaunchStats --section WarpStateStats --section SchedulerStats --kernel-name-base function \
       --kernel-name regex:'logits_kernel|select_kernel|estimate_kernel|gather_kernel|attend|combine|stage' \
-      --launch-skip 400 --launch-count 8 build-gpu/bin/gpu_serving_bench 1048576 1 60 4 > /tmp/ncu-sections.txt 2>&1
+      --launch-skip 400 --launch-count 8 build-gpu/bin/gpu_serving_bench 1048576 1 80 4 > /tmp/ncu-sections.txt 2>&1
     echo "ncu sections rc=$? $((SECONDS-T0)) s"
     grep -E "^  [a-z_:<>0-9A-Z]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|No Eligible|Block Limit Reg" /tmp/ncu-sections.txt | head -80
   fi
