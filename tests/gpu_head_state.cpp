@@ -136,6 +136,19 @@ struct Context {
   }
 };
 
+// A prompt of three 3000-token chunks drawn from ctx, appended to a
+// sequence of each engine, then its end on both.
+void prompt_both(Context &ctx, Engine &a, wkv::Sequence &sa, Engine &b, wkv::Sequence &sb) {
+  std::vector<uint8_t> k, v;
+  for (int i = 0; i < 3; ++i) {
+    ctx.draw(3000, &k, &v);
+    a.append(sa, k, v, 3000);
+    b.append(sb, k, v, 3000);
+  }
+  a.end_prompt(sa);
+  b.end_prompt(sb);
+}
+
 double rel_diff(const std::vector<float> &a, const std::vector<float> &b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -201,14 +214,8 @@ TEST(GpuHeadState, CpuAndCudaEnginesBuildTheSameIndex) {
   Engine cpu(WKV_DEVICE_CPU), gpu(WKV_DEVICE_CUDA);
   Context ctx;
   auto sc = cpu.sequence(), sg = gpu.sequence();
+  prompt_both(ctx, cpu, *sc, gpu, *sg);
   std::vector<uint8_t> k, v;
-  for (int i = 0; i < 3; ++i) {
-    ctx.draw(3000, &k, &v);
-    cpu.append(*sc, k, v, 3000);
-    gpu.append(*sg, k, v, 3000);
-  }
-  cpu.end_prompt(*sc);
-  gpu.end_prompt(*sg);
   ctx.draw(700, &k, &v);  // an update segment
   cpu.append(*sc, k, v, 700);
   gpu.append(*sg, k, v, 700);
@@ -256,14 +263,7 @@ TEST(GpuHeadState, ValueSumsPastF16RangeAreEstimatedFromF32) {
   ctx.v_offset = 6000.f;  // the outputs' f16 spacing is 4 there, 2% of their spread
   ctx.v_scale = 3000.f;
   auto sc = cpu.sequence(), sg = gpu.sequence();
-  std::vector<uint8_t> k, v;
-  for (int i = 0; i < 3; ++i) {
-    ctx.draw(3000, &k, &v);
-    cpu.append(*sc, k, v, 3000);
-    gpu.append(*sg, k, v, 3000);
-  }
-  cpu.end_prompt(*sc);
-  gpu.end_prompt(*sg);
+  prompt_both(ctx, cpu, *sc, gpu, *sg);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   for (uint32_t h = 0; h < kKV; ++h) {
     const wkv::HeadState &hs = sg->layer(0).heads[h];
