@@ -1,13 +1,18 @@
 #!/bin/bash
-# One device call for kernel changes of issue 9 not yet on main (docs/wip/
-# README.md): run on the GPU machine from the repository root, with the
-# changes under test in the working tree and, for PHASE=time, main's code in
-# build-base-src/ (prepared before the call, on this side):
+# One device call for kernel work of issue 9 (docs/wip/README.md): run on
+# the GPU machine from the repository root, with the changes under test in
+# the working tree:
 #
-#   rm -rf build-base-src && mkdir build-base-src && git archive HEAD | tar -x -C build-base-src
 #   # device call, kind nvidia-h200 or nvidia-h100-x1 (whichever status
-#   # shows no refusal window for), carrying .debs (and build-base-src):
+#   # shows no refusal window for), carrying .debs:
 #   LIMIT=585 bash docs/wip/gpu-call.sh
+#
+# To compare with main's code instead of (or beside) the variants below,
+# unpack it beside the tree and carry it too (docs/gpu-machine.md):
+#   rm -rf build-base-src && mkdir build-base-src && git archive HEAD | tar -x -C build-base-src
+# and add "BENCH=build-base-src/build-gpu/bin/gpu_serving_bench" to an A/B
+# after building it there (as the eighth session's version of this script
+# did: git log -p docs/wip/gpu-call.sh).
 #
 # PHASE=one's A/B settings are the ninth session's (the value sums' f16
 # copy against WKV_VALUE_SUM16=0, the estimate at the caller's priority);
