@@ -156,19 +156,19 @@ Status grow_begin(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_
   return Status::ok();
 }
 
-// The narrowing of n f32 rows at src into rows c0 .. c0 + n of the f16
-// copy r (kernels::kMeta16Header bytes, then the rows).
-SpanWrite meta16_span(const IndexContext &ix, Region &r, size_t c0, const float *src, size_t n) {
-  const size_t d = ix.cfg.c.head_dim;
-  return SpanWrite{r.p + kernels::kMeta16Header + c0 * d * 2, src, n * d, r.as<uint32_t>()};
-}
-
 // The narrowings of n centroid and value sum rows from c0 on into the
-// head's f16 copies, appended to `out`; none where the head keeps none.
+// head's f16 copies (kernels::kMeta16Header bytes, then the rows), each
+// passed to emit(const SpanWrite &); none where the head keeps none.
+template <typename Emit>
 void meta16_spans(const IndexContext &ix, HeadState &h, size_t c0, const float *centroid, const float *value_sum,
-                  size_t n, std::vector<SpanWrite> *out) {
-  if (h.meta.centroid16.p) out->push_back(meta16_span(ix, h.meta.centroid16, c0, centroid, n));
-  if (h.meta.value_sum16.p) out->push_back(meta16_span(ix, h.meta.value_sum16, c0, value_sum, n));
+                  size_t n, Emit &&emit) {
+  const size_t d = ix.cfg.c.head_dim;
+  const std::pair<Region *, const float *> copies[] = {{&h.meta.centroid16, centroid},
+                                                       {&h.meta.value_sum16, value_sum}};
+  for (const std::pair<Region *, const float *> &c : copies) {
+    Region &r = *c.first;
+    if (r.p) emit(SpanWrite{r.p + kernels::kMeta16Header + c0 * d * 2, c.second, n * d, r.as<uint32_t>()});
+  }
 }
 
 // Where the mirror keeps n_clusters entries from cluster c0 on and n_pages
@@ -370,7 +370,8 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       spans.push_back(SpanWrite{hs.meta.value_sum.as<float>() + size_t(c) * d, out.value_sum + co * d,
                                 size_t(nc) * d * sizeof(float)});
       spans.push_back(SpanWrite{hs.meta.spread.as<float>() + c, out.spread + co, size_t(nc) * sizeof(float)});
-      meta16_spans(ix, hs, c, out.centroid + co * d, out.value_sum + co * d, nc, &spans);
+      meta16_spans(ix, hs, c, out.centroid + co * d, out.value_sum + co * d, nc,
+                   [&spans](const SpanWrite &w) { spans.push_back(w); });  // reserved above: no throw
       PageWriteJob &w = writes[si];
       w.order = out.order + out.tok_off[si];
       w.k = hs.tail.k_at(first_row[si]);
@@ -496,13 +497,12 @@ Status meta16_write(const IndexContext &ix, HeadState &h, size_t c0, const float
                     size_t n, void *stream) {
   // narrow_f16's own launch per copy, sized to the whole table (a load
   // narrows every row at once).
-  using Copy = std::pair<Region *, const float *>;
-  for (const Copy &c : {Copy{&h.meta.centroid16, centroid}, Copy{&h.meta.value_sum16, value_sum}}) {
-    if (!c.first->p) continue;
-    const SpanWrite w = meta16_span(ix, *c.first, c0, c.second, n);
-    WKV_RETURN_IF_ERROR(ix.backend.narrow_f16(c.second, w.n, w.dst, w.narrow_overflow, stream));
-  }
-  return Status::ok();
+  Status st = Status::ok();
+  meta16_spans(ix, h, c0, centroid, value_sum, n, [&](const SpanWrite &w) {
+    if (st.is_ok())
+      st = ix.backend.narrow_f16(static_cast<const float *>(w.src), w.n, w.dst, w.narrow_overflow, stream);
+  });
+  return st;
 }
 
 Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream) {
