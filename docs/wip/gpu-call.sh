@@ -42,6 +42,24 @@ PHASE=${PHASE:-time}
 left() { echo $((LIMIT - 10 - (SECONDS - T0))); }
 pack() { tar -czf $OUT/logs.tar.gz -C /tmp $(cd /tmp && ls -d build-*.txt lookup-tests*.txt head-tests.txt batch-tests.txt ab ctest-gpu.txt san ncu-*.csv ncu-sections.txt 2>/dev/null); }
 t() { echo "$1 rc=$2 $((SECONDS-T0)) s $(grep -E '^\[  (PASSED|FAILED)|tests ran' $3 | tr '\n' ' ')"; grep -E "Failure|FAILED  \]" $3 | head -5; }
+# build_all: every target of the tree. gpu_suite N: ctest -R gpu_, ending
+# N s before the limit's margin. sanitize_lookup TOOLS: the lookup tests
+# under those compute-sanitizer tools, a test at a time (gpu-check.sh's
+# sanitize step, its logs in /tmp/san).
+build_all() {
+  JOBS=16 OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-all.txt 2>&1; echo "build all rc=$? $((SECONDS-T0)) s"
+  grep -hE "error" -A3 /tmp/build-all.txt | head -20
+}
+gpu_suite() {
+  [ "$(left)" -gt 60 ] || return
+  (cd build-gpu && timeout $(( $(left) - $1 )) ctest -R gpu_ --output-on-failure -j3 --timeout 200) > /tmp/ctest-gpu.txt 2>&1
+  echo "ctest gpu_ rc=$? $((SECONDS-T0)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Not Run" /tmp/ctest-gpu.txt | head -20
+  grep -cE "Test +#[0-9]+: .*Passed" /tmp/ctest-gpu.txt
+}
+sanitize_lookup() {
+  [ "$(left)" -gt 25 ] && SANITIZER_TOOLS="$1" SANITIZER_TESTS=gpu_lookup_attention SANITIZER_PER_TEST=1 \
+    SANITIZER_TIMEOUT=120 OUT=/tmp/san timeout $(left) tools/gpu-check.sh sanitize
+}
 export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 
@@ -51,18 +69,13 @@ if [ "$PHASE" = one ]; then
   # the estimate at the caller's priority once; main's step against the
   # patches is the eighth session's), the GPU suite, then memcheck of the
   # lookup tests with the time left.
-  JOBS=16 OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-all.txt 2>&1; echo "build all rc=$? $((SECONDS-T0)) s"
-  grep -hE "error" -A3 /tmp/build-all.txt | head -20
+  build_all
   [ "$(left)" -gt 250 ] && WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ROUNDS=1 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh '' 'WKV_VALUE_SUM16=0' '' 'WKV_VALUE_SUM16=0' 'WKV_DECODE_SIDE_LEVELS=9' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
   echo "ab $((SECONDS-T0)) s"
   pack
-  if [ "$(left)" -gt 60 ]; then
-    (cd build-gpu && timeout $(( $(left) - 30 )) ctest -R gpu_ --output-on-failure -j3 --timeout 200) > /tmp/ctest-gpu.txt 2>&1
-    echo "ctest gpu_ rc=$? $((SECONDS-T0)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Not Run" /tmp/ctest-gpu.txt | head -20
-  fi
+  gpu_suite 30
   pack
-  [ "$(left)" -gt 25 ] && SANITIZER_TOOLS="memcheck" SANITIZER_TESTS=gpu_lookup_attention SANITIZER_PER_TEST=1 \
-    SANITIZER_TIMEOUT=120 OUT=/tmp/san timeout $(left) tools/gpu-check.sh sanitize
+  sanitize_lookup memcheck
 elif [ "$PHASE" = time ]; then
   # The tree's bench and tests, and its bench built again under each
   # variant's CUDAFLAGS (a copy of the tree a variant, build-var-<name>/):
@@ -112,18 +125,10 @@ elif [ "$PHASE" = time ]; then
   unset WKV_PAGE_FORMAT WKV_SERVING_CACHE_FRACTION
   pack
 else
-  JOBS=16 OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-all.txt 2>&1; echo "build all rc=$? $((SECONDS-T0)) s"
-  grep -hE "error" -A3 /tmp/build-all.txt | head -20
-  if [ "$(left)" -gt 60 ]; then
-    (cd build-gpu && timeout $(( $(left) - 45 )) ctest -R gpu_ --output-on-failure -j3 --timeout 200) > /tmp/ctest-gpu.txt 2>&1
-    echo "ctest gpu_ rc=$? $((SECONDS-T0)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Not Run" /tmp/ctest-gpu.txt | head -20
-    grep -cE "Test +#[0-9]+: .*Passed" /tmp/ctest-gpu.txt
-  fi
+  build_all
+  gpu_suite 45
   pack
-  # memcheck, then racecheck, of the lookup tests a test at a time
-  # (gpu-check.sh's sanitize step; its logs in /tmp/san).
-  [ "$(left)" -gt 25 ] && SANITIZER_TOOLS="memcheck racecheck" SANITIZER_TESTS=gpu_lookup_attention SANITIZER_PER_TEST=1 \
-    SANITIZER_TIMEOUT=120 OUT=/tmp/san timeout $(left) tools/gpu-check.sh sanitize
+  sanitize_lookup "memcheck racecheck"
 fi
 pack
 echo "done $((SECONDS-T0)) s"
