@@ -199,6 +199,21 @@ __device__ __forceinline__ float reduce_heads(float (&v)[HC], uint32_t lane) {
   return x;
 }
 
+// Asynchronous copies into shared memory (sm_80 and later): 16 bytes from
+// src where ok, else 16 zero bytes (src is not read, but must be a valid
+// address); a group of this thread's copies committed; the wait until at
+// most N of its groups are in flight. The "memory" clobbers keep the
+// compiler from moving shared-memory accesses across them.
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool ok) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Calls body with constexpr HEAD_DIM set to d, or returns cudaErrorNotSupported.
 #define WKV_DISPATCH_HEAD_DIM(d, HEAD_DIM, ...)                                      \
   [&]() -> cudaError_t {                                                             \
