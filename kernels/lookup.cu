@@ -63,11 +63,29 @@ constexpr uint32_t kLogitParts = 8;
 constexpr uint32_t kLogitSlots = kLogitThreads / kLogitParts;  // clusters a CTA scores at once
 constexpr uint32_t kLogitTile = 512;
 constexpr uint32_t kLogitBatch = 2;
+// The staged logits (logits_tile_staged): kLogitStages buffers of at most
+// kLogitStageBytes, logit_stage_rows(D) rows each, in flight by cp.async.
+// WKV_LOGITS_STAGED=0 at configure keeps the register path (an A/B).
+#ifndef WKV_LOGITS_STAGED
+#define WKV_LOGITS_STAGED 1
+#endif
+constexpr bool kLogitsStaged = WKV_LOGITS_STAGED != 0;
+constexpr uint32_t kLogitStageBytes = 16384;
+constexpr uint32_t kLogitStages = 4;
+constexpr uint32_t kLogitStagedSmem = kLogitStages * kLogitStageBytes;
+__host__ __device__ constexpr uint32_t logit_stage_rows(uint32_t d) { return d <= 64 ? 128 : d <= 128 ? 64 : 32; }
 constexpr uint32_t kSelectThreads = 1024;
 constexpr uint32_t kSelectWarps = kSelectThreads / 32;
 constexpr uint32_t kSelectMaxSplit = 8;     // CTAs a run's selection is split over, at most (one cluster)
 constexpr uint32_t kSelectMinSlice = 2048;  // clusters a CTA's slice keeps, at least
+// The estimate's threads a CTA; WKV_ESTIMATE_THREADS (at configure, for an
+// A/B) sets another multiple of 32 of at least D / 4.
+#ifdef WKV_ESTIMATE_THREADS
+constexpr uint32_t kEstThreads = WKV_ESTIMATE_THREADS;
+#else
 constexpr uint32_t kEstThreads = 256;
+#endif
+static_assert(kEstThreads % 32 == 0 && kEstThreads >= 64 && kEstThreads <= 1024, "the estimate's CTA size");
 // The estimate's CTAs a multiprocessor that ptxas must make room for
 // (__launch_bounds__' second argument, which caps the registers); unset,
 // none: ptxas chooses (128 registers at d = 128). Set at configure
@@ -211,7 +229,9 @@ struct Slicing {
   // The row's byte where chunk j of lane part starts.
   __device__ static constexpr uint32_t at(uint32_t j, uint32_t part) { return (j * kLogitParts + part) * kChunk; }
 };
-template <uint32_t BYTES>
+// From global memory (read-only) unless kShared: from a row staged in
+// shared memory.
+template <uint32_t BYTES, bool kShared = false>
 __device__ __forceinline__ void load_slice(const uint8_t *row, uint32_t part, uint32_t (&out)[BYTES / 4]) {
   constexpr uint32_t CB = Slicing<BYTES>::kChunk;
   using W = std::conditional_t<CB % 16 == 0, uint4, std::conditional_t<CB % 8 == 0, uint2, uint32_t>>;
@@ -219,7 +239,65 @@ __device__ __forceinline__ void load_slice(const uint8_t *row, uint32_t part, ui
   for (uint32_t j = 0; j < BYTES / CB; ++j) {
     const W *src = reinterpret_cast<const W *>(row + Slicing<BYTES>::at(j, part));
 #pragma unroll
-    for (uint32_t i = 0; i < CB / sizeof(W); ++i) put_words(out + (j * CB + i * sizeof(W)) / 4, __ldg(src + i));
+    for (uint32_t i = 0; i < CB / sizeof(W); ++i)
+      put_words(out + (j * CB + i * sizeof(W)) / 4, kShared ? src[i] : __ldg(src + i));
+  }
+}
+
+// The query heads h0 .. h0 + HP - 1 (zero past G) of qs in a lane's
+// registers: element j of the lane's slice is dimension dim(j), as
+// load_slice lays the slice out.
+template <uint32_t D, uint32_t EB, uint32_t HP>
+__device__ __forceinline__ void load_query_slice(const float *qs, uint32_t G, uint32_t h0, uint32_t part,
+                                                 float (&qr)[HP][D / kLogitParts]) {
+  constexpr uint32_t S = D / kLogitParts;
+  constexpr uint32_t CE = Slicing<S * EB>::kChunk / EB;  // elements a chunk
+#pragma unroll
+  for (uint32_t h = 0; h < HP; ++h)
+#pragma unroll
+    for (uint32_t j = 0; j < S; ++j) {
+      const uint32_t dim = Slicing<S * EB>::at(j / CE, part) / EB + j % CE;
+      qr[h][j] = h0 + h < G ? qs[(h0 + h) * D + dim] : 0.f;
+    }
+}
+
+// Cluster c's logits for heads h0 .. h0 + HP - 1 from the group's slices
+// of its row (raw, this lane's; f16 when kHalf, else f32): the lanes' dot
+// products summed by shuffles (every lane of the warp calls it), then lane
+// `part` writes head h0 + part where `valid`.
+template <uint32_t NW, uint32_t HP, bool kHalf, uint32_t S>
+__device__ __forceinline__ void logit_row(const uint32_t (&raw)[NW], const float (&qr)[HP][S], uint32_t part,
+                                          uint32_t h0, uint32_t G, uint32_t C, uint32_t c, bool valid, float scale,
+                                          const float *fs, const float *__restrict__ spread,
+                                          float *__restrict__ lg) {
+  float acc[HP];
+#pragma unroll
+  for (uint32_t h = 0; h < HP; ++h) acc[h] = 0.f;
+#pragma unroll
+  for (uint32_t w = 0; w < NW; ++w) {
+    if constexpr (kHalf) {
+      const float2 x = __half22float2(*reinterpret_cast<const __half2 *>(&raw[w]));
+#pragma unroll
+      for (uint32_t h = 0; h < HP; ++h) {
+        acc[h] = fmaf(qr[h][2 * w], x.x, acc[h]);
+        acc[h] = fmaf(qr[h][2 * w + 1], x.y, acc[h]);
+      }
+    } else {
+      const float x = __uint_as_float(raw[w]);
+#pragma unroll
+      for (uint32_t h = 0; h < HP; ++h) acc[h] = fmaf(qr[h][w], x, acc[h]);
+    }
+  }
+#pragma unroll
+  for (uint32_t o = kLogitParts / 2; o > 0; o >>= 1)
+#pragma unroll
+    for (uint32_t h = 0; h < HP; ++h) acc[h] += __shfl_xor_sync(kFull, acc[h], o);
+  const uint32_t g = h0 + part;
+  if (valid && part < HP && g < G) {
+    float v = acc[0];
+#pragma unroll
+    for (uint32_t h = 1; h < HP; ++h) v = part == h ? acc[h] : v;
+    lg[static_cast<size_t>(g) * C + c] = spread ? v * scale + fs[g] * spread[c] : v * scale;
   }
 }
 
@@ -237,15 +315,7 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
   const uint32_t part = threadIdx.x % kLogitParts, slot = threadIdx.x / kLogitParts;
   for (uint32_t h0 = 0; h0 < G; h0 += HP) {
     float qr[HP][S];
-    // Element j of the lane's slice is dimension dim(j) (load_slice).
-    constexpr uint32_t CE = Slicing<S * EB>::kChunk / EB;  // elements a chunk
-#pragma unroll
-    for (uint32_t h = 0; h < HP; ++h)
-#pragma unroll
-      for (uint32_t j = 0; j < S; ++j) {
-        const uint32_t dim = Slicing<S * EB>::at(j / CE, part) / EB + j % CE;
-        qr[h][j] = h0 + h < G ? qs[(h0 + h) * D + dim] : 0.f;
-      }
+    load_query_slice<D, EB, HP>(qs, G, h0, part, qr);
     // The next batch's loads are issued before this one's arithmetic, so
     // that 2 kLogitBatch rows a group are in flight.
     constexpr uint32_t kRounds = kLogitTile / kLogitSlots;
@@ -273,48 +343,77 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
       if (k + kLogitBatch < kRounds) load_batch(k + kLogitBatch, next);
 #pragma unroll
       for (uint32_t b = 0; b < kLogitBatch; ++b) {
-        float acc[HP];
-#pragma unroll
-        for (uint32_t h = 0; h < HP; ++h) acc[h] = 0.f;
-#pragma unroll
-        for (uint32_t w = 0; w < NW; ++w) {
-          if constexpr (kHalf) {
-            const float2 x = __half22float2(*reinterpret_cast<const __half2 *>(&raw[b][w]));
-#pragma unroll
-            for (uint32_t h = 0; h < HP; ++h) {
-              acc[h] = fmaf(qr[h][2 * w], x.x, acc[h]);
-              acc[h] = fmaf(qr[h][2 * w + 1], x.y, acc[h]);
-            }
-          } else {
-            const float x = __uint_as_float(raw[b][w]);
-#pragma unroll
-            for (uint32_t h = 0; h < HP; ++h) acc[h] = fmaf(qr[h][w], x, acc[h]);
-          }
-        }
-#pragma unroll
-        for (uint32_t o = kLogitParts / 2; o > 0; o >>= 1)
-#pragma unroll
-          for (uint32_t h = 0; h < HP; ++h) acc[h] += __shfl_xor_sync(kFull, acc[h], o);
-        // Lane `part` of the group writes head h0 + part.
-        const uint32_t c = c0 + slot + (k + b) * kLogitSlots, g = h0 + part;
-        if (c < C && part < HP && g < G) {
-          float v = acc[0];
-#pragma unroll
-          for (uint32_t h = 1; h < HP; ++h) v = part == h ? acc[h] : v;
-          lg[static_cast<size_t>(g) * C + c] = spread ? v * scale + fs[g] * spread[c] : v * scale;
-        }
+        const uint32_t c = c0 + slot + (k + b) * kLogitSlots;
+        logit_row<NW, HP, kHalf>(raw[b], qr, part, h0, G, C, c, c < C, scale, fs, spread, lg);
       }
+    }
+  }
+}
+
+// The staged tile (f16 rows, sm_90 builds): the same logits as
+// logits_tile<D, true>, the tile's rows streamed through kLogitStages
+// buffers of shared memory (`stage`, kLogitStagedSmem bytes, 16-byte
+// aligned) by cp.async, so that the bytes in flight are not registers' (the
+// register path keeps two batches of rows a group in flight and read 58% of
+// DRAM's bandwidth at 1M; bench/RESULTS.md, "2026-12-07, ninth session").
+// rows + c0's row must be 16-byte aligned. Every thread of the CTA calls it.
+template <uint32_t D>
+__device__ __forceinline__ void logits_tile_staged(const uint8_t *__restrict__ rows, uint32_t C, uint32_t c0,
+                                                   uint32_t G, float scale, const float *qs, const float *fs,
+                                                   const float *__restrict__ spread, float *__restrict__ lg,
+                                                   uint8_t *stage) {
+  constexpr uint32_t S = D / kLogitParts, NW = S / 2, HP = D <= 128 ? 4 : 2;
+  constexpr uint32_t RB = D * 2, SR = logit_stage_rows(D), NS = kLogitStages;
+  static_assert(SR % kLogitSlots == 0 && kLogitTile % SR == 0 && SR * RB <= kLogitStageBytes && RB % 16 == 0,
+                "a stage holds whole rows, a whole number of slots' rounds");
+  const uint32_t part = threadIdx.x % kLogitParts, slot = threadIdx.x / kLogitParts;
+  const uint32_t n_rows = min(kLogitTile, C - c0), n_chunks = (n_rows + SR - 1) / SR;
+  // Chunk k (rows k SR ..) into buffer k % NS, one group of this thread's
+  // copies; a group (empty past the tile) for every k, so that
+  // cp_async_wait<NS - 1> in round k waits for chunk k.
+  auto issue = [&](uint32_t k) {
+    if (k < n_chunks) {
+      const uint32_t first = k * SR, bytes = min(SR, n_rows - first) * RB;
+      const uint8_t *src = rows + static_cast<size_t>(c0 + first) * RB;
+      uint8_t *dst = stage + (k % NS) * kLogitStageBytes;
+      for (uint32_t i = threadIdx.x * 16; i < bytes; i += kLogitThreads * 16) cp_async16(dst + i, src + i, true);
+    }
+    cp_async_commit();
+  };
+  for (uint32_t h0 = 0; h0 < G; h0 += HP) {
+    float qr[HP][S];
+    load_query_slice<D, 2, HP>(qs, G, h0, part, qr);
+#pragma unroll
+    for (uint32_t k = 0; k + 1 < NS; ++k) issue(k);
+    for (uint32_t k = 0; k < n_chunks; ++k) {
+      issue(k + NS - 1);  // into the buffer of chunk k - 1, which every thread is done with
+      cp_async_wait<NS - 1>();
+      __syncthreads();  // chunk k has landed, every thread's copies
+      const uint8_t *buf = stage + (k % NS) * kLogitStageBytes;
+      const uint32_t first = k * SR;
+#pragma unroll
+      for (uint32_t i = slot; i < SR; i += kLogitSlots) {
+        // Rows past the tile's end hold stale bytes: read, never written.
+        uint32_t raw[NW];
+        load_slice<S * 2, true>(buf + i * RB, part, raw);
+        logit_row<NW, HP, true>(raw, qr, part, h0, G, C, c0 + first + i, first + i < n_rows, scale, fs, spread,
+                                lg);
+      }
+      __syncthreads();  // buffer k % NS is written again in round k + 1
     }
   }
 }
 
 // Grid (tiles of kLogitTile clusters, R): the logits [G][clusters] of each
 // run, from the centroids' f16 copy where the run has one and every
-// centroid fits (half the bytes), else from the f32 centroids.
+// centroid fits (half the bytes), else from the f32 centroids. With
+// `staged` (and kLogitStagedSmem bytes of dynamic shared memory) the f16
+// rows go through shared memory (logits_tile_staged).
 template <uint32_t D>
 __global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel(const DevRun *__restrict__ runs, uint32_t G,
                                                                float scale, const float *__restrict__ q,
-                                                               float *__restrict__ logits) {
+                                                               float *__restrict__ logits, bool staged) {
+  extern __shared__ __align__(16) uint8_t logit_stage[];
   __shared__ float qs[kMaxGroup * D];
   __shared__ float fs[kMaxGroup];
   wait_prior_grid();
@@ -336,9 +435,16 @@ __global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel
   if (spread) __syncthreads();
   float *lg = logits + runs[r].scratch_off;
   const uint8_t *c16 = runs[r].centroid16;
-  if (c16 && *reinterpret_cast<const uint32_t *>(c16) == 0)
-    logits_tile<D, true>(c16 + kMeta16Header, C, c0, G, scale, qs, fs, spread, lg);
-  else
+  if (c16 && *reinterpret_cast<const uint32_t *>(c16) == 0) {
+    const uint8_t *rows = c16 + kMeta16Header;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if (staged && reinterpret_cast<uintptr_t>(rows) % 16 == 0) {  // uniform over the CTA
+      logits_tile_staged<D>(rows, C, c0, G, scale, qs, fs, spread, lg, logit_stage);
+      return;
+    }
+#endif
+    logits_tile<D, true>(rows, C, c0, G, scale, qs, fs, spread, lg);
+  } else
     logits_tile<D, false>(reinterpret_cast<const uint8_t *>(runs[r].centroid), C, c0, G, scale, qs, fs, spread, lg);
 }
 
@@ -362,7 +468,7 @@ struct SelectShared {
   uint32_t ret_n, ret_tokens;      // this CTA's retrieval clusters and their members
   uint32_t cold_n;                 // of them, clusters with a page out (DevRun::cold_pt)
   uint32_t tmp[32];
-  bool last;                       // this CTA is the launch's last to end (select_kernel)
+  uint32_t last;                   // this CTA is the launch's last to end (select_kernel)
 };
 
 // A run's selection is split over the CTAs of a thread-block cluster on
@@ -611,6 +717,26 @@ __device__ __forceinline__ bool cluster_out(const DevRun &run, uint32_t c) {
   for (uint32_t p = first / pt; p <= (first + n - 1) / pt; ++p)
     if (run.pages[p] == nullptr) return true;
   return false;
+}
+
+// Whether this CTA is the launch's last to get here, counted in ctas (a
+// device word, zero between launches; the last CTA clears it after its work,
+// for the next launch, which stream order puts after this one). Every thread
+// of the CTA calls it after its writes; flag is a shared word. After true,
+// the writes the other CTAs issued before their call are visible. Device
+// scope suffices: its callers write device memory only (a write to mapped
+// host memory would need __threadfence_system in every CTA, as
+// signal_step_end has).
+__device__ __forceinline__ bool last_cta(unsigned int *ctas, uint32_t *flag) {
+  __syncthreads();  // this CTA's writes are issued
+  if (threadIdx.x == 0) {
+    __threadfence();
+    *flag = atomicAdd(ctas, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
+  }
+  __syncthreads();
+  if (!*flag) return false;
+  __threadfence();  // the other CTAs' writes, counted before ours, are visible
+  return true;
 }
 
 // offsets[r] = the exclusive prefix of run_tokens, r <= R (offsets[R] the
@@ -936,15 +1062,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
   __shared__ SelectShared sh;
   wait_prior_grid();
   select_slice(runs, G, out, scores, smem_cap, n_split, sh, keys_s);
-  if (ctas == nullptr) return;
-  __syncthreads();  // this CTA's writes are issued (its run_tokens by thread 0)
-  if (threadIdx.x == 0) {
-    __threadfence();
-    sh.last = atomicAdd(ctas, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!sh.last) return;  // uniform over the CTA
-  __threadfence();       // the other CTAs' writes, counted before ours, are visible
+  if (ctas == nullptr || !last_cta(ctas, &sh.last)) return;  // uniform over the CTA
   write_offsets<kSelectThreads>(out.run_tokens, gridDim.x / n_split, out.offsets, sh.tmp);
   if (threadIdx.x == 0) *ctas = 0;  // for the next launch, which stream order puts after this one
 }
@@ -991,17 +1109,7 @@ __device__ void block_reduce_n(float (&x)[GT], float (*tmp)[GT]) {
 // every CTA calls it as the kernel's last statement.
 __device__ void end_lookup(const DevLookup &out, const LookupEnd &end) {
   __shared__ uint32_t last, tmp[32];
-  __syncthreads();  // this CTA's writes are issued
-  if (threadIdx.x == 0) {
-    // Device scope suffices: the estimate writes device memory only. (A
-    // write to mapped host memory here would need __threadfence_system in
-    // every CTA, as signal_step_end has.)
-    __threadfence();
-    last = atomicAdd(end.ctas, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
-  }
-  __syncthreads();
-  if (!last) return;  // uniform over the CTA
-  __threadfence();    // the other CTAs' writes, counted before ours, are visible
+  if (!last_cta(end.ctas, &last)) return;  // uniform over the CTA
   write_offsets<kEstThreads>(out.run_tokens, end.R, out.offsets, tmp);
   __syncthreads();
   if (threadIdx.x != 0) return;
@@ -1077,6 +1185,7 @@ __global__ void WKV_ESTIMATE_BOUNDS estimate_kernel(const DevRun *__restrict__ r
                           : nullptr;
 
   constexpr uint32_t kCols = D / 4, kRows = kEstThreads / kCols;
+  static_assert(kRows >= 1, "a thread a four columns of a value row");
   const uint32_t col = tid % kCols, rl = tid / kCols;
   float4 acc[GT];
   float den[GT], m[GT];
@@ -1383,8 +1492,12 @@ cudaError_t select_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
   if (R > 0 && max_clusters > 0) {
     // 1. Logits.
     const uint32_t tiles = (max_clusters + kLogitTile - 1) / kLogitTile;
-    WKV_CUDA_TRY(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), 0, s, 1, runs, G, scale, q,
-                            out.logits));
+    static std::atomic<uint64_t> logits_smem_set{0};
+    if (kLogitsStaged)
+      WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(logits_kernel<D>), kLogitStagedSmem, &logits_smem_set));
+    WKV_CUDA_TRY(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads),
+                            kLogitsStaged ? kLogitStagedSmem : 0u, s, 1, runs, G, scale, q, out.logits,
+                            kLogitsStaged));
   }
   if (R == 0) return ctas ? offsets_launch(out, 0, StepMark{}, s) : cudaSuccess;
   // 2. Scores and selection: each run split over a cluster of CTAs while

@@ -24,7 +24,8 @@
 # may allow one call only.
 # PHASE=time (the default): the bench and the lookup, head-state and batch
 # tests of the tree, and its bench built again under each variant's
-# CUDAFLAGS (the register bounds of the estimate and the gather); two A/B
+# CUDAFLAGS (main's logits, the gather's register bound, the estimate's
+# CTA size); two A/B
 # rounds at 1M, 8-bit pages, a 20% device cache; the tests; ncu of the
 # step's kernels; ncu's sections of each kernel. Needs no build-base-src.
 # PHASE=suite (a second call, on the machine the first left warm): builds
@@ -79,21 +80,25 @@ if [ "$PHASE" = one ]; then
 elif [ "$PHASE" = time ]; then
   # The tree's bench and tests, and its bench built again under each
   # variant's CUDAFLAGS (a copy of the tree a variant, build-var-<name>/):
-  # est4, the estimate bounded to 64 registers (WKV_ESTIMATE_MIN_CTAS=4);
-  # g3, the gather to 80 (WKV_GATHER_MIN_CTAS=3); both (docs/gpu-serving.md,
-  # "The estimate beside the gather, priced").
+  # reg, the logits' register path (WKV_LOGITS_STAGED=0: main's logits,
+  # against the tree's staged ones); g3, the gather bounded to 80
+  # registers (WKV_GATHER_MIN_CTAS=3); e128g3, with the estimate's CTAs of
+  # 128 threads (WKV_ESTIMATE_THREADS=128): the estimate's CTAs and two of
+  # the gather's fit a multiprocessor's registers without the estimate
+  # spilling (docs/gpu-serving.md, "The estimate beside the gather,
+  # priced"; WKV_ESTIMATE_MIN_CTAS=4 is the other way, with spills).
   variant() {
     rm -rf "build-var-$1" && mkdir "build-var-$1" && tar -c --exclude='./build*' --exclude=./.debs --exclude=./.git . | tar -x -C "build-var-$1"
     (cd "build-var-$1" && ln -sfn ../.debs .debs && CUDAFLAGS="$2" JOBS=3 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/var-$1 tools/gpu-check.sh build > /tmp/build-var-$1.txt 2>&1; echo "build $1 rc=$?")
   }
   (JOBS=7 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention gpu_batch gpu_head_state" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$?") &
-  variant est4 "-DWKV_ESTIMATE_MIN_CTAS=4" &
+  variant reg "-DWKV_LOGITS_STAGED=0" &
   variant g3 "-DWKV_GATHER_MIN_CTAS=3" &
-  variant est4g3 "-DWKV_ESTIMATE_MIN_CTAS=4 -DWKV_GATHER_MIN_CTAS=3" &
+  variant e128g3 "-DWKV_ESTIMATE_THREADS=128 -DWKV_GATHER_MIN_CTAS=3" &
   wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
   export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
   v=build-gpu/bin/gpu_serving_bench
-  [ "$(left)" -gt 200 ] && ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh '' "BENCH=build-var-est4/$v" "BENCH=build-var-g3/$v" "BENCH=build-var-est4g3/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  [ "$(left)" -gt 200 ] && ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh '' "BENCH=build-var-reg/$v" "BENCH=build-var-g3/$v" "BENCH=build-var-e128g3/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
   echo "ab $((SECONDS-T0)) s"
   pack
   # The tests read no WKV_* variable.
@@ -102,8 +107,8 @@ elif [ "$PHASE" = time ]; then
   [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt; }
   [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_batch --gtest_brief=1 > /tmp/batch-tests.txt 2>&1; t gpu_batch $? /tmp/batch-tests.txt; }
   export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
-  # ncu: the step's kernels of the tree and of both bounds.
-  for which in cur est4g3; do
+  # ncu: the step's kernels of the tree and of main's logits.
+  for which in cur reg; do
     [ "$(left)" -gt 110 ] || break
     bin=build-gpu/bin/gpu_serving_bench; [ $which = cur ] || bin=build-var-$which/$bin
     timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
