@@ -76,7 +76,18 @@ constexpr uint32_t kLogitStagedSmem = kLogitStages * kLogitStageBytes;
 __host__ __device__ constexpr uint32_t logit_stage_rows(uint32_t d) { return d <= 64 ? 128 : d <= 128 ? 64 : 32; }
 constexpr uint32_t kSelectThreads = 1024;
 constexpr uint32_t kSelectWarps = kSelectThreads / 32;
-constexpr uint32_t kSelectMaxSplit = 8;     // CTAs a run's selection is split over, at most (one cluster)
+// CTAs a run's selection is split over, at most (one cluster); over 8, a
+// non-portable cluster size where the device allows it (WKV_SELECT_MAX_SPLIT
+// at configure, 16: an A/B of the select over every multiprocessor at
+// batch 1).
+#ifdef WKV_SELECT_MAX_SPLIT
+constexpr uint32_t kSelectMaxSplit = WKV_SELECT_MAX_SPLIT;
+#else
+constexpr uint32_t kSelectMaxSplit = 8;
+#endif
+static_assert(kSelectMaxSplit == 1 || kSelectMaxSplit == 2 || kSelectMaxSplit == 4 || kSelectMaxSplit == 8 ||
+                  kSelectMaxSplit == 16,
+              "a power of two, at most 16 (the largest cluster)");
 constexpr uint32_t kSelectMinSlice = 2048;  // clusters a CTA's slice keeps, at least
 // The estimate's threads a CTA; WKV_ESTIMATE_THREADS (at configure, for an
 // A/B) sets another multiple of 32 of at least D / 4.
@@ -1470,10 +1481,13 @@ cudaError_t launch_estimate(const DevRun *runs, uint32_t R, uint32_t G, const De
 
 uint32_t select_split(uint32_t R, uint32_t clusters) {
   static const bool split_ok = built_for_clusters(reinterpret_cast<const void *>(select_kernel));
+  static std::atomic<uint64_t> wide_set{0}, wide_refused{0};
   uint32_t split = 1;
   if (split_ok) {
     const uint32_t sms = multiprocessors();
-    while (split < kSelectMaxSplit && R * split * 2 <= sms && clusters / (2 * split) >= kSelectMinSlice) split *= 2;
+    while (split < kSelectMaxSplit && R * split * 2 <= sms && clusters / (2 * split) >= kSelectMinSlice &&
+           (split < 8 || allow_wide_clusters(reinterpret_cast<const void *>(select_kernel), &wide_set, &wide_refused)))
+      split *= 2;
   }
   return split;
 }

@@ -86,7 +86,9 @@ elif [ "$PHASE" = time ]; then
   # 128 threads (WKV_ESTIMATE_THREADS=128): the estimate's CTAs and two of
   # the gather's fit a multiprocessor's registers without the estimate
   # spilling (docs/gpu-serving.md, "The estimate beside the gather,
-  # priced"; WKV_ESTIMATE_MIN_CTAS=4 is the other way, with spills).
+  # priced"; WKV_ESTIMATE_MIN_CTAS=4 is the other way, with spills); s16,
+  # the select split over 16 CTAs a run (WKV_SELECT_MAX_SPLIT=16: 128 CTAs
+  # at batch 1 instead of 64).
   variant() {
     rm -rf "build-var-$1" && mkdir "build-var-$1" && tar -c --exclude='./build*' --exclude=./.debs --exclude=./.git . | tar -x -C "build-var-$1"
     (cd "build-var-$1" && ln -sfn ../.debs .debs && CUDAFLAGS="$2" JOBS=3 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/var-$1 tools/gpu-check.sh build > /tmp/build-var-$1.txt 2>&1; echo "build $1 rc=$?")
@@ -95,10 +97,11 @@ elif [ "$PHASE" = time ]; then
   variant reg "-DWKV_LOGITS_STAGED=0" &
   variant g3 "-DWKV_GATHER_MIN_CTAS=3" &
   variant e128g3 "-DWKV_ESTIMATE_THREADS=128 -DWKV_GATHER_MIN_CTAS=3" &
+  variant s16 "-DWKV_SELECT_MAX_SPLIT=16" &
   wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
   export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
   v=build-gpu/bin/gpu_serving_bench
-  [ "$(left)" -gt 200 ] && ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh '' "BENCH=build-var-reg/$v" "BENCH=build-var-g3/$v" "BENCH=build-var-e128g3/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  [ "$(left)" -gt 200 ] && ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh '' "BENCH=build-var-reg/$v" "BENCH=build-var-g3/$v" "BENCH=build-var-e128g3/$v" "BENCH=build-var-s16/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
   echo "ab $((SECONDS-T0)) s"
   pack
   # The tests read no WKV_* variable.
