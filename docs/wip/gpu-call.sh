@@ -18,6 +18,10 @@
 # copy against WKV_VALUE_SUM16=0, the estimate at the caller's priority);
 # PHASE=time's are the next experiment's (the register bounds); edit them
 # for the change at hand.
+# PHASE=land: what landing the pending changes needs when the budget
+# allows one call (docs/wip/README.md): every target, the variants' benches,
+# one A/B round, ncu of the logits, the GPU suite, memcheck of the lookup
+# tests.
 # PHASE=one: every target of the tree, one A/B round within it, the GPU
 # suite (ctest -R gpu_), then memcheck of the lookup tests a test at a
 # time; what the ninth session ran (268 s on an H100), for a budget that
@@ -61,10 +65,46 @@ sanitize_lookup() {
   [ "$(left)" -gt 25 ] && SANITIZER_TOOLS="$1" SANITIZER_TESTS=gpu_lookup_attention SANITIZER_PER_TEST=1 \
     SANITIZER_TIMEOUT=120 OUT=/tmp/san timeout $(left) tools/gpu-check.sh sanitize
 }
+# variant NAME FLAGS: the tree's bench built again in build-var-NAME/ (a
+# copy of the tree) with CUDAFLAGS=FLAGS at configure.
+variant() {
+  rm -rf "build-var-$1" && mkdir "build-var-$1" && tar -c --exclude='./build*' --exclude=./.debs --exclude=./.git . | tar -x -C "build-var-$1"
+  (cd "build-var-$1" && ln -sfn ../.debs .debs && CUDAFLAGS="$2" JOBS=${VAR_JOBS:-3} BUILD_TARGETS=gpu_serving_bench OUT=/tmp/var-$1 tools/gpu-check.sh build > /tmp/build-var-$1.txt 2>&1; echo "build $1 rc=$? $((SECONDS-T0)) s")
+}
+# ncu_kernels NAME BIN REGEX COUNT: ncu's times of the step's kernels.
+ncu_kernels() {
+  timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
+    --csv --kernel-name-base function --kernel-name regex:"$3" \
+    --launch-skip 400 --launch-count "$4" "$2" 1048576 1 80 4 > /tmp/ncu-$1.csv 2>/dev/null
+  echo "ncu $1 rc=$? $((SECONDS-T0)) s"; python3 tools/ncu_table.py time /tmp/ncu-$1.csv | head -8
+}
 export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 
-if [ "$PHASE" = one ]; then
+if [ "$PHASE" = land ]; then
+  # What landing the pending changes needs, in one call: every target of
+  # the tree and the variants' benches; one A/B round (the tree and main's
+  # logits twice each); ncu's times of the logits and the select, both
+  # ways; the GPU suite; memcheck of the lookup tests with the time left.
+  build_all &
+  VAR_JOBS=2 variant reg "-DWKV_LOGITS_STAGED=0" &
+  VAR_JOBS=2 variant e128g3 "-DWKV_ESTIMATE_THREADS=128 -DWKV_GATHER_MIN_CTAS=3" &
+  VAR_JOBS=2 variant s16 "-DWKV_SELECT_MAX_SPLIT=16" &
+  wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
+  v=build-gpu/bin/gpu_serving_bench
+  [ "$(left)" -gt 200 ] && WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ROUNDS=1 OUT=/tmp/ab BENCH_TIMEOUT=60 tools/gpu-ab.sh '' "BENCH=build-var-reg/$v" "BENCH=build-var-e128g3/$v" "BENCH=build-var-s16/$v" '' "BENCH=build-var-reg/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  echo "ab $((SECONDS-T0)) s"
+  pack
+  gpu_suite 60
+  pack
+  for which in cur reg; do
+    [ "$(left)" -gt 60 ] || break
+    bin=$v; [ $which = cur ] || bin=build-var-$which/$v
+    WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ncu_kernels $which $bin 'logits_kernel|select_kernel' 40
+  done
+  pack
+  sanitize_lookup memcheck
+elif [ "$PHASE" = one ]; then
   # Time and suite in one call, where the budget allows one: every target
   # of the patched tree; the A/B within it (value sums f16 and f32 twice,
   # the estimate at the caller's priority once; main's step against the
@@ -89,10 +129,6 @@ elif [ "$PHASE" = time ]; then
   # priced"; WKV_ESTIMATE_MIN_CTAS=4 is the other way, with spills); s16,
   # the select split over 16 CTAs a run (WKV_SELECT_MAX_SPLIT=16: 128 CTAs
   # at batch 1 instead of 64).
-  variant() {
-    rm -rf "build-var-$1" && mkdir "build-var-$1" && tar -c --exclude='./build*' --exclude=./.debs --exclude=./.git . | tar -x -C "build-var-$1"
-    (cd "build-var-$1" && ln -sfn ../.debs .debs && CUDAFLAGS="$2" JOBS=3 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/var-$1 tools/gpu-check.sh build > /tmp/build-var-$1.txt 2>&1; echo "build $1 rc=$?")
-  }
   (JOBS=7 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention gpu_batch gpu_head_state" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$?") &
   variant reg "-DWKV_LOGITS_STAGED=0" &
   variant g3 "-DWKV_GATHER_MIN_CTAS=3" &
@@ -114,10 +150,7 @@ elif [ "$PHASE" = time ]; then
   for which in cur reg; do
     [ "$(left)" -gt 110 ] || break
     bin=build-gpu/bin/gpu_serving_bench; [ $which = cur ] || bin=build-var-$which/$bin
-    timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
-      --csv --kernel-name-base function --kernel-name regex:'select_kernel|logits_kernel|estimate_kernel|gather_kernel|attend|combine' \
-      --launch-skip 400 --launch-count 180 $bin 1048576 1 80 4 > /tmp/ncu-$which.csv 2>/dev/null
-    echo "ncu $which rc=$? $((SECONDS-T0)) s"; python3 tools/ncu_table.py time /tmp/ncu-$which.csv | head -8
+    ncu_kernels $which $bin 'select_kernel|logits_kernel|estimate_kernel|gather_kernel|attend|combine' 180
   done
   # One launch each of the step's kernels under ncu's sections (where the
   # time goes inside them: throughput, occupancy, stalls), for the next
