@@ -18,6 +18,8 @@
 # copy against WKV_VALUE_SUM16=0, the estimate at the caller's priority);
 # PHASE=time's are the next experiment's (the register bounds); edit them
 # for the change at hand.
+# PHASE=quick: the least that says whether the staged logits pay (about
+# 300 s): the A/B against main's logits, the lookup tests, ncu of the logits.
 # PHASE=land: what landing the pending changes needs when the budget
 # allows one call (docs/wip/README.md): every target, the variants' benches,
 # one A/B round, ncu of the logits, the GPU suite, memcheck of the lookup
@@ -81,7 +83,25 @@ ncu_kernels() {
 export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 
-if [ "$PHASE" = land ]; then
+if [ "$PHASE" = quick ]; then
+  # The least that says whether the staged logits pay, for a call of about
+  # 300 s: the tree's bench and lookup tests, main's logits' bench beside
+  # (reg); two A/B rounds; the lookup tests; ncu of the logits both ways.
+  (JOBS=10 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$? $((SECONDS-T0)) s") &
+  VAR_JOBS=6 variant reg "-DWKV_LOGITS_STAGED=0" &
+  wait; grep -hE "error" -A3 /tmp/build-*.txt | head -20
+  v=build-gpu/bin/gpu_serving_bench
+  [ "$(left)" -gt 100 ] && WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=40 tools/gpu-ab.sh '' "BENCH=build-var-reg/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  echo "ab $((SECONDS-T0)) s"
+  pack
+  [ "$(left)" -gt 30 ] && { timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt; }
+  pack
+  for which in cur reg; do
+    [ "$(left)" -gt 40 ] || break
+    bin=$v; [ $which = cur ] || bin=build-var-$which/$v
+    WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ncu_kernels $which $bin 'logits_kernel' 24
+  done
+elif [ "$PHASE" = land ]; then
   # What landing the pending changes needs, in one call: every target of
   # the tree and the variants' benches; one A/B round (the tree and main's
   # logits twice each); ncu's times of the logits and the select, both
