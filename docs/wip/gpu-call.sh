@@ -91,7 +91,7 @@ if [ "$PHASE" = quick ]; then
   VAR_JOBS=6 variant reg "-DWKV_LOGITS_STAGED=0" &
   wait; grep -hE "error" -A3 /tmp/build-*.txt | head -20
   v=build-gpu/bin/gpu_serving_bench
-  [ "$(left)" -gt 100 ] && WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=40 tools/gpu-ab.sh '' "BENCH=build-var-reg/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  [ "$(left)" -gt 100 ] && WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=60 tools/gpu-ab.sh '' "BENCH=build-var-reg/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
   echo "ab $((SECONDS-T0)) s"
   pack
   [ "$(left)" -gt 30 ] && { timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt; }
