@@ -79,7 +79,9 @@ constexpr uint32_t kSelectWarps = kSelectThreads / 32;
 // CTAs a run's selection is split over, at most (one cluster); over 8, a
 // non-portable cluster size where the device allows it (WKV_SELECT_MAX_SPLIT
 // at configure, 16: an A/B of the select over every multiprocessor at
-// batch 1).
+// batch 1, not a setting: a cluster of 16 CTAs of 1024 threads needs 16 idle
+// multiprocessors of one GPC, which select_split does not ask the occupancy
+// API for, and a launch refused for it falls back to one CTA a run).
 #ifdef WKV_SELECT_MAX_SPLIT
 constexpr uint32_t kSelectMaxSplit = WKV_SELECT_MAX_SPLIT;
 #else
@@ -449,9 +451,11 @@ __global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel
   if (c16 && *reinterpret_cast<const uint32_t *>(c16) == 0) {
     const uint8_t *rows = c16 + kMeta16Header;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if (staged && reinterpret_cast<uintptr_t>(rows) % 16 == 0) {  // uniform over the CTA
-      logits_tile_staged<D>(rows, C, c0, G, scale, qs, fs, spread, lg, logit_stage);
-      return;
+    if constexpr (kLogitsStaged) {  // compiled out for the register path's A/B
+      if (staged && reinterpret_cast<uintptr_t>(rows) % 16 == 0) {  // uniform over the CTA
+        logits_tile_staged<D>(rows, C, c0, G, scale, qs, fs, spread, lg, logit_stage);
+        return;
+      }
     }
 #endif
     logits_tile<D, true>(rows, C, c0, G, scale, qs, fs, spread, lg);
@@ -1388,16 +1392,18 @@ __global__ void __launch_bounds__(kOffsetThreads) offsets_kernel(const uint32_t 
   signal_step_end(mark);
 }
 
-// Whether fn was compiled for sm_90 or later (not JIT-compiled from older
-// PTX), so that thread-block clusters work in it.
-bool built_for_clusters(const void *fn) {
+// Whether fn was compiled for the architecture `arch` (80 for sm_80) or
+// later, not JIT-compiled from older PTX: clusters need 90 (built_for_clusters),
+// cp.async 80.
+bool built_for(const void *fn, int arch) {
   cudaFuncAttributes fa{};
   if (cudaFuncGetAttributes(&fa, fn) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
-  return fa.ptxVersion >= 90;
+  return fa.ptxVersion >= arch;
 }
+bool built_for_clusters(const void *fn) { return built_for(fn, 90); }
 
 // select_kernel's dynamic shared memory for slices of up to `cap` clusters:
 // a key and a class byte each.
@@ -1506,12 +1512,14 @@ cudaError_t select_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
   if (R > 0 && max_clusters > 0) {
     // 1. Logits.
     const uint32_t tiles = (max_clusters + kLogitTile - 1) / kLogitTile;
+    // Staged where the kernel was built for sm_80 or later (cp.async; the
+    // buffers' 64 KB would pass an older device's limit at some D).
+    static const bool staged = kLogitsStaged && built_for(reinterpret_cast<const void *>(logits_kernel<D>), 80);
     static std::atomic<uint64_t> logits_smem_set{0};
-    if (kLogitsStaged)
+    if (staged)
       WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(logits_kernel<D>), kLogitStagedSmem, &logits_smem_set));
-    WKV_CUDA_TRY(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads),
-                            kLogitsStaged ? kLogitStagedSmem : 0u, s, 1, runs, G, scale, q, out.logits,
-                            kLogitsStaged));
+    WKV_CUDA_TRY(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), staged ? kLogitStagedSmem : 0u, s,
+                            1, runs, G, scale, q, out.logits, staged));
   }
   if (R == 0) return ctas ? offsets_launch(out, 0, StepMark{}, s) : cudaSuccess;
   // 2. Scores and selection: each run split over a cluster of CTAs while
