@@ -80,6 +80,26 @@ ncu_kernels() {
     --launch-skip 400 --launch-count "$4" "$2" 1048576 1 80 4 > /tmp/ncu-$1.csv 2>/dev/null
   echo "ncu $1 rc=$? $((SECONDS-T0)) s"; python3 tools/ncu_table.py time /tmp/ncu-$1.csv | head -8
 }
+# ab ROUNDS NEED SETTING...: tools/gpu-ab.sh's rounds of the settings at
+# 1M, batch 1, 8-bit pages, a 20% device cache, where NEED s are left.
+ab() {
+  local rounds=$1 need=$2
+  shift 2
+  [ "$(left)" -gt "$need" ] && WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ROUNDS=$rounds OUT=/tmp/ab \
+    BENCH_TIMEOUT=${BENCH_TIMEOUT:-60} tools/gpu-ab.sh "$@" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  echo "ab $((SECONDS-T0)) s"
+}
+# ncu_of NEED REGEX COUNT NAME...: ncu_kernels of each build (cur: the
+# tree's; else build-var-NAME's) while NEED s are left.
+ncu_of() {
+  local need=$1 regex=$2 count=$3 which bin
+  shift 3
+  for which in "$@"; do
+    [ "$(left)" -gt "$need" ] || break
+    bin=build-gpu/bin/gpu_serving_bench; [ "$which" = cur ] || bin=build-var-$which/$bin
+    WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ncu_kernels "$which" "$bin" "$regex" "$count"
+  done
+}
 export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 
@@ -91,16 +111,11 @@ if [ "$PHASE" = quick ]; then
   VAR_JOBS=6 variant reg "-DWKV_LOGITS_STAGED=0" &
   wait; grep -hE "error" -A3 /tmp/build-*.txt | head -20
   v=build-gpu/bin/gpu_serving_bench
-  [ "$(left)" -gt 100 ] && WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=60 tools/gpu-ab.sh '' "BENCH=build-var-reg/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
-  echo "ab $((SECONDS-T0)) s"
+  ab 2 100 '' "BENCH=build-var-reg/$v"
   pack
   [ "$(left)" -gt 30 ] && { timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt; }
   pack
-  for which in cur reg; do
-    [ "$(left)" -gt 40 ] || break
-    bin=$v; [ $which = cur ] || bin=build-var-$which/$v
-    WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ncu_kernels $which $bin 'logits_kernel' 24
-  done
+  ncu_of 40 'logits_kernel' 24 cur reg
 elif [ "$PHASE" = land ]; then
   # What landing the pending changes needs, in one call: every target of
   # the tree and the variants' benches; one A/B round (the tree and main's
@@ -112,16 +127,11 @@ elif [ "$PHASE" = land ]; then
   VAR_JOBS=2 variant s16 "-DWKV_SELECT_MAX_SPLIT=16" &
   wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
   v=build-gpu/bin/gpu_serving_bench
-  [ "$(left)" -gt 200 ] && WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ROUNDS=1 OUT=/tmp/ab BENCH_TIMEOUT=60 tools/gpu-ab.sh '' "BENCH=build-var-reg/$v" "BENCH=build-var-e128g3/$v" "BENCH=build-var-s16/$v" '' "BENCH=build-var-reg/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
-  echo "ab $((SECONDS-T0)) s"
+  ab 1 200 '' "BENCH=build-var-reg/$v" "BENCH=build-var-e128g3/$v" "BENCH=build-var-s16/$v" '' "BENCH=build-var-reg/$v"
   pack
   gpu_suite 60
   pack
-  for which in cur reg; do
-    [ "$(left)" -gt 60 ] || break
-    bin=$v; [ $which = cur ] || bin=build-var-$which/$v
-    WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ncu_kernels $which $bin 'logits_kernel|select_kernel' 40
-  done
+  ncu_of 60 'logits_kernel|select_kernel' 40 cur reg
   pack
   sanitize_lookup memcheck
 elif [ "$PHASE" = one ]; then
@@ -131,8 +141,7 @@ elif [ "$PHASE" = one ]; then
   # patches is the eighth session's), the GPU suite, then memcheck of the
   # lookup tests with the time left.
   build_all
-  [ "$(left)" -gt 250 ] && WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ROUNDS=1 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh '' 'WKV_VALUE_SUM16=0' '' 'WKV_VALUE_SUM16=0' 'WKV_DECODE_SIDE_LEVELS=9' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
-  echo "ab $((SECONDS-T0)) s"
+  BENCH_TIMEOUT=80 ab 1 250 '' 'WKV_VALUE_SUM16=0' '' 'WKV_VALUE_SUM16=0' 'WKV_DECODE_SIDE_LEVELS=9
   pack
   gpu_suite 30
   pack
@@ -155,23 +164,16 @@ elif [ "$PHASE" = time ]; then
   variant e128g3 "-DWKV_ESTIMATE_THREADS=128 -DWKV_GATHER_MIN_CTAS=3" &
   variant s16 "-DWKV_SELECT_MAX_SPLIT=16" &
   wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
-  export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
   v=build-gpu/bin/gpu_serving_bench
-  [ "$(left)" -gt 200 ] && ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh '' "BENCH=build-var-reg/$v" "BENCH=build-var-g3/$v" "BENCH=build-var-e128g3/$v" "BENCH=build-var-s16/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
-  echo "ab $((SECONDS-T0)) s"
+  BENCH_TIMEOUT=80 ab 2 200 '' "BENCH=build-var-reg/$v" "BENCH=build-var-g3/$v" "BENCH=build-var-e128g3/$v" "BENCH=build-var-s16/$v"
   pack
   # The tests read no WKV_* variable.
-  unset WKV_PAGE_FORMAT WKV_SERVING_CACHE_FRACTION
   [ "$(left)" -gt 60 ] && { timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt; }
   [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt; }
   [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_batch --gtest_brief=1 > /tmp/batch-tests.txt 2>&1; t gpu_batch $? /tmp/batch-tests.txt; }
-  export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
   # ncu: the step's kernels of the tree and of main's logits.
-  for which in cur reg; do
-    [ "$(left)" -gt 110 ] || break
-    bin=build-gpu/bin/gpu_serving_bench; [ $which = cur ] || bin=build-var-$which/$bin
-    ncu_kernels $which $bin 'select_kernel|logits_kernel|estimate_kernel|gather_kernel|attend|combine' 180
-  done
+  ncu_of 110 'select_kernel|logits_kernel|estimate_kernel|gather_kernel|attend|combine' 180 cur reg
+  export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
   # One launch each of the step's kernels under ncu's sections (where the
   # time goes inside them: throughput, occupancy, stalls), for the next
   # kernel work; the text is in the logs.
