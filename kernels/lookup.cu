@@ -79,9 +79,10 @@ constexpr uint32_t kSelectWarps = kSelectThreads / 32;
 // CTAs a run's selection is split over, at most (one cluster); over 8, a
 // non-portable cluster size where the device allows it (WKV_SELECT_MAX_SPLIT
 // at configure, 16: an A/B of the select over every multiprocessor at
-// batch 1, not a setting: a cluster of 16 CTAs of 1024 threads needs 16 idle
-// multiprocessors of one GPC, which select_split does not ask the occupancy
-// API for, and a launch refused for it falls back to one CTA a run).
+// batch 1, not a setting: a cluster of 16 CTAs of 1024 threads needs 16
+// multiprocessors of one GPC; select_split takes 16 only where the occupancy
+// API says every run's cluster fits at once, and a launch refused all the
+// same falls back to one CTA a run, as one of 8 does).
 #ifdef WKV_SELECT_MAX_SPLIT
 constexpr uint32_t kSelectMaxSplit = WKV_SELECT_MAX_SPLIT;
 #else
@@ -1485,14 +1486,58 @@ cudaError_t launch_estimate(const DevRun *runs, uint32_t R, uint32_t G, const De
 
 }  // namespace
 
+// How many clusters of `split` select CTAs (each with the largest slice's
+// shared memory) the current device holds at once: the occupancy API's
+// answer, asked once per device and split; 0 where it refuses.
+uint32_t select_clusters_resident(uint32_t split) {
+  static std::atomic<int32_t> known[64][5];  // [device][log2 split]: the answer + 1; 0 unknown
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  uint32_t lg = 0;
+  while ((1u << lg) < split && lg < 4) ++lg;
+  int32_t v = known[dev][lg].load(std::memory_order_relaxed);
+  if (v == 0) {
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = split;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(split);
+    cfg.blockDim = dim3(kSelectThreads);
+    cfg.dynamicSmemBytes = select_smem(kLookupSmemClusters);
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    static std::atomic<uint64_t> smem_set{0};  // the query needs the launch's shared memory allowed
+    int n = 0;
+    if (ensure_smem(reinterpret_cast<const void *>(select_kernel), cfg.dynamicSmemBytes, &smem_set) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, select_kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();
+      n = 0;
+    }
+    v = n + 1;
+    known[dev][lg].store(v, std::memory_order_relaxed);
+  }
+  return static_cast<uint32_t>(v - 1);
+}
+
 uint32_t select_split(uint32_t R, uint32_t clusters) {
   static const bool split_ok = built_for_clusters(reinterpret_cast<const void *>(select_kernel));
   static std::atomic<uint64_t> wide_set{0}, wide_refused{0};
   uint32_t split = 1;
   if (split_ok) {
     const uint32_t sms = multiprocessors();
+    // Past 8 (a non-portable cluster size, WKV_SELECT_MAX_SPLIT), only where
+    // the device allows it and holds all R runs' clusters at once (a
+    // cluster of 16 CTAs of 1024 threads takes 16 multiprocessors of one
+    // GPC), so that the select stays one wave.
     while (split < kSelectMaxSplit && R * split * 2 <= sms && clusters / (2 * split) >= kSelectMinSlice &&
-           (split < 8 || allow_wide_clusters(reinterpret_cast<const void *>(select_kernel), &wide_set, &wide_refused)))
+           (split < 8 ||
+            (allow_wide_clusters(reinterpret_cast<const void *>(select_kernel), &wide_set, &wide_refused) &&
+             select_clusters_resident(split * 2) >= R)))
       split *= 2;
   }
   return split;
