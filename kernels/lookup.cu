@@ -1524,20 +1524,39 @@ uint32_t select_clusters_resident(uint32_t split) {
   return static_cast<uint32_t>(v - 1);
 }
 
+namespace {
+// Devices on which a split select's launch was refused (a device shared by
+// limit, MIG or MPS, where the occupancy API promised a cluster and the
+// launch found no room): their selections are not split again.
+std::atomic<uint64_t> select_split_refused{0};
+
+uint64_t current_device_bit() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return uint64_t(1) << dev;
+}
+}  // namespace
+
 uint32_t select_split(uint32_t R, uint32_t clusters) {
   static const bool split_ok = built_for_clusters(reinterpret_cast<const void *>(select_kernel));
   static std::atomic<uint64_t> wide_set{0}, wide_refused{0};
   uint32_t split = 1;
-  if (split_ok) {
+  const uint64_t bit = current_device_bit();
+  if (split_ok && bit != 0 && !(select_split_refused.load(std::memory_order_relaxed) & bit)) {
     const uint32_t sms = multiprocessors();
-    // Past 8 (a non-portable cluster size, WKV_SELECT_MAX_SPLIT), only where
-    // the device allows it and holds all R runs' clusters at once (a
-    // cluster of 16 CTAs of 1024 threads takes 16 multiprocessors of one
-    // GPC), so that the select stays one wave.
+    // A split only where the device holds one cluster of it at all; past 8
+    // (a non-portable cluster size, WKV_SELECT_MAX_SPLIT), only where the
+    // device allows it and holds all R runs' clusters at once (a cluster
+    // of 16 CTAs of 1024 threads takes 16 multiprocessors of one GPC), so
+    // that the select stays one wave. What this returns is what
+    // select_impl launches: a decode graph's key holds it.
     while (split < kSelectMaxSplit && R * split * 2 <= sms && clusters / (2 * split) >= kSelectMinSlice &&
-           (split < 8 ||
-            (allow_wide_clusters(reinterpret_cast<const void *>(select_kernel), &wide_set, &wide_refused) &&
-             select_clusters_resident(split * 2) >= R)))
+           (split < 8 ? select_clusters_resident(split * 2) >= 1
+                      : allow_wide_clusters(reinterpret_cast<const void *>(select_kernel), &wide_set, &wide_refused) &&
+                            select_clusters_resident(split * 2) >= R))
       split *= 2;
   }
   return split;
@@ -1578,8 +1597,11 @@ cudaError_t select_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
   cudaError_t err = launch_pdl(select_kernel, dim3(R * split), dim3(kSelectThreads), select_smem(cap), s, split,
                                runs, G, out, scores, cap, split, ctas);
   if (err == cudaErrorInvalidClusterSize && split > 1) {
-    // No room for the cluster (a device shared by limit): one CTA a run.
+    // No room for the cluster although the occupancy API held one (a device
+    // shared by limit): one CTA a run, now and from now on on this device,
+    // so that select_split (a decode graph's key) says what runs.
     (void)cudaGetLastError();
+    select_split_refused.fetch_or(current_device_bit(), std::memory_order_relaxed);
     const uint32_t cap1 = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
     err = launch_pdl(select_kernel, dim3(R), dim3(kSelectThreads), select_smem(cap1), s, 1, runs, G, out, scores,
                      cap1, 1u, ctas);

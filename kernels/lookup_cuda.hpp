@@ -90,7 +90,9 @@ cudaError_t lookup_select(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d
 cudaError_t lookup_estimate(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, const DevLookup &out,
                             void *stream);
 
-// The CTAs a selection of R runs of up to `clusters` clusters is split over.
+// The CTAs a selection of R runs of up to `clusters` clusters is split over:
+// what the lookup launches, a split taken only where the device holds such
+// a cluster (1 from then on where a split launch was refused on it).
 uint32_t select_split(uint32_t R, uint32_t clusters);
 
 }  // namespace wkv::kernels
