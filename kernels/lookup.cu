@@ -275,21 +275,40 @@ __device__ __forceinline__ void load_query_slice(const float *qs, uint32_t G, ui
     }
 }
 
+// The four int8 components of w, exactly, as f32: each byte biased to
+// unsigned is placed under the exponent of 2^23 (one byte permute) and the
+// bias taken off (one exact add), which the FP32 pipes do at full rate where
+// an int-to-float conversion runs at a sixteenth of it.
+__device__ __forceinline__ void int8x4_to_float(uint32_t w, float (&x)[4]) {
+  const uint32_t u = w ^ 0x80808080u;  // x + 128 in each byte
+#pragma unroll
+  for (uint32_t e = 0; e < 4; ++e)
+    x[e] = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7650u | e)) - 8388736.0f;  // 2^23 + 128
+}
+
 // Cluster c's logits for heads h0 .. h0 + HP - 1 from the group's slices
-// of its row (raw, this lane's; f16 when kHalf, else f32): the lanes' dot
-// products summed by shuffles (every lane of the warp calls it), then lane
-// `part` writes head h0 + part where `valid`.
-template <uint32_t NW, uint32_t HP, bool kHalf, uint32_t S>
+// of its row (raw, this lane's; EB bytes an element: 1 int8, scaled by
+// row_scale, 2 f16, 4 f32): the lanes' dot products summed by shuffles
+// (every lane of the warp calls it), then lane `part` writes head h0 +
+// part where `valid`.
+template <uint32_t NW, uint32_t HP, uint32_t EB, uint32_t S>
 __device__ __forceinline__ void logit_row(const uint32_t (&raw)[NW], const float (&qr)[HP][S], uint32_t part,
                                           uint32_t h0, uint32_t G, uint32_t C, uint32_t c, bool valid, float scale,
                                           const float *fs, const float *__restrict__ spread,
-                                          float *__restrict__ lg) {
+                                          float *__restrict__ lg, float row_scale = 1.0f) {
   float acc[HP];
 #pragma unroll
   for (uint32_t h = 0; h < HP; ++h) acc[h] = 0.f;
 #pragma unroll
   for (uint32_t w = 0; w < NW; ++w) {
-    if constexpr (kHalf) {
+    if constexpr (EB == 1) {
+      float x[4];
+      int8x4_to_float(raw[w], x);
+#pragma unroll
+      for (uint32_t h = 0; h < HP; ++h)
+#pragma unroll
+        for (uint32_t e = 0; e < 4; ++e) acc[h] = fmaf(qr[h][4 * w + e], x[e], acc[h]);
+    } else if constexpr (EB == 2) {
       const float2 x = __half22float2(*reinterpret_cast<const __half2 *>(&raw[w]));
 #pragma unroll
       for (uint32_t h = 0; h < HP; ++h) {
@@ -311,19 +330,21 @@ __device__ __forceinline__ void logit_row(const uint32_t (&raw)[NW], const float
     float v = acc[0];
 #pragma unroll
     for (uint32_t h = 1; h < HP; ++h) v = part == h ? acc[h] : v;
+    if constexpr (EB == 1) v *= row_scale;  // as score_clusters_q8: (dot x row scale) x scale
     lg[static_cast<size_t>(g) * C + c] = spread ? v * scale + fs[g] * spread[c] : v * scale;
   }
 }
 
 // One CTA's tile: clusters [c0, c0 + kLogitTile) of a run, from `rows`
-// (f16 when kHalf, else f32; [clusters][D]). qs: the run's queries [G][D];
-// fs: the spread factors, read where spread is not null.
-template <uint32_t D, bool kHalf>
+// ([clusters][D], EB bytes an element: 1 int8 with a scale a row at
+// row_scale, 2 f16, 4 f32). qs: the run's queries [G][D]; fs: the spread
+// factors, read where spread is not null.
+template <uint32_t D, uint32_t EB>
 __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, uint32_t C, uint32_t c0, uint32_t G,
                                             float scale, const float *qs, const float *fs,
-                                            const float *__restrict__ spread, float *__restrict__ lg) {
+                                            const float *__restrict__ spread, float *__restrict__ lg,
+                                            const float *__restrict__ row_scale = nullptr) {
   constexpr uint32_t S = D / kLogitParts;        // dimensions a lane holds
-  constexpr uint32_t EB = kHalf ? 2 : 4;         // bytes an element
   constexpr uint32_t NW = S * EB / 4;            // 32-bit words a slice
   constexpr uint32_t HP = D <= 128 ? 4 : 2;      // query heads a pass (registers)
   const uint32_t part = threadIdx.x % kLogitParts, slot = threadIdx.x / kLogitParts;
@@ -334,38 +355,45 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
     // that 2 kLogitBatch rows a group are in flight.
     constexpr uint32_t kRounds = kLogitTile / kLogitSlots;
     static_assert(kRounds % kLogitBatch == 0, "a tile is whole batches");
-    auto load_batch = [&](uint32_t k, uint32_t (&raw)[kLogitBatch][NW]) {
+    // With 8-bit rows each row's scale travels with its bytes (rs).
+    auto load_batch = [&](uint32_t k, uint32_t (&raw)[kLogitBatch][NW], float (&rs)[kLogitBatch]) {
 #pragma unroll
       for (uint32_t b = 0; b < kLogitBatch; ++b) {
         const uint32_t c = c0 + slot + (k + b) * kLogitSlots;
         if (c < C) {
           load_slice<S * EB>(rows + static_cast<size_t>(c) * D * EB, part, raw[b]);
+          if constexpr (EB == 1) rs[b] = __ldg(row_scale + c);
         } else {
 #pragma unroll
           for (uint32_t w = 0; w < NW; ++w) raw[b][w] = 0u;
+          rs[b] = 0.0f;
         }
       }
     };
     uint32_t next[kLogitBatch][NW];
-    load_batch(0, next);
+    float next_rs[kLogitBatch];
+    load_batch(0, next, next_rs);
     for (uint32_t k = 0; k < kRounds; k += kLogitBatch) {
       uint32_t raw[kLogitBatch][NW];
+      float rs[kLogitBatch];
 #pragma unroll
-      for (uint32_t b = 0; b < kLogitBatch; ++b)
+      for (uint32_t b = 0; b < kLogitBatch; ++b) {
+        rs[b] = next_rs[b];
 #pragma unroll
         for (uint32_t w = 0; w < NW; ++w) raw[b][w] = next[b][w];
-      if (k + kLogitBatch < kRounds) load_batch(k + kLogitBatch, next);
+      }
+      if (k + kLogitBatch < kRounds) load_batch(k + kLogitBatch, next, next_rs);
 #pragma unroll
       for (uint32_t b = 0; b < kLogitBatch; ++b) {
         const uint32_t c = c0 + slot + (k + b) * kLogitSlots;
-        logit_row<NW, HP, kHalf>(raw[b], qr, part, h0, G, C, c, c < C, scale, fs, spread, lg);
+        logit_row<NW, HP, EB>(raw[b], qr, part, h0, G, C, c, c < C, scale, fs, spread, lg, rs[b]);
       }
     }
   }
 }
 
 // The staged tile (f16 rows, sm_90 builds): the same logits as
-// logits_tile<D, true>, the tile's rows streamed through kLogitStages
+// logits_tile<D, 2>, the tile's rows streamed through kLogitStages
 // buffers of shared memory (`stage`, kLogitStagedSmem bytes, 16-byte
 // aligned) by cp.async, so that the bytes in flight are not registers' (the
 // register path keeps two batches of rows a group in flight and read 58% of
@@ -410,8 +438,7 @@ __device__ __forceinline__ void logits_tile_staged(const uint8_t *__restrict__ r
         // Rows past the tile's end hold stale bytes: read, never written.
         uint32_t raw[NW];
         load_slice<S * 2, true>(buf + i * RB, part, raw);
-        logit_row<NW, HP, true>(raw, qr, part, h0, G, C, c0 + first + i, first + i < n_rows, scale, fs, spread,
-                                lg);
+        logit_row<NW, HP, 2>(raw, qr, part, h0, G, C, c0 + first + i, first + i < n_rows, scale, fs, spread, lg);
       }
       __syncthreads();  // buffer k % NS is written again in round k + 1
     }
@@ -419,10 +446,12 @@ __device__ __forceinline__ void logits_tile_staged(const uint8_t *__restrict__ r
 }
 
 // Grid (tiles of kLogitTile clusters, R): the logits [G][clusters] of each
-// run, from the centroids' f16 copy where the run has one and every
-// centroid fits (half the bytes), else from the f32 centroids. With
-// `staged` (and kLogitStagedSmem bytes of dynamic shared memory) the f16
-// rows go through shared memory (logits_tile_staged).
+// run, from the centroids' 8-bit copy where the run has one and every row is
+// finite (a quarter of the f32 bytes, and a scale a row), else from their
+// f16 copy where the run has one and every centroid fits (half the bytes),
+// else from the f32 centroids. With `staged` (and kLogitStagedSmem bytes of
+// dynamic shared memory) f16 rows go through shared memory
+// (logits_tile_staged).
 template <uint32_t D>
 __global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel(const DevRun *__restrict__ runs, uint32_t G,
                                                                float scale, const float *__restrict__ q,
@@ -448,8 +477,12 @@ __global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel
   }
   if (spread) __syncthreads();
   float *lg = logits + runs[r].scratch_off;
+  const uint8_t *c8 = runs[r].centroid8;
   const uint8_t *c16 = runs[r].centroid16;
-  if (c16 && *reinterpret_cast<const uint32_t *>(c16) == 0) {
+  if (D % 32 == 0 && c8 && *reinterpret_cast<const uint32_t *>(c8) == 0) {  // whole words a lane's slice
+    if constexpr (D % 32 == 0)
+      logits_tile<D, 1>(c8 + kMeta16Header, C, c0, G, scale, qs, fs, spread, lg, runs[r].centroid8_scale);
+  } else if (c16 && *reinterpret_cast<const uint32_t *>(c16) == 0) {
     const uint8_t *rows = c16 + kMeta16Header;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     if constexpr (kLogitsStaged) {  // compiled out for the register path's A/B
@@ -459,9 +492,10 @@ __global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel
       }
     }
 #endif
-    logits_tile<D, true>(rows, C, c0, G, scale, qs, fs, spread, lg);
-  } else
-    logits_tile<D, false>(reinterpret_cast<const uint8_t *>(runs[r].centroid), C, c0, G, scale, qs, fs, spread, lg);
+    logits_tile<D, 2>(rows, C, c0, G, scale, qs, fs, spread, lg);
+  } else {
+    logits_tile<D, 4>(reinterpret_cast<const uint8_t *>(runs[r].centroid), C, c0, G, scale, qs, fs, spread, lg);
+  }
 }
 
 // 2. Scores, selection, ret_pos, run_tokens ---------------------------------

@@ -184,21 +184,41 @@ std::map<std::vector<uint8_t>, std::vector<std::vector<uint8_t>>> clusters_of(co
 // The same input gives the same cuts, the same seeds and, but for near-ties
 // of f16 dot products summed in another order, the same clusters; decoding
 // agrees at the default budget. The measured agreement is printed.
-// The device's f16 copies of a head's centroids and value sums, which the
-// logits and the estimate read: their overflow words clear and every row
-// the f32 row rounded to f16.
+// The device's compact copies of a head's centroids and value sums, which
+// the logits and the estimate read: their overflow words clear, every
+// centroid row quantize_row's bytes and scale of the f32 row (8-bit logit
+// rows, the default), every value sum row the f32 row rounded to f16.
 void expect_meta16(const wkv::HeadState &hs) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const size_t n = size_t(hs.clusters()) * kD;
+  const size_t C = hs.clusters(), n = C * kD;
   ASSERT_GT(n, 0u);
-  for (auto [copy, rows, what] : {std::tuple{&hs.meta.centroid16, &hs.meta.centroid, "centroid"},
-                                  std::tuple{&hs.meta.value_sum16, &hs.meta.value_sum, "value sum"}}) {
-    SCOPED_TRACE(what);
-    ASSERT_NE(copy->p, nullptr) << "a CUDA engine with f16 storage keeps the copy";
+  EXPECT_EQ(hs.meta.centroid16.p, nullptr) << "8-bit logit rows by default: no f16 centroid copy";
+  {
+    SCOPED_TRACE("centroid");
+    ASSERT_NE(hs.meta.centroid8.p, nullptr) << "a CUDA engine with f16 storage keeps the copy";
+    ASSERT_NE(hs.meta.centroid8_scale.p, nullptr);
+    std::vector<uint8_t> raw(wkv::kernels::kMeta16Header + n);
+    std::vector<float> f32(n), scales(C);
+    ASSERT_EQ(cudaMemcpy(raw.data(), hs.meta.centroid8.p, raw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(scales.data(), hs.meta.centroid8_scale.p, C * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(f32.data(), hs.meta.centroid.p, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    uint32_t overflow;
+    std::memcpy(&overflow, raw.data(), 4);
+    EXPECT_EQ(overflow, 0u);
+    std::vector<int8_t> want(n);
+    std::vector<float> want_scales(C);
+    for (size_t c = 0; c < C; ++c) wkv::quantize_row(f32.data() + c * kD, kD, want.data() + c * kD, &want_scales[c]);
+    EXPECT_EQ(std::memcmp(want.data(), raw.data() + wkv::kernels::kMeta16Header, n), 0)
+        << "the copy holds every cluster's row, the CPU's bytes";
+    EXPECT_EQ(std::memcmp(want_scales.data(), scales.data(), C * 4), 0) << "and its scale";
+  }
+  {
+    SCOPED_TRACE("value sum");
+    ASSERT_NE(hs.meta.value_sum16.p, nullptr) << "a CUDA engine with f16 storage keeps the copy";
     std::vector<uint8_t> raw(wkv::kernels::kMeta16Header + n * 2);
     std::vector<float> f32(n);
-    ASSERT_EQ(cudaMemcpy(raw.data(), copy->p, raw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(f32.data(), rows->p, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(raw.data(), hs.meta.value_sum16.p, raw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(f32.data(), hs.meta.value_sum.p, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
     uint32_t overflow;
     std::memcpy(&overflow, raw.data(), 4);
     EXPECT_EQ(overflow, 0u);
@@ -268,11 +288,11 @@ TEST(GpuHeadState, ValueSumsPastF16RangeAreEstimatedFromF32) {
   for (uint32_t h = 0; h < kKV; ++h) {
     const wkv::HeadState &hs = sg->layer(0).heads[h];
     uint32_t centroids = 1, values = 0;
-    ASSERT_NE(hs.meta.centroid16.p, nullptr);
+    ASSERT_NE(hs.meta.centroid8.p, nullptr);
     ASSERT_NE(hs.meta.value_sum16.p, nullptr);
-    ASSERT_EQ(cudaMemcpy(&centroids, hs.meta.centroid16.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(&centroids, hs.meta.centroid8.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(&values, hs.meta.value_sum16.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_EQ(centroids, 0u) << "head " << h << ": the centroids fit f16";
+    EXPECT_EQ(centroids, 0u) << "head " << h << ": the centroids' rows are finite";
     EXPECT_NE(values, 0u) << "head " << h << ": some value sum does not";
   }
   auto centered = [&](std::vector<float> o) {

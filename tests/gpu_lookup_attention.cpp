@@ -158,6 +158,13 @@ struct LookupSpec {
   // has its own overflow word: sums grow with a cluster's size, so theirs
   // may be set while the centroids' is clear).
   std::optional<Meta16> meta16_values;
+  // The centroids' 8-bit copy (DevRun::centroid8, centroid8_scale; d a
+  // multiple of 32), read before the f16 one: kNarrow the copy, centroids
+  // drawn as its dequantized rows and the f32 array poisoned (so only the
+  // copy gives the right logits, the f16 copy then best flagged);
+  // kOverflowed the copy flagged, its rows zero and its scales NaN, so that
+  // only the f16 copy or the f32 array does. None where unset.
+  std::optional<Meta16> meta8;
   uint64_t seed = 1;
   // The offsets by their own kernel (a mark without a CTA counter) rather
   // than by the estimate's last CTA, as the engine has them.
@@ -261,6 +268,35 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   std::vector<float> q(static_cast<size_t>(R) * G * d);
   for (float &x : q) x = normal(rng);
 
+  // The 8-bit copy of the centroids: per run kMeta16Header bytes (the
+  // overflow word first), then its rows [C][d]; the scales beside, [C] a
+  // run. With kNarrow the centroids become the copy's dequantized rows.
+  std::vector<int8_t> meta8;
+  std::vector<float> scale8;
+  std::vector<size_t> meta8_off(R), scale8_off(R);
+  if (spec.meta8) {
+    for (uint32_t r = 0; r < R; ++r) {
+      meta8_off[r] = meta8.size();
+      meta8.resize(meta8.size() + kMeta16Header, 0);
+      if (*spec.meta8 == LookupSpec::kOverflowed) meta8[meta8_off[r]] = 1;
+      scale8_off[r] = scale8.size();
+      for (uint32_t c = 0; c < hr[r].C; ++c) {
+        float *row = centroid.data() + hr[r].meta_off + size_t(c) * d;
+        std::vector<int8_t> qrow(d);
+        float s = 0.f;
+        quantize_row(row, d, qrow.data(), &s);
+        if (*spec.meta8 == LookupSpec::kNarrow) {
+          for (uint32_t i = 0; i < d; ++i) row[i] = static_cast<float>(qrow[i]) * s;
+        } else {
+          std::fill(qrow.begin(), qrow.end(), int8_t{0});
+          s = std::numeric_limits<float>::quiet_NaN();
+        }
+        meta8.insert(meta8.end(), qrow.begin(), qrow.end());
+        scale8.push_back(s);
+      }
+    }
+  }
+
   // The f16 copies of the centroids and of the value sums: per run
   // kMeta16Header bytes (the overflow word first), then its rows.
   std::vector<size_t> meta16_off(R);
@@ -284,15 +320,20 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   const std::vector<uint16_t> meta16 = copy16(centroid, spec.meta16), value_sum16 = copy16(value_sum, values16);
   // NaN rows in place of the f32 arrays that a copy stands for.
   std::vector<float> poisoned;
-  if (spec.meta16 == LookupSpec::kNarrow || values16 == LookupSpec::kNarrow)
+  const bool centroids_copied = spec.meta16 == LookupSpec::kNarrow || spec.meta8 == LookupSpec::kNarrow;
+  if (centroids_copied || values16 == LookupSpec::kNarrow)
     poisoned.assign(centroid.size(), std::numeric_limits<float>::quiet_NaN());
 
   // 2. Device copies.
   DevArray<float> d_centroid, d_value_sum, d_spread, d_value_mean, d_q;
   DevArray<uint16_t> d_meta16, d_value_sum16;
+  DevArray<int8_t> d_meta8;
+  DevArray<float> d_scale8;
   DevArray<uint32_t> d_sizes;
-  CUDA_OK(d_centroid.upload(spec.meta16 == LookupSpec::kNarrow ? poisoned : centroid));
+  CUDA_OK(d_centroid.upload(centroids_copied ? poisoned : centroid));
   CUDA_OK(d_meta16.upload(meta16));
+  CUDA_OK(d_meta8.upload(meta8));
+  CUDA_OK(d_scale8.upload(scale8));
   CUDA_OK(d_value_sum16.upload(value_sum16));
   CUDA_OK(d_value_sum.upload(values16 == LookupSpec::kNarrow ? poisoned : value_sum));
   CUDA_OK(d_spread.upload(spread));
@@ -306,6 +347,8 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
     x.centroid = d_centroid.get() + hr[r].meta_off;
     x.value_sum = d_value_sum.get() + hr[r].meta_off;
     x.centroid16 = meta16.empty() ? nullptr : reinterpret_cast<const uint8_t *>(d_meta16.get() + meta16_off[r]);
+    x.centroid8 = meta8.empty() ? nullptr : reinterpret_cast<const uint8_t *>(d_meta8.get() + meta8_off[r]);
+    x.centroid8_scale = meta8.empty() ? nullptr : d_scale8.get() + scale8_off[r];
     x.value_sum16 =
         value_sum16.empty() ? nullptr : reinterpret_cast<const uint8_t *>(d_value_sum16.get() + meta16_off[r]);
     x.size = d_sizes.get() + hr[r].size_off;
@@ -625,6 +668,38 @@ TEST(LookupZones, TheF16MetaCopiesAreReadUnlessFlagged) {
       check_lookup(spec, true);
       if (HasFatalFailure()) return;
     }
+}
+
+// The logits read the centroids' 8-bit copy where a run has one and its
+// overflow word is clear, before the f16 copy; where it is set, the f16
+// copy (or the f32 array where that is flagged too). The arrays not to be
+// read are poisoned in each case.
+TEST(LookupZones, TheEightBitCentroidCopyIsReadUnlessFlagged) {
+  REQUIRE_GPU();
+  using M = LookupSpec::Meta16;
+  auto name = [](M m) { return m == LookupSpec::kNarrow ? std::string("copy") : std::string("flagged"); };
+  uint64_t seed = 1400;
+  for (uint32_t d : kDims) {
+    if (d % 32 != 0) continue;  // the engine keeps f16 rows there
+    for (auto [rows8, rows16] : {std::pair{LookupSpec::kNarrow, LookupSpec::kOverflowed},
+                                 std::pair{LookupSpec::kNarrow, LookupSpec::kF32Only},
+                                 std::pair{LookupSpec::kOverflowed, LookupSpec::kNarrow},
+                                 std::pair{LookupSpec::kOverflowed, LookupSpec::kOverflowed}}) {
+      SCOPED_TRACE("d=" + std::to_string(d) + ", 8-bit centroids " + name(rows8) + ", f16 centroids " +
+                   (rows16 == LookupSpec::kF32Only ? std::string("none") : name(rows16)));
+      LookupSpec spec;
+      spec.d = d;
+      spec.G = 4;
+      spec.seed = ++seed;
+      spec.spread = spec.ones = spec.tail = seed % 2;
+      spec.meta8 = rows8;
+      spec.meta16 = rows16;
+      spec.meta16_values = LookupSpec::kNarrow;
+      spec.clusters = mixed_clusters(seed, 3);
+      check_lookup(spec, true);
+      if (HasFatalFailure()) return;
+    }
+  }
 }
 
 TEST(LookupZones, SmallRunsMatchCpu) {

@@ -127,11 +127,15 @@ elif [ "$PHASE" = land ]; then
   VAR_JOBS=2 variant s16 "-DWKV_SELECT_MAX_SPLIT=16" &
   wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
   v=build-gpu/bin/gpu_serving_bench
-  ab 1 200 '' "BENCH=build-var-reg/$v" "BENCH=build-var-e128g3/$v" "BENCH=build-var-s16/$v" '' "BENCH=build-var-reg/$v"
+  # The tree (8-bit logit rows), its staged f16 rows (WKV_LOGIT_ROWS=16),
+  # main's logits (reg, f16 rows in registers), the variants (8-bit rows).
+  ab 1 200 '' 'WKV_LOGIT_ROWS=16' "BENCH=build-var-reg/$v WKV_LOGIT_ROWS=16" "BENCH=build-var-e128g3/$v" \
+    "BENCH=build-var-s16/$v" '' "BENCH=build-var-reg/$v WKV_LOGIT_ROWS=16"
   pack
   gpu_suite 60
   pack
-  ncu_of 60 'logits_kernel|select_kernel' 40 cur reg
+  ncu_of 60 'logits_kernel|select_kernel' 40 cur
+  WKV_LOGIT_ROWS=16 ncu_of 60 'logits_kernel|select_kernel' 40 reg
   pack
   sanitize_lookup memcheck
 elif [ "$PHASE" = one ]; then

@@ -166,13 +166,19 @@ void Engine::fill_stats(wkv_stats *out) {
   out->steady_bytes = counters_.steady_rows.load() * 2ull * cfg_.row_bytes();
   // Per cluster: centroid and value sum (f32), the spread, the mapping
   // table's three words (and on a device backend the mirror's three), and
-  // with a 16-bit storage dtype the two f16 copies the steps read:
-  // centroids and value means on a CPU engine (while they fit), centroids
-  // and value sums on a GPU. Not counted: the cold tier's stamps (a word a
-  // cluster on a device with a spill file) and regions' spare capacity.
-  const uint64_t copies16 = cfg_.dtype() == DType::kF32 ? 0 : 2;
+  // with a 16-bit storage dtype the compact copies the steps read: the
+  // centroids in 8 bits with a scale a row (in f16 on a device where the
+  // backend keeps 16-bit logit rows or d is not a multiple of 32; while they
+  // fit on a CPU engine), and the value means (CPU) or sums (GPU) in f16.
+  // Not counted: the cold tier's stamps (a word a cluster on a device with
+  // a spill file) and regions' spare capacity.
+  uint64_t compact = 0;
+  if (cfg_.dtype() != DType::kF32) {
+    const bool rows8 = backend_->host_memory() || (backend_->logit_row_bits() == 8 && d % 32 == 0);
+    compact = (rows8 ? d + sizeof(float) : 2 * d) + 2 * d;
+  }
   const uint64_t words = backend_->host_memory() ? 3 : 6;
-  out->meta_bytes = out->clusters * ((2 * d + 1) * sizeof(float) + words * sizeof(uint32_t) + copies16 * d * 2);
+  out->meta_bytes = out->clusters * ((2 * d + 1) * sizeof(float) + words * sizeof(uint32_t) + compact);
   out->lookups = counters_.lookups.load();
   out->retrieved_clusters = counters_.retrieved_clusters.load();
   out->estimated_clusters = counters_.estimated_clusters.load();
