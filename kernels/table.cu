@@ -53,7 +53,6 @@ struct PairChunk {
 };
 static_assert(sizeof(PairChunk) <= 4000, "kernel parameters are limited to 4 KiB");
 
-constexpr uint32_t kSpansPerLaunch = 80;
 
 struct SpanChunk {
   SpanDesc s[kSpansPerLaunch];

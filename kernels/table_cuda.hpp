@@ -108,6 +108,8 @@ cudaError_t store_pairs(const uint64_t *addrs, const uint64_t *values, uint32_t 
 // scales (kSpanQuantRows8, as quantize_rows8). Every address is
 // device-accessible: device memory or mapped pinned memory.
 enum : uint32_t { kSpanCopy = 0, kSpanNarrowF16 = 1, kSpanQuantRows8 = 2 };
+// The spans one launch of apply_spans carries (its kernel parameters).
+constexpr uint32_t kSpansPerLaunch = 80;
 struct SpanDesc {
   uint8_t *dst;
   const uint8_t *src;

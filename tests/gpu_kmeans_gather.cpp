@@ -888,7 +888,9 @@ TEST(ApplySpans, RowQuantizationsAreTheCpusBytes) {
   std::mt19937_64 rng(91);
   for (uint32_t d : {64u, 80u, 96u, 128u, 256u}) {
     SCOPED_TRACE("d=" + std::to_string(d));
-    constexpr uint32_t kRows = 300;
+    // More rows than a launch's warps (64 CTA rows of 8 for a span, 1024 CTAs
+    // of 8 for quantize_rows8): warps take several rows each.
+    constexpr uint32_t kRows = 9000;
     std::vector<float> rows_h = random_vec(rng, size_t(kRows) * d, 50.f);
     for (uint32_t j = 0; j < d; j += 16) rows_h[size_t(7) * d + j] += 4000.f;  // a shared offset, as keys have
     std::fill_n(rows_h.begin() + size_t(11) * d, d, 0.f);
@@ -910,7 +912,7 @@ TEST(ApplySpans, RowQuantizationsAreTheCpusBytes) {
       ASSERT_CUDA(cudaMemset(sc.p, 0x5a, kRows * 4));
       ASSERT_CUDA(cudaMemset(flags.p, 0, 16));
       if (way == 0) {
-        const uint32_t first = 37;
+        const uint32_t first = 637;
         std::vector<SpanDesc> spans = {
             SpanDesc{q.as<uint8_t>(), src.as<uint8_t>(), flags.as<uint32_t>(), first * d, kSpanQuantRows8,
                      sc.as<float>(), d},

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <utility>
 #include <vector>
@@ -61,13 +62,14 @@ void trim_tails(const IndexContext &ix, LayerState &L, uint64_t min_rows, void *
 
 // Appends a segment's clusters to the meta index's compact mirror (8-bit
 // centroid rows, f16 value means), or drops the mirror for good when a
-// value does not fit in f16. Pre: room for them is reserved (no
+// centroid is not finite or a value mean does not fit in f16 (where a CUDA
+// engine's copies set their words). Pre: room for them is reserved (no
 // allocation, no throw).
 void append_compact(const float *centroid, const float *value_sum, const uint32_t *size, uint32_t n, uint32_t d,
                     MetaIndex *meta) {
   constexpr float kF16Max = 65504.0f;
   bool fits = true;  // a NaN fails the compares too
-  for (size_t i = 0; i < size_t(n) * d; ++i) fits &= std::fabs(centroid[i]) <= kF16Max;
+  for (size_t i = 0; i < size_t(n) * d; ++i) fits &= std::fabs(centroid[i]) <= std::numeric_limits<float>::max();
   for (uint32_t c = 0; c < n; ++c)
     for (uint32_t j = 0; j < d; ++j) fits &= std::fabs(value_sum[size_t(c) * d + j] / size[c]) <= kF16Max;
   if (!fits) {
@@ -402,7 +404,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       mirror_entry_spans(hs, hs.clusters(), st.first_slot, st.size, st.unit_begin, g.add_c,
                          static_cast<uint32_t>(hs.map.pages.size()), st.addr, g.add_p, &spans);
   }
-  // On CUDA a launch per 96 spans or segments, not a driver call per copy
+  // On CUDA a launch per 80 spans or 96 segments, not a driver call per copy
   // (a generated segment's growth of 8 KV heads: 72 spans, 8 page jobs, 8
   // means, three launches): meta rows and mirror entries, the clustered
   // rows into their pages (reading the mirror's new page addresses), then

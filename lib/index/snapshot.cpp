@@ -1,6 +1,7 @@
 #include "lib/index/snapshot.hpp"
 
 #include <algorithm>
+#include <cfloat>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -340,7 +341,7 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
         float mean[256];
         for (uint32_t j = 0; j < d; ++j) {
           mean[j] = o.value_sum[c * d + j] / o.size[c];
-          if (!(std::abs(mean[j]) <= 65504.0f) || !(std::abs(o.centroid[c * d + j]) <= 65504.0f))
+          if (!(std::abs(mean[j]) <= 65504.0f) || !(std::abs(o.centroid[c * d + j]) <= FLT_MAX))
             hs.meta.compact_ok = false;
         }
         quantize_row(o.centroid.data() + c * d, d, hs.meta.centroid_q8.data() + c * d,

@@ -810,12 +810,12 @@ Status CudaBackend::quantize_rows8(const float *src, size_t rows, uint32_t d, in
 // cudaError_t.
 constexpr uint32_t kJobBatch = 96;
 
-template <typename K, typename J, typename Convert, typename Check, typename Launch>
+template <typename K, uint32_t kBatch = kJobBatch, typename J, typename Convert, typename Check, typename Launch>
 Status checked_launches(const J *jobs, uint32_t n, Convert convert, Check check, Launch launch) {
-  K batch[kJobBatch];
+  K batch[kBatch];
   for (int pass = 0; pass < 2; ++pass) {
-    for (uint32_t at = 0; at < n; at += kJobBatch) {
-      const uint32_t m = std::min(n - at, kJobBatch);
+    for (uint32_t at = 0; at < n; at += kBatch) {
+      const uint32_t m = std::min(n - at, kBatch);
       for (uint32_t i = 0; i < m; ++i) WKV_RETURN_IF_ERROR(convert(jobs[at + i], &batch[i]));
       WKV_KERNEL(pass ? launch(batch, m) : check(batch, m));
     }
@@ -826,7 +826,7 @@ Status checked_launches(const J *jobs, uint32_t n, Convert convert, Check check,
 Status CudaBackend::write_spans(const SpanWrite *spans, uint32_t n, void *stream) {
   if (n == 0) return Status::ok();
   DeviceGuard guard(dev_);
-  return checked_launches<kernels::SpanDesc>(
+  return checked_launches<kernels::SpanDesc, kernels::kSpansPerLaunch>(
       spans, n,
       [](const SpanWrite &w, kernels::SpanDesc *k) {
         if (w.n > UINT32_MAX) return WKV_ERROR(WKV_ERR_INTERNAL, "a span of %zu elements", w.n);
