@@ -63,6 +63,12 @@ constexpr uint32_t kLogitParts = 8;
 constexpr uint32_t kLogitSlots = kLogitThreads / kLogitParts;  // clusters a CTA scores at once
 constexpr uint32_t kLogitTile = 512;
 constexpr uint32_t kLogitBatch = 2;
+// 8-bit rows a batch (WKV_LOGIT_ROWS8_BATCH at configure, for A/Bs): 4, the
+// bytes in flight of kLogitBatch f16 rows.
+#ifndef WKV_LOGIT_ROWS8_BATCH
+#define WKV_LOGIT_ROWS8_BATCH 4
+#endif
+constexpr uint32_t kLogitBatch8 = WKV_LOGIT_ROWS8_BATCH;
 // The staged logits (logits_tile_staged): kLogitStages buffers of at most
 // kLogitStageBytes, logit_stage_rows(D) rows each, in flight by cp.async.
 // WKV_LOGITS_STAGED=0 at configure keeps the register path (an A/B).
@@ -352,13 +358,15 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
     float qr[HP][S];
     load_query_slice<D, EB, HP>(qs, G, h0, part, qr);
     // The next batch's loads are issued before this one's arithmetic, so
-    // that 2 kLogitBatch rows a group are in flight.
+    // that 2 kB rows a group are in flight; 8-bit rows twice as many by
+    // default, the same bytes in flight as f16 rows.
+    constexpr uint32_t kB = EB == 1 ? kLogitBatch8 : kLogitBatch;
     constexpr uint32_t kRounds = kLogitTile / kLogitSlots;
-    static_assert(kRounds % kLogitBatch == 0, "a tile is whole batches");
+    static_assert(kRounds % kB == 0, "a tile is whole batches");
     // With 8-bit rows each row's scale travels with its bytes (rs).
-    auto load_batch = [&](uint32_t k, uint32_t (&raw)[kLogitBatch][NW], float (&rs)[kLogitBatch]) {
+    auto load_batch = [&](uint32_t k, uint32_t (&raw)[kB][NW], float (&rs)[kB]) {
 #pragma unroll
-      for (uint32_t b = 0; b < kLogitBatch; ++b) {
+      for (uint32_t b = 0; b < kB; ++b) {
         const uint32_t c = c0 + slot + (k + b) * kLogitSlots;
         if (c < C) {
           load_slice<S * EB>(rows + static_cast<size_t>(c) * D * EB, part, raw[b]);
@@ -370,21 +378,21 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
         }
       }
     };
-    uint32_t next[kLogitBatch][NW];
-    float next_rs[kLogitBatch];
+    uint32_t next[kB][NW];
+    float next_rs[kB];
     load_batch(0, next, next_rs);
-    for (uint32_t k = 0; k < kRounds; k += kLogitBatch) {
-      uint32_t raw[kLogitBatch][NW];
-      float rs[kLogitBatch];
+    for (uint32_t k = 0; k < kRounds; k += kB) {
+      uint32_t raw[kB][NW];
+      float rs[kB];
 #pragma unroll
-      for (uint32_t b = 0; b < kLogitBatch; ++b) {
+      for (uint32_t b = 0; b < kB; ++b) {
         rs[b] = next_rs[b];
 #pragma unroll
         for (uint32_t w = 0; w < NW; ++w) raw[b][w] = next[b][w];
       }
-      if (k + kLogitBatch < kRounds) load_batch(k + kLogitBatch, next, next_rs);
+      if (k + kB < kRounds) load_batch(k + kB, next, next_rs);
 #pragma unroll
-      for (uint32_t b = 0; b < kLogitBatch; ++b) {
+      for (uint32_t b = 0; b < kB; ++b) {
         const uint32_t c = c0 + slot + (k + b) * kLogitSlots;
         logit_row<NW, HP, EB>(raw[b], qr, part, h0, G, C, c, c < C, scale, fs, spread, lg, rs[b]);
       }
