@@ -29,9 +29,14 @@ namespace wkv::kernels {
 //                      set once a centroid fell outside f16's range; read
 //                      where a run has no centroid8 (a backend told to keep
 //                      16-bit logit rows). Null: none.
-//   value_sum16        the value sums' f16 copy that the estimate reads,
-//                      laid out as centroid16 (its overflow word set: the
-//                      estimate reads the f32 value sums). Null: f32 only.
+//   value_sum8         the value sums' 8-bit copy that the estimate reads,
+//                      laid out as centroid8, its scales at value_sum8_scale
+//                      (its word set: the estimate reads value_sum16, or the
+//                      f32 value sums). Null: none.
+//   value_sum16        the value sums' f16 copy, laid out as centroid16,
+//                      read where a run has no usable value_sum8 (its word
+//                      set: the estimate reads the f32 value sums). Null:
+//                      none.
 // Mapping-table mirror:
 //   first_slot[c]      token slot of the cluster's first member in the head's
 //                      page list: page first_slot / page_tokens, row
@@ -75,6 +80,8 @@ struct DevRun {
   const uint8_t *centroid16;
   const uint8_t *centroid8;
   const float *centroid8_scale;
+  const uint8_t *value_sum8;
+  const float *value_sum8_scale;
   const uint8_t *value_sum16;
   const uint32_t *size;
   const uint32_t *first_slot;

@@ -66,7 +66,7 @@ constexpr uint32_t kLogitBatch = 2;
 // 8-bit rows a batch (WKV_LOGIT_ROWS8_BATCH at configure, for A/Bs): 4, the
 // bytes in flight of kLogitBatch f16 rows.
 #ifndef WKV_LOGIT_ROWS8_BATCH
-#define WKV_LOGIT_ROWS8_BATCH 4
+#define WKV_LOGIT_ROWS8_BATCH 2
 #endif
 constexpr uint32_t kLogitBatch8 = WKV_LOGIT_ROWS8_BATCH;
 // The staged logits (logits_tile_staged): kLogitStages buffers of at most
@@ -1136,6 +1136,7 @@ struct EstShared {
   float m[GT], den[GT];
   float tmp[kEstThreads / 32][GT];
   uint32_t c[kEstThreads];
+  float s[kEstThreads];  // the batch's row scales (8-bit value sums)
   float w[GT][kEstThreads];
 };
 
@@ -1186,6 +1187,28 @@ __device__ __forceinline__ float4 value_sum4(const uint2 *rows, size_t i) {
   return make_float4(a.x, a.y, b.x, b.y);
 }
 
+// The same from 8-bit rows (four columns a word), each row's weights
+// times its scale (sc[k]).
+template <uint32_t GT>
+__device__ __forceinline__ void weigh_value_sums8(const uint32_t *vs, uint32_t cols, uint32_t col, uint32_t rl,
+                                                  uint32_t rows, uint32_t nb, const uint32_t *cs, const float *sc,
+                                                  const float (*w)[kEstThreads], float4 (&acc)[GT]) {
+#pragma unroll 8
+  for (uint32_t k = rl; k < nb; k += rows) {
+    float x[4];
+    int8x4_to_float(__ldg(vs + static_cast<size_t>(cs[k]) * cols + col), x);
+    const float s = sc[k];
+#pragma unroll
+    for (uint32_t j = 0; j < GT; ++j) {
+      const float wk = w[j][k] * s;
+      acc[j].x = fmaf(wk, x[0], acc[j].x);
+      acc[j].y = fmaf(wk, x[1], acc[j].y);
+      acc[j].z = fmaf(wk, x[2], acc[j].z);
+      acc[j].w = fmaf(wk, x[3], acc[j].w);
+    }
+  }
+}
+
 // A batch's value sums weighted into this thread's accumulators: rows
 // rl, rl + rows, ... of the batch's nb clusters (ids cs), the thread's
 // four columns col of each, for every head of the group (weights w).
@@ -1234,11 +1257,15 @@ __global__ void WKV_ESTIMATE_BOUNDS estimate_kernel(const DevRun *__restrict__ r
   const uint32_t *ids = out.est_ids + run.est_off;
   const float *lg = out.logits + run.scratch_off + static_cast<size_t>(g0) * C;  // head g0 + j at lg + j C
   const float4 *vs = reinterpret_cast<const float4 *>(run.value_sum);
-  // The f16 copy where the head keeps one and no sum overflowed it: half
-  // the bytes of the f32 rows. Every thread reads the same word (only a
-  // growth's narrowing writes it, in stream order, never while a step
-  // runs), so the choice is the CTA's.
-  const uint2 *vs16 = run.value_sum16 && *reinterpret_cast<const uint32_t *>(run.value_sum16) == 0
+  // The 8-bit copy where the head keeps one and every row is finite (a
+  // quarter of the f32 bytes and a scale a row), else the f16 copy where it
+  // keeps one and no sum overflowed it (half the bytes). Every thread reads
+  // the same words (only a growth's narrowing writes them, in stream order,
+  // never while a step runs), so the choice is the CTA's.
+  const uint32_t *vs8 = D % 32 == 0 && run.value_sum8 && *reinterpret_cast<const uint32_t *>(run.value_sum8) == 0
+                            ? reinterpret_cast<const uint32_t *>(run.value_sum8 + kMeta16Header)
+                            : nullptr;
+  const uint2 *vs16 = !vs8 && run.value_sum16 && *reinterpret_cast<const uint32_t *>(run.value_sum16) == 0
                           ? reinterpret_cast<const uint2 *>(run.value_sum16 + kMeta16Header)
                           : nullptr;
 
@@ -1262,6 +1289,7 @@ __global__ void WKV_ESTIMATE_BOUNDS estimate_kernel(const DevRun *__restrict__ r
     if (tid < nb) {
       c = ids[base + tid];
       sz = static_cast<float>(run.size[c]);
+      if (vs8) sh.s[tid] = __ldg(run.value_sum8_scale + c);
 #pragma unroll
       for (uint32_t j = 0; j < GT; ++j) l[j] = lg[static_cast<size_t>(j) * C + c];
     }
@@ -1285,7 +1313,9 @@ __global__ void WKV_ESTIMATE_BOUNDS estimate_kernel(const DevRun *__restrict__ r
     if (tid < nb) sh.c[tid] = c;
     __syncthreads();
     if (rl < kRows) {
-      if (vs16)
+      if (vs8)
+        weigh_value_sums8<GT>(vs8, kCols, col, rl, kRows, nb, sh.c, sh.s, sh.w, acc);
+      else if (vs16)
         weigh_value_sums<GT>(vs16, kCols, col, rl, kRows, nb, sh.c, sh.w, acc);
       else
         weigh_value_sums<GT>(vs, kCols, col, rl, kRows, nb, sh.c, sh.w, acc);

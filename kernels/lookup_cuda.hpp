@@ -28,13 +28,14 @@ constexpr uint32_t kMaxGroup = 32;
 // r = s * H + h) in four kernels on `stream`; no host synchronization.
 //
 //   runs       [R] DevRun, device memory. Read: centroid, centroid8,
-//              centroid8_scale, centroid16, value_sum, value_sum16, spread,
-//              value_mean, size, clusters, n_ret, n_one, n_est,
-//              sink_tokens, tail_tokens, ret_off, est_off, scratch_off.
-//              centroid, centroid8, centroid16, value_sum and value_sum16
-//              16-byte aligned (the copies' rows then are, after their
-//              16-byte header), centroid8_scale 4-byte aligned; centroid8
-//              is read only where d is a multiple of 32.
+//              centroid8_scale, centroid16, value_sum, value_sum8,
+//              value_sum8_scale, value_sum16, spread, value_mean, size,
+//              clusters, n_ret, n_one, n_est, sink_tokens, tail_tokens,
+//              ret_off, est_off, scratch_off. centroid, centroid8,
+//              centroid16, value_sum, value_sum8 and value_sum16 16-byte
+//              aligned (the copies' rows then are, after their 16-byte
+//              header), the scales 4-byte aligned; the 8-bit copies are
+//              read only where d is a multiple of 32.
 //   q          [R][G][d] f32, device, 16-byte aligned: the query heads of each
 //              run's group.
 //   out        DevLookup: every field is written for every run (see

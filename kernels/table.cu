@@ -9,15 +9,15 @@ namespace {
 
 constexpr uint32_t kWordsPerLaunch = 480;
 
-// A lookup's run table travels by value in one launch up to 160 runs (the
+// A lookup's run table travels by value in one launch up to 144 runs (the
 // large kernel parameters of CUDA 12.1 and sm_70 on, up to 32764 bytes),
-// in a struct no larger than the runs need: 16, 64 or 160 of them.
+// in a struct no larger than the runs need: 16, 64 or 144 of them.
 template <uint32_t N>
 struct RunChunk {
   DevRun runs[N];
   uint32_t n;
 };
-constexpr uint32_t kRunsPerLaunch = 160;
+constexpr uint32_t kRunsPerLaunch = 144;
 // The other parameters of stage_lookup_kernel take under 256 bytes.
 static_assert(sizeof(RunChunk<kRunsPerLaunch>) + 256 <= 32764, "kernel parameters are limited to 32764 bytes");
 // Without large parameters (a driver older than CUDA 12.1, which minor

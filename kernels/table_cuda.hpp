@@ -14,7 +14,7 @@
 
 namespace wkv::kernels {
 
-// A lookup's staging, in one launch up to 160 runs (16 where the driver is
+// A lookup's staging, in one launch up to 144 runs (16 where the driver is
 // older than CUDA 12.1 and takes no large kernel parameters): q [n_seqs][n_q_heads][d]
 // of storage type t (strides in elements) converted to q_dst, f32
 // [n_seqs][n_q_heads][d] contiguous, and n DevRun structs copied from host

@@ -127,15 +127,15 @@ elif [ "$PHASE" = land ]; then
   wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
   v=build-gpu/bin/gpu_serving_bench
   # The tree (8-bit logit rows, four a batch), its staged f16 rows
-  # (WKV_LOGIT_ROWS=16), main's logits (reg: f16 rows in registers), 8-bit
+  # (WKV_META_ROWS=16), main's logits (reg: f16 rows in registers), 8-bit
   # rows two a batch (b2: fewer registers, half the bytes in flight). The
   # variants e128g3 and s16 wait for PHASE=time.
-  ab 1 200 '' 'WKV_LOGIT_ROWS=16' "BENCH=build-var-reg/$v WKV_LOGIT_ROWS=16" "BENCH=build-var-b2/$v"
+  ab 1 200 '' 'WKV_META_ROWS=16' "BENCH=build-var-reg/$v WKV_META_ROWS=16" "BENCH=build-var-b2/$v"
   pack
   gpu_suite 60
   pack
   ncu_of 60 'logits_kernel|select_kernel' 40 cur b2
-  WKV_LOGIT_ROWS=16 ncu_of 60 'logits_kernel|select_kernel' 40 reg
+  WKV_META_ROWS=16 ncu_of 60 'logits_kernel|select_kernel' 40 reg
   pack
   sanitize_lookup memcheck
 elif [ "$PHASE" = one ]; then

@@ -122,11 +122,11 @@ class Backend {
   // True on the CPU backend: engine memory is host memory and nothing is
   // mirrored.
   virtual bool host_memory() const = 0;
-  // The bits of a component of the centroid rows a device engine's logits
-  // read (MetaIndex::centroid8 or centroid16): 8, or 16 where the backend
-  // is told so (CUDA: WKV_LOGIT_ROWS=16, for A/Bs). Fixed for the backend's
-  // life.
-  virtual uint32_t logit_row_bits() const { return 8; }
+  // The bits of a component of the meta rows a device engine's steps read
+  // (MetaIndex::centroid8 and value_sum8, or centroid16 and value_sum16):
+  // 8, or 16 where the backend is told so (CUDA: WKV_META_ROWS=16, for
+  // A/Bs). Fixed for the backend's life.
+  virtual uint32_t meta_row_bits() const { return 8; }
   // A region of at least `bytes` bytes, 256-byte aligned, in stream order.
   virtual Status mem_alloc(size_t bytes, void *stream, Region *out) = 0;
   // Frees a region after the work already enqueued on `stream`; leaves it

@@ -171,9 +171,16 @@ void meta16_spans(const IndexContext &ix, HeadState &h, size_t c0, const float *
                   size_t n, Emit &&emit) {
   const size_t d = ix.cfg.c.head_dim;
   MetaIndex &m = h.meta;
-  if (m.centroid8.p)
-    emit(SpanWrite{m.centroid8.p + kernels::kMeta16Header + c0 * d, centroid, n * d, m.centroid8.as<uint32_t>(),
-                   m.centroid8_scale.as<float>() + c0, static_cast<uint32_t>(d)});
+  struct Rows8 {
+    Region *rows, *scales;
+    const float *src;
+  };
+  for (const Rows8 &c : {Rows8{&m.centroid8, &m.centroid8_scale, centroid},
+                         Rows8{&m.value_sum8, &m.value_sum8_scale, value_sum}})
+    if (c.rows->p)
+      emit(SpanWrite{c.rows->p + kernels::kMeta16Header + c0 * d, c.src, n * d,
+                     reinterpret_cast<uint32_t *>(c.rows->p), reinterpret_cast<float *>(c.scales->p) + c0,
+                     static_cast<uint32_t>(d)});
   const std::pair<Region *, const float *> copies[] = {{&m.centroid16, centroid}, {&m.value_sum16, value_sum}};
   for (const std::pair<Region *, const float *> &c : copies) {
     Region &r = *c.first;
@@ -355,7 +362,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
   try {
     writes.resize(S);
     means.resize(H);
-    spans.reserve(size_t(H) * (5 * count + 4));  // meta rows, their f16 copies, the mirror
+    spans.reserve(size_t(H) * (5 * count + 4));  // meta rows, their compact copies, the mirror
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the writes of %u segments", S);
   }
@@ -497,14 +504,16 @@ Status meta16_reserve(const IndexContext &ix, HeadState &h, size_t clusters, voi
   const size_t d = ix.cfg.c.head_dim, head = kernels::kMeta16Header;
   // 8-bit rows where a lane's slice of a row is whole words (the logits'
   // eight lanes a row: d a multiple of 32); else f16 rows.
-  const bool rows8 = ix.backend.logit_row_bits() == 8 && d % 32 == 0;
+  const bool rows8 = ix.backend.meta_row_bits() == 8 && d % 32 == 0;
   struct Copy {
     Region *r;
     size_t header, row;  // bytes
   };
-  const Copy copies[] = {{rows8 ? &h.meta.centroid8 : &h.meta.centroid16, head, rows8 ? d : 2 * d},
-                         {&h.meta.value_sum16, head, 2 * d},
-                         {rows8 ? &h.meta.centroid8_scale : nullptr, 0, sizeof(float)}};
+  MetaIndex &m = h.meta;
+  const Copy copies[] = {{rows8 ? &m.centroid8 : &m.centroid16, head, rows8 ? d : 2 * d},
+                         {rows8 ? &m.value_sum8 : &m.value_sum16, head, rows8 ? d : 2 * d},
+                         {rows8 ? &m.centroid8_scale : nullptr, 0, sizeof(float)},
+                         {rows8 ? &m.value_sum8_scale : nullptr, 0, sizeof(float)}};
   for (const Copy &c : copies) {
     if (!c.r) continue;
     const bool fresh = c.r->p == nullptr;
@@ -635,7 +644,7 @@ void release_layer(const IndexContext &ix, LayerState &L, bool counted) noexcept
     ix.backend.on_head_destroyed(h);
     for (Region *r : {&h.sink.k, &h.sink.v, &h.tail.k, &h.tail.v, &h.meta.centroid, &h.meta.value_sum, &h.meta.spread,
                       &h.meta.centroid16, &h.meta.centroid8, &h.meta.centroid8_scale, &h.meta.value_sum16,
-                      &h.values.mean,
+                      &h.meta.value_sum8, &h.meta.value_sum8_scale, &h.values.mean,
                       &h.mirror.first_slot, &h.mirror.size, &h.mirror.unit_begin, &h.mirror.pages, &h.mirror.unit_dir,
                       &h.mirror.stamps})
       ix.backend.mem_free_deferred(r);

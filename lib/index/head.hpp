@@ -83,17 +83,18 @@ struct SegmentDesc {
 //   centroid_q8_scale) and of the value means VS / size in f16; empty for
 //   good once a value falls outside f16's range (compact_ok false), when
 //   the step reads the f32 arrays;
-// - on a CUDA engine, in device memory, the centroids in 8 bits
-//   (centroid8: an overflow word the device sets when a row is not finite,
-//   then [clusters][d] int8; centroid8_scale: [clusters] f32), or in f16
-//   where the backend keeps 16-bit logit rows (centroid16, laid out as
-//   centroid8 with f16 rows and a word set when a value does not fit), and
-//   the value sums in f16 (value_sum16, likewise), which the logits and the
-//   estimate read (kernels::DevRun). The f32 arrays stay: saves read them,
-//   and a step reads them where a copy overflowed.
+// - on a CUDA engine, in device memory, the centroids and the value sums in
+//   8 bits (centroid8, value_sum8: an overflow word the device sets when a
+//   row is not finite, then [clusters][d] int8; centroid8_scale,
+//   value_sum8_scale: [clusters] f32), or in f16 where the backend keeps
+//   16-bit meta rows or d is not a multiple of 32 (centroid16, value_sum16,
+//   laid out likewise with f16 rows, the word set when a value does not
+//   fit), which the logits and the estimate read (kernels::DevRun). The f32
+//   arrays stay: saves read them, and a step reads them where a copy
+//   overflowed.
 struct MetaIndex {
   Region centroid, value_sum, spread;
-  Region centroid16, centroid8, centroid8_scale, value_sum16;
+  Region centroid16, centroid8, centroid8_scale, value_sum16, value_sum8, value_sum8_scale;
   MetaVector<int8_t> centroid_q8;
   MetaVector<float> centroid_q8_scale;
   MetaVector<f16> value_mean_f16;

@@ -254,7 +254,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Status check_pointer(const void *p, const char *what, size_t align, const void **device) override;
 
   bool host_memory() const override { return false; }
-  uint32_t logit_row_bits() const override { return logit_row_bits_; }
+  uint32_t meta_row_bits() const override { return meta_row_bits_; }
   Status mem_alloc(size_t bytes, void *stream, Region *out) override;
   void mem_free(Region *r, void *stream) override;
   void mem_free_deferred(Region *r) override;
@@ -449,14 +449,14 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // attention waits on device memory with 8 warps a multiprocessor;
   // bench/RESULTS.md, "fourth session").
   bool from_frames_ = false;
-  // The estimate reads the value sums' f16 copy (MetaIndex::value_sum16)
-  // where a head keeps one; WKV_VALUE_SUM16=0 (a diagnostic) keeps it on
-  // the f32 rows, twice the bytes.
+  // The estimate reads the value sums' compact copy (MetaIndex::value_sum8
+  // or value_sum16) where a head keeps one; WKV_VALUE_SUM16=0 (a
+  // diagnostic) keeps it on the f32 rows.
   bool value_sum16_ = true;
-  // The centroid rows the logits read: 8 bits a component with a scale a
-  // row (half the bytes of f16); WKV_LOGIT_ROWS=16 (an A/B) keeps them in
-  // f16 for the backend's life.
-  uint32_t logit_row_bits_ = 8;
+  // The centroid and value sum rows the logits and the estimate read: 8
+  // bits a component with a scale a row (half the bytes of f16);
+  // WKV_META_ROWS=16 (an A/B) keeps them in f16 for the backend's life.
+  uint32_t meta_row_bits_ = 8;
   int least_priority_ = 0, greatest_priority_ = 0;
   // The estimate's stream (cap_side_, a plan's bind_side): side_levels_
   // priorities below the device's highest, at most its least (1 unless
@@ -580,7 +580,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
   if (const char *f = std::getenv("WKV_DECODE_FORK")) fork_ = std::strcmp(f, "0") != 0;
   if (const char *f = std::getenv("WKV_DECODE_FROM_FRAMES")) from_frames_ = std::strcmp(f, "1") == 0;
   if (const char *v = std::getenv("WKV_VALUE_SUM16")) value_sum16_ = std::strcmp(v, "0") != 0;
-  if (const char *v = std::getenv("WKV_LOGIT_ROWS")) logit_row_bits_ = std::strcmp(v, "16") == 0 ? 16 : 8;
+  if (const char *v = std::getenv("WKV_META_ROWS")) meta_row_bits_ = std::strcmp(v, "16") == 0 ? 16 : 8;
   if (const char *l = std::getenv("WKV_DECODE_SIDE_LEVELS")) side_levels_ = std::max(0, std::atoi(l));
   WKV_CU(cudaStreamCreateWithPriority(&cap_side_, cudaStreamNonBlocking, side_priority()));
   WKV_CU(cudaEventCreateWithFlags(&fork_ev_, cudaEventDisableTiming));
@@ -1466,6 +1466,8 @@ Status CudaBackend::size_plan(Plan &plan, cudaStream_t s, bool graph, PlanSizes 
     dr.centroid16 = hs.meta.centroid16.p;
     dr.centroid8 = hs.meta.centroid8.p;
     dr.centroid8_scale = hs.meta.centroid8_scale.as<const float>();
+    dr.value_sum8 = value_sum16_ ? hs.meta.value_sum8.p : nullptr;
+    dr.value_sum8_scale = hs.meta.value_sum8_scale.as<const float>();
     dr.value_sum16 = value_sum16_ ? hs.meta.value_sum16.p : nullptr;
     dr.size = hs.mirror.size.as<const uint32_t>();
     dr.first_slot = hs.mirror.first_slot.as<const uint32_t>();
