@@ -63,23 +63,13 @@ constexpr uint32_t kLogitParts = 8;
 constexpr uint32_t kLogitSlots = kLogitThreads / kLogitParts;  // clusters a CTA scores at once
 constexpr uint32_t kLogitTile = 512;
 constexpr uint32_t kLogitBatch = 2;
-// 8-bit rows a batch (WKV_LOGIT_ROWS8_BATCH at configure, for A/Bs): 4, the
-// bytes in flight of kLogitBatch f16 rows.
+// 8-bit rows a batch (WKV_LOGIT_ROWS8_BATCH at configure, for A/Bs): 2, as
+// f16 rows; 4 (the f16 rows' bytes in flight) spilled and was slower on an
+// H100 (bench/RESULTS.md, "2026-12-07, eleventh session").
 #ifndef WKV_LOGIT_ROWS8_BATCH
 #define WKV_LOGIT_ROWS8_BATCH 2
 #endif
 constexpr uint32_t kLogitBatch8 = WKV_LOGIT_ROWS8_BATCH;
-// The staged logits (logits_tile_staged): kLogitStages buffers of at most
-// kLogitStageBytes, logit_stage_rows(D) rows each, in flight by cp.async.
-// WKV_LOGITS_STAGED=0 at configure keeps the register path (an A/B).
-#ifndef WKV_LOGITS_STAGED
-#define WKV_LOGITS_STAGED 1
-#endif
-constexpr bool kLogitsStaged = WKV_LOGITS_STAGED != 0;
-constexpr uint32_t kLogitStageBytes = 16384;
-constexpr uint32_t kLogitStages = 4;
-constexpr uint32_t kLogitStagedSmem = kLogitStages * kLogitStageBytes;
-__host__ __device__ constexpr uint32_t logit_stage_rows(uint32_t d) { return d <= 64 ? 128 : d <= 128 ? 64 : 32; }
 constexpr uint32_t kSelectThreads = 1024;
 constexpr uint32_t kSelectWarps = kSelectThreads / 32;
 // CTAs a run's selection is split over, at most (one cluster); over 8, a
@@ -249,9 +239,8 @@ struct Slicing {
   // The row's byte where chunk j of lane part starts.
   __device__ static constexpr uint32_t at(uint32_t j, uint32_t part) { return (j * kLogitParts + part) * kChunk; }
 };
-// From global memory (read-only) unless kShared: from a row staged in
-// shared memory.
-template <uint32_t BYTES, bool kShared = false>
+// Read-only loads from global memory.
+template <uint32_t BYTES>
 __device__ __forceinline__ void load_slice(const uint8_t *row, uint32_t part, uint32_t (&out)[BYTES / 4]) {
   constexpr uint32_t CB = Slicing<BYTES>::kChunk;
   using W = std::conditional_t<CB % 16 == 0, uint4, std::conditional_t<CB % 8 == 0, uint2, uint32_t>>;
@@ -260,7 +249,7 @@ __device__ __forceinline__ void load_slice(const uint8_t *row, uint32_t part, ui
     const W *src = reinterpret_cast<const W *>(row + Slicing<BYTES>::at(j, part));
 #pragma unroll
     for (uint32_t i = 0; i < CB / sizeof(W); ++i)
-      put_words(out + (j * CB + i * sizeof(W)) / 4, kShared ? src[i] : __ldg(src + i));
+      put_words(out + (j * CB + i * sizeof(W)) / 4, __ldg(src + i));
   }
 }
 
@@ -358,8 +347,7 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
     float qr[HP][S];
     load_query_slice<D, EB, HP>(qs, G, h0, part, qr);
     // The next batch's loads are issued before this one's arithmetic, so
-    // that 2 kB rows a group are in flight; 8-bit rows twice as many by
-    // default, the same bytes in flight as f16 rows.
+    // that 2 kB rows a group are in flight.
     constexpr uint32_t kB = EB == 1 ? kLogitBatch8 : kLogitBatch;
     constexpr uint32_t kRounds = kLogitTile / kLogitSlots;
     static_assert(kRounds % kB == 0, "a tile is whole batches");
@@ -400,71 +388,15 @@ __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, ui
   }
 }
 
-// The staged tile (f16 rows, sm_90 builds): the same logits as
-// logits_tile<D, 2>, the tile's rows streamed through kLogitStages
-// buffers of shared memory (`stage`, kLogitStagedSmem bytes, 16-byte
-// aligned) by cp.async, so that the bytes in flight are not registers' (the
-// register path keeps two batches of rows a group in flight and read 58% of
-// DRAM's bandwidth at 1M; bench/RESULTS.md, "2026-12-07, ninth session").
-// rows + c0's row must be 16-byte aligned. Every thread of the CTA calls it.
-template <uint32_t D>
-__device__ __forceinline__ void logits_tile_staged(const uint8_t *__restrict__ rows, uint32_t C, uint32_t c0,
-                                                   uint32_t G, float scale, const float *qs, const float *fs,
-                                                   const float *__restrict__ spread, float *__restrict__ lg,
-                                                   uint8_t *stage) {
-  constexpr uint32_t S = D / kLogitParts, NW = S / 2, HP = D <= 128 ? 4 : 2;
-  constexpr uint32_t RB = D * 2, SR = logit_stage_rows(D), NS = kLogitStages;
-  static_assert(SR % kLogitSlots == 0 && kLogitTile % SR == 0 && SR * RB <= kLogitStageBytes && RB % 16 == 0,
-                "a stage holds whole rows, a whole number of slots' rounds");
-  const uint32_t part = threadIdx.x % kLogitParts, slot = threadIdx.x / kLogitParts;
-  const uint32_t n_rows = min(kLogitTile, C - c0), n_chunks = (n_rows + SR - 1) / SR;
-  // Chunk k (rows k SR ..) into buffer k % NS, one group of this thread's
-  // copies; a group (empty past the tile) for every k, so that
-  // cp_async_wait<NS - 1> in round k waits for chunk k.
-  auto issue = [&](uint32_t k) {
-    if (k < n_chunks) {
-      const uint32_t first = k * SR, bytes = min(SR, n_rows - first) * RB;
-      const uint8_t *src = rows + static_cast<size_t>(c0 + first) * RB;
-      uint8_t *dst = stage + (k % NS) * kLogitStageBytes;
-      for (uint32_t i = threadIdx.x * 16; i < bytes; i += kLogitThreads * 16) cp_async16(dst + i, src + i, true);
-    }
-    cp_async_commit();
-  };
-  for (uint32_t h0 = 0; h0 < G; h0 += HP) {
-    float qr[HP][S];
-    load_query_slice<D, 2, HP>(qs, G, h0, part, qr);
-#pragma unroll
-    for (uint32_t k = 0; k + 1 < NS; ++k) issue(k);
-    for (uint32_t k = 0; k < n_chunks; ++k) {
-      issue(k + NS - 1);  // into the buffer of chunk k - 1, which every thread is done with
-      cp_async_wait<NS - 1>();
-      __syncthreads();  // chunk k has landed, every thread's copies
-      const uint8_t *buf = stage + (k % NS) * kLogitStageBytes;
-      const uint32_t first = k * SR;
-#pragma unroll
-      for (uint32_t i = slot; i < SR; i += kLogitSlots) {
-        // Rows past the tile's end hold stale bytes: read, never written.
-        uint32_t raw[NW];
-        load_slice<S * 2, true>(buf + i * RB, part, raw);
-        logit_row<NW, HP, 2>(raw, qr, part, h0, G, C, c0 + first + i, first + i < n_rows, scale, fs, spread, lg);
-      }
-      __syncthreads();  // buffer k % NS is written again in round k + 1
-    }
-  }
-}
-
 // Grid (tiles of kLogitTile clusters, R): the logits [G][clusters] of each
 // run, from the centroids' 8-bit copy where the run has one and every row is
 // finite (a quarter of the f32 bytes, and a scale a row), else from their
 // f16 copy where the run has one and every centroid fits (half the bytes),
-// else from the f32 centroids. With `staged` (and kLogitStagedSmem bytes of
-// dynamic shared memory) f16 rows go through shared memory
-// (logits_tile_staged).
+// else from the f32 centroids.
 template <uint32_t D>
 __global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel(const DevRun *__restrict__ runs, uint32_t G,
                                                                float scale, const float *__restrict__ q,
-                                                               float *__restrict__ logits, bool staged) {
-  extern __shared__ __align__(16) uint8_t logit_stage[];
+                                                               float *__restrict__ logits) {
   __shared__ float qs[kMaxGroup * D];
   __shared__ float fs[kMaxGroup];
   wait_prior_grid();
@@ -492,14 +424,6 @@ __global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel
       logits_tile<D, 1>(c8 + kMeta16Header, C, c0, G, scale, qs, fs, spread, lg, runs[r].centroid8_scale);
   } else if (c16 && *reinterpret_cast<const uint32_t *>(c16) == 0) {
     const uint8_t *rows = c16 + kMeta16Header;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if constexpr (kLogitsStaged) {  // compiled out for the register path's A/B
-      if (staged && reinterpret_cast<uintptr_t>(rows) % 16 == 0) {  // uniform over the CTA
-        logits_tile_staged<D>(rows, C, c0, G, scale, qs, fs, spread, lg, logit_stage);
-        return;
-      }
-    }
-#endif
     logits_tile<D, 2>(rows, C, c0, G, scale, qs, fs, spread, lg);
   } else {
     logits_tile<D, 4>(reinterpret_cast<const uint8_t *>(runs[r].centroid), C, c0, G, scale, qs, fs, spread, lg);
@@ -1648,14 +1572,8 @@ cudaError_t select_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
   if (R > 0 && max_clusters > 0) {
     // 1. Logits.
     const uint32_t tiles = (max_clusters + kLogitTile - 1) / kLogitTile;
-    // Staged where the kernel was built for sm_80 or later (cp.async; the
-    // buffers' 64 KB would pass an older device's limit at some D).
-    static const bool staged = kLogitsStaged && built_for(reinterpret_cast<const void *>(logits_kernel<D>), 80);
-    static std::atomic<uint64_t> logits_smem_set{0};
-    if (staged)
-      WKV_CUDA_TRY(ensure_smem(reinterpret_cast<const void *>(logits_kernel<D>), kLogitStagedSmem, &logits_smem_set));
-    WKV_CUDA_TRY(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), staged ? kLogitStagedSmem : 0u, s,
-                            1, runs, G, scale, q, out.logits, staged));
+    WKV_CUDA_TRY(launch_pdl(logits_kernel<D>, dim3(tiles, R), dim3(kLogitThreads), 0, s, 1, runs, G, scale, q,
+                            out.logits));
   }
   if (R == 0) return ctas ? offsets_launch(out, 0, StepMark{}, s) : cudaSuccess;
   // 2. Scores and selection: each run split over a cluster of CTAs while

@@ -18,10 +18,11 @@
 # copy against WKV_VALUE_SUM16=0, the estimate at the caller's priority);
 # PHASE=time's are the next experiment's (the register bounds); edit them
 # for the change at hand.
-# PHASE=quick: the least that says whether the staged logits pay (about
-# 300 s): the A/B against main's logits, the lookup tests, ncu of the logits.
+# PHASE=quick (about 300 s): the tree's bench and lookup tests; two A/B
+# rounds of its meta rows in 8 bits (the default) against 16
+# (WKV_META_ROWS=16); ncu of the logits and the estimate both ways.
 # PHASE=land: what landing the pending changes needs when the budget
-# allows one call (docs/wip/README.md): every target, the variants' benches,
+# allows one call (docs/wip/README.md): every target,
 # one A/B round, ncu of the logits, the GPU suite, memcheck of the lookup
 # tests.
 # PHASE=one: every target of the tree, one A/B round within it, the GPU
@@ -30,7 +31,7 @@
 # may allow one call only.
 # PHASE=time (the default): the bench and the lookup, head-state and batch
 # tests of the tree, and its bench built again under each variant's
-# CUDAFLAGS (main's logits, the gather's register bound, the estimate's
+# CUDAFLAGS (the gather's register bound, the estimate's
 # CTA size); two A/B
 # rounds at 1M, 8-bit pages, a 20% device cache; the tests; ncu of the
 # step's kernels; ncu's sections of each kernel. Needs no build-base-src.
@@ -104,38 +105,27 @@ export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 
 if [ "$PHASE" = quick ]; then
-  # The least that says whether the staged logits pay, for a call of about
-  # 300 s: the tree's bench and lookup tests, main's logits' bench beside
-  # (reg); two A/B rounds; the lookup tests; ncu of the logits both ways.
-  (JOBS=10 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$? $((SECONDS-T0)) s") &
-  VAR_JOBS=6 variant reg "-DWKV_LOGITS_STAGED=0" &
-  wait; grep -hE "error" -A3 /tmp/build-*.txt | head -20
-  v=build-gpu/bin/gpu_serving_bench
-  ab 2 100 '' "BENCH=build-var-reg/$v"
+  # The least that times a change of the lookup, for a call of about 300 s.
+  (JOBS=16 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$? $((SECONDS-T0)) s")
+  grep -hE "error" -A3 /tmp/build-*.txt | head -20
+  ab 2 100 '' 'WKV_META_ROWS=16'
   pack
   [ "$(left)" -gt 30 ] && { timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt; }
   pack
-  ncu_of 40 'logits_kernel' 24 cur reg
+  ncu_of 40 'logits_kernel|estimate_kernel' 24 cur
+  WKV_META_ROWS=16 ncu_of 40 'logits_kernel|estimate_kernel' 24 cur
 elif [ "$PHASE" = land ]; then
-  # What landing the pending changes needs, in one call: every target of
-  # the tree and main's logits' bench; one A/B round; the GPU suite; ncu's
-  # times of the logits and the select, both ways; memcheck of the lookup
-  # tests with the time left.
-  build_all &
-  VAR_JOBS=3 variant reg "-DWKV_LOGITS_STAGED=0" &
-  VAR_JOBS=3 variant b2 "-DWKV_LOGIT_ROWS8_BATCH=2" &
-  wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
-  v=build-gpu/bin/gpu_serving_bench
-  # The tree (8-bit logit rows, four a batch), its staged f16 rows
-  # (WKV_META_ROWS=16), main's logits (reg: f16 rows in registers), 8-bit
-  # rows two a batch (b2: fewer registers, half the bytes in flight). The
-  # variants e128g3 and s16 wait for PHASE=time.
-  ab 1 200 '' 'WKV_META_ROWS=16' "BENCH=build-var-reg/$v WKV_META_ROWS=16" "BENCH=build-var-b2/$v"
+  # What landing a change of the kernels needs, in one call: every target
+  # of the tree; one A/B round; the GPU suite; ncu's times of the logits,
+  # the select and the estimate; memcheck of the lookup tests with the
+  # time left.
+  build_all
+  # The tree's meta rows in 8 bits (the default) against 16.
+  ab 1 200 '' 'WKV_META_ROWS=16'
   pack
   gpu_suite 60
   pack
-  ncu_of 60 'logits_kernel|select_kernel' 40 cur b2
-  WKV_META_ROWS=16 ncu_of 60 'logits_kernel|select_kernel' 40 reg
+  ncu_of 60 'logits_kernel|select_kernel|estimate_kernel' 40 cur
   pack
   sanitize_lookup memcheck
 elif [ "$PHASE" = one ]; then
@@ -153,8 +143,7 @@ elif [ "$PHASE" = one ]; then
 elif [ "$PHASE" = time ]; then
   # The tree's bench and tests, and its bench built again under each
   # variant's CUDAFLAGS (a copy of the tree a variant, build-var-<name>/):
-  # reg, the logits' register path (WKV_LOGITS_STAGED=0: main's logits,
-  # against the tree's staged ones); g3, the gather bounded to 80
+  # g3, the gather bounded to 80
   # registers (WKV_GATHER_MIN_CTAS=3); e128g3, with the estimate's CTAs of
   # 128 threads (WKV_ESTIMATE_THREADS=128): the estimate's CTAs and two of
   # the gather's fit a multiprocessor's registers without the estimate
@@ -163,20 +152,19 @@ elif [ "$PHASE" = time ]; then
   # the select split over 16 CTAs a run (WKV_SELECT_MAX_SPLIT=16: 128 CTAs
   # at batch 1 instead of 64).
   (JOBS=7 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention gpu_batch gpu_head_state" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$?") &
-  variant reg "-DWKV_LOGITS_STAGED=0" &
   variant g3 "-DWKV_GATHER_MIN_CTAS=3" &
   variant e128g3 "-DWKV_ESTIMATE_THREADS=128 -DWKV_GATHER_MIN_CTAS=3" &
   variant s16 "-DWKV_SELECT_MAX_SPLIT=16" &
   wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
   v=build-gpu/bin/gpu_serving_bench
-  BENCH_TIMEOUT=80 ab 2 200 '' "BENCH=build-var-reg/$v" "BENCH=build-var-g3/$v" "BENCH=build-var-e128g3/$v" "BENCH=build-var-s16/$v"
+  BENCH_TIMEOUT=80 ab 2 200 '' "BENCH=build-var-g3/$v" "BENCH=build-var-e128g3/$v" "BENCH=build-var-s16/$v"
   pack
   # The tests read no WKV_* variable.
   [ "$(left)" -gt 60 ] && { timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt; }
   [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt; }
   [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_batch --gtest_brief=1 > /tmp/batch-tests.txt 2>&1; t gpu_batch $? /tmp/batch-tests.txt; }
   # ncu: the step's kernels of the tree and of main's logits.
-  ncu_of 110 'select_kernel|logits_kernel|estimate_kernel|gather_kernel|attend|combine' 180 cur reg
+  ncu_of 110 'select_kernel|logits_kernel|estimate_kernel|gather_kernel|attend|combine' 180 cur
   export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
   # One launch each of the step's kernels under ncu's sections (where the
   # time goes inside them: throughput, occupancy, stalls), for the next
