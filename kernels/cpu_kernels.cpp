@@ -60,6 +60,10 @@ WKV_V3 inline __m256 load8(const bf16 *p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+WKV_V3 inline __m256 load8(const int8_t *p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
 
 // Sums of eight vectors, in order: [sum a0, sum a1, ..., sum a7].
 WKV_V3 inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
@@ -349,14 +353,51 @@ void score_logits_16(const float *q, uint32_t G, const T *centroid, uint32_t C,
   scale_in_place(logits, size_t(G) * C, scale);
 }
 
+// Scaled logits over 8-bit centroid rows with one scale a row, portable:
+// each block of rows is converted to f32 on the stack (exactly), then each
+// logit is multiplied by its row's scale and by `scale`, in that order.
+void score_logits_q8(const float *q, uint32_t G, const int8_t *rows,
+                     const float *row_scale, uint32_t C, uint32_t d,
+                     float scale, float *logits) {
+  if (d > kScoreBufFloats) {  // rows longer than the buffer: one at a time
+    for (uint32_t c = 0; c < C; ++c)
+      for (uint32_t g = 0; g < G; ++g) {
+        const float *qg = q + size_t(g) * d;
+        const int8_t *r = rows + size_t(c) * d;
+        float acc = 0.f;
+        for (uint32_t j = 0; j < d; ++j) acc += qg[j] * float(r[j]);
+        logits[size_t(g) * C + c] = acc;
+      }
+  } else {
+    alignas(64) float buf[kScoreBufFloats];
+    const uint32_t nb = std::max(1u, std::min(kScoreRows, kScoreBufFloats / std::max(d, 1u)));
+    for (uint32_t c0 = 0; c0 < C; c0 += nb) {
+      const uint32_t nr = std::min(nb, C - c0);
+      const int8_t *src = rows + size_t(c0) * d;
+      const size_t n = size_t(nr) * d;
+#pragma omp simd
+      for (size_t i = 0; i < n; ++i) buf[i] = float(src[i]);
+      logits_rows(q, G, buf, nr, d, logits + c0, C);
+    }
+  }
+  for (uint32_t g = 0; g < G; ++g) {
+    float *lg = logits + size_t(g) * C;
+#pragma omp simd
+    for (uint32_t c = 0; c < C; ++c) lg[c] = (lg[c] * row_scale[c]) * scale;
+  }
+}
+
 #if defined(WKV_HAVE_V3)
-// Scaled logits of G heads over C f16 centroid rows, converted in
-// registers: two rows by four heads per pass, eight accumulation chains.
-// Scoring streams the whole mirror every step, so this is bound by memory
-// bandwidth; halving the bytes against f32 is the point. Pre: d % 8 == 0.
-WKV_V3 void score_logits_f16_v3(const float *q, uint32_t G,
-                                const f16 *centroid, uint32_t C,
-                                uint32_t d, float scale, float *logits) {
+// Scaled logits of G heads over C centroid rows of f16, or of int8 with one
+// scale a row (row_scale, unused for f16), converted in registers: two rows
+// by four heads per pass, eight accumulation chains. Scoring streams the
+// whole mirror every step, so this is bound by memory bandwidth; halving
+// (f16) or quartering (int8) the bytes against f32 is the point.
+// Pre: d % 8 == 0.
+template <typename T>
+WKV_V3 void score_logits_v3(const float *q, uint32_t G, const T *centroid,
+                            const float *row_scale, uint32_t C, uint32_t d,
+                            float scale, float *logits) {
   const __m256 vscale = _mm256_set1_ps(scale);
   for (uint32_t c0 = 0; c0 < C; c0 += kScoreRows) {
     const uint32_t ce = std::min(C, c0 + kScoreRows);
@@ -369,8 +410,8 @@ WKV_V3 void score_logits_f16_v3(const float *q, uint32_t G,
       const float *q3 = q + size_t(g0 + std::min(3u, gn - 1)) * d;
       float *lg = logits + size_t(g0) * C;
       for (uint32_t c = c0; c < ce; c += 2) {
-        const f16 *r0 = centroid + size_t(c) * d;
-        const f16 *r1 = c + 1 < ce ? r0 + d : r0;
+        const T *r0 = centroid + size_t(c) * d;
+        const T *r1 = c + 1 < ce ? r0 + d : r0;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         for (uint32_t j = 0; j < d; j += 8) {
@@ -388,8 +429,15 @@ WKV_V3 void score_logits_f16_v3(const float *q, uint32_t G,
           a3 = _mm256_fmadd_ps(x, k0, a3);
           b3 = _mm256_fmadd_ps(x, k1, b3);
         }
+        __m256 dots = hsum8(a0, a1, a2, a3, b0, b1, b2, b3);
+        if constexpr (std::is_same_v<T, int8_t>) {
+          // Lanes 0-3 are row c's, 4-7 row c + 1's: (dot * row scale) * scale.
+          const float s1 = row_scale[c + 1 < ce ? c + 1 : c];
+          dots = _mm256_mul_ps(dots, _mm256_insertf128_ps(_mm256_set1_ps(row_scale[c]),
+                                                          _mm_set1_ps(s1), 1));
+        }
         alignas(32) float s[8];
-        _mm256_store_ps(s, _mm256_mul_ps(hsum8(a0, a1, a2, a3, b0, b1, b2, b3), vscale));
+        _mm256_store_ps(s, _mm256_mul_ps(dots, vscale));
         for (uint32_t g = 0; g < gn; ++g) lg[size_t(g) * C + c] = s[g];
         if (c + 1 < ce)
           for (uint32_t g = 0; g < gn; ++g) lg[size_t(g) * C + c + 1] = s[4 + g];
@@ -1444,8 +1492,8 @@ bool score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
     case DType::kF16:
 #if defined(WKV_HAVE_V3)
       if (has_v3() && d % 8 == 0) {
-        score_logits_f16_v3(q, G, static_cast<const f16 *>(centroid), C,
-                            d, scale, logits);
+        score_logits_v3(q, G, static_cast<const f16 *>(centroid), nullptr,
+                        C, d, scale, logits);
         break;
       }
 #endif
@@ -1462,6 +1510,20 @@ bool score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
   if (spread) spread_logits(q, G, spread, C, d, scale, logits);
   score_softmax(logits, G, C, score);
   return true;
+}
+
+void score_clusters_q8(const float *q, uint32_t G, const int8_t *rows,
+                       const float *row_scale, uint32_t C, uint32_t d,
+                       float scale, float *logits, float *score,
+                       const float *spread) {
+#if defined(WKV_HAVE_V3)
+  if (has_v3() && d % 8 == 0)
+    score_logits_v3(q, G, rows, row_scale, C, d, scale, logits);
+  else
+#endif
+    score_logits_q8(q, G, rows, row_scale, C, d, scale, logits);
+  if (spread) spread_logits(q, G, spread, C, d, scale, logits);
+  score_softmax(logits, G, C, score);
 }
 
 // Selection finds the keys of the n_sel-th and n_ret-th ranked clusters by

@@ -99,6 +99,18 @@ bool score_clusters(DType t, const float *q, uint32_t G, const void *centroid,
                     uint32_t C, uint32_t d, float scale, float *logits,
                     float *score, const float *spread = nullptr);
 
+// The same from centroids kept in 8 bits a component with one f32 scale a
+// row (quantize_row's rows): rows [C][d] int8, row_scale [C]. The dot
+// product q_g . rows[c] accumulates in f32 over the integers (exact as
+// floats); logits[g][c] = (dot * row_scale[c]) * scale, two roundings, then
+// the spread term and the scores as above. A NaN row scale (a row that held
+// a NaN or an infinity) gives that cluster NaN logits, and so, as any NaN
+// logit does here, every cluster a NaN score.
+void score_clusters_q8(const float *q, uint32_t G, const int8_t *rows,
+                       const float *row_scale, uint32_t C, uint32_t d,
+                       float scale, float *logits, float *score,
+                       const float *spread = nullptr);
+
 // Adds to each logit [G][C] half the logit's variance over the cluster's
 // members, were their offsets from the centroid isotropic with the
 // cluster's spread: 0.5 * scale^2 * |q_g|^2 * spread_c / d. exp of the sum

@@ -19,14 +19,24 @@ namespace wkv::kernels {
 //                      (WKV_METHOD_SPREAD off)
 //   value_mean[i]      the head's mean value; null: the clusters of neither
 //                      zone are dropped (WKV_METHOD_TAIL off)
-//   centroid16         the centroids' f16 copy that the logits read (engines
+//   centroid8          the centroids' 8-bit copy that the logits read (engines
 //                      with a 16-bit storage dtype): kMeta16Header bytes, of
-//                      which the first word is nonzero once a centroid fell
-//                      outside f16's range (then the logits read the f32
-//                      centroids), then [clusters][d] f16. Null: f32 only.
-//   value_sum16        the value sums' f16 copy that the estimate reads,
-//                      laid out as centroid16 (its overflow word set: the
-//                      estimate reads the f32 value sums). Null: f32 only.
+//                      which the first word is nonzero once a row was not
+//                      finite (then the logits read the f32 centroids), then
+//                      [clusters][d] int8, row c scaled by centroid8_scale[c]
+//                      (kernels/dtype.hpp's quantize_row). Null: none.
+//   centroid16         the centroids' f16 copy, laid out likewise, its word
+//                      set once a centroid fell outside f16's range; read
+//                      where a run has no centroid8 (a backend told to keep
+//                      16-bit logit rows). Null: none.
+//   value_sum8         the value sums' 8-bit copy that the estimate reads,
+//                      laid out as centroid8, its scales at value_sum8_scale
+//                      (its word set: the estimate reads value_sum16, or the
+//                      f32 value sums). Null: none.
+//   value_sum16        the value sums' f16 copy, laid out as centroid16,
+//                      read where a run has no usable value_sum8 (its word
+//                      set: the estimate reads the f32 value sums). Null:
+//                      none.
 // Mapping-table mirror:
 //   first_slot[c]      token slot of the cluster's first member in the head's
 //                      page list: page first_slot / page_tokens, row
@@ -68,6 +78,10 @@ struct DevRun {
   const float *spread;
   const float *value_mean;
   const uint8_t *centroid16;
+  const uint8_t *centroid8;
+  const float *centroid8_scale;
+  const uint8_t *value_sum8;
+  const float *value_sum8_scale;
   const uint8_t *value_sum16;
   const uint32_t *size;
   const uint32_t *first_slot;

@@ -63,11 +63,39 @@ constexpr uint32_t kLogitParts = 8;
 constexpr uint32_t kLogitSlots = kLogitThreads / kLogitParts;  // clusters a CTA scores at once
 constexpr uint32_t kLogitTile = 512;
 constexpr uint32_t kLogitBatch = 2;
+// 8-bit rows a batch (WKV_LOGIT_ROWS8_BATCH at configure, for A/Bs): 2, as
+// f16 rows; 4 (the f16 rows' bytes in flight) spilled and was slower on an
+// H100 (bench/RESULTS.md, "2026-12-07, eleventh session").
+#ifndef WKV_LOGIT_ROWS8_BATCH
+#define WKV_LOGIT_ROWS8_BATCH 2
+#endif
+constexpr uint32_t kLogitBatch8 = WKV_LOGIT_ROWS8_BATCH;
 constexpr uint32_t kSelectThreads = 1024;
 constexpr uint32_t kSelectWarps = kSelectThreads / 32;
-constexpr uint32_t kSelectMaxSplit = 8;     // CTAs a run's selection is split over, at most (one cluster)
+// CTAs a run's selection is split over, at most (one cluster); over 8, a
+// non-portable cluster size where the device allows it (WKV_SELECT_MAX_SPLIT
+// at configure, 16: an A/B of the select over every multiprocessor at
+// batch 1, not a setting: a cluster of 16 CTAs of 1024 threads needs 16
+// multiprocessors of one GPC; select_split takes 16 only where the occupancy
+// API says every run's cluster fits at once, and a launch refused all the
+// same falls back to one CTA a run, as one of 8 does).
+#ifdef WKV_SELECT_MAX_SPLIT
+constexpr uint32_t kSelectMaxSplit = WKV_SELECT_MAX_SPLIT;
+#else
+constexpr uint32_t kSelectMaxSplit = 8;
+#endif
+static_assert(kSelectMaxSplit == 1 || kSelectMaxSplit == 2 || kSelectMaxSplit == 4 || kSelectMaxSplit == 8 ||
+                  kSelectMaxSplit == 16,
+              "a power of two, at most 16 (the largest cluster)");
 constexpr uint32_t kSelectMinSlice = 2048;  // clusters a CTA's slice keeps, at least
+// The estimate's threads a CTA; WKV_ESTIMATE_THREADS (at configure, for an
+// A/B) sets another multiple of 32 of at least D / 4.
+#ifdef WKV_ESTIMATE_THREADS
+constexpr uint32_t kEstThreads = WKV_ESTIMATE_THREADS;
+#else
 constexpr uint32_t kEstThreads = 256;
+#endif
+static_assert(kEstThreads % 32 == 0 && kEstThreads >= 64 && kEstThreads <= 1024, "the estimate's CTA size");
 // The estimate's CTAs a multiprocessor that ptxas must make room for
 // (__launch_bounds__' second argument, which caps the registers); unset,
 // none: ptxas chooses (128 registers at d = 128). Set at configure
@@ -211,6 +239,7 @@ struct Slicing {
   // The row's byte where chunk j of lane part starts.
   __device__ static constexpr uint32_t at(uint32_t j, uint32_t part) { return (j * kLogitParts + part) * kChunk; }
 };
+// Read-only loads from global memory.
 template <uint32_t BYTES>
 __device__ __forceinline__ void load_slice(const uint8_t *row, uint32_t part, uint32_t (&out)[BYTES / 4]) {
   constexpr uint32_t CB = Slicing<BYTES>::kChunk;
@@ -219,98 +248,151 @@ __device__ __forceinline__ void load_slice(const uint8_t *row, uint32_t part, ui
   for (uint32_t j = 0; j < BYTES / CB; ++j) {
     const W *src = reinterpret_cast<const W *>(row + Slicing<BYTES>::at(j, part));
 #pragma unroll
-    for (uint32_t i = 0; i < CB / sizeof(W); ++i) put_words(out + (j * CB + i * sizeof(W)) / 4, __ldg(src + i));
+    for (uint32_t i = 0; i < CB / sizeof(W); ++i)
+      put_words(out + (j * CB + i * sizeof(W)) / 4, __ldg(src + i));
+  }
+}
+
+// The query heads h0 .. h0 + HP - 1 (zero past G) of qs in a lane's
+// registers: element j of the lane's slice is dimension dim(j), as
+// load_slice lays the slice out.
+template <uint32_t D, uint32_t EB, uint32_t HP>
+__device__ __forceinline__ void load_query_slice(const float *qs, uint32_t G, uint32_t h0, uint32_t part,
+                                                 float (&qr)[HP][D / kLogitParts]) {
+  constexpr uint32_t S = D / kLogitParts;
+  constexpr uint32_t CE = Slicing<S * EB>::kChunk / EB;  // elements a chunk
+#pragma unroll
+  for (uint32_t h = 0; h < HP; ++h)
+#pragma unroll
+    for (uint32_t j = 0; j < S; ++j) {
+      const uint32_t dim = Slicing<S * EB>::at(j / CE, part) / EB + j % CE;
+      qr[h][j] = h0 + h < G ? qs[(h0 + h) * D + dim] : 0.f;
+    }
+}
+
+// The four int8 components of w, exactly, as f32: each byte biased to
+// unsigned is placed under the exponent of 2^23 (one byte permute) and the
+// bias taken off (one exact add), which the FP32 pipes do at full rate where
+// an int-to-float conversion runs at a sixteenth of it.
+__device__ __forceinline__ void int8x4_to_float(uint32_t w, float (&x)[4]) {
+  const uint32_t u = w ^ 0x80808080u;  // x + 128 in each byte
+#pragma unroll
+  for (uint32_t e = 0; e < 4; ++e)
+    x[e] = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7650u | e)) - 8388736.0f;  // 2^23 + 128
+}
+
+// Cluster c's logits for heads h0 .. h0 + HP - 1 from the group's slices
+// of its row (raw, this lane's; EB bytes an element: 1 int8, scaled by
+// row_scale, 2 f16, 4 f32): the lanes' dot products summed by shuffles
+// (every lane of the warp calls it), then lane `part` writes head h0 +
+// part where `valid`.
+template <uint32_t NW, uint32_t HP, uint32_t EB, uint32_t S>
+__device__ __forceinline__ void logit_row(const uint32_t (&raw)[NW], const float (&qr)[HP][S], uint32_t part,
+                                          uint32_t h0, uint32_t G, uint32_t C, uint32_t c, bool valid, float scale,
+                                          const float *fs, const float *__restrict__ spread,
+                                          float *__restrict__ lg, float row_scale = 1.0f) {
+  float acc[HP];
+#pragma unroll
+  for (uint32_t h = 0; h < HP; ++h) acc[h] = 0.f;
+#pragma unroll
+  for (uint32_t w = 0; w < NW; ++w) {
+    if constexpr (EB == 1) {
+      float x[4];
+      int8x4_to_float(raw[w], x);
+#pragma unroll
+      for (uint32_t h = 0; h < HP; ++h)
+#pragma unroll
+        for (uint32_t e = 0; e < 4; ++e) acc[h] = fmaf(qr[h][4 * w + e], x[e], acc[h]);
+    } else if constexpr (EB == 2) {
+      const float2 x = __half22float2(*reinterpret_cast<const __half2 *>(&raw[w]));
+#pragma unroll
+      for (uint32_t h = 0; h < HP; ++h) {
+        acc[h] = fmaf(qr[h][2 * w], x.x, acc[h]);
+        acc[h] = fmaf(qr[h][2 * w + 1], x.y, acc[h]);
+      }
+    } else {
+      const float x = __uint_as_float(raw[w]);
+#pragma unroll
+      for (uint32_t h = 0; h < HP; ++h) acc[h] = fmaf(qr[h][w], x, acc[h]);
+    }
+  }
+#pragma unroll
+  for (uint32_t o = kLogitParts / 2; o > 0; o >>= 1)
+#pragma unroll
+    for (uint32_t h = 0; h < HP; ++h) acc[h] += __shfl_xor_sync(kFull, acc[h], o);
+  const uint32_t g = h0 + part;
+  if (valid && part < HP && g < G) {
+    float v = acc[0];
+#pragma unroll
+    for (uint32_t h = 1; h < HP; ++h) v = part == h ? acc[h] : v;
+    if constexpr (EB == 1) v *= row_scale;  // as score_clusters_q8: (dot x row scale) x scale
+    lg[static_cast<size_t>(g) * C + c] = spread ? v * scale + fs[g] * spread[c] : v * scale;
   }
 }
 
 // One CTA's tile: clusters [c0, c0 + kLogitTile) of a run, from `rows`
-// (f16 when kHalf, else f32; [clusters][D]). qs: the run's queries [G][D];
-// fs: the spread factors, read where spread is not null.
-template <uint32_t D, bool kHalf>
+// ([clusters][D], EB bytes an element: 1 int8 with a scale a row at
+// row_scale, 2 f16, 4 f32). qs: the run's queries [G][D]; fs: the spread
+// factors, read where spread is not null.
+template <uint32_t D, uint32_t EB>
 __device__ __forceinline__ void logits_tile(const uint8_t *__restrict__ rows, uint32_t C, uint32_t c0, uint32_t G,
                                             float scale, const float *qs, const float *fs,
-                                            const float *__restrict__ spread, float *__restrict__ lg) {
+                                            const float *__restrict__ spread, float *__restrict__ lg,
+                                            const float *__restrict__ row_scale = nullptr) {
   constexpr uint32_t S = D / kLogitParts;        // dimensions a lane holds
-  constexpr uint32_t EB = kHalf ? 2 : 4;         // bytes an element
   constexpr uint32_t NW = S * EB / 4;            // 32-bit words a slice
   constexpr uint32_t HP = D <= 128 ? 4 : 2;      // query heads a pass (registers)
   const uint32_t part = threadIdx.x % kLogitParts, slot = threadIdx.x / kLogitParts;
   for (uint32_t h0 = 0; h0 < G; h0 += HP) {
     float qr[HP][S];
-    // Element j of the lane's slice is dimension dim(j) (load_slice).
-    constexpr uint32_t CE = Slicing<S * EB>::kChunk / EB;  // elements a chunk
-#pragma unroll
-    for (uint32_t h = 0; h < HP; ++h)
-#pragma unroll
-      for (uint32_t j = 0; j < S; ++j) {
-        const uint32_t dim = Slicing<S * EB>::at(j / CE, part) / EB + j % CE;
-        qr[h][j] = h0 + h < G ? qs[(h0 + h) * D + dim] : 0.f;
-      }
+    load_query_slice<D, EB, HP>(qs, G, h0, part, qr);
     // The next batch's loads are issued before this one's arithmetic, so
-    // that 2 kLogitBatch rows a group are in flight.
+    // that 2 kB rows a group are in flight.
+    constexpr uint32_t kB = EB == 1 ? kLogitBatch8 : kLogitBatch;
     constexpr uint32_t kRounds = kLogitTile / kLogitSlots;
-    static_assert(kRounds % kLogitBatch == 0, "a tile is whole batches");
-    auto load_batch = [&](uint32_t k, uint32_t (&raw)[kLogitBatch][NW]) {
+    static_assert(kRounds % kB == 0, "a tile is whole batches");
+    // With 8-bit rows each row's scale travels with its bytes (rs).
+    auto load_batch = [&](uint32_t k, uint32_t (&raw)[kB][NW], float (&rs)[kB]) {
 #pragma unroll
-      for (uint32_t b = 0; b < kLogitBatch; ++b) {
+      for (uint32_t b = 0; b < kB; ++b) {
         const uint32_t c = c0 + slot + (k + b) * kLogitSlots;
         if (c < C) {
           load_slice<S * EB>(rows + static_cast<size_t>(c) * D * EB, part, raw[b]);
+          if constexpr (EB == 1) rs[b] = __ldg(row_scale + c);
         } else {
 #pragma unroll
           for (uint32_t w = 0; w < NW; ++w) raw[b][w] = 0u;
+          rs[b] = 0.0f;
         }
       }
     };
-    uint32_t next[kLogitBatch][NW];
-    load_batch(0, next);
-    for (uint32_t k = 0; k < kRounds; k += kLogitBatch) {
-      uint32_t raw[kLogitBatch][NW];
+    uint32_t next[kB][NW];
+    float next_rs[kB];
+    load_batch(0, next, next_rs);
+    for (uint32_t k = 0; k < kRounds; k += kB) {
+      uint32_t raw[kB][NW];
+      float rs[kB];
 #pragma unroll
-      for (uint32_t b = 0; b < kLogitBatch; ++b)
+      for (uint32_t b = 0; b < kB; ++b) {
+        rs[b] = next_rs[b];
 #pragma unroll
         for (uint32_t w = 0; w < NW; ++w) raw[b][w] = next[b][w];
-      if (k + kLogitBatch < kRounds) load_batch(k + kLogitBatch, next);
+      }
+      if (k + kB < kRounds) load_batch(k + kB, next, next_rs);
 #pragma unroll
-      for (uint32_t b = 0; b < kLogitBatch; ++b) {
-        float acc[HP];
-#pragma unroll
-        for (uint32_t h = 0; h < HP; ++h) acc[h] = 0.f;
-#pragma unroll
-        for (uint32_t w = 0; w < NW; ++w) {
-          if constexpr (kHalf) {
-            const float2 x = __half22float2(*reinterpret_cast<const __half2 *>(&raw[b][w]));
-#pragma unroll
-            for (uint32_t h = 0; h < HP; ++h) {
-              acc[h] = fmaf(qr[h][2 * w], x.x, acc[h]);
-              acc[h] = fmaf(qr[h][2 * w + 1], x.y, acc[h]);
-            }
-          } else {
-            const float x = __uint_as_float(raw[b][w]);
-#pragma unroll
-            for (uint32_t h = 0; h < HP; ++h) acc[h] = fmaf(qr[h][w], x, acc[h]);
-          }
-        }
-#pragma unroll
-        for (uint32_t o = kLogitParts / 2; o > 0; o >>= 1)
-#pragma unroll
-          for (uint32_t h = 0; h < HP; ++h) acc[h] += __shfl_xor_sync(kFull, acc[h], o);
-        // Lane `part` of the group writes head h0 + part.
-        const uint32_t c = c0 + slot + (k + b) * kLogitSlots, g = h0 + part;
-        if (c < C && part < HP && g < G) {
-          float v = acc[0];
-#pragma unroll
-          for (uint32_t h = 1; h < HP; ++h) v = part == h ? acc[h] : v;
-          lg[static_cast<size_t>(g) * C + c] = spread ? v * scale + fs[g] * spread[c] : v * scale;
-        }
+      for (uint32_t b = 0; b < kB; ++b) {
+        const uint32_t c = c0 + slot + (k + b) * kLogitSlots;
+        logit_row<NW, HP, EB>(raw[b], qr, part, h0, G, C, c, c < C, scale, fs, spread, lg, rs[b]);
       }
     }
   }
 }
 
 // Grid (tiles of kLogitTile clusters, R): the logits [G][clusters] of each
-// run, from the centroids' f16 copy where the run has one and every
-// centroid fits (half the bytes), else from the f32 centroids.
+// run, from the centroids' 8-bit copy where the run has one and every row is
+// finite (a quarter of the f32 bytes, and a scale a row), else from their
+// f16 copy where the run has one and every centroid fits (half the bytes),
+// else from the f32 centroids.
 template <uint32_t D>
 __global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel(const DevRun *__restrict__ runs, uint32_t G,
                                                                float scale, const float *__restrict__ q,
@@ -335,11 +417,17 @@ __global__ void __launch_bounds__(kLogitThreads, D <= 128 ? 2 : 1) logits_kernel
   }
   if (spread) __syncthreads();
   float *lg = logits + runs[r].scratch_off;
+  const uint8_t *c8 = runs[r].centroid8;
   const uint8_t *c16 = runs[r].centroid16;
-  if (c16 && *reinterpret_cast<const uint32_t *>(c16) == 0)
-    logits_tile<D, true>(c16 + kMeta16Header, C, c0, G, scale, qs, fs, spread, lg);
-  else
-    logits_tile<D, false>(reinterpret_cast<const uint8_t *>(runs[r].centroid), C, c0, G, scale, qs, fs, spread, lg);
+  if (D % 32 == 0 && c8 && *reinterpret_cast<const uint32_t *>(c8) == 0) {  // whole words a lane's slice
+    if constexpr (D % 32 == 0)
+      logits_tile<D, 1>(c8 + kMeta16Header, C, c0, G, scale, qs, fs, spread, lg, runs[r].centroid8_scale);
+  } else if (c16 && *reinterpret_cast<const uint32_t *>(c16) == 0) {
+    const uint8_t *rows = c16 + kMeta16Header;
+    logits_tile<D, 2>(rows, C, c0, G, scale, qs, fs, spread, lg);
+  } else {
+    logits_tile<D, 4>(reinterpret_cast<const uint8_t *>(runs[r].centroid), C, c0, G, scale, qs, fs, spread, lg);
+  }
 }
 
 // 2. Scores, selection, ret_pos, run_tokens ---------------------------------
@@ -362,7 +450,7 @@ struct SelectShared {
   uint32_t ret_n, ret_tokens;      // this CTA's retrieval clusters and their members
   uint32_t cold_n;                 // of them, clusters with a page out (DevRun::cold_pt)
   uint32_t tmp[32];
-  bool last;                       // this CTA is the launch's last to end (select_kernel)
+  uint32_t last;                   // this CTA is the launch's last to end (select_kernel)
 };
 
 // A run's selection is split over the CTAs of a thread-block cluster on
@@ -611,6 +699,26 @@ __device__ __forceinline__ bool cluster_out(const DevRun &run, uint32_t c) {
   for (uint32_t p = first / pt; p <= (first + n - 1) / pt; ++p)
     if (run.pages[p] == nullptr) return true;
   return false;
+}
+
+// Whether this CTA is the launch's last to get here, counted in ctas (a
+// device word, zero between launches; the last CTA clears it after its work,
+// for the next launch, which stream order puts after this one). Every thread
+// of the CTA calls it after its writes; flag is a shared word. After true,
+// the writes the other CTAs issued before their call are visible. Device
+// scope suffices: its callers write device memory only (a write to mapped
+// host memory would need __threadfence_system in every CTA, as
+// signal_step_end has).
+__device__ __forceinline__ bool last_cta(unsigned int *ctas, uint32_t *flag) {
+  __syncthreads();  // this CTA's writes are issued
+  if (threadIdx.x == 0) {
+    __threadfence();
+    *flag = atomicAdd(ctas, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
+  }
+  __syncthreads();
+  if (!*flag) return false;
+  __threadfence();  // the other CTAs' writes, counted before ours, are visible
+  return true;
 }
 
 // offsets[r] = the exclusive prefix of run_tokens, r <= R (offsets[R] the
@@ -936,15 +1044,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const DevRun 
   __shared__ SelectShared sh;
   wait_prior_grid();
   select_slice(runs, G, out, scores, smem_cap, n_split, sh, keys_s);
-  if (ctas == nullptr) return;
-  __syncthreads();  // this CTA's writes are issued (its run_tokens by thread 0)
-  if (threadIdx.x == 0) {
-    __threadfence();
-    sh.last = atomicAdd(ctas, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!sh.last) return;  // uniform over the CTA
-  __threadfence();       // the other CTAs' writes, counted before ours, are visible
+  if (ctas == nullptr || !last_cta(ctas, &sh.last)) return;  // uniform over the CTA
   write_offsets<kSelectThreads>(out.run_tokens, gridDim.x / n_split, out.offsets, sh.tmp);
   if (threadIdx.x == 0) *ctas = 0;  // for the next launch, which stream order puts after this one
 }
@@ -960,6 +1060,7 @@ struct EstShared {
   float m[GT], den[GT];
   float tmp[kEstThreads / 32][GT];
   uint32_t c[kEstThreads];
+  float s[kEstThreads];  // the batch's row scales (8-bit value sums)
   float w[GT][kEstThreads];
 };
 
@@ -991,17 +1092,7 @@ __device__ void block_reduce_n(float (&x)[GT], float (*tmp)[GT]) {
 // every CTA calls it as the kernel's last statement.
 __device__ void end_lookup(const DevLookup &out, const LookupEnd &end) {
   __shared__ uint32_t last, tmp[32];
-  __syncthreads();  // this CTA's writes are issued
-  if (threadIdx.x == 0) {
-    // Device scope suffices: the estimate writes device memory only. (A
-    // write to mapped host memory here would need __threadfence_system in
-    // every CTA, as signal_step_end has.)
-    __threadfence();
-    last = atomicAdd(end.ctas, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
-  }
-  __syncthreads();
-  if (!last) return;  // uniform over the CTA
-  __threadfence();    // the other CTAs' writes, counted before ours, are visible
+  if (!last_cta(end.ctas, &last)) return;  // uniform over the CTA
   write_offsets<kEstThreads>(out.run_tokens, end.R, out.offsets, tmp);
   __syncthreads();
   if (threadIdx.x != 0) return;
@@ -1018,6 +1109,28 @@ __device__ __forceinline__ float4 value_sum4(const uint2 *rows, size_t i) {
   const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&raw.x));
   const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&raw.y));
   return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// The same from 8-bit rows (four columns a word), each row's weights
+// times its scale (sc[k]).
+template <uint32_t GT>
+__device__ __forceinline__ void weigh_value_sums8(const uint32_t *vs, uint32_t cols, uint32_t col, uint32_t rl,
+                                                  uint32_t rows, uint32_t nb, const uint32_t *cs, const float *sc,
+                                                  const float (*w)[kEstThreads], float4 (&acc)[GT]) {
+#pragma unroll 8
+  for (uint32_t k = rl; k < nb; k += rows) {
+    float x[4];
+    int8x4_to_float(__ldg(vs + static_cast<size_t>(cs[k]) * cols + col), x);
+    const float s = sc[k];
+#pragma unroll
+    for (uint32_t j = 0; j < GT; ++j) {
+      const float wk = w[j][k] * s;
+      acc[j].x = fmaf(wk, x[0], acc[j].x);
+      acc[j].y = fmaf(wk, x[1], acc[j].y);
+      acc[j].z = fmaf(wk, x[2], acc[j].z);
+      acc[j].w = fmaf(wk, x[3], acc[j].w);
+    }
+  }
 }
 
 // A batch's value sums weighted into this thread's accumulators: rows
@@ -1068,15 +1181,20 @@ __global__ void WKV_ESTIMATE_BOUNDS estimate_kernel(const DevRun *__restrict__ r
   const uint32_t *ids = out.est_ids + run.est_off;
   const float *lg = out.logits + run.scratch_off + static_cast<size_t>(g0) * C;  // head g0 + j at lg + j C
   const float4 *vs = reinterpret_cast<const float4 *>(run.value_sum);
-  // The f16 copy where the head keeps one and no sum overflowed it: half
-  // the bytes of the f32 rows. Every thread reads the same word (only a
-  // growth's narrowing writes it, in stream order, never while a step
-  // runs), so the choice is the CTA's.
-  const uint2 *vs16 = run.value_sum16 && *reinterpret_cast<const uint32_t *>(run.value_sum16) == 0
+  // The 8-bit copy where the head keeps one and every row is finite (a
+  // quarter of the f32 bytes and a scale a row), else the f16 copy where it
+  // keeps one and no sum overflowed it (half the bytes). Every thread reads
+  // the same words (only a growth's narrowing writes them, in stream order,
+  // never while a step runs), so the choice is the CTA's.
+  const uint32_t *vs8 = D % 32 == 0 && run.value_sum8 && *reinterpret_cast<const uint32_t *>(run.value_sum8) == 0
+                            ? reinterpret_cast<const uint32_t *>(run.value_sum8 + kMeta16Header)
+                            : nullptr;
+  const uint2 *vs16 = !vs8 && run.value_sum16 && *reinterpret_cast<const uint32_t *>(run.value_sum16) == 0
                           ? reinterpret_cast<const uint2 *>(run.value_sum16 + kMeta16Header)
                           : nullptr;
 
   constexpr uint32_t kCols = D / 4, kRows = kEstThreads / kCols;
+  static_assert(kRows >= 1, "a thread a four columns of a value row");
   const uint32_t col = tid % kCols, rl = tid / kCols;
   float4 acc[GT];
   float den[GT], m[GT];
@@ -1095,6 +1213,7 @@ __global__ void WKV_ESTIMATE_BOUNDS estimate_kernel(const DevRun *__restrict__ r
     if (tid < nb) {
       c = ids[base + tid];
       sz = static_cast<float>(run.size[c]);
+      if (vs8) sh.s[tid] = __ldg(run.value_sum8_scale + c);
 #pragma unroll
       for (uint32_t j = 0; j < GT; ++j) l[j] = lg[static_cast<size_t>(j) * C + c];
     }
@@ -1118,7 +1237,9 @@ __global__ void WKV_ESTIMATE_BOUNDS estimate_kernel(const DevRun *__restrict__ r
     if (tid < nb) sh.c[tid] = c;
     __syncthreads();
     if (rl < kRows) {
-      if (vs16)
+      if (vs8)
+        weigh_value_sums8<GT>(vs8, kCols, col, rl, kRows, nb, sh.c, sh.s, sh.w, acc);
+      else if (vs16)
         weigh_value_sums<GT>(vs16, kCols, col, rl, kRows, nb, sh.c, sh.w, acc);
       else
         weigh_value_sums<GT>(vs, kCols, col, rl, kRows, nb, sh.c, sh.w, acc);
@@ -1268,16 +1389,18 @@ __global__ void __launch_bounds__(kOffsetThreads) offsets_kernel(const uint32_t 
   signal_step_end(mark);
 }
 
-// Whether fn was compiled for sm_90 or later (not JIT-compiled from older
-// PTX), so that thread-block clusters work in it.
-bool built_for_clusters(const void *fn) {
+// Whether fn was compiled for the architecture `arch` (80 for sm_80) or
+// later, not JIT-compiled from older PTX: clusters need 90 (built_for_clusters),
+// cp.async 80.
+bool built_for(const void *fn, int arch) {
   cudaFuncAttributes fa{};
   if (cudaFuncGetAttributes(&fa, fn) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
-  return fa.ptxVersion >= 90;
+  return fa.ptxVersion >= arch;
 }
+bool built_for_clusters(const void *fn) { return built_for(fn, 90); }
 
 // select_kernel's dynamic shared memory for slices of up to `cap` clusters:
 // a key and a class byte each.
@@ -1359,12 +1482,78 @@ cudaError_t launch_estimate(const DevRun *runs, uint32_t R, uint32_t G, const De
 
 }  // namespace
 
+// How many clusters of `split` select CTAs (each with the largest slice's
+// shared memory) the current device holds at once: the occupancy API's
+// answer, asked once per device and split; 0 where it refuses.
+uint32_t select_clusters_resident(uint32_t split) {
+  static std::atomic<int32_t> known[64][5];  // [device][log2 split]: the answer + 1; 0 unknown
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  uint32_t lg = 0;
+  while ((1u << lg) < split && lg < 4) ++lg;
+  int32_t v = known[dev][lg].load(std::memory_order_relaxed);
+  if (v == 0) {
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = split;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(split);
+    cfg.blockDim = dim3(kSelectThreads);
+    cfg.dynamicSmemBytes = select_smem(kLookupSmemClusters);
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    static std::atomic<uint64_t> smem_set{0};  // the query needs the launch's shared memory allowed
+    int n = 0;
+    if (ensure_smem(reinterpret_cast<const void *>(select_kernel), cfg.dynamicSmemBytes, &smem_set) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, select_kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();
+      n = 0;
+    }
+    v = n + 1;
+    known[dev][lg].store(v, std::memory_order_relaxed);
+  }
+  return static_cast<uint32_t>(v - 1);
+}
+
+namespace {
+// Devices on which a split select's launch was refused (a device shared by
+// limit, MIG or MPS, where the occupancy API promised a cluster and the
+// launch found no room): their selections are not split again.
+std::atomic<uint64_t> select_split_refused{0};
+
+uint64_t current_device_bit() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return uint64_t(1) << dev;
+}
+}  // namespace
+
 uint32_t select_split(uint32_t R, uint32_t clusters) {
   static const bool split_ok = built_for_clusters(reinterpret_cast<const void *>(select_kernel));
+  static std::atomic<uint64_t> wide_set{0}, wide_refused{0};
   uint32_t split = 1;
-  if (split_ok) {
+  const uint64_t bit = current_device_bit();
+  if (split_ok && bit != 0 && !(select_split_refused.load(std::memory_order_relaxed) & bit)) {
     const uint32_t sms = multiprocessors();
-    while (split < kSelectMaxSplit && R * split * 2 <= sms && clusters / (2 * split) >= kSelectMinSlice) split *= 2;
+    // A split only where the device holds one cluster of it at all; past 8
+    // (a non-portable cluster size, WKV_SELECT_MAX_SPLIT), only where the
+    // device allows it and holds all R runs' clusters at once (a cluster
+    // of 16 CTAs of 1024 threads takes 16 multiprocessors of one GPC), so
+    // that the select stays one wave. What this returns is what
+    // select_impl launches: a decode graph's key holds it.
+    while (split < kSelectMaxSplit && R * split * 2 <= sms && clusters / (2 * split) >= kSelectMinSlice &&
+           (split < 8 ? select_clusters_resident(split * 2) >= 1
+                      : allow_wide_clusters(reinterpret_cast<const void *>(select_kernel), &wide_set, &wide_refused) &&
+                            select_clusters_resident(split * 2) >= R))
+      split *= 2;
   }
   return split;
 }
@@ -1398,8 +1587,11 @@ cudaError_t select_impl(const DevRun *runs, uint32_t R, uint32_t G, float scale,
   cudaError_t err = launch_pdl(select_kernel, dim3(R * split), dim3(kSelectThreads), select_smem(cap), s, split,
                                runs, G, out, scores, cap, split, ctas);
   if (err == cudaErrorInvalidClusterSize && split > 1) {
-    // No room for the cluster (a device shared by limit): one CTA a run.
+    // No room for the cluster although the occupancy API held one (a device
+    // shared by limit): one CTA a run, now and from now on on this device,
+    // so that select_split (a decode graph's key) says what runs.
     (void)cudaGetLastError();
+    select_split_refused.fetch_or(current_device_bit(), std::memory_order_relaxed);
     const uint32_t cap1 = max_clusters < kLookupSmemClusters ? max_clusters : kLookupSmemClusters;
     err = launch_pdl(select_kernel, dim3(R), dim3(kSelectThreads), select_smem(cap1), s, 1, runs, G, out, scores,
                      cap1, 1u, ctas);

@@ -27,12 +27,15 @@ constexpr uint32_t kMaxGroup = 32;
 // Scores, selects and estimates R runs (one per (sequence, KV head),
 // r = s * H + h) in four kernels on `stream`; no host synchronization.
 //
-//   runs       [R] DevRun, device memory. Read: centroid, centroid16,
-//              value_sum, value_sum16, spread, value_mean, size, clusters,
-//              n_ret, n_one, n_est, sink_tokens, tail_tokens, ret_off,
-//              est_off, scratch_off. centroid, centroid16, value_sum and
-//              value_sum16 16-byte aligned (the f16 copies' rows then are,
-//              after their 16-byte header).
+//   runs       [R] DevRun, device memory. Read: centroid, centroid8,
+//              centroid8_scale, centroid16, value_sum, value_sum8,
+//              value_sum8_scale, value_sum16, spread, value_mean, size,
+//              clusters, n_ret, n_one, n_est, sink_tokens, tail_tokens,
+//              ret_off, est_off, scratch_off. centroid, centroid8,
+//              centroid16, value_sum, value_sum8 and value_sum16 16-byte
+//              aligned (the copies' rows then are, after their 16-byte
+//              header), the scales 4-byte aligned; the 8-bit copies are
+//              read only where d is a multiple of 32.
 //   q          [R][G][d] f32, device, 16-byte aligned: the query heads of each
 //              run's group.
 //   out        DevLookup: every field is written for every run (see
@@ -90,7 +93,9 @@ cudaError_t lookup_select(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d
 cudaError_t lookup_estimate(const DevRun *runs, uint32_t R, uint32_t G, uint32_t d, const DevLookup &out,
                             void *stream);
 
-// The CTAs a selection of R runs of up to `clusters` clusters is split over.
+// The CTAs a selection of R runs of up to `clusters` clusters is split over:
+// what the lookup launches, a split taken only where the device holds such
+// a cluster (1 from then on where a split launch was refused on it).
 uint32_t select_split(uint32_t R, uint32_t clusters);
 
 }  // namespace wkv::kernels

@@ -9,15 +9,15 @@ namespace {
 
 constexpr uint32_t kWordsPerLaunch = 480;
 
-// A lookup's run table travels by value in one launch up to 160 runs (the
+// A lookup's run table travels by value in one launch up to 144 runs (the
 // large kernel parameters of CUDA 12.1 and sm_70 on, up to 32764 bytes),
-// in a struct no larger than the runs need: 16, 64 or 160 of them.
+// in a struct no larger than the runs need: 16, 64 or 144 of them.
 template <uint32_t N>
 struct RunChunk {
   DevRun runs[N];
   uint32_t n;
 };
-constexpr uint32_t kRunsPerLaunch = 160;
+constexpr uint32_t kRunsPerLaunch = 144;
 // The other parameters of stage_lookup_kernel take under 256 bytes.
 static_assert(sizeof(RunChunk<kRunsPerLaunch>) + 256 <= 32764, "kernel parameters are limited to 32764 bytes");
 // Without large parameters (a driver older than CUDA 12.1, which minor
@@ -53,7 +53,6 @@ struct PairChunk {
 };
 static_assert(sizeof(PairChunk) <= 4000, "kernel parameters are limited to 4 KiB");
 
-constexpr uint32_t kSpansPerLaunch = 120;
 
 struct SpanChunk {
   SpanDesc s[kSpansPerLaunch];
@@ -575,6 +574,54 @@ __global__ void narrow_f16_kernel(const float *__restrict__ src, uint64_t n, __h
               uint64_t(gridDim.x) * blockDim.x);
 }
 
+// Row `row` of rows of d values (d <= 256) at src quantized to 8 bits by
+// one warp (every lane calls it): quantize_row's arithmetic, each step one
+// IEEE operation correctly rounded, so the CPU's bytes. Lane 0 stores the
+// scale and flags *overflow where the row is not finite.
+__device__ __forceinline__ void quantize_row_warp(const float *__restrict__ src, uint64_t row, uint32_t d,
+                                                  int8_t *__restrict__ dst, float *__restrict__ scales,
+                                                  uint32_t *overflow) {
+  constexpr uint32_t kMax = 256 / 32;
+  const uint32_t lane = threadIdx.x % 32;
+  const float *x = src + row * d;
+  float v[kMax];
+  float amax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (uint32_t k = 0; k < kMax; ++k) {
+    const uint32_t j = lane + 32 * k;
+    v[k] = j < d ? x[j] : 0.0f;
+    const float a = fabsf(v[k]);
+    finite &= a <= 3.402823466e38f;  // false for NaN and inf
+    amax = a > amax ? a : amax;
+  }
+  // Non-negative floats order as their bits.
+  amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(amax)));
+  finite = __all_sync(0xffffffffu, finite);
+  const bool zero = !finite || amax < kInt8RowFloor;
+  const float scale = zero ? (finite ? 0.0f : __uint_as_float(kInt8NanScale)) : __fdiv_rn(amax, 127.0f);
+  int8_t *q = dst + row * d;
+#pragma unroll
+  for (uint32_t k = 0; k < kMax; ++k) {
+    const uint32_t j = lane + 32 * k;
+    if (j >= d) continue;
+    float r = zero ? 0.0f : rintf(__fdiv_rn(v[k], scale));  // rintf: nearest even
+    r = fminf(fmaxf(r, -127.0f), 127.0f);
+    q[j] = static_cast<int8_t>(r);
+  }
+  if (lane == 0) {
+    scales[row] = scale;
+    if (!finite) atomicOr(overflow, 1u);
+  }
+}
+
+__global__ void quantize_rows8_kernel(const float *__restrict__ src, uint64_t rows, uint32_t d,
+                                      int8_t *__restrict__ dst, float *__restrict__ scales, uint32_t *overflow) {
+  const uint64_t warps = uint64_t(gridDim.x) * (blockDim.x / 32);
+  for (uint64_t r = uint64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps)
+    quantize_row_warp(src, r, d, dst, scales, overflow);
+}
+
 // The widest word (16, 8, 4, 2 or 1 bytes) that `bits` (addresses, sizes
 // and offsets or-ed together) is a multiple of.
 __host__ __device__ __forceinline__ uint32_t widest_word(uint64_t bits) {
@@ -602,6 +649,12 @@ __global__ void apply_spans_kernel(const __grid_constant__ SpanChunk chunk) {
   if (sp.op == kSpanNarrowF16) {
     narrow_part(reinterpret_cast<const float *>(sp.src), sp.n, reinterpret_cast<__half *>(sp.dst), sp.overflow, first,
                 stride);
+    return;
+  }
+  if (sp.op == kSpanQuantRows8) {  // a warp a row
+    for (uint64_t r = first / 32; r < sp.n / sp.row; r += stride / 32)
+      quantize_row_warp(reinterpret_cast<const float *>(sp.src), r, sp.row, reinterpret_cast<int8_t *>(sp.dst),
+                        sp.scales, sp.overflow);
     return;
   }
   switch (span_unit(sp)) {
@@ -871,6 +924,11 @@ cudaError_t check_spans(const SpanDesc *spans, uint32_t n) {
       if (!sp.overflow || reinterpret_cast<uintptr_t>(sp.src) % 4 || reinterpret_cast<uintptr_t>(sp.dst) % 2 ||
           reinterpret_cast<uintptr_t>(sp.overflow) % 4)
         return cudaErrorInvalidValue;
+    } else if (sp.op == kSpanQuantRows8) {
+      if (!sp.overflow || !sp.scales || sp.row == 0 || sp.row > 256 || sp.n % sp.row ||
+          reinterpret_cast<uintptr_t>(sp.src) % 4 || reinterpret_cast<uintptr_t>(sp.scales) % 4 ||
+          reinterpret_cast<uintptr_t>(sp.overflow) % 4)
+        return cudaErrorInvalidValue;
     } else if (sp.op != kSpanCopy) {
       return cudaErrorInvalidValue;
     }
@@ -890,7 +948,10 @@ cudaError_t apply_spans(const SpanDesc *spans, uint32_t n, void *stream) {
     for (uint32_t i = 0; i < c.n; ++i) {
       const SpanDesc &sp = spans[done + i];
       c.s[i] = sp;
-      most = std::max<uint64_t>(most, sp.op == kSpanNarrowF16 ? sp.n : sp.n / span_unit(sp));
+      // Threads the span takes: a value, a word, or a warp a row.
+      most = std::max<uint64_t>(most, sp.op == kSpanNarrowF16    ? sp.n
+                                      : sp.op == kSpanQuantRows8 ? sp.n / sp.row * 32
+                                                                 : sp.n / span_unit(sp));
     }
     const uint32_t rows = static_cast<uint32_t>(std::min<uint64_t>((most + threads - 1) / threads, 64));
     apply_spans_kernel<<<dim3(c.n, std::max<uint32_t>(rows, 1)), threads, 0, s>>>(c);
@@ -994,6 +1055,18 @@ cudaError_t narrow_f16(const float *src, uint64_t n, void *dst, uint32_t *overfl
   narrow_f16_kernel<<<blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(src, n, static_cast<__half *>(dst),
                                                                                overflow);
   WKV_CUDA_CHECK_LAUNCH("narrow_f16");
+  return cudaSuccess;
+}
+
+cudaError_t quantize_rows8(const float *src, uint64_t rows, uint32_t d, int8_t *dst, float *scales,
+                           uint32_t *overflow, void *stream) {
+  if (rows == 0) return cudaSuccess;
+  if (!src || !dst || !scales || !overflow || d == 0 || d > 256) return cudaErrorInvalidValue;
+  const uint32_t threads = 256;
+  const uint32_t blocks = static_cast<uint32_t>(std::min<uint64_t>((rows + 7) / 8, 1024));
+  quantize_rows8_kernel<<<blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(src, rows, d, dst, scales,
+                                                                                  overflow);
+  WKV_CUDA_CHECK_LAUNCH("quantize_rows8");
   return cudaSuccess;
 }
 

@@ -14,7 +14,7 @@
 
 namespace wkv::kernels {
 
-// A lookup's staging, in one launch up to 160 runs (16 where the driver is
+// A lookup's staging, in one launch up to 144 runs (16 where the driver is
 // older than CUDA 12.1 and takes no large kernel parameters): q [n_seqs][n_q_heads][d]
 // of storage type t (strides in elements) converted to q_dst, f32
 // [n_seqs][n_q_heads][d] contiguous, and n DevRun structs copied from host
@@ -101,25 +101,32 @@ cudaError_t store_words_at(const uint64_t *addrs, uint32_t n, uint32_t value, vo
 // arrays), i < n, in launches of up to 240 pairs passed by value.
 cudaError_t store_pairs(const uint64_t *addrs, const uint64_t *values, uint32_t n, void *stream);
 
-// One write of apply_spans: n bytes from src to dst (op kSpanCopy), or n
-// f32 values from src to f16 at dst (kSpanNarrowF16, as narrow_f16, with
-// *overflow set nonzero where a value lies outside f16's range). Every
-// address is device-accessible: device memory or mapped pinned memory.
-enum : uint32_t { kSpanCopy = 0, kSpanNarrowF16 = 1 };
+// One write of apply_spans: n bytes from src to dst (op kSpanCopy); n f32
+// values from src to f16 at dst (kSpanNarrowF16, as narrow_f16, with
+// *overflow set nonzero where a value lies outside f16's range); or n f32
+// values, rows of `row`, from src to 8 bits at dst with a scale a row at
+// scales (kSpanQuantRows8, as quantize_rows8). Every address is
+// device-accessible: device memory or mapped pinned memory.
+enum : uint32_t { kSpanCopy = 0, kSpanNarrowF16 = 1, kSpanQuantRows8 = 2 };
+// The spans one launch of apply_spans carries (its kernel parameters).
+constexpr uint32_t kSpansPerLaunch = 80;
 struct SpanDesc {
   uint8_t *dst;
   const uint8_t *src;
-  uint32_t *overflow;  // kSpanNarrowF16 only
+  uint32_t *overflow;  // kSpanNarrowF16 and kSpanQuantRows8
   uint32_t n, op;
+  float *scales = nullptr;  // kSpanQuantRows8 only
+  uint32_t row = 0;         // kSpanQuantRows8 only: values a row (n a multiple of it)
 };
 
-// The spans in launches of up to 120 passed by value (so `spans` may be
+// The spans in launches of up to 80 passed by value (so `spans` may be
 // reused at once), one CTA column per span, each in the widest word its
-// addresses and size allow. The spans of one launch run in no order: none
-// may overlap another's destination or read it. Every span is checked
-// before the first launch (cudaErrorInvalidValue: a null address, an
-// unknown op, a narrowing without its flag or misaligned), so a refusal
-// enqueues nothing.
+// addresses and size allow (a warp a row for kSpanQuantRows8). The spans
+// of one launch run in no order: none may overlap another's destination or
+// read it. Every span is checked before the first launch
+// (cudaErrorInvalidValue: a null address, an unknown op, a narrowing
+// without its flag or misaligned, a quantization whose rows are not whole
+// or longer than 256), so a refusal enqueues nothing.
 cudaError_t apply_spans(const SpanDesc *spans, uint32_t n, void *stream);
 // apply_spans's checks alone: launches nothing.
 cudaError_t check_spans(const SpanDesc *spans, uint32_t n);
@@ -128,5 +135,12 @@ cudaError_t check_spans(const SpanDesc *spans, uint32_t n);
 // dst[i] = f16(src[i]) for i < n (device arrays), round to nearest even;
 // sets *overflow (device) to nonzero when a value lies outside f16's range.
 cudaError_t narrow_f16(const float *src, uint64_t n, void *dst, uint32_t *overflow, void *stream);
+
+// Each of `rows` f32 rows of d values (d <= 256) at src to 8 bits at dst
+// ([rows][d]) with its scale at scales[row]: kernels/dtype.hpp's
+// quantize_row, the same bytes; sets *overflow (device) to nonzero where a
+// row holds a NaN or an infinity (its scale NaN, its values zero).
+cudaError_t quantize_rows8(const float *src, uint64_t rows, uint32_t d, int8_t *dst, float *scales,
+                           uint32_t *overflow, void *stream);
 
 }  // namespace wkv::kernels

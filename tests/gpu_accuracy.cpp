@@ -83,8 +83,9 @@ TEST(GpuAccuracy, DiffuseHeadsAreEstimatedAsOnTheCpuEngine) {
 // The real-attention set (its README): per layer, K and V [8192][2][128]
 // then 64 queries [4][128], f16. The prompt is the first 8128 tokens; one
 // generated token is appended before each query, as tests/test_real_attention
-// does. Both engines decode the same steps; the CUDA engine reads the f16
-// copy of its centroids, the CPU engine its compact f16 mirror.
+// does. Both engines decode the same steps; each scores the 8-bit copy of
+// its centroids (the CUDA engine's on the device, the CPU engine's in its
+// compact mirror) and estimates from f16 value sums (CUDA) or means (CPU).
 TEST(GpuAccuracy, RealAttentionAsOnTheCpuEngine) {
   REQUIRE_GPU();
   namespace ra = wkvtest::real_attention;

@@ -184,28 +184,36 @@ std::map<std::vector<uint8_t>, std::vector<std::vector<uint8_t>>> clusters_of(co
 // The same input gives the same cuts, the same seeds and, but for near-ties
 // of f16 dot products summed in another order, the same clusters; decoding
 // agrees at the default budget. The measured agreement is printed.
-// The device's f16 copies of a head's centroids and value sums, which the
-// logits and the estimate read: their overflow words clear and every row
-// the f32 row rounded to f16.
+// The device's compact copies of a head's centroids and value sums, which
+// the logits and the estimate read: their overflow words clear, every row
+// quantize_row's bytes and scale of the f32 row (8-bit meta rows, the
+// default), no f16 copy.
 void expect_meta16(const wkv::HeadState &hs) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const size_t n = size_t(hs.clusters()) * kD;
+  const size_t C = hs.clusters(), n = C * kD;
   ASSERT_GT(n, 0u);
-  for (auto [copy, rows, what] : {std::tuple{&hs.meta.centroid16, &hs.meta.centroid, "centroid"},
-                                  std::tuple{&hs.meta.value_sum16, &hs.meta.value_sum, "value sum"}}) {
+  EXPECT_EQ(hs.meta.centroid16.p, nullptr) << "8-bit meta rows by default: no f16 copy";
+  EXPECT_EQ(hs.meta.value_sum16.p, nullptr) << "8-bit meta rows by default: no f16 copy";
+  for (auto [copy, scales, rows, what] :
+       {std::tuple{&hs.meta.centroid8, &hs.meta.centroid8_scale, &hs.meta.centroid, "centroid"},
+        std::tuple{&hs.meta.value_sum8, &hs.meta.value_sum8_scale, &hs.meta.value_sum, "value sum"}}) {
     SCOPED_TRACE(what);
     ASSERT_NE(copy->p, nullptr) << "a CUDA engine with f16 storage keeps the copy";
-    std::vector<uint8_t> raw(wkv::kernels::kMeta16Header + n * 2);
-    std::vector<float> f32(n);
+    ASSERT_NE(scales->p, nullptr);
+    std::vector<uint8_t> raw(wkv::kernels::kMeta16Header + n);
+    std::vector<float> f32(n), got_scales(C);
     ASSERT_EQ(cudaMemcpy(raw.data(), copy->p, raw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got_scales.data(), scales->p, C * 4, cudaMemcpyDeviceToHost), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(f32.data(), rows->p, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
     uint32_t overflow;
     std::memcpy(&overflow, raw.data(), 4);
     EXPECT_EQ(overflow, 0u);
-    std::vector<uint16_t> want(n);
-    wkv::from_float(wkv::DType::kF16, f32.data(), want.data(), n);
-    EXPECT_EQ(std::memcmp(want.data(), raw.data() + wkv::kernels::kMeta16Header, n * 2), 0)
-        << "the copy holds every cluster's row";
+    std::vector<int8_t> want(n);
+    std::vector<float> want_scales(C);
+    for (size_t c = 0; c < C; ++c) wkv::quantize_row(f32.data() + c * kD, kD, want.data() + c * kD, &want_scales[c]);
+    EXPECT_EQ(std::memcmp(want.data(), raw.data() + wkv::kernels::kMeta16Header, n), 0)
+        << "the copy holds every cluster's row, the CPU's bytes";
+    EXPECT_EQ(std::memcmp(want_scales.data(), got_scales.data(), C * 4), 0) << "and its scale";
   }
 }
 
@@ -252,11 +260,11 @@ TEST(GpuHeadState, CpuAndCudaEnginesBuildTheSameIndex) {
 }
 
 // Value sums past f16's range (values 6000 + 3000 x: a cluster of 11 or
-// more sums past 65504 on average) set the overflow word of the value sums' copy
-// while the centroids' stays clear, and the estimate reads the f32 sums:
-// decoding agrees with the CPU engine (whose f16 value means fit) as at
-// ordinary values, measured on the outputs less the offset.
-TEST(GpuHeadState, ValueSumsPastF16RangeAreEstimatedFromF32) {
+// more sums past 65504 on average) stay in the 8-bit copy, whose scale a row
+// takes any finite magnitude: neither copy's word is set, and decoding agrees
+// with the CPU engine (whose f16 value means fit) as at ordinary values,
+// measured on the outputs less the offset.
+TEST(GpuHeadState, ValueSumsPastF16RangeStayInTheEightBitCopy) {
   REQUIRE_GPU();
   Engine cpu(WKV_DEVICE_CPU), gpu(WKV_DEVICE_CUDA);
   Context ctx;
@@ -265,15 +273,15 @@ TEST(GpuHeadState, ValueSumsPastF16RangeAreEstimatedFromF32) {
   auto sc = cpu.sequence(), sg = gpu.sequence();
   prompt_both(ctx, cpu, *sc, gpu, *sg);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  for (uint32_t h = 0; h < kKV; ++h) {
-    const wkv::HeadState &hs = sg->layer(0).heads[h];
-    uint32_t centroids = 1, values = 0;
-    ASSERT_NE(hs.meta.centroid16.p, nullptr);
-    ASSERT_NE(hs.meta.value_sum16.p, nullptr);
-    ASSERT_EQ(cudaMemcpy(&centroids, hs.meta.centroid16.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(&values, hs.meta.value_sum16.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_EQ(centroids, 0u) << "head " << h << ": the centroids fit f16";
-    EXPECT_NE(values, 0u) << "head " << h << ": some value sum does not";
+  for (uint32_t h = 0; h < kKV; ++h) expect_meta16(sg->layer(0).heads[h]);
+  {
+    // Some sum does pass f16's range (the case the f16 copy could not hold).
+    const wkv::HeadState &hs = sg->layer(0).heads[0];
+    std::vector<float> sums(size_t(hs.clusters()) * kD);
+    ASSERT_EQ(cudaMemcpy(sums.data(), hs.meta.value_sum.p, sums.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    float most = 0.f;
+    for (float x : sums) most = std::max(most, std::fabs(x));
+    EXPECT_GT(most, 65504.f);
   }
   auto centered = [&](std::vector<float> o) {
     for (float &x : o) x -= ctx.v_offset;

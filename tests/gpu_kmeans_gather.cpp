@@ -7,10 +7,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu_kernels.hpp"
@@ -876,12 +878,106 @@ TEST(ApplySpans, EveryCopyAndNarrowingLandsAndNothingElseChanges) {
   EXPECT_EQ(got, std::vector<uint8_t>(4096, 0x11)) << "the first launch's spans were written";
 }
 
+// Rows quantized to 8 bits by spans (kSpanQuantRows8, beside copies in one
+// launch) and by quantize_rows8: the CPU's quantize_row bytes and scales for
+// every head dimension, the flag set only where a row is not finite (an
+// infinity, a NaN), rows of zeros and below the floor with a scale of 0;
+// malformed spans refused.
+TEST(ApplySpans, RowQuantizationsAreTheCpusBytes) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(91);
+  for (uint32_t d : {64u, 80u, 96u, 128u, 256u}) {
+    SCOPED_TRACE("d=" + std::to_string(d));
+    // More rows than a launch's warps (64 CTA rows of 8 for a span, 1024 CTAs
+    // of 8 for quantize_rows8): warps take several rows each.
+    constexpr uint32_t kRows = 9000;
+    std::vector<float> rows_h = random_vec(rng, size_t(kRows) * d, 50.f);
+    for (uint32_t j = 0; j < d; j += 16) rows_h[size_t(7) * d + j] += 4000.f;  // a shared offset, as keys have
+    std::fill_n(rows_h.begin() + size_t(11) * d, d, 0.f);
+    std::fill_n(rows_h.begin() + size_t(12) * d, d, 1e-31f);  // below kInt8RowFloor
+    std::vector<float> finite_rows = rows_h;
+    rows_h[size_t(200) * d + 3] = std::numeric_limits<float>::infinity();
+    rows_h[size_t(250) * d + d - 1] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<int8_t> want(size_t(kRows) * d);
+    std::vector<float> want_scale(kRows);
+    for (uint32_t r = 0; r < kRows; ++r)
+      quantize_row(rows_h.data() + size_t(r) * d, d, want.data() + size_t(r) * d, &want_scale[r]);
+    DevBuf src(rows_h.size() * 4), fine(rows_h.size() * 4), q(want.size()), sc(kRows * 4), flags(16), cdst(4096),
+        csrc(4096);
+    upload(src, rows_h);
+    upload(fine, finite_rows);
+    for (int way = 0; way < 2; ++way) {  // 0: spans (the first rows, then the rest, a copy between); 1: the verb
+      SCOPED_TRACE(way ? "quantize_rows8" : "spans");
+      ASSERT_CUDA(cudaMemset(q.p, 0x5a, want.size()));
+      ASSERT_CUDA(cudaMemset(sc.p, 0x5a, kRows * 4));
+      ASSERT_CUDA(cudaMemset(flags.p, 0, 16));
+      if (way == 0) {
+        const uint32_t first = 637;
+        std::vector<SpanDesc> spans = {
+            SpanDesc{q.as<uint8_t>(), src.as<uint8_t>(), flags.as<uint32_t>(), first * d, kSpanQuantRows8,
+                     sc.as<float>(), d},
+            SpanDesc{cdst.as<uint8_t>(), csrc.as<uint8_t>(), nullptr, 4096, kSpanCopy},
+            SpanDesc{q.as<uint8_t>() + size_t(first) * d, src.as<uint8_t>() + size_t(first) * d * 4,
+                     flags.as<uint32_t>(), (kRows - first) * d, kSpanQuantRows8, sc.as<float>() + first, d}};
+        ASSERT_OK(apply_spans(spans.data(), static_cast<uint32_t>(spans.size()), nullptr));
+      } else {
+        ASSERT_OK(quantize_rows8(src.as<float>(), kRows, d, q.as<int8_t>(), sc.as<float>(), flags.as<uint32_t>(),
+                                 nullptr));
+      }
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      std::vector<uint8_t> got;
+      std::vector<float> got_scale;
+      std::vector<uint32_t> flag;
+      download(&got, q.p, want.size());
+      download(&got_scale, sc.p, kRows);
+      download(&flag, flags.p, 1);
+      for (size_t i = 0; i < want.size(); ++i)
+        ASSERT_EQ(static_cast<int8_t>(got[i]), want[i]) << "row " << i / d << " component " << i % d;
+      for (uint32_t r = 0; r < kRows; ++r) {
+        uint32_t a, b;
+        std::memcpy(&a, &got_scale[r], 4);
+        std::memcpy(&b, &want_scale[r], 4);
+        ASSERT_EQ(a, b) << "row " << r << "'s scale";
+      }
+      EXPECT_EQ(got_scale[11], 0.f);
+      EXPECT_EQ(got_scale[12], 0.f);
+      EXPECT_TRUE(std::isnan(got_scale[200]) && std::isnan(got_scale[250]));
+      EXPECT_NE(flag[0], 0u) << "a row with an infinity or a NaN is flagged";
+    }
+    // Finite rows only: the flag stays clear.
+    ASSERT_CUDA(cudaMemset(flags.p, 0, 16));
+    ASSERT_OK(
+        quantize_rows8(fine.as<float>(), kRows, d, q.as<int8_t>(), sc.as<float>(), flags.as<uint32_t>(), nullptr));
+    std::vector<uint32_t> flag;
+    download(&flag, flags.p, 1);
+    EXPECT_EQ(flag[0], 0u);
+  }
+  // Malformed: no scales, no flag, a row of 0 or over 256, rows not whole.
+  DevBuf src(4096), q(4096), sc(256), flags(16);
+  const SpanDesc good{q.as<uint8_t>(), src.as<uint8_t>(), flags.as<uint32_t>(), 256, kSpanQuantRows8, sc.as<float>(),
+                      64};
+  EXPECT_EQ(check_spans(&good, 1), cudaSuccess);
+  for (int bad = 0; bad < 5; ++bad) {
+    SpanDesc sp = good;
+    if (bad == 0) sp.scales = nullptr;
+    if (bad == 1) sp.overflow = nullptr;
+    if (bad == 2) sp.row = 0;
+    if (bad == 3) sp.row = 512, sp.n = 512;
+    if (bad == 4) sp.n = 255;
+    EXPECT_EQ(apply_spans(&sp, 1, nullptr), cudaErrorInvalidValue) << "malformed span " << bad;
+  }
+  EXPECT_EQ(quantize_rows8(src.as<float>(), 4, 0, q.as<int8_t>(), sc.as<float>(), flags.as<uint32_t>(), nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(quantize_rows8(src.as<float>(), 4, 64, q.as<int8_t>(), nullptr, flags.as<uint32_t>(), nullptr),
+            cudaErrorInvalidValue);
+}
+
 // A lookup's staging: every run of the table lands in device memory (past a
-// launch's 160 runs too), and the query, strided bf16, lands as f32.
+// launch's 144 runs too), and the query, strided bf16, lands as f32.
 TEST(StageLookup, CopiesEveryRunAndConvertsTheQuery) {
   REQUIRE_GPU();
   std::mt19937_64 rng(5);
-  for (uint32_t n : {0u, 1u, 16u, 17u, 64u, 65u, 160u, 161u, 400u}) {
+  for (uint32_t n : {0u, 1u, 16u, 17u, 64u, 65u, 144u, 145u, 400u}) {
     SCOPED_TRACE("runs " + std::to_string(n));
     std::vector<DevRun> runs(n);
     for (DevRun &r : runs) {

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -158,6 +159,16 @@ struct LookupSpec {
   // has its own overflow word: sums grow with a cluster's size, so theirs
   // may be set while the centroids' is clear).
   std::optional<Meta16> meta16_values;
+  // The centroids' 8-bit copy (DevRun::centroid8, centroid8_scale; d a
+  // multiple of 32), read before the f16 one: kNarrow the copy, centroids
+  // drawn as its dequantized rows and the f32 array poisoned (so only the
+  // copy gives the right logits, the f16 copy then best flagged);
+  // kOverflowed the copy flagged, its rows zero and its scales NaN, so that
+  // only the f16 copy or the f32 array does. None where unset.
+  std::optional<Meta16> meta8;
+  // The value sums' 8-bit copy (DevRun::value_sum8, value_sum8_scale), read
+  // before their f16 copy, likewise.
+  std::optional<Meta16> meta8_values;
   uint64_t seed = 1;
   // The offsets by their own kernel (a mark without a CTA counter) rather
   // than by the estimate's last CTA, as the engine has them.
@@ -261,6 +272,42 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   std::vector<float> q(static_cast<size_t>(R) * G * d);
   for (float &x : q) x = normal(rng);
 
+  // The 8-bit copies of the centroids and of the value sums: per run
+  // kMeta16Header bytes (the overflow word first), then its rows [C][d]; the
+  // scales beside, [C] a run. With kNarrow the rows become the copy's
+  // dequantized ones.
+  auto copy8 = [&](std::vector<float> &rows, std::optional<LookupSpec::Meta16> mode, std::vector<int8_t> *out,
+                   std::vector<float> *scales, std::vector<size_t> *off, std::vector<size_t> *scale_off) {
+    if (!mode) return;
+    off->resize(R);
+    scale_off->resize(R);
+    for (uint32_t r = 0; r < R; ++r) {
+      (*off)[r] = out->size();
+      out->resize(out->size() + kMeta16Header, 0);
+      if (*mode == LookupSpec::kOverflowed) (*out)[(*off)[r]] = 1;
+      (*scale_off)[r] = scales->size();
+      for (uint32_t c = 0; c < hr[r].C; ++c) {
+        float *row = rows.data() + hr[r].meta_off + size_t(c) * d;
+        std::vector<int8_t> qrow(d);
+        float s = 0.f;
+        quantize_row(row, d, qrow.data(), &s);
+        if (*mode == LookupSpec::kNarrow) {
+          for (uint32_t i = 0; i < d; ++i) row[i] = static_cast<float>(qrow[i]) * s;
+        } else {
+          std::fill(qrow.begin(), qrow.end(), int8_t{0});
+          s = std::numeric_limits<float>::quiet_NaN();
+        }
+        out->insert(out->end(), qrow.begin(), qrow.end());
+        scales->push_back(s);
+      }
+    }
+  };
+  std::vector<int8_t> meta8, values8;
+  std::vector<float> scale8, values8_scale;
+  std::vector<size_t> meta8_off, scale8_off, values8_off, values8_scale_off;
+  copy8(centroid, spec.meta8, &meta8, &scale8, &meta8_off, &scale8_off);
+  copy8(value_sum, spec.meta8_values, &values8, &values8_scale, &values8_off, &values8_scale_off);
+
   // The f16 copies of the centroids and of the value sums: per run
   // kMeta16Header bytes (the overflow word first), then its rows.
   std::vector<size_t> meta16_off(R);
@@ -284,17 +331,25 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
   const std::vector<uint16_t> meta16 = copy16(centroid, spec.meta16), value_sum16 = copy16(value_sum, values16);
   // NaN rows in place of the f32 arrays that a copy stands for.
   std::vector<float> poisoned;
-  if (spec.meta16 == LookupSpec::kNarrow || values16 == LookupSpec::kNarrow)
+  const bool centroids_copied = spec.meta16 == LookupSpec::kNarrow || spec.meta8 == LookupSpec::kNarrow;
+  const bool values_copied = values16 == LookupSpec::kNarrow || spec.meta8_values == LookupSpec::kNarrow;
+  if (centroids_copied || values_copied)
     poisoned.assign(centroid.size(), std::numeric_limits<float>::quiet_NaN());
 
   // 2. Device copies.
   DevArray<float> d_centroid, d_value_sum, d_spread, d_value_mean, d_q;
   DevArray<uint16_t> d_meta16, d_value_sum16;
+  DevArray<int8_t> d_meta8, d_values8;
+  DevArray<float> d_scale8, d_values8_scale;
   DevArray<uint32_t> d_sizes;
-  CUDA_OK(d_centroid.upload(spec.meta16 == LookupSpec::kNarrow ? poisoned : centroid));
+  CUDA_OK(d_centroid.upload(centroids_copied ? poisoned : centroid));
   CUDA_OK(d_meta16.upload(meta16));
+  CUDA_OK(d_meta8.upload(meta8));
+  CUDA_OK(d_scale8.upload(scale8));
+  CUDA_OK(d_values8.upload(values8));
+  CUDA_OK(d_values8_scale.upload(values8_scale));
   CUDA_OK(d_value_sum16.upload(value_sum16));
-  CUDA_OK(d_value_sum.upload(values16 == LookupSpec::kNarrow ? poisoned : value_sum));
+  CUDA_OK(d_value_sum.upload(values_copied ? poisoned : value_sum));
   CUDA_OK(d_spread.upload(spread));
   CUDA_OK(d_value_mean.upload(value_mean));
   CUDA_OK(d_sizes.upload(sizes));
@@ -306,6 +361,10 @@ void check_lookup(const LookupSpec &spec, bool with_scores, LookupOutputs *keep 
     x.centroid = d_centroid.get() + hr[r].meta_off;
     x.value_sum = d_value_sum.get() + hr[r].meta_off;
     x.centroid16 = meta16.empty() ? nullptr : reinterpret_cast<const uint8_t *>(d_meta16.get() + meta16_off[r]);
+    x.centroid8 = meta8.empty() ? nullptr : reinterpret_cast<const uint8_t *>(d_meta8.get() + meta8_off[r]);
+    x.centroid8_scale = meta8.empty() ? nullptr : d_scale8.get() + scale8_off[r];
+    x.value_sum8 = values8.empty() ? nullptr : reinterpret_cast<const uint8_t *>(d_values8.get() + values8_off[r]);
+    x.value_sum8_scale = values8.empty() ? nullptr : d_values8_scale.get() + values8_scale_off[r];
     x.value_sum16 =
         value_sum16.empty() ? nullptr : reinterpret_cast<const uint8_t *>(d_value_sum16.get() + meta16_off[r]);
     x.size = d_sizes.get() + hr[r].size_off;
@@ -625,6 +684,40 @@ TEST(LookupZones, TheF16MetaCopiesAreReadUnlessFlagged) {
       check_lookup(spec, true);
       if (HasFatalFailure()) return;
     }
+}
+
+// The logits read the centroids' 8-bit copy and the estimate the value
+// sums' where a run has them and their overflow words are clear, before the
+// f16 copies; where they are set, the f16 copies (or the f32 arrays where
+// those are flagged too, or absent). The arrays not to be read are poisoned
+// in each case.
+TEST(LookupZones, TheEightBitMetaCopiesAreReadUnlessFlagged) {
+  REQUIRE_GPU();
+  using M = LookupSpec::Meta16;
+  auto name = [](M m) { return m == LookupSpec::kNarrow ? std::string("copy") : std::string("flagged"); };
+  uint64_t seed = 1400;
+  for (uint32_t d : kDims) {
+    if (d % 32 != 0) continue;  // the engine keeps f16 rows there
+    for (auto [rows8, rows16] : {std::pair{LookupSpec::kNarrow, LookupSpec::kOverflowed},
+                                 std::pair{LookupSpec::kNarrow, LookupSpec::kF32Only},
+                                 std::pair{LookupSpec::kOverflowed, LookupSpec::kNarrow},
+                                 std::pair{LookupSpec::kOverflowed, LookupSpec::kOverflowed}}) {
+      LookupSpec spec;
+      spec.d = d;
+      spec.G = std::array<uint32_t, 4>{4, 1, 5, 8}[seed % 4];  // passes over the query heads, a last one part-full
+      SCOPED_TRACE("d=" + std::to_string(d) + ", G=" + std::to_string(spec.G) + ", 8-bit rows " + name(rows8) +
+                   ", f16 rows " + (rows16 == LookupSpec::kF32Only ? std::string("none") : name(rows16)));
+      spec.seed = ++seed;
+      spec.spread = spec.ones = spec.tail = seed % 2;
+      spec.meta8 = rows8;
+      spec.meta16 = rows16;
+      spec.meta8_values = rows8;
+      spec.meta16_values = rows16;
+      spec.clusters = mixed_clusters(seed, 3);
+      check_lookup(spec, true);
+      if (HasFatalFailure()) return;
+    }
+  }
 }
 
 TEST(LookupZones, SmallRunsMatchCpu) {

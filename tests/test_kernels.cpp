@@ -813,6 +813,154 @@ TEST(Scoring, SixteenBitCentroidsMatchF32ScoringOfTheRoundedValues) {
   }
 }
 
+// Centroid rows in 8 bits with one scale a row, as quantize_row writes them.
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  Q8Rows(const std::vector<float> &x, uint32_t C, uint32_t d) : q(size_t(C) * d), scale(C) {
+    for (uint32_t c = 0; c < C; ++c) quantize_row(x.data() + size_t(c) * d, d, q.data() + size_t(c) * d, &scale[c]);
+  }
+};
+
+// Random centroids [C][d] with a large shared offset in every 16th channel,
+// as real keys have.
+std::vector<float> offset_centroids(std::mt19937_64 &rng, uint32_t C, uint32_t d) {
+  auto x = random_vec(rng, size_t(C) * d, 1.f, 0.3f);
+  for (uint32_t c = 0; c < C; ++c)
+    for (uint32_t j = 3; j < d; j += 16) x[size_t(c) * d + j] += 20.f;
+  return x;
+}
+
+// score_clusters_q8 against double precision over the int8 values and
+// scales: each logit within 1e-6 of the sum of its terms' magnitudes (the
+// f32 dot product's error bound), scores against a double softmax, with and
+// without spread. d = 60 takes the portable path on every machine; the
+// other head dims the vector path where the CPU has AVX2.
+TEST(Scoring, Int8CentroidsMatchDoubleReferenceOfTheirValuesAndScales) {
+  struct Case { uint32_t G, C, d; };
+  const Case cases[] = {{1, 1, 64},   {4, 37, 80},  {5, 100, 128}, {4, 513, 96},
+                        {1, 7, 128},  {5, 33, 60},  {4, 1, 96},    {4, 8189, 128}};
+  std::mt19937_64 rng(24);
+  for (const Case &c : cases) {
+    const auto q = random_vec(rng, size_t(c.G) * c.d);
+    const Q8Rows rows(offset_centroids(rng, c.C, c.d), c.C, c.d);
+    std::vector<float> spread(c.C);
+    for (uint32_t i = 0; i < c.C; ++i) spread[i] = float(i % 5) * 30.f;
+    const float scale = 1.f / std::sqrt(float(c.d));
+    for (bool with_spread : {false, true}) {
+      const float *sp = with_spread ? spread.data() : nullptr;
+      SCOPED_TRACE(testing::Message() << "G=" << c.G << " C=" << c.C << " d=" << c.d
+                                      << (sp ? " spread" : ""));
+      std::vector<float> logits(size_t(c.G) * c.C), score(c.C);
+      score_clusters_q8(q.data(), c.G, rows.q.data(), rows.scale.data(), c.C, c.d, scale, logits.data(),
+                        score.data(), sp);
+      std::vector<double> want_score(c.C, 0.0), l(c.C);
+      for (uint32_t g = 0; g < c.G; ++g) {
+        const float *qg = q.data() + size_t(g) * c.d;
+        double q2 = 0.0;
+        for (uint32_t j = 0; j < c.d; ++j) q2 += double(qg[j]) * qg[j];
+        double m = -kInfD;
+        for (uint32_t i = 0; i < c.C; ++i) {
+          const int8_t *r = rows.q.data() + size_t(i) * c.d;
+          double s = 0.0, mag = 0.0;
+          for (uint32_t j = 0; j < c.d; ++j) {
+            s += double(qg[j]) * r[j];
+            mag += std::fabs(double(qg[j]) * r[j]);
+          }
+          const double f = double(rows.scale[i]) * scale;
+          const double extra = sp ? 0.5 * double(scale) * scale * q2 / c.d * sp[i] : 0.0;
+          l[i] = s * f + extra;
+          m = std::max(m, l[i]);
+          ASSERT_NEAR(logits[size_t(g) * c.C + i], l[i], 1e-6 * (mag * f + extra) + 1e-30);
+        }
+        double sum = 0.0;
+        for (uint32_t i = 0; i < c.C; ++i) sum += std::exp(l[i] - m);
+        for (uint32_t i = 0; i < c.C; ++i) want_score[i] += std::exp(l[i] - m) / sum;
+      }
+      double total = 0.0;
+      for (uint32_t i = 0; i < c.C; ++i) {
+        ASSERT_NEAR(score[i], want_score[i], 1e-5 * std::max(1.0, want_score[i]));
+        total += score[i];
+      }
+      EXPECT_NEAR(total, double(c.G), 1e-4 * c.G);
+    }
+  }
+}
+
+// The portable path (d = 124, not a multiple of 8) and the vector path
+// (the same rows and heads padded with zeros to d = 128; portable too on a
+// CPU without AVX2) give the same logits but for the order of the sums.
+TEST(Scoring, Int8CentroidsPortableAndVectorPathsAgree) {
+  const uint32_t C = 37, d = 124, dp = 128;
+  std::mt19937_64 rng(25);
+  for (uint32_t G : {1u, 4u, 5u}) {
+    SCOPED_TRACE(testing::Message() << "G=" << G);
+    const auto q = random_vec(rng, size_t(G) * d);
+    const auto x = offset_centroids(rng, C, d);
+    std::vector<float> qp(size_t(G) * dp, 0.f), xp(size_t(C) * dp, 0.f);
+    for (uint32_t g = 0; g < G; ++g) std::copy_n(q.data() + size_t(g) * d, d, qp.data() + size_t(g) * dp);
+    for (uint32_t c = 0; c < C; ++c) std::copy_n(x.data() + size_t(c) * d, d, xp.data() + size_t(c) * dp);
+    const Q8Rows rows(x, C, d), rows_p(xp, C, dp);
+    ASSERT_EQ(rows.scale, rows_p.scale);  // zeros change no row's largest magnitude
+    const float scale = 0.09f;
+    std::vector<float> lg(size_t(G) * C), lg_p(lg.size()), score(C), score_p(C);
+    score_clusters_q8(q.data(), G, rows.q.data(), rows.scale.data(), C, d, scale, lg.data(), score.data());
+    score_clusters_q8(qp.data(), G, rows_p.q.data(), rows_p.scale.data(), C, dp, scale, lg_p.data(),
+                      score_p.data());
+    for (uint32_t g = 0; g < G; ++g)
+      for (uint32_t c = 0; c < C; ++c) {
+        double mag = 0.0;
+        for (uint32_t j = 0; j < d; ++j) mag += std::fabs(double(q[size_t(g) * d + j]) * rows.q[size_t(c) * d + j]);
+        mag *= double(rows.scale[c]) * scale;
+        ASSERT_NEAR(lg[size_t(g) * C + c], lg_p[size_t(g) * C + c], 1e-6 * mag) << "g=" << g << " c=" << c;
+      }
+    for (uint32_t c = 0; c < C; ++c) ASSERT_NEAR(score[c], score_p[c], 1e-5);
+  }
+}
+
+// A row that held an infinity or a NaN has a NaN scale: its cluster's
+// logits are NaN and no other's. An all-zero row and a row below
+// kInt8RowFloor have scale 0: their logits are 0, or the spread term alone.
+TEST(Scoring, Int8CentroidsNaNScaleGivesNaNLogitsZeroRowGivesSpreadTerm) {
+  const uint32_t C = 9, G = 5;
+  std::mt19937_64 rng(26);
+  for (uint32_t d : {128u, 60u}) {  // the vector path where AVX2 is, and the portable one
+    auto x = offset_centroids(rng, C, d);
+    x[size_t(2) * d + 7] = kInf;
+    x[size_t(5) * d + d - 1] = std::numeric_limits<float>::quiet_NaN();
+    std::fill_n(x.data() + size_t(7) * d, d, 0.f);
+    std::fill_n(x.data() + size_t(8) * d, d, 1e-31f);
+    const Q8Rows rows(x, C, d);
+    ASSERT_TRUE(std::isnan(rows.scale[2]) && std::isnan(rows.scale[5]));
+    ASSERT_EQ(rows.scale[7], 0.f);
+    ASSERT_EQ(rows.scale[8], 0.f);
+    const auto q = random_vec(rng, size_t(G) * d);
+    std::vector<float> spread(C, 40.f);
+    const float scale = 1.f / std::sqrt(float(d));
+    for (bool with_spread : {false, true}) {
+      const float *sp = with_spread ? spread.data() : nullptr;
+      SCOPED_TRACE(testing::Message() << "d=" << d << (sp ? " spread" : ""));
+      std::vector<float> logits(size_t(G) * C), score(C);
+      score_clusters_q8(q.data(), G, rows.q.data(), rows.scale.data(), C, d, scale, logits.data(), score.data(),
+                        sp);
+      for (uint32_t g = 0; g < G; ++g) {
+        double q2 = 0.0;
+        for (uint32_t j = 0; j < d; ++j) q2 += double(q[size_t(g) * d + j]) * q[size_t(g) * d + j];
+        const double extra = sp ? 0.5 * double(scale) * scale * q2 / d * sp[0] : 0.0;
+        for (uint32_t c = 0; c < C; ++c) {
+          const float l = logits[size_t(g) * C + c];
+          if (c == 2 || c == 5)
+            EXPECT_TRUE(std::isnan(l)) << "g=" << g << " c=" << c;
+          else if (c >= 7)
+            EXPECT_NEAR(l, extra, 1e-6 * extra) << "g=" << g << " c=" << c;
+          else
+            EXPECT_TRUE(std::isfinite(l)) << "g=" << g << " c=" << c;
+        }
+      }
+    }
+  }
+}
+
 // Selection -------------------------------------------------------------------
 
 // The reference: a full sort by (score desc, id asc).

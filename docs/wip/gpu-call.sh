@@ -18,13 +18,21 @@
 # copy against WKV_VALUE_SUM16=0, the estimate at the caller's priority);
 # PHASE=time's are the next experiment's (the register bounds); edit them
 # for the change at hand.
+# PHASE=quick (about 300 s): the tree's bench and lookup tests; two A/B
+# rounds of its meta rows in 8 bits (the default) against 16
+# (WKV_META_ROWS=16); ncu of the logits and the estimate both ways.
+# PHASE=land: what landing the pending changes needs when the budget
+# allows one call (docs/wip/README.md): every target,
+# one A/B round, ncu of the logits, the GPU suite, memcheck of the lookup
+# tests.
 # PHASE=one: every target of the tree, one A/B round within it, the GPU
 # suite (ctest -R gpu_), then memcheck of the lookup tests a test at a
 # time; what the ninth session ran (268 s on an H100), for a budget that
 # may allow one call only.
 # PHASE=time (the default): the bench and the lookup, head-state and batch
 # tests of the tree, and its bench built again under each variant's
-# CUDAFLAGS (the register bounds of the estimate and the gather); two A/B
+# CUDAFLAGS (the gather's register bound, the estimate's
+# CTA size); two A/B
 # rounds at 1M, 8-bit pages, a 20% device cache; the tests; ncu of the
 # step's kernels; ncu's sections of each kernel. Needs no build-base-src.
 # PHASE=suite (a second call, on the machine the first left warm): builds
@@ -60,18 +68,74 @@ sanitize_lookup() {
   [ "$(left)" -gt 25 ] && SANITIZER_TOOLS="$1" SANITIZER_TESTS=gpu_lookup_attention SANITIZER_PER_TEST=1 \
     SANITIZER_TIMEOUT=120 OUT=/tmp/san timeout $(left) tools/gpu-check.sh sanitize
 }
+# variant NAME FLAGS: the tree's bench built again in build-var-NAME/ (a
+# copy of the tree) with CUDAFLAGS=FLAGS at configure.
+variant() {
+  rm -rf "build-var-$1" && mkdir "build-var-$1" && tar -c --exclude='./build*' --exclude=./.debs --exclude=./.git . | tar -x -C "build-var-$1"
+  (cd "build-var-$1" && ln -sfn ../.debs .debs && CUDAFLAGS="$2" JOBS=${VAR_JOBS:-3} BUILD_TARGETS=gpu_serving_bench OUT=/tmp/var-$1 tools/gpu-check.sh build > /tmp/build-var-$1.txt 2>&1; echo "build $1 rc=$? $((SECONDS-T0)) s")
+}
+# ncu_kernels NAME BIN REGEX COUNT: ncu's times of the step's kernels.
+ncu_kernels() {
+  timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
+    --csv --kernel-name-base function --kernel-name regex:"$3" \
+    --launch-skip 400 --launch-count "$4" "$2" 1048576 1 80 4 > /tmp/ncu-$1.csv 2>/dev/null
+  echo "ncu $1 rc=$? $((SECONDS-T0)) s"; python3 tools/ncu_table.py time /tmp/ncu-$1.csv | head -8
+}
+# ab ROUNDS NEED SETTING...: tools/gpu-ab.sh's rounds of the settings at
+# 1M, batch 1, 8-bit pages, a 20% device cache, where NEED s are left.
+ab() {
+  local rounds=$1 need=$2
+  shift 2
+  [ "$(left)" -gt "$need" ] && WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ROUNDS=$rounds OUT=/tmp/ab \
+    BENCH_TIMEOUT=${BENCH_TIMEOUT:-60} tools/gpu-ab.sh "$@" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
+  echo "ab $((SECONDS-T0)) s"
+}
+# ncu_of NEED REGEX COUNT NAME...: ncu_kernels of each build (cur: the
+# tree's; else build-var-NAME's) while NEED s are left.
+ncu_of() {
+  local need=$1 regex=$2 count=$3 which bin
+  shift 3
+  for which in "$@"; do
+    [ "$(left)" -gt "$need" ] || break
+    bin=build-gpu/bin/gpu_serving_bench; [ "$which" = cur ] || bin=build-var-$which/$bin
+    WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ncu_kernels "$which" "$bin" "$regex" "$count"
+  done
+}
 export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 
-if [ "$PHASE" = one ]; then
+if [ "$PHASE" = quick ]; then
+  # The least that times a change of the lookup, for a call of about 300 s.
+  (JOBS=16 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$? $((SECONDS-T0)) s")
+  grep -hE "error" -A3 /tmp/build-*.txt | head -20
+  ab 2 100 '' 'WKV_META_ROWS=16'
+  pack
+  [ "$(left)" -gt 30 ] && { timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt; }
+  pack
+  ncu_of 40 'logits_kernel|estimate_kernel' 24 cur
+  WKV_META_ROWS=16 ncu_of 40 'logits_kernel|estimate_kernel' 24 cur
+elif [ "$PHASE" = land ]; then
+  # What landing a change of the kernels needs, in one call: every target
+  # of the tree; one A/B round; the GPU suite; ncu's times of the logits,
+  # the select and the estimate; memcheck of the lookup tests with the
+  # time left.
+  build_all
+  # The tree's meta rows in 8 bits (the default) against 16.
+  ab 1 200 '' 'WKV_META_ROWS=16'
+  pack
+  gpu_suite 60
+  pack
+  ncu_of 60 'logits_kernel|select_kernel|estimate_kernel' 40 cur
+  pack
+  sanitize_lookup memcheck
+elif [ "$PHASE" = one ]; then
   # Time and suite in one call, where the budget allows one: every target
   # of the patched tree; the A/B within it (value sums f16 and f32 twice,
   # the estimate at the caller's priority once; main's step against the
   # patches is the eighth session's), the GPU suite, then memcheck of the
   # lookup tests with the time left.
   build_all
-  [ "$(left)" -gt 250 ] && WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ROUNDS=1 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh '' 'WKV_VALUE_SUM16=0' '' 'WKV_VALUE_SUM16=0' 'WKV_DECODE_SIDE_LEVELS=9' -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
-  echo "ab $((SECONDS-T0)) s"
+  BENCH_TIMEOUT=80 ab 1 250 '' 'WKV_VALUE_SUM16=0' '' 'WKV_VALUE_SUM16=0' 'WKV_DECODE_SIDE_LEVELS=9
   pack
   gpu_suite 30
   pack
@@ -79,38 +143,29 @@ if [ "$PHASE" = one ]; then
 elif [ "$PHASE" = time ]; then
   # The tree's bench and tests, and its bench built again under each
   # variant's CUDAFLAGS (a copy of the tree a variant, build-var-<name>/):
-  # est4, the estimate bounded to 64 registers (WKV_ESTIMATE_MIN_CTAS=4);
-  # g3, the gather to 80 (WKV_GATHER_MIN_CTAS=3); both (docs/gpu-serving.md,
-  # "The estimate beside the gather, priced").
-  variant() {
-    rm -rf "build-var-$1" && mkdir "build-var-$1" && tar -c --exclude='./build*' --exclude=./.debs --exclude=./.git . | tar -x -C "build-var-$1"
-    (cd "build-var-$1" && ln -sfn ../.debs .debs && CUDAFLAGS="$2" JOBS=3 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/var-$1 tools/gpu-check.sh build > /tmp/build-var-$1.txt 2>&1; echo "build $1 rc=$?")
-  }
+  # g3, the gather bounded to 80
+  # registers (WKV_GATHER_MIN_CTAS=3); e128g3, with the estimate's CTAs of
+  # 128 threads (WKV_ESTIMATE_THREADS=128): the estimate's CTAs and two of
+  # the gather's fit a multiprocessor's registers without the estimate
+  # spilling (docs/gpu-serving.md, "The estimate beside the gather,
+  # priced"; WKV_ESTIMATE_MIN_CTAS=4 is the other way, with spills); s16,
+  # the select split over 16 CTAs a run (WKV_SELECT_MAX_SPLIT=16: 128 CTAs
+  # at batch 1 instead of 64).
   (JOBS=7 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention gpu_batch gpu_head_state" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$?") &
-  variant est4 "-DWKV_ESTIMATE_MIN_CTAS=4" &
   variant g3 "-DWKV_GATHER_MIN_CTAS=3" &
-  variant est4g3 "-DWKV_ESTIMATE_MIN_CTAS=4 -DWKV_GATHER_MIN_CTAS=3" &
+  variant e128g3 "-DWKV_ESTIMATE_THREADS=128 -DWKV_GATHER_MIN_CTAS=3" &
+  variant s16 "-DWKV_SELECT_MAX_SPLIT=16" &
   wait; echo "builds $((SECONDS-T0)) s"; grep -hE "error" -A3 /tmp/build-*.txt | head -20
-  export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
   v=build-gpu/bin/gpu_serving_bench
-  [ "$(left)" -gt 200 ] && ROUNDS=2 OUT=/tmp/ab BENCH_TIMEOUT=80 tools/gpu-ab.sh '' "BENCH=build-var-est4/$v" "BENCH=build-var-g3/$v" "BENCH=build-var-est4g3/$v" -- 1048576 1 2>&1 | grep -E "^==|^ +[0-9]+ +[0-9.]+ |device us \(med|host us"
-  echo "ab $((SECONDS-T0)) s"
+  BENCH_TIMEOUT=80 ab 2 200 '' "BENCH=build-var-g3/$v" "BENCH=build-var-e128g3/$v" "BENCH=build-var-s16/$v"
   pack
   # The tests read no WKV_* variable.
-  unset WKV_PAGE_FORMAT WKV_SERVING_CACHE_FRACTION
   [ "$(left)" -gt 60 ] && { timeout $(left) build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t gpu_lookup_attention $? /tmp/lookup-tests.txt; }
   [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt; }
   [ "$(left)" -gt 20 ] && { timeout $(left) build-gpu/bin/gpu_batch --gtest_brief=1 > /tmp/batch-tests.txt 2>&1; t gpu_batch $? /tmp/batch-tests.txt; }
+  # ncu: the step's kernels of the tree and of main's logits.
+  ncu_of 110 'select_kernel|logits_kernel|estimate_kernel|gather_kernel|attend|combine' 180 cur
   export WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2
-  # ncu: the step's kernels of the tree and of both bounds.
-  for which in cur est4g3; do
-    [ "$(left)" -gt 110 ] || break
-    bin=build-gpu/bin/gpu_serving_bench; [ $which = cur ] || bin=build-var-$which/$bin
-    timeout 60 ncu --clock-control none --metrics gpu__time_duration.sum \
-      --csv --kernel-name-base function --kernel-name regex:'select_kernel|logits_kernel|estimate_kernel|gather_kernel|attend|combine' \
-      --launch-skip 400 --launch-count 180 $bin 1048576 1 80 4 > /tmp/ncu-$which.csv 2>/dev/null
-    echo "ncu $which rc=$? $((SECONDS-T0)) s"; python3 tools/ncu_table.py time /tmp/ncu-$which.csv | head -8
-  done
   # One launch each of the step's kernels under ncu's sections (where the
   # time goes inside them: throughput, occupancy, stalls), for the next
   # kernel work; the text is in the logs.

@@ -78,15 +78,19 @@ struct PageWriteJob {
   const float *centroid = nullptr;
 };
 
-// One write of Backend::write_spans: n bytes from src to dst, or, where
+// One write of Backend::write_spans: n bytes from src to dst; where
 // `narrow_overflow` is set, n f32 values from src narrowed to f16 at dst
-// (as narrow_f16, flagging *narrow_overflow). Both are engine memory or
+// (as narrow_f16, flagging *narrow_overflow); where `quant_row` is set too,
+// n f32 values, rows of quant_row, quantized to 8 bits at dst with their
+// scales at quant_scales (as quantize_rows8). All are engine memory or
 // memory the backend gave out as such (a k-means batch's scratch).
 struct SpanWrite {
   void *dst = nullptr;
   const void *src = nullptr;
   size_t n = 0;
   uint32_t *narrow_overflow = nullptr;
+  float *quant_scales = nullptr;
+  uint32_t quant_row = 0;
 };
 
 // One copy of an append: `rows` rows of a head's K and V from the caller's
@@ -118,6 +122,11 @@ class Backend {
   // True on the CPU backend: engine memory is host memory and nothing is
   // mirrored.
   virtual bool host_memory() const = 0;
+  // The bits of a component of the meta rows a device engine's steps read
+  // (MetaIndex::centroid8 and value_sum8, or centroid16 and value_sum16):
+  // 8, or 16 where the backend is told so (CUDA: WKV_META_ROWS=16, for
+  // A/Bs). Fixed for the backend's life.
+  virtual uint32_t meta_row_bits() const { return 8; }
   // A region of at least `bytes` bytes, 256-byte aligned, in stream order.
   virtual Status mem_alloc(size_t bytes, void *stream, Region *out) = 0;
   // Frees a region after the work already enqueued on `stream`; leaves it
@@ -147,18 +156,33 @@ class Backend {
     (void)src, (void)n, (void)dst, (void)overflow, (void)stream;
     return WKV_ERROR(WKV_ERR_INTERNAL, "narrow_f16: not on this backend");
   }
+  // Each of `rows` f32 rows of d values at src quantized to 8 bits at dst
+  // ([rows][d]) with its scale at scales[row], engine memory all, in stream
+  // order: kernels/dtype.hpp's quantize_row, the same bytes; sets *overflow
+  // to nonzero where a row is not finite. Backends whose kernels read no
+  // 8-bit meta rows need not have it.
+  virtual Status quantize_rows8(const float *src, size_t rows, uint32_t d, int8_t *dst, float *scales,
+                                uint32_t *overflow, void *stream) {
+    (void)src, (void)rows, (void)d, (void)dst, (void)scales, (void)overflow, (void)stream;
+    return WKV_ERROR(WKV_ERR_INTERNAL, "quantize_rows8: not on this backend");
+  }
   // The spans, after the stream's work so far, the way a growth's commit
   // writes its meta rows and mirror entries. They may run in any order
   // among themselves: no span may overlap another's destination or read
-  // it. CUDA: one launch per 96 spans, where mem_copy and narrow_f16 would
-  // take a driver call each; every span is checked before the first launch
-  // and no host memory is allocated, so a refusal enqueues nothing.
+  // it. CUDA: one launch per 80 spans, where mem_copy, narrow_f16 and
+  // quantize_rows8 would take a driver call each; every span is checked
+  // before the first launch and no host memory is allocated, so a refusal
+  // enqueues nothing.
   virtual Status write_spans(const SpanWrite *spans, uint32_t n, void *stream) {
     for (uint32_t i = 0; i < n; ++i) {
       const SpanWrite &w = spans[i];
-      WKV_RETURN_IF_ERROR(w.narrow_overflow
-                              ? narrow_f16(static_cast<const float *>(w.src), w.n, w.dst, w.narrow_overflow, stream)
-                              : mem_copy(w.dst, w.src, w.n, stream));
+      if (w.quant_row > 0)
+        WKV_RETURN_IF_ERROR(quantize_rows8(static_cast<const float *>(w.src), w.n / w.quant_row, w.quant_row,
+                                           static_cast<int8_t *>(w.dst), w.quant_scales, w.narrow_overflow, stream));
+      else
+        WKV_RETURN_IF_ERROR(w.narrow_overflow
+                                ? narrow_f16(static_cast<const float *>(w.src), w.n, w.dst, w.narrow_overflow, stream)
+                                : mem_copy(w.dst, w.src, w.n, stream));
     }
     return Status::ok();
   }

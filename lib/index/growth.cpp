@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <utility>
 #include <vector>
@@ -59,30 +60,35 @@ void trim_tails(const IndexContext &ix, LayerState &L, uint64_t min_rows, void *
   }
 }
 
-// Appends a segment's clusters to the meta index's compact f16 mirror, or
-// drops the mirror for good when a value does not fit in f16. Pre: room
-// for them is reserved (no allocation, no throw).
+// Appends a segment's clusters to the meta index's compact mirror (8-bit
+// centroid rows, f16 value means), or drops the mirror for good when a
+// centroid is not finite or a value mean does not fit in f16 (where a CUDA
+// engine's copies set their words). Pre: room for them is reserved (no
+// allocation, no throw).
 void append_compact(const float *centroid, const float *value_sum, const uint32_t *size, uint32_t n, uint32_t d,
                     MetaIndex *meta) {
   constexpr float kF16Max = 65504.0f;
   bool fits = true;  // a NaN fails the compares too
-  for (size_t i = 0; i < size_t(n) * d; ++i) fits &= std::fabs(centroid[i]) <= kF16Max;
+  for (size_t i = 0; i < size_t(n) * d; ++i) fits &= std::fabs(centroid[i]) <= std::numeric_limits<float>::max();
   for (uint32_t c = 0; c < n; ++c)
     for (uint32_t j = 0; j < d; ++j) fits &= std::fabs(value_sum[size_t(c) * d + j] / size[c]) <= kF16Max;
   if (!fits) {
-    MetaVector<f16>().swap(meta->centroid_f16);
+    MetaVector<int8_t>().swap(meta->centroid_q8);
+    MetaVector<float>().swap(meta->centroid_q8_scale);
     MetaVector<f16>().swap(meta->value_mean_f16);
     meta->compact_ok = false;
     return;
   }
-  const size_t at = meta->centroid_f16.size(), m = size_t(n) * d;
-  meta->centroid_f16.resize(at + m);
-  meta->value_mean_f16.resize(at + m);
-  from_float(DType::kF16, centroid, meta->centroid_f16.data() + at, m);
+  const size_t at = meta->centroid_q8_scale.size(), m = size_t(n) * d;
+  meta->centroid_q8.resize(at * d + m);
+  meta->centroid_q8_scale.resize(at + n);
+  meta->value_mean_f16.resize(at * d + m);
   float mean[256];  // head_dim <= 256 (checked at open)
   for (uint32_t c = 0; c < n; ++c) {
+    quantize_row(centroid + size_t(c) * d, d, meta->centroid_q8.data() + (at + c) * d,
+                 meta->centroid_q8_scale.data() + at + c);
     for (uint32_t j = 0; j < d; ++j) mean[j] = value_sum[size_t(c) * d + j] / size[c];
-    from_float(DType::kF16, mean, meta->value_mean_f16.data() + at + size_t(c) * d, d);
+    from_float(DType::kF16, mean, meta->value_mean_f16.data() + (at + c) * d, d);
   }
 }
 
@@ -157,14 +163,25 @@ Status grow_begin(const IndexContext &ix, LayerState &L, uint32_t layer, uint32_
 }
 
 // The narrowings of n centroid and value sum rows from c0 on into the
-// head's f16 copies (kernels::kMeta16Header bytes, then the rows), each
-// passed to emit(const SpanWrite &); none where the head keeps none.
+// head's compact copies (kernels::kMeta16Header bytes, then the rows; the
+// 8-bit centroid rows' scales in their own region), each passed to
+// emit(const SpanWrite &); none where the head keeps none.
 template <typename Emit>
 void meta16_spans(const IndexContext &ix, HeadState &h, size_t c0, const float *centroid, const float *value_sum,
                   size_t n, Emit &&emit) {
   const size_t d = ix.cfg.c.head_dim;
-  const std::pair<Region *, const float *> copies[] = {{&h.meta.centroid16, centroid},
-                                                       {&h.meta.value_sum16, value_sum}};
+  MetaIndex &m = h.meta;
+  struct Rows8 {
+    Region *rows, *scales;
+    const float *src;
+  };
+  for (const Rows8 &c : {Rows8{&m.centroid8, &m.centroid8_scale, centroid},
+                         Rows8{&m.value_sum8, &m.value_sum8_scale, value_sum}})
+    if (c.rows->p)
+      emit(SpanWrite{c.rows->p + kernels::kMeta16Header + c0 * d, c.src, n * d,
+                     reinterpret_cast<uint32_t *>(c.rows->p), reinterpret_cast<float *>(c.scales->p) + c0,
+                     static_cast<uint32_t>(d)});
+  const std::pair<Region *, const float *> copies[] = {{&m.centroid16, centroid}, {&m.value_sum16, value_sum}};
   for (const std::pair<Region *, const float *> &c : copies) {
     Region &r = *c.first;
     if (r.p) emit(SpanWrite{r.p + kernels::kMeta16Header + c0 * d * 2, c.second, n * d, r.as<uint32_t>()});
@@ -311,7 +328,8 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       reserve_total(hs.segments, hs.segments.size() + count);
       reserve_sizes(hs, g.size.data(), g.size.size());
       if (compact && hs.meta.compact_ok) {
-        reserve_total(hs.meta.centroid_f16, size_t(C1) * d);
+        reserve_total(hs.meta.centroid_q8, size_t(C1) * d);
+        reserve_total(hs.meta.centroid_q8_scale, size_t(C1));
         reserve_total(hs.meta.value_mean_f16, size_t(C1) * d);
       }
     }
@@ -344,7 +362,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
   try {
     writes.resize(S);
     means.resize(H);
-    spans.reserve(size_t(H) * (5 * count + 4));  // meta rows, their f16 copies, the mirror
+    spans.reserve(size_t(H) * (5 * count + 4));  // meta rows, their compact copies, the mirror
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the writes of %u segments", S);
   }
@@ -393,7 +411,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       mirror_entry_spans(hs, hs.clusters(), st.first_slot, st.size, st.unit_begin, g.add_c,
                          static_cast<uint32_t>(hs.map.pages.size()), st.addr, g.add_p, &spans);
   }
-  // On CUDA a launch per 96 spans or segments, not a driver call per copy
+  // On CUDA a launch per 80 spans or 96 segments, not a driver call per copy
   // (a generated segment's growth of 8 KV heads: 72 spans, 8 page jobs, 8
   // means, three launches): meta rows and mirror entries, the clustered
   // rows into their pages (reading the mirror's new page addresses), then
@@ -483,24 +501,40 @@ bool keeps_meta16(const IndexContext &ix) {
 
 Status meta16_reserve(const IndexContext &ix, HeadState &h, size_t clusters, void *stream) {
   if (!keeps_meta16(ix)) return Status::ok();
-  const size_t row = size_t(ix.cfg.c.head_dim) * 2;
-  for (Region *r : {&h.meta.centroid16, &h.meta.value_sum16}) {
-    const bool fresh = r->p == nullptr;
-    WKV_RETURN_IF_ERROR(grow_region(ix, r, kernels::kMeta16Header + clusters * row,
-                                    kernels::kMeta16Header + size_t(h.clusters()) * row, stream));
-    if (fresh) WKV_RETURN_IF_ERROR(ix.backend.mem_fill(r->p, 0, kernels::kMeta16Header, stream));
+  const size_t d = ix.cfg.c.head_dim, head = kernels::kMeta16Header;
+  // 8-bit rows where a lane's slice of a row is whole words (the logits'
+  // eight lanes a row: d a multiple of 32); else f16 rows.
+  const bool rows8 = ix.backend.meta_row_bits() == 8 && d % 32 == 0;
+  struct Copy {
+    Region *r;
+    size_t header, row;  // bytes
+  };
+  MetaIndex &m = h.meta;
+  const Copy copies[] = {{rows8 ? &m.centroid8 : &m.centroid16, head, rows8 ? d : 2 * d},
+                         {rows8 ? &m.value_sum8 : &m.value_sum16, head, rows8 ? d : 2 * d},
+                         {rows8 ? &m.centroid8_scale : nullptr, 0, sizeof(float)},
+                         {rows8 ? &m.value_sum8_scale : nullptr, 0, sizeof(float)}};
+  for (const Copy &c : copies) {
+    if (!c.r) continue;
+    const bool fresh = c.r->p == nullptr;
+    WKV_RETURN_IF_ERROR(
+        grow_region(ix, c.r, c.header + clusters * c.row, c.header + size_t(h.clusters()) * c.row, stream));
+    if (fresh && c.header) WKV_RETURN_IF_ERROR(ix.backend.mem_fill(c.r->p, 0, c.header, stream));
   }
   return Status::ok();
 }
 
 Status meta16_write(const IndexContext &ix, HeadState &h, size_t c0, const float *centroid, const float *value_sum,
                     size_t n, void *stream) {
-  // narrow_f16's own launch per copy, sized to the whole table (a load
-  // narrows every row at once).
+  // narrow_f16's or quantize_rows8's own launch per copy, sized to the
+  // whole table (a load narrows every row at once).
   Status st = Status::ok();
   meta16_spans(ix, h, c0, centroid, value_sum, n, [&](const SpanWrite &w) {
-    if (st.is_ok())
-      st = ix.backend.narrow_f16(static_cast<const float *>(w.src), w.n, w.dst, w.narrow_overflow, stream);
+    if (!st.is_ok()) return;
+    const float *src = static_cast<const float *>(w.src);
+    st = w.quant_row ? ix.backend.quantize_rows8(src, w.n / w.quant_row, w.quant_row, static_cast<int8_t *>(w.dst),
+                                                 w.quant_scales, w.narrow_overflow, stream)
+                     : ix.backend.narrow_f16(src, w.n, w.dst, w.narrow_overflow, stream);
   });
   return st;
 }
@@ -609,7 +643,8 @@ void release_layer(const IndexContext &ix, LayerState &L, bool counted) noexcept
   for (HeadState &h : L.heads) {
     ix.backend.on_head_destroyed(h);
     for (Region *r : {&h.sink.k, &h.sink.v, &h.tail.k, &h.tail.v, &h.meta.centroid, &h.meta.value_sum, &h.meta.spread,
-                      &h.meta.centroid16, &h.meta.value_sum16, &h.values.mean,
+                      &h.meta.centroid16, &h.meta.centroid8, &h.meta.centroid8_scale, &h.meta.value_sum16,
+                      &h.meta.value_sum8, &h.meta.value_sum8_scale, &h.values.mean,
                       &h.mirror.first_slot, &h.mirror.size, &h.mirror.unit_begin, &h.mirror.pages, &h.mirror.unit_dir,
                       &h.mirror.stamps})
       ix.backend.mem_free_deferred(r);

@@ -184,17 +184,20 @@ Status mirror_fill_entries(const IndexContext &ix, HeadState &h, uint32_t c0, co
                            const PageId *pages, uint32_t n_pages, void *stream);
 Status mirror_fill(const IndexContext &ix, HeadState &h, uint32_t c0, uint32_t p0, void *stream);
 
-// Whether heads keep the f16 copies of their centroids and value sums that
-// the device's logits and estimate read (MetaIndex::centroid16 and
-// value_sum16): engines on a device backend with a 16-bit storage dtype.
+// Whether heads keep the compact copies of their centroids and value sums
+// that the device's logits and estimate read (MetaIndex::centroid8 and
+// centroid8_scale, or centroid16 where the backend's logit rows are 16
+// bits; value_sum16): engines on a device backend with a 16-bit storage
+// dtype.
 bool keeps_meta16(const IndexContext &ix);
 // The copies' two operations, the one code path that knows their layout
 // (kernels::kMeta16Header bytes, then the rows). meta16_reserve makes room
-// for `clusters` rows in both keeping the head's, and clears the overflow
+// for `clusters` rows in each keeping the head's, and clears the overflow
 // word of a new copy (a no-op unless keeps_meta16; may fail for memory and
-// then changes nothing a step reads); meta16_write narrows n f32 rows of
-// centroids at `centroid` and of value sums at `value_sum` (engine memory)
-// into rows c0 .. c0 + n of the copies (a no-op without them).
+// then changes nothing a step reads); meta16_write narrows (or quantizes)
+// n f32 rows of centroids at `centroid` and of value sums at `value_sum`
+// (engine memory) into rows c0 .. c0 + n of the copies (a no-op without
+// them).
 Status meta16_reserve(const IndexContext &ix, HeadState &h, size_t clusters, void *stream);
 Status meta16_write(const IndexContext &ix, HeadState &h, size_t c0, const float *centroid, const float *value_sum,
                     size_t n, void *stream);

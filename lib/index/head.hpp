@@ -74,22 +74,31 @@ struct SegmentDesc {
 // Per cluster c < clusters: centroid[c * d .. + d), the plain mean of its
 // member keys, value_sum[c * d .. + d), the sum of their values, and
 // spread[c], the mean squared distance of its member keys to the centroid,
-// f32 in engine memory. On a CPU engine with 16-bit storage, a compact f16 mirror
-// of the centroids and of the value means VS / size (scoring streams every
-// centroid at every step, estimation a quarter of the value rows: half the
-// bytes is about half the time); empty for good once a value falls outside
-// f16's range, when the step reads the f32 arrays. On a CUDA engine with
-// 16-bit storage, centroid16 and value_sum16 are f16 copies in device
-// memory of the centroids, which the logits read, and of the value sums,
-// which the estimate reads (kernels::DevRun::centroid16 and value_sum16:
-// an overflow word the device sets when a value does not fit, then the
-// rows). The f32 arrays stay: saves read them, and a step reads them where
-// a copy overflowed.
+// f32 in engine memory. Scoring streams every centroid at every step and
+// estimation a quarter of the value rows, so the steps read compact copies
+// where there are (engines with a 16-bit storage dtype; fewer bytes is
+// about as much less time):
+// - on a CPU engine, a mirror of the centroids in 8 bits a component with
+//   a scale a row (kernels/dtype.hpp's quantize_row: centroid_q8,
+//   centroid_q8_scale) and of the value means VS / size in f16; empty for
+//   good once a value falls outside f16's range (compact_ok false), when
+//   the step reads the f32 arrays;
+// - on a CUDA engine, in device memory, the centroids and the value sums in
+//   8 bits (centroid8, value_sum8: an overflow word the device sets when a
+//   row is not finite, then [clusters][d] int8; centroid8_scale,
+//   value_sum8_scale: [clusters] f32), or in f16 where the backend keeps
+//   16-bit meta rows or d is not a multiple of 32 (centroid16, value_sum16,
+//   laid out likewise with f16 rows, the word set when a value does not
+//   fit), which the logits and the estimate read (kernels::DevRun). The f32
+//   arrays stay: saves read them, and a step reads them where a copy
+//   overflowed.
 struct MetaIndex {
   Region centroid, value_sum, spread;
-  Region centroid16, value_sum16;
-  MetaVector<f16> centroid_f16, value_mean_f16;
-  bool compact_ok = true;  // the f16 mirror holds every cluster
+  Region centroid16, centroid8, centroid8_scale, value_sum16, value_sum8, value_sum8_scale;
+  MetaVector<int8_t> centroid_q8;
+  MetaVector<float> centroid_q8_scale;
+  MetaVector<f16> value_mean_f16;
+  bool compact_ok = true;  // the mirror holds every cluster
 };
 
 // The cluster mapping table (host): where each cluster's members are.

@@ -363,13 +363,14 @@ Status CpuBackend::lookup(Plan &plan) {
       uint32_t *ret_ids = plan.ret_ids.data() + r.ret_off, *est_ids = plan.est_ids.data() + r.est_off;
       const MetaIndex &meta = hs.meta;
       const uint32_t *size = hs.map.size.data();
-      // Scoring and estimation read the compact f16 mirror where there is
-      // one: half the bytes of the f32 arrays, and both are bound by them.
-      const bool compact = meta.compact_ok && meta.centroid_f16.size() == static_cast<size_t>(r.clusters) * d;
+      // Scoring and estimation read the compact mirror where there is one:
+      // a quarter (8-bit centroid rows) and half (f16 value means) of the
+      // f32 arrays' bytes, and both are bound by them.
+      const bool compact = meta.compact_ok && meta.centroid_q8_scale.size() == r.clusters;
       const float *spread = method & WKV_METHOD_SPREAD ? meta.spread.as<float>() : nullptr;
       if (compact)
-        kernels::score_clusters(DType::kF16, q, G, meta.centroid_f16.data(), r.clusters, d, scale, logits, score,
-                                spread);
+        kernels::score_clusters_q8(q, G, meta.centroid_q8.data(), meta.centroid_q8_scale.data(), r.clusters, d, scale,
+                                   logits, score, spread);
       else
         kernels::score_clusters(q, G, meta.centroid.as<float>(), r.clusters, d, scale, logits, score, spread);
       if (r.n_one > 0)

@@ -254,6 +254,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Status check_pointer(const void *p, const char *what, size_t align, const void **device) override;
 
   bool host_memory() const override { return false; }
+  uint32_t meta_row_bits() const override { return meta_row_bits_; }
   Status mem_alloc(size_t bytes, void *stream, Region *out) override;
   void mem_free(Region *r, void *stream) override;
   void mem_free_deferred(Region *r) override;
@@ -264,6 +265,8 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   Status mem_fill(void *dst, uint8_t byte, size_t bytes, void *stream) override;
   Status mem_store64(void *dst, uint64_t value, void *stream) override;
   Status narrow_f16(const float *src, size_t n, void *dst, uint32_t *overflow, void *stream) override;
+  Status quantize_rows8(const float *src, size_t rows, uint32_t d, int8_t *dst, float *scales, uint32_t *overflow,
+                        void *stream) override;
   Status write_spans(const SpanWrite *spans, uint32_t n, void *stream) override;
   Status copy_rows(const RowCopy *copies, uint32_t n, const uint8_t *k, const uint8_t *v, size_t src_pitch,
                    size_t width, void *stream) override;
@@ -446,10 +449,14 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // attention waits on device memory with 8 warps a multiprocessor;
   // bench/RESULTS.md, "fourth session").
   bool from_frames_ = false;
-  // The estimate reads the value sums' f16 copy (MetaIndex::value_sum16)
-  // where a head keeps one; WKV_VALUE_SUM16=0 (a diagnostic) keeps it on
-  // the f32 rows, twice the bytes.
+  // The estimate reads the value sums' compact copy (MetaIndex::value_sum8
+  // or value_sum16) where a head keeps one; WKV_VALUE_SUM16=0 (a
+  // diagnostic) keeps it on the f32 rows.
   bool value_sum16_ = true;
+  // The centroid and value sum rows the logits and the estimate read: 8
+  // bits a component with a scale a row (half the bytes of f16);
+  // WKV_META_ROWS=16 (an A/B) keeps them in f16 for the backend's life.
+  uint32_t meta_row_bits_ = 8;
   int least_priority_ = 0, greatest_priority_ = 0;
   // The estimate's stream (cap_side_, a plan's bind_side): side_levels_
   // priorities below the device's highest, at most its least (1 unless
@@ -573,6 +580,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
   if (const char *f = std::getenv("WKV_DECODE_FORK")) fork_ = std::strcmp(f, "0") != 0;
   if (const char *f = std::getenv("WKV_DECODE_FROM_FRAMES")) from_frames_ = std::strcmp(f, "1") == 0;
   if (const char *v = std::getenv("WKV_VALUE_SUM16")) value_sum16_ = std::strcmp(v, "0") != 0;
+  if (const char *v = std::getenv("WKV_META_ROWS")) meta_row_bits_ = std::strcmp(v, "16") == 0 ? 16 : 8;
   if (const char *l = std::getenv("WKV_DECODE_SIDE_LEVELS")) side_levels_ = std::max(0, std::atoi(l));
   WKV_CU(cudaStreamCreateWithPriority(&cap_side_, cudaStreamNonBlocking, side_priority()));
   WKV_CU(cudaEventCreateWithFlags(&fork_ev_, cudaEventDisableTiming));
@@ -788,6 +796,13 @@ Status CudaBackend::narrow_f16(const float *src, size_t n, void *dst, uint32_t *
   return Status::ok();
 }
 
+Status CudaBackend::quantize_rows8(const float *src, size_t rows, uint32_t d, int8_t *dst, float *scales,
+                                   uint32_t *overflow, void *stream) {
+  DeviceGuard guard(dev_);
+  WKV_CU(kernels::quantize_rows8(src, rows, d, dst, scales, overflow, stream));
+  return Status::ok();
+}
+
 // write_spans and write_pages convert their jobs into the kernels' form in
 // batches on the stack (no host allocation that could fail halfway), check
 // every batch before launching any, then convert again and launch:
@@ -795,12 +810,12 @@ Status CudaBackend::narrow_f16(const float *src, size_t n, void *dst, uint32_t *
 // cudaError_t.
 constexpr uint32_t kJobBatch = 96;
 
-template <typename K, typename J, typename Convert, typename Check, typename Launch>
+template <typename K, uint32_t kBatch = kJobBatch, typename J, typename Convert, typename Check, typename Launch>
 Status checked_launches(const J *jobs, uint32_t n, Convert convert, Check check, Launch launch) {
-  K batch[kJobBatch];
+  K batch[kBatch];
   for (int pass = 0; pass < 2; ++pass) {
-    for (uint32_t at = 0; at < n; at += kJobBatch) {
-      const uint32_t m = std::min(n - at, kJobBatch);
+    for (uint32_t at = 0; at < n; at += kBatch) {
+      const uint32_t m = std::min(n - at, kBatch);
       for (uint32_t i = 0; i < m; ++i) WKV_RETURN_IF_ERROR(convert(jobs[at + i], &batch[i]));
       WKV_KERNEL(pass ? launch(batch, m) : check(batch, m));
     }
@@ -811,13 +826,19 @@ Status checked_launches(const J *jobs, uint32_t n, Convert convert, Check check,
 Status CudaBackend::write_spans(const SpanWrite *spans, uint32_t n, void *stream) {
   if (n == 0) return Status::ok();
   DeviceGuard guard(dev_);
-  return checked_launches<kernels::SpanDesc>(
+  return checked_launches<kernels::SpanDesc, kernels::kSpansPerLaunch>(
       spans, n,
       [](const SpanWrite &w, kernels::SpanDesc *k) {
         if (w.n > UINT32_MAX) return WKV_ERROR(WKV_ERR_INTERNAL, "a span of %zu elements", w.n);
-        *k = kernels::SpanDesc{static_cast<uint8_t *>(w.dst), static_cast<const uint8_t *>(w.src), w.narrow_overflow,
+        *k = kernels::SpanDesc{static_cast<uint8_t *>(w.dst),
+                               static_cast<const uint8_t *>(w.src),
+                               w.narrow_overflow,
                                static_cast<uint32_t>(w.n),
-                               w.narrow_overflow ? kernels::kSpanNarrowF16 : kernels::kSpanCopy};
+                               w.quant_row         ? kernels::kSpanQuantRows8
+                               : w.narrow_overflow ? kernels::kSpanNarrowF16
+                                                   : kernels::kSpanCopy,
+                               w.quant_scales,
+                               w.quant_row};
         return Status::ok();
       },
       [](const kernels::SpanDesc *b, uint32_t m) { return kernels::check_spans(b, m); },
@@ -1443,6 +1464,10 @@ Status CudaBackend::size_plan(Plan &plan, cudaStream_t s, bool graph, PlanSizes 
     dr.spread = cfg.c.method & WKV_METHOD_SPREAD ? hs.meta.spread.as<const float>() : nullptr;
     dr.value_mean = cfg.c.method & WKV_METHOD_TAIL ? hs.values.mean.as<const float>() : nullptr;
     dr.centroid16 = hs.meta.centroid16.p;
+    dr.centroid8 = hs.meta.centroid8.p;
+    dr.centroid8_scale = hs.meta.centroid8_scale.as<const float>();
+    dr.value_sum8 = value_sum16_ ? hs.meta.value_sum8.p : nullptr;
+    dr.value_sum8_scale = hs.meta.value_sum8_scale.as<const float>();
     dr.value_sum16 = value_sum16_ ? hs.meta.value_sum16.p : nullptr;
     dr.size = hs.mirror.size.as<const uint32_t>();
     dr.first_slot = hs.mirror.first_slot.as<const uint32_t>();
