@@ -10,6 +10,7 @@
 #include "lib/buffer/replacement.hpp"
 #include "lib/engine/plan.hpp"
 #include "lib/engine/sequence.hpp"
+#include "lib/index/growth.hpp"
 
 namespace wkv {
 
@@ -178,7 +179,7 @@ void Engine::fill_stats(wkv_stats *out) {
     if (backend_->host_memory())
       compact = d + sizeof(float) + 2 * d;
     else
-      compact = backend_->meta_row_bits() == 8 && d % 32 == 0 ? 2 * (d + sizeof(float)) : 4 * d;
+      compact = meta_rows8(*backend_, d) ? 2 * (d + sizeof(float)) : 4 * d;
   }
   const uint64_t words = backend_->host_memory() ? 3 : 6;
   out->meta_bytes = out->clusters * ((2 * d + 1) * sizeof(float) + words * sizeof(uint32_t) + compact);

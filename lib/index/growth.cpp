@@ -60,11 +60,8 @@ void trim_tails(const IndexContext &ix, LayerState &L, uint64_t min_rows, void *
   }
 }
 
-// Appends a segment's clusters to the meta index's compact mirror (8-bit
-// centroid rows, f16 value means), or drops the mirror for good when a
-// centroid is not finite or a value mean does not fit in f16 (where a CUDA
-// engine's copies set their words). Pre: room for them is reserved (no
-// allocation, no throw).
+}  // namespace
+
 void append_compact(const float *centroid, const float *value_sum, const uint32_t *size, uint32_t n, uint32_t d,
                     MetaIndex *meta) {
   constexpr float kF16Max = 65504.0f;
@@ -91,6 +88,8 @@ void append_compact(const float *centroid, const float *value_sum, const uint32_
     from_float(DType::kF16, mean, meta->value_mean_f16.data() + (at + c) * d, d);
   }
 }
+
+namespace {
 
 template <typename V> void reserve_total(V &v, size_t n) {
   if (n > v.capacity()) v.reserve(std::max(n, v.capacity() * 2));
@@ -499,12 +498,14 @@ bool keeps_meta16(const IndexContext &ix) {
   return !ix.backend.host_memory() && ix.cfg.dtype() != DType::kF32;
 }
 
+bool meta_rows8(const Backend &backend, uint32_t head_dim) {
+  return backend.meta_row_bits() == 8 && head_dim % 32 == 0;
+}
+
 Status meta16_reserve(const IndexContext &ix, HeadState &h, size_t clusters, void *stream) {
   if (!keeps_meta16(ix)) return Status::ok();
   const size_t d = ix.cfg.c.head_dim, head = kernels::kMeta16Header;
-  // 8-bit rows where a lane's slice of a row is whole words (the logits'
-  // eight lanes a row: d a multiple of 32); else f16 rows.
-  const bool rows8 = ix.backend.meta_row_bits() == 8 && d % 32 == 0;
+  const bool rows8 = meta_rows8(ix.backend, ix.cfg.c.head_dim);
   struct Copy {
     Region *r;
     size_t header, row;  // bytes

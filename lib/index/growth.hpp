@@ -185,11 +185,20 @@ Status mirror_fill_entries(const IndexContext &ix, HeadState &h, uint32_t c0, co
 Status mirror_fill(const IndexContext &ix, HeadState &h, uint32_t c0, uint32_t p0, void *stream);
 
 // Whether heads keep the compact copies of their centroids and value sums
-// that the device's logits and estimate read (MetaIndex::centroid8 and
-// centroid8_scale, or centroid16 where the backend's logit rows are 16
-// bits; value_sum16): engines on a device backend with a 16-bit storage
-// dtype.
+// that the device's logits and estimate read: engines on a device backend
+// with a 16-bit storage dtype.
 bool keeps_meta16(const IndexContext &ix);
+// Whether those copies are the 8-bit ones (MetaIndex::centroid8 and
+// value_sum8 with their scales) rather than f16 (centroid16, value_sum16):
+// where the backend's meta rows are 8 bits and a lane's slice of a row is
+// whole words (the logits' eight lanes a row: d a multiple of 32).
+bool meta_rows8(const Backend &backend, uint32_t head_dim);
+// Appends n clusters' rows to a CPU engine's compact mirror (MetaIndex:
+// 8-bit centroid rows, f16 value means VS / size), or drops the mirror for
+// good (compact_ok false) when a centroid is not finite or a value mean does
+// not fit in f16. Pre: room for them is reserved (no allocation, no throw).
+void append_compact(const float *centroid, const float *value_sum, const uint32_t *size, uint32_t n, uint32_t d,
+                    MetaIndex *meta);
 // The copies' two operations, the one code path that knows their layout
 // (kernels::kMeta16Header bytes, then the rows). meta16_reserve makes room
 // for `clusters` rows in each keeping the head's, and clears the overflow

@@ -1,7 +1,6 @@
 #include "lib/index/snapshot.hpp"
 
 #include <algorithm>
-#include <cfloat>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -331,28 +330,13 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
     if (ix.backend.host_memory() && ix.cfg.dtype() != DType::kF32) {
       // The CPU engine's compact mirror, rebuilt as its growths build it.
       try {
-        hs.meta.centroid_q8.resize(C * d);
-        hs.meta.centroid_q8_scale.resize(C);
-        hs.meta.value_mean_f16.resize(C * d);
+        hs.meta.centroid_q8.reserve(C * d);
+        hs.meta.centroid_q8_scale.reserve(C);
+        hs.meta.value_mean_f16.reserve(C * d);
       } catch (const std::bad_alloc &) {
         return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory importing a head");
       }
-      for (size_t c = 0; c < C && hs.meta.compact_ok; ++c) {
-        float mean[256];
-        for (uint32_t j = 0; j < d; ++j) {
-          mean[j] = o.value_sum[c * d + j] / o.size[c];
-          if (!(std::abs(mean[j]) <= 65504.0f) || !(std::abs(o.centroid[c * d + j]) <= FLT_MAX))
-            hs.meta.compact_ok = false;
-        }
-        quantize_row(o.centroid.data() + c * d, d, hs.meta.centroid_q8.data() + c * d,
-                     hs.meta.centroid_q8_scale.data() + c);
-        from_float(DType::kF16, mean, hs.meta.value_mean_f16.data() + c * d, d);
-      }
-      if (!hs.meta.compact_ok) {
-        MetaVector<int8_t>().swap(hs.meta.centroid_q8);
-        MetaVector<float>().swap(hs.meta.centroid_q8_scale);
-        MetaVector<f16>().swap(hs.meta.value_mean_f16);
-      }
+      append_compact(o.centroid.data(), o.value_sum.data(), o.size.data(), static_cast<uint32_t>(C), d, &hs.meta);
     }
     try {
       reserve_sizes(hs, o.size.data(), o.size.size());
