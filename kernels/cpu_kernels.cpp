@@ -326,19 +326,26 @@ WKV_HOT void scale_in_place(float *x, size_t n, float scale) {
   for (size_t i = 0; i < n; ++i) x[i] *= scale;
 }
 
-// Scaled logits over 16-bit centroids, portable: each block of rows is
-// converted to f32 on the stack first.
+// Unscaled logits of G heads over C rows of T (f16, bf16, or int8 without
+// its row scales), portable: each block of rows is converted to f32 on the
+// stack first (exactly for int8).
 constexpr uint32_t kScoreBufFloats = 8192;
+inline float row_value(const int8_t *r, size_t j) { return float(r[j]); }
+template <typename T> float row_value(const T *r, size_t j) { return load(r, j); }
+inline void rows_to_float(const int8_t *src, float *dst, size_t n) {
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) dst[i] = float(src[i]);
+}
+template <typename T> void rows_to_float(const T *src, float *dst, size_t n) { to_float(dtype_of<T>(), src, dst, n); }
 template <typename T>
-void score_logits_16(const float *q, uint32_t G, const T *centroid, uint32_t C,
-                     uint32_t d, float scale, float *logits) {
+void unscaled_logits(const float *q, uint32_t G, const T *centroid, uint32_t C, uint32_t d, float *logits) {
   if (d > kScoreBufFloats) {  // rows longer than the buffer: one at a time
     for (uint32_t c = 0; c < C; ++c)
       for (uint32_t g = 0; g < G; ++g) {
         const float *qg = q + size_t(g) * d;
         const T *r = centroid + size_t(c) * d;
         float acc = 0.f;
-        for (uint32_t j = 0; j < d; ++j) acc += qg[j] * load(r, j);
+        for (uint32_t j = 0; j < d; ++j) acc += qg[j] * row_value(r, j);
         logits[size_t(g) * C + c] = acc;
       }
   } else {
@@ -346,40 +353,26 @@ void score_logits_16(const float *q, uint32_t G, const T *centroid, uint32_t C,
     const uint32_t rows = std::max(1u, std::min(kScoreRows, kScoreBufFloats / std::max(d, 1u)));
     for (uint32_t c0 = 0; c0 < C; c0 += rows) {
       const uint32_t nr = std::min(rows, C - c0);
-      to_float(dtype_of<T>(), centroid + size_t(c0) * d, buf, size_t(nr) * d);
+      rows_to_float(centroid + size_t(c0) * d, buf, size_t(nr) * d);
       logits_rows(q, G, buf, nr, d, logits + c0, C);
     }
   }
+}
+
+// Scaled logits over 16-bit centroids, portable.
+template <typename T>
+void score_logits_16(const float *q, uint32_t G, const T *centroid, uint32_t C,
+                     uint32_t d, float scale, float *logits) {
+  unscaled_logits(q, G, centroid, C, d, logits);
   scale_in_place(logits, size_t(G) * C, scale);
 }
 
 // Scaled logits over 8-bit centroid rows with one scale a row, portable:
-// each block of rows is converted to f32 on the stack (exactly), then each
-// logit is multiplied by its row's scale and by `scale`, in that order.
+// each logit multiplied by its row's scale and by `scale`, in that order.
 void score_logits_q8(const float *q, uint32_t G, const int8_t *rows,
                      const float *row_scale, uint32_t C, uint32_t d,
                      float scale, float *logits) {
-  if (d > kScoreBufFloats) {  // rows longer than the buffer: one at a time
-    for (uint32_t c = 0; c < C; ++c)
-      for (uint32_t g = 0; g < G; ++g) {
-        const float *qg = q + size_t(g) * d;
-        const int8_t *r = rows + size_t(c) * d;
-        float acc = 0.f;
-        for (uint32_t j = 0; j < d; ++j) acc += qg[j] * float(r[j]);
-        logits[size_t(g) * C + c] = acc;
-      }
-  } else {
-    alignas(64) float buf[kScoreBufFloats];
-    const uint32_t nb = std::max(1u, std::min(kScoreRows, kScoreBufFloats / std::max(d, 1u)));
-    for (uint32_t c0 = 0; c0 < C; c0 += nb) {
-      const uint32_t nr = std::min(nb, C - c0);
-      const int8_t *src = rows + size_t(c0) * d;
-      const size_t n = size_t(nr) * d;
-#pragma omp simd
-      for (size_t i = 0; i < n; ++i) buf[i] = float(src[i]);
-      logits_rows(q, G, buf, nr, d, logits + c0, C);
-    }
-  }
+  unscaled_logits(q, G, rows, C, d, logits);
   for (uint32_t g = 0; g < G; ++g) {
     float *lg = logits + size_t(g) * C;
 #pragma omp simd
