@@ -53,7 +53,6 @@ struct PairChunk {
 };
 static_assert(sizeof(PairChunk) <= 4000, "kernel parameters are limited to 4 KiB");
 
-
 struct SpanChunk {
   SpanDesc s[kSpansPerLaunch];
   uint32_t n;
