@@ -46,6 +46,12 @@
 // file's directory; with both, the KV beyond the budget goes to disk and the
 // bench prints the prompt's ingest time, what was written, and per token
 // what was read back and how many retrievals were estimated for want of it.
+// WKV_SERVING_STREAMS=W (verbs only): the batch decoded as W parts (of
+// about B / W sequences), each with its own plan on its own stream, the
+// token's layers enqueued part after part (layer 0 of every part, then
+// layer 1, ...), then every stream synchronized: a runtime that runs
+// micro-batches side by side, so that one part's transfers of missed pages
+// overlap another's lookup. Accuracy and every figure cover the whole batch.
 // Usage: gpu_serving_bench [tokens] [batches, comma-separated] [steps, at least 64] [layers]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -226,6 +232,7 @@ std::map<uint32_t, double> parse_ms(const char *env) {
 
 struct Row {
   bool captured = false;  // WKV_SERVING_CAPTURE=1: the runtime's own graph of the whole step
+  uint32_t parts = 1;     // WKV_SERVING_STREAMS: parts of the batch decoded side by side
   uint32_t batch = 0, tokens = 0;
   double step_ms = 0, host_med_us = 0, host_max_us = 0, host_p99_us = 0;
   double hit = 0, miss_mb = 0, gpu_gib = 0, host_gib = 0, err_med = 0, err_p90 = 0;
@@ -386,12 +393,44 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
     row.page_bytes = x.page_bytes;
   }
 
+  // WKV_SERVING_STREAMS: the batch's parts, part p being sequences
+  // [first[p], first[p + 1]), its plan plans[p] on stream streams[p] (part
+  // 0: the plan and stream above).
+  const char *ps = std::getenv("WKV_SERVING_STREAMS");
+  const uint32_t P = std::max<uint32_t>(1, std::min<uint32_t>(B, ps ? static_cast<uint32_t>(std::atoi(ps)) : 1));
+  row.parts = P;
+  std::vector<uint32_t> first(P + 1);
+  for (uint32_t p = 0; p <= P; ++p) first[p] = B * p / P;
+  std::vector<wkv_plan *> plans{plan};
+  std::vector<cudaStream_t> streams{s};
+  for (uint32_t p = 1; p < P; ++p) {
+    plans.push_back(nullptr);
+    CHECK(wkv_plan_create(e, &plans.back()));
+    streams.push_back(nullptr);
+    CU(cudaStreamCreateWithFlags(&streams.back(), cudaStreamNonBlocking));
+  }
+  // One layer of a token for every part: the new tokens appended (where
+  // nk is given) and the batch decoded, from the token's slices at st;
+  // o, where not null, takes the outputs ([B][kQ][kD]).
+  const auto enqueue_layer = [&](uint32_t l, uint64_t st, const __nv_bfloat16 *qs, __nv_bfloat16 *o, bool append) {
+    for (uint32_t p = 0; p < P; ++p) {
+      const uint32_t f = first[p], n = first[p + 1] - f;
+      if (append)
+        CHECK(wkv_append_batch(seqs.data() + f, n, l, nk + (st * B + f) * tok, nv + (st * B + f) * tok, 1, 0, 0, 0,
+                               streams[p]));
+      CHECK(wkv_decode(plans[p], seqs.data() + f, n, l, qs + uint64_t(f) * kQ * kD, 0, 0,
+                       (o ? o : scratch_out) + uint64_t(f) * kQ * kD, 0, 0, streams[p]));
+    }
+  };
+  const auto sync_all = [&] {
+    for (cudaStream_t x : streams) CU(cudaStreamSynchronize(x));
+  };
+
   // Warm-up: 16 steps of the first queries (not timed), not appended, so
   // that the timed run starts from the same context: the cache warms.
   for (uint32_t w = 0; w < 16; ++w) {
-    for (uint32_t l = 0; l < L; ++l)
-      CHECK(wkv_decode(plan, seqs.data(), B, l, q + uint64_t(w % 8) * B * kQ * kD, 0, 0, out, 0, 0, s));
-    CU(cudaStreamSynchronize(s));
+    for (uint32_t l = 0; l < L; ++l) enqueue_layer(l, 0, q + uint64_t(w % 8) * B * kQ * kD, out, false);
+    sync_all();
   }
   size_t free1 = 0;
   CU(cudaMemGetInfo(&free1, &total));
@@ -415,6 +454,10 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   // launch.
   const bool captured = std::getenv("WKV_SERVING_CAPTURE") && std::atoi(std::getenv("WKV_SERVING_CAPTURE")) > 0;
   row.captured = captured;
+  if (captured && P > 1) {
+    std::fprintf(stderr, "gpu_serving_bench: WKV_SERVING_STREAMS times the verbs, not a captured step\n");
+    std::exit(2);
+  }
   cudaGraphExec_t exec = nullptr;
   __nv_bfloat16 *ck = nullptr, *cv = nullptr, *cq = nullptr, *cout = nullptr;
   unsigned *at = nullptr;
@@ -471,6 +514,12 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
     double app = 0;
     const auto a = Clock::now();
     for (uint32_t l = 0; l < L; ++l) {
+      if (P > 1) {
+        // Parts side by side: the appends' host time is not split out.
+        enqueue_layer(l, st, q + uint64_t(st) * B * kQ * kD, l == 0 ? out + uint64_t(st) * B * kQ * kD : nullptr,
+                      true);
+        continue;
+      }
       const auto b = Clock::now();
       CHECK(wkv_append_batch(seqs.data(), B, l, nk + uint64_t(st) * B * tok, nv + uint64_t(st) * B * tok, 1, 0, 0,
                              0, s));
@@ -480,7 +529,7 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
     }
     host[st] = us_since(a) / L;
     host_append[st] = app / L;
-    CU(cudaStreamSynchronize(s));
+    sync_all();
     if (token_stats) token_stats->take(e);
   }
   const double wall_us = us_since(t0) / L;
@@ -648,7 +697,8 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   row.err_med = quantile(errs, 0.5);
   row.err_p90 = quantile(errs, 0.9);
 
-  wkv_plan_destroy(plan);
+  for (wkv_plan *x : plans) wkv_plan_destroy(x);
+  for (uint32_t p = 1; p < P; ++p) cudaStreamDestroy(streams[p]);
   for (wkv_seq *x : seqs) wkv_seq_destroy(x);
   wkv_engine_close(e);
   for (uint32_t i = 0; i < B; ++i) {
@@ -701,6 +751,10 @@ int main(int argc, char **argv) {
     std::printf("steps captured: every layer's append and decode in one graph of the bench's own (with its input "
                 "and output kernels), a wkv_plan_prepare and one launch a token; host_us = (prepare + launch) / "
                 "layers\n");
+  if (const char *ps = std::getenv("WKV_SERVING_STREAMS"); ps && std::atoi(ps) > 1)
+    std::printf("batches in %d parts side by side (WKV_SERVING_STREAMS): a plan and a stream a part, a token's "
+                "layers enqueued part after part, every stream synchronized a token\n",
+                std::atoi(ps));
   std::printf("%5s %9s %9s %9s %9s %9s %6s %8s %7s %7s %9s %9s %9s %9s\n", "batch", "step_ms", "tok/s32", "host_us",
               "host_p99", "host_max", "waits", "hit", "miss_MB", "gpu_GiB", "host_GiB", "err_med", "err_p90",
               "vs_full");
@@ -736,6 +790,11 @@ int main(int argc, char **argv) {
                   "split form, uncaptured: append %.1f, lookup %.1f, assemble %.1f, attend %.1f, update %.1f\n",
                   r.append_us, r.decode_us, r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3],
                   r.split_us[4]);
+    else if (r.parts > 1)
+      std::printf("      %u parts of the batch side by side, a plan and a stream each; host us (medians, split "
+                  "form, the whole batch on one stream): append %.1f, lookup %.1f, assemble %.1f, attend %.1f, "
+                  "update %.1f\n",
+                  r.parts, r.split_us[0], r.split_us[1], r.split_us[2], r.split_us[3], r.split_us[4]);
     else
       std::printf("      host us (medians): wkv_append_batch %.1f, wkv_decode %.1f; split form: append %.1f, lookup "
                   "%.1f, assemble %.1f, attend %.1f, update %.1f\n",

@@ -18,6 +18,9 @@
 # copy against WKV_VALUE_SUM16=0, the estimate at the caller's priority);
 # PHASE=time's are the next experiment's (the register bounds); edit them
 # for the change at hand.
+# PHASE=serve128: 128K against full attention in the same call (8-bit
+# pages, batch 7 and 13; batch 7 with WKV_META_ROWS=16), then ncu's times
+# of the step's kernels at batch 7.
 # PHASE=quick (about 300 s): the tree's bench and lookup tests; two A/B
 # rounds of its meta rows in 8 bits (the default) against 16
 # (WKV_META_ROWS=16); ncu of the logits and the estimate both ways.
@@ -104,7 +107,29 @@ ncu_of() {
 export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 
-if [ "$PHASE" = quick ]; then
+if [ "$PHASE" = serve128 ]; then
+  # 128K against full attention in one call (the 6x target): the gather's
+  # host reads, the anchor, 8-bit pages at batch 7 and 13, batch 7 with the
+  # meta rows in 16 bits, then ncu's times of the step's kernels at batch 7.
+  (JOBS=16 BUILD_TARGETS="gpu_serving_bench gpu_gather_bench" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$? $((SECONDS-T0)) s")
+  grep -hE "error" -A3 /tmp/build-*.txt | head -20
+  timeout 60 build-gpu/bin/gpu_gather_bench gather --mib 16 > /tmp/build-probe.txt 2>&1
+  grep -E '^\| (anchor: cudaMemcpyAsync H2D|gather, all misses \()' /tmp/build-probe.txt
+  timeout 150 python3 bench/gpu_full_attention.py 131072 4,7 > /tmp/build-full.txt 2>&1
+  echo "full attention rc=$? $((SECONDS-T0)) s"; cat /tmp/build-full.txt | grep -vE "Warning|warn" | head
+  WKV_FULL_ATTN_MS=$(awk '/^full_ms/{printf "%s%s:%s", sep, $2, $3; sep=","}' /tmp/build-full.txt)
+  WKV_FULL_BATCH_MAX=$(awk '/^full_batch_max/{print $2}' /tmp/build-full.txt)
+  export WKV_FULL_ATTN_MS WKV_FULL_BATCH_MAX
+  for run in "7,13 " "7 WKV_META_ROWS=16" "7 "; do
+    b=${run%% *} e=${run#* }
+    [ "$(left)" -gt 100 ] || break
+    env $e WKV_PAGE_FORMAT=1 timeout 200 build-gpu/bin/gpu_serving_bench 131072 $b > /tmp/build-serve-$b-${e:-8}.txt 2>&1
+    echo "== batches $b ${e:-meta rows 8} rc=$? $((SECONDS-T0)) s"; grep -vE "^#|^$" /tmp/build-serve-$b-${e:-8}.txt | tail -12
+  done
+  pack
+  [ "$(left)" -gt 120 ] && WKV_PAGE_FORMAT=1 PROFILE_CASES=131072:7 PROFILE_DETAIL=0 BENCH_TIMEOUT=$(( $(left) - 20 )) \
+    OUT=/tmp/prof tools/gpu-check.sh decode-profile 2>&1 | tail -14
+elif [ "$PHASE" = quick ]; then
   # The least that times a change of the lookup, for a call of about 300 s.
   (JOBS=16 BUILD_TARGETS="gpu_serving_bench gpu_lookup_attention" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build cur rc=$? $((SECONDS-T0)) s")
   grep -hE "error" -A3 /tmp/build-*.txt | head -20
