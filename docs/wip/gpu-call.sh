@@ -18,6 +18,11 @@
 # copy against WKV_VALUE_SUM16=0, the estimate at the caller's priority);
 # PHASE=time's are the next experiment's (the register bounds); edit them
 # for the change at hand.
+# PHASE=verify: every target, the GPU suite, memcheck of the 8-bit row
+# writers, racecheck of the lookup tests three at a time (RACE_FILTER).
+# PHASE=race (a follow-up on a warm machine): racecheck of RACE_TESTS
+# ("program:filter" words; the two capture tests racecheck has not
+# finished), PAR (2) at a time, with the call's time left.
 # PHASE=serve128: 128K against full attention in the same call (8-bit
 # pages, batch 7 and 13; batch 7 with WKV_META_ROWS=16), then ncu's times
 # of the step's kernels at batch 7.
@@ -71,6 +76,34 @@ sanitize_lookup() {
   [ "$(left)" -gt 25 ] && SANITIZER_TOOLS="$1" SANITIZER_TESTS=gpu_lookup_attention SANITIZER_PER_TEST=1 \
     SANITIZER_TIMEOUT=120 OUT=/tmp/san timeout $(left) tools/gpu-check.sh sanitize
 }
+# san_one TOOL PROGRAM FILTER TIMEOUT: one program's tests matching FILTER
+# (all: every test) under that compute-sanitizer tool, its log in /tmp/san.
+san_one() {
+  # Time left: the call's, or (in san_list's processes, where SECONDS
+  # starts again) until the exported END, in seconds since the epoch.
+  local l; if [ -n "${END:-}" ]; then l=$((END - $(date +%s))); else l=$(left); fi
+  [ "$l" -gt 20 ] || return
+  local f=(); [ "$3" = all ] || f=(--gtest_filter="$3")
+  local to=$4; [ "$to" -lt "$l" ] || to=$l
+  mkdir -p /tmp/san
+  local log="/tmp/san/$1-$2-$(echo "$3" | tr -c 'A-Za-z0-9_.\n' '_').log"
+  WKV_TEST_UNDER_SANITIZER=1 timeout "$to" compute-sanitizer --tool "$1" --report-api-errors no --error-exitcode 9 \
+    "build-gpu/bin/$2" --gtest_brief=1 "${f[@]}" > "$log" 2>&1
+  echo "$1 $2 $3 rc=$? $(date +%T) $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+}
+# san_list TOOL TIMEOUT: san_one of each "PROGRAM FILTER" line of stdin,
+# PAR (3) at a time, each under TIMEOUT.
+san_list() {
+  END=$(( $(date +%s) + $(left) )); export -f san_one; export END
+  xargs -P "${PAR:-3}" -L 1 bash -c 'san_one '"$1"' "$0" "$1" '"$2"
+}
+# san_par TOOL PROGRAM FILTER TIMEOUT: san_list of each test of PROGRAM
+# that FILTER matches.
+san_par() {
+  [ "$(left)" -gt 30 ] || return
+  "build-gpu/bin/$2" --gtest_list_tests --gtest_filter="$3" | awk '/^[^ ]/{s=$1} /^  /{print s $1}' \
+    | sed "s/^/$2 /" | san_list "$1" "$4"
+}
 # variant NAME FLAGS: the tree's bench built again in build-var-NAME/ (a
 # copy of the tree) with CUDAFLAGS=FLAGS at configure.
 variant() {
@@ -107,7 +140,26 @@ ncu_of() {
 export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 
-if [ "$PHASE" = serve128 ]; then
+if [ "$PHASE" = verify ]; then
+  # Landing a kernel change and widening the sanitizers' cover: every
+  # target, the GPU suite, memcheck of the 8-bit row writers (page writes,
+  # span quantization), then racecheck of every gpu_lookup_attention test,
+  # PAR at a time, with the time left.
+  build_all
+  gpu_suite 200
+  pack
+  for t in "gpu_int8_pages all" "gpu_kmeans_gather ApplySpans.*"; do
+    san_one memcheck ${t% *} "${t#* }" 120
+  done
+  pack
+  san_par racecheck gpu_lookup_attention "${RACE_FILTER:-*}" 150
+elif [ "$PHASE" = race ]; then
+  # A follow-up on the machine the last call left warm (build-gpu/ kept):
+  # racecheck of RACE_TESTS (program:filter ...), PAR at a time.
+  for t in ${RACE_TESTS:-gpu_capture:GpuCapture.ALoopOfPreparesAndReplaysNeverWaitsForTheStream gpu_capture:GpuCapture.ReplaysStayExactAcrossGrowths}; do
+    echo "${t%%:*} ${t#*:}"
+  done | PAR=${PAR:-2} san_list racecheck $(( $(left) - 5 ))
+elif [ "$PHASE" = serve128 ]; then
   # 128K against full attention in one call (the 6x target): the gather's
   # host reads, the anchor, 8-bit pages at batch 7 and 13, batch 7 with the
   # meta rows in 16 bits, then ncu's times of the step's kernels at batch 7.
