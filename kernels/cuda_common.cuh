@@ -164,6 +164,36 @@ __device__ __forceinline__ typename DevType<T>::type dequantized_centered(int8_t
   return DevType<T>::from_f(__fmaf_rn(static_cast<float>(q), scale, ref));
 }
 
+// quantize_row's arithmetic (kernels/dtype.hpp) for a row that one warp
+// holds, each step one IEEE operation correctly rounded, so the CPU's
+// bytes: every lane takes its values into its Int8Row (take), the warp
+// agrees on the row's scale (scale_warp: every lane calls it), then each
+// value's level (level).
+struct Int8Row {
+  float amax = 0.0f;
+  bool finite = true;
+  __device__ __forceinline__ void take(float v) {
+    const float a = fabsf(v);
+    finite &= a <= 3.402823466e38f;  // false for NaN and inf
+    amax = a > amax ? a : amax;
+  }
+  // The row's scale: 0 for a row under the floor, NaN for a row that is
+  // not finite (finite then false in every lane), else amax / 127.
+  __device__ __forceinline__ float scale_warp() {
+    // Non-negative floats order as their bits.
+    amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(amax)));
+    finite = __all_sync(0xffffffffu, finite);
+    if (!finite) return __uint_as_float(kInt8NanScale);
+    return amax < kInt8RowFloor ? 0.0f : __fdiv_rn(amax, 127.0f);
+  }
+  // v's level in a row of that scale (rintf: nearest even); a row of scale
+  // 0 or NaN holds zeros.
+  static __device__ __forceinline__ int32_t level(float v, float scale) {
+    const float r = scale > 0.0f ? rintf(__fdiv_rn(v, scale)) : 0.0f;
+    return static_cast<int32_t>(fminf(fmaxf(r, -127.0f), 127.0f));
+  }
+};
+
 // The head whose full dot product lane j holds after reduce_heads: the
 // bit reversal of j's low log2(HC) bits.
 template <uint32_t HC>

@@ -1533,8 +1533,7 @@ __device__ __forceinline__ void write_job_int8(const WritePagesJob &job, const I
       less_ref = __all_sync(0xffffffffu, fits);
     }
     float v[kInt8MaxGroups][4];
-    float amax = 0.0f;
-    bool finite = true;
+    Int8Row rq;
 #pragma unroll
     for (uint32_t k = 0; k < kInt8MaxGroups; ++k) {
       const uint32_t g = lane + 32 * k;
@@ -1542,16 +1541,10 @@ __device__ __forceinline__ void write_job_int8(const WritePagesJob &job, const I
       for (int e = 0; e < 4; ++e) {
         v[k][e] = g < groups ? DevType<T>::to_f(x[4 * g + e]) : 0.0f;
         if (less_ref) v[k][e] = __fsub_rn(v[k][e], ref[k][e]);
-        const float a = fabsf(v[k][e]);
-        finite &= a <= 3.402823466e38f;  // false for NaN and inf
-        amax = a > amax ? a : amax;
+        rq.take(v[k][e]);
       }
     }
-    // Non-negative floats order as their bits.
-    amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(amax)));
-    finite = __all_sync(0xffffffffu, finite);
-    const bool zero = !finite || amax < kInt8RowFloor;
-    const float scale = zero ? (finite ? 0.0f : __uint_as_float(kInt8NanScale)) : __fdiv_rn(amax, 127.0f);
+    const float scale = rq.scale_warp();
     uint8_t *page = job.pages[j / l.page_tokens];
     const uint32_t row = (is_v ? l.page_tokens : 0u) + j % l.page_tokens;
 #pragma unroll
@@ -1560,11 +1553,7 @@ __device__ __forceinline__ void write_job_int8(const WritePagesJob &job, const I
       if (g >= groups) continue;
       uint32_t word = 0;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float r = zero ? 0.0f : rintf(__fdiv_rn(v[k][e], scale));  // rintf: nearest even
-        r = fminf(fmaxf(r, -127.0f), 127.0f);
-        word |= (static_cast<uint32_t>(static_cast<int32_t>(r)) & 0xffu) << (8 * e);
-      }
+      for (int e = 0; e < 4; ++e) word |= (static_cast<uint32_t>(Int8Row::level(v[k][e], scale)) & 0xffu) << (8 * e);
       reinterpret_cast<uint32_t *>(page + size_t(row) * l.head_dim)[g] = word;
     }
     if (lane == 0) reinterpret_cast<float *>(page + l.scales_at)[row] = scale;

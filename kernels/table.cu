@@ -574,9 +574,9 @@ __global__ void narrow_f16_kernel(const float *__restrict__ src, uint64_t n, __h
 }
 
 // Row `row` of rows of d values (d <= 256) at src quantized to 8 bits by
-// one warp (every lane calls it): quantize_row's arithmetic, each step one
-// IEEE operation correctly rounded, so the CPU's bytes. Lane 0 stores the
-// scale and flags *overflow where the row is not finite.
+// one warp (every lane calls it): quantize_row's arithmetic (Int8Row), so
+// the CPU's bytes. Lane 0 stores the scale and flags *overflow where the
+// row is not finite.
 __device__ __forceinline__ void quantize_row_warp(const float *__restrict__ src, uint64_t row, uint32_t d,
                                                   int8_t *__restrict__ dst, float *__restrict__ scales,
                                                   uint32_t *overflow) {
@@ -584,33 +584,23 @@ __device__ __forceinline__ void quantize_row_warp(const float *__restrict__ src,
   const uint32_t lane = threadIdx.x % 32;
   const float *x = src + row * d;
   float v[kMax];
-  float amax = 0.0f;
-  bool finite = true;
+  Int8Row r;
 #pragma unroll
   for (uint32_t k = 0; k < kMax; ++k) {
     const uint32_t j = lane + 32 * k;
     v[k] = j < d ? x[j] : 0.0f;
-    const float a = fabsf(v[k]);
-    finite &= a <= 3.402823466e38f;  // false for NaN and inf
-    amax = a > amax ? a : amax;
+    r.take(v[k]);
   }
-  // Non-negative floats order as their bits.
-  amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(amax)));
-  finite = __all_sync(0xffffffffu, finite);
-  const bool zero = !finite || amax < kInt8RowFloor;
-  const float scale = zero ? (finite ? 0.0f : __uint_as_float(kInt8NanScale)) : __fdiv_rn(amax, 127.0f);
+  const float scale = r.scale_warp();
   int8_t *q = dst + row * d;
 #pragma unroll
   for (uint32_t k = 0; k < kMax; ++k) {
     const uint32_t j = lane + 32 * k;
-    if (j >= d) continue;
-    float r = zero ? 0.0f : rintf(__fdiv_rn(v[k], scale));  // rintf: nearest even
-    r = fminf(fmaxf(r, -127.0f), 127.0f);
-    q[j] = static_cast<int8_t>(r);
+    if (j < d) q[j] = static_cast<int8_t>(Int8Row::level(v[k], scale));
   }
   if (lane == 0) {
     scales[row] = scale;
-    if (!finite) atomicOr(overflow, 1u);
+    if (!r.finite) atomicOr(overflow, 1u);
   }
 }
 
