@@ -92,6 +92,14 @@ inline bool under_sanitizer() {
   return std::getenv("WKV_TEST_UNDER_SANITIZER") || (inject && std::strstr(inject, "sanitizer"));
 }
 
+// Whether a test runs case (a, b) of its grid of cases, a and b counting
+// the values of two axes: every case, except under compute-sanitizer
+// (racecheck takes minutes a case of the larger kernels), where only the
+// cases with (a + b) % n == 0 run, n being the length of one axis: each
+// value of the other axis runs once, and where that axis is the longer,
+// each value of both.
+inline bool sanitized_case(uint32_t a, uint32_t b, uint32_t n) { return !under_sanitizer() || (a + b) % n == 0; }
+
 // A gate on a stream: the work enqueued after close() waits until open()
 // (a host function that blocks the stream, not the caller). A watchdog
 // opens it after `limit` should the caller itself wait for the stream.
