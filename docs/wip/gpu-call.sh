@@ -20,9 +20,9 @@
 # for the change at hand.
 # PHASE=verify: every target, the GPU suite, memcheck of the 8-bit row
 # writers, racecheck of the lookup tests three at a time (RACE_FILTER).
-# PHASE=race (a follow-up on a warm machine): racecheck of RACE_TESTS
-# ("program:filter" words; the two capture tests racecheck has not
-# finished), PAR (2) at a time, with the call's time left.
+# PHASE=race: racecheck of RACE_TESTS ("program:filter" words; the two
+# capture tests racecheck has not finished), then of the lookup tests
+# (RACE_FILTER), PAR (2) at a time, with the call's time left.
 # PHASE=serve128: 128K against full attention in the same call (8-bit
 # pages, batch 7 and 13; batch 7 with WKV_META_ROWS=16), then ncu's times
 # of the step's kernels at batch 7.
@@ -154,11 +154,21 @@ if [ "$PHASE" = verify ]; then
   pack
   san_par racecheck gpu_lookup_attention "${RACE_FILTER:-*}" 150
 elif [ "$PHASE" = race ]; then
-  # A follow-up on the machine the last call left warm (build-gpu/ kept):
-  # racecheck of RACE_TESTS (program:filter ...), PAR at a time.
-  for t in ${RACE_TESTS:-gpu_capture:GpuCapture.ALoopOfPreparesAndReplaysNeverWaitsForTheStream gpu_capture:GpuCapture.ReplaysStayExactAcrossGrowths}; do
+  # Racecheck of RACE_TESTS (program:filter ...), PAR at a time, then of
+  # the lookup tests (reduced under the sanitizer: sanitized_case), with the
+  # call's time left; on a fresh machine, their programs built first.
+  [ -x build-gpu/bin/gpu_capture ] || (JOBS=16 BUILD_TARGETS="gpu_capture gpu_lookup_attention" OUT=/tmp/cur \
+    tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s")
+  # The lookup tests as they run without the sanitizer, beside it.
+  (timeout 200 build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t "gpu_lookup_attention (plain)" $? /tmp/lookup-tests.txt) &
+  { for t in ${RACE_TESTS:-gpu_capture:GpuCapture.ALoopOfPreparesAndReplaysNeverWaitsForTheStream gpu_capture:GpuCapture.ReplaysStayExactAcrossGrowths}; do
     echo "${t%%:*} ${t#*:}"
-  done | PAR=${PAR:-2} san_list racecheck $(( $(left) - 5 ))
+  done
+  build-gpu/bin/gpu_lookup_attention --gtest_list_tests --gtest_filter="${RACE_FILTER:-LookupZones.*:AttendRagged.*:MergeEstimate.*}" \
+    | awk '/^[^ ]/{s=$1} /^  /{print "gpu_lookup_attention " s $1}'
+  } | PAR=${PAR:-2} san_list racecheck $(( $(left) - 5 ))
+  wait
+  pack
 elif [ "$PHASE" = serve128 ]; then
   # 128K against full attention in one call (the 6x target): the gather's
   # host reads, the anchor, 8-bit pages at batch 7 and 13, batch 7 with the
