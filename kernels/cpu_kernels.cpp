@@ -699,9 +699,9 @@ WKV_INLINE void est_fma1(const float (*w)[kEstChunk], uint32_t i,
   }
 }
 
-// Accumulates the value rows (V = float: value sums; f16: value means) of
-// the chunk's nc clusters ids[0, nc) into o for GN heads; ids[nc, pf_n)
-// are prefetched ahead.
+// Accumulates the value rows (V = float: value sums; int8_t: value means,
+// their row scales in the weights) of the chunk's nc clusters ids[0, nc)
+// into o for GN heads; ids[nc, pf_n) are prefetched ahead.
 template <uint32_t GN, typename V>
 WKV_INLINE void est_accumulate(const float (*w)[kEstChunk], const uint32_t *ids,
                                uint32_t pf_n, uint32_t nc, const V *rows,
@@ -717,10 +717,10 @@ WKV_INLINE void est_accumulate(const float (*w)[kEstChunk], const uint32_t *ids,
     } else {
       for (uint32_t j0 = 0; j0 < d; j0 += kEstSlice) {
         const uint32_t len = std::min(kEstSlice, d - j0);
-        to_float(dtype_of<V>(), r0 + j0, buf[0], len);
-        to_float(dtype_of<V>(), r1 + j0, buf[1], len);
-        to_float(dtype_of<V>(), r2 + j0, buf[2], len);
-        to_float(dtype_of<V>(), r3 + j0, buf[3], len);
+        rows_to_float(r0 + j0, buf[0], len);
+        rows_to_float(r1 + j0, buf[1], len);
+        rows_to_float(r2 + j0, buf[2], len);
+        rows_to_float(r3 + j0, buf[3], len);
         est_fma4<GN>(w, i, buf[0], buf[1], buf[2], buf[3], len, o, j0);
       }
     }
@@ -732,7 +732,7 @@ WKV_INLINE void est_accumulate(const float (*w)[kEstChunk], const uint32_t *ids,
     } else {
       for (uint32_t j0 = 0; j0 < d; j0 += kEstSlice) {
         const uint32_t len = std::min(kEstSlice, d - j0);
-        to_float(dtype_of<V>(), r + j0, buf[0], len);
+        rows_to_float(r + j0, buf[0], len);
         est_fma1<GN>(w, i, buf[0], len, o, j0);
       }
     }
@@ -740,17 +740,18 @@ WKV_INLINE void est_accumulate(const float (*w)[kEstChunk], const uint32_t *ids,
 }
 
 #if defined(WKV_HAVE_V3)
-// est_accumulate for f16 value rows, converted in registers. Pre: d % 8 == 0.
-template <uint32_t GN>
-WKV_V3 void est_accumulate_f16_v3(const float (*w)[kEstChunk],
-                                  const uint32_t *ids, uint32_t pf_n,
-                                  uint32_t nc, const f16 *rows, uint32_t d,
-                                  float *const *o) {
+// est_accumulate for 8-bit (or 16-bit) value rows, converted in
+// registers. Pre: d % 8 == 0.
+template <uint32_t GN, typename V>
+WKV_V3 void est_accumulate_v3(const float (*w)[kEstChunk],
+                              const uint32_t *ids, uint32_t pf_n,
+                              uint32_t nc, const V *rows, uint32_t d,
+                              float *const *o) {
   uint32_t i = 0;
   for (; i + 4 <= nc; i += 4) {
     est_prefetch(ids, std::min(i + kEstPrefetch, pf_n), std::min(i + kEstPrefetch + 4, pf_n), rows, d);
-    const f16 *r0 = rows + size_t(ids[i]) * d, *r1 = rows + size_t(ids[i + 1]) * d,
-              *r2 = rows + size_t(ids[i + 2]) * d, *r3 = rows + size_t(ids[i + 3]) * d;
+    const V *r0 = rows + size_t(ids[i]) * d, *r1 = rows + size_t(ids[i + 1]) * d,
+            *r2 = rows + size_t(ids[i + 2]) * d, *r3 = rows + size_t(ids[i + 3]) * d;
     // Weights and output pointers in locals: the stores through o would
     // otherwise make the compiler reload both.
     __m256 wv[GN][4];
@@ -773,7 +774,7 @@ WKV_V3 void est_accumulate_f16_v3(const float (*w)[kEstChunk],
     }
   }
   for (; i < nc; ++i) {
-    const f16 *r = rows + size_t(ids[i]) * d;
+    const V *r = rows + size_t(ids[i]) * d;
     __m256 wv[GN];
     float *og[GN];
     for (uint32_t g = 0; g < GN; ++g) {
@@ -790,13 +791,13 @@ WKV_V3 void est_accumulate_f16_v3(const float (*w)[kEstChunk],
 #endif
 
 // estimate_zone for heads [0, gn) of a group, gn <= 4, all at once, from
-// value sums (V = float) or f16 value means (V = f16; the sizes then go
-// into the weights).
+// value sums (V = float) or 8-bit value means (V = int8_t, row_scale their
+// rows' scales; the sizes, then the scales, go into the weights).
 template <typename V>
 WKV_INLINE void estimate_heads(const float *logits, uint32_t gn, size_t ld,
                                const uint32_t *ids, uint32_t n, const V *rows,
-                               const uint32_t *size, uint32_t d, float *out,
-                               float *lse) {
+                               const float *row_scale, const uint32_t *size,
+                               uint32_t d, float *out, float *lse) {
   constexpr bool kMeans = !std::is_same_v<V, float>;
   // 1. Per head the max-shift over the zone. A head with no finite logit
   //    shifts by 0, so that its weights come out 0 rather than NaN.
@@ -838,6 +839,8 @@ WKV_INLINE void estimate_heads(const float *logits, uint32_t gn, size_t ld,
           wg[i] = exp_nonpos(lg[cid[i]] - shift) * float(size[cid[i]]);
           dsum += double(wg[i]);
         }
+        // The rows' scales weigh their 8-bit values, not the denominator.
+        for (uint32_t i = 0; i < nc; ++i) wg[i] *= row_scale[cid[i]];
       } else {
 #pragma omp simd reduction(+ : dsum)
         for (uint32_t i = 0; i < nc; ++i) {
@@ -848,13 +851,13 @@ WKV_INLINE void estimate_heads(const float *logits, uint32_t gn, size_t ld,
       den[g] += dsum;
     }
 #if defined(WKV_HAVE_V3)
-    if constexpr (std::is_same_v<V, f16>) {
+    if constexpr (kMeans) {
       if (v3) {
         switch (gn) {
-          case 1: est_accumulate_f16_v3<1>(w, cid, n - i0, nc, rows, d, o); break;
-          case 2: est_accumulate_f16_v3<2>(w, cid, n - i0, nc, rows, d, o); break;
-          case 3: est_accumulate_f16_v3<3>(w, cid, n - i0, nc, rows, d, o); break;
-          default: est_accumulate_f16_v3<4>(w, cid, n - i0, nc, rows, d, o); break;
+          case 1: est_accumulate_v3<1>(w, cid, n - i0, nc, rows, d, o); break;
+          case 2: est_accumulate_v3<2>(w, cid, n - i0, nc, rows, d, o); break;
+          case 3: est_accumulate_v3<3>(w, cid, n - i0, nc, rows, d, o); break;
+          default: est_accumulate_v3<4>(w, cid, n - i0, nc, rows, d, o); break;
         }
         continue;
       }
@@ -887,16 +890,16 @@ WKV_HOT void estimate_group_sums(const float *logits, uint32_t G, size_t ld,
                                  uint32_t d, float *out, float *lse) {
   for (uint32_t g0 = 0; g0 < G; g0 += 4)
     estimate_heads(logits + size_t(g0) * ld, std::min(4u, G - g0), ld, ids, n,
-                   value_sum, size, d, out + size_t(g0) * d, lse + g0);
+                   value_sum, nullptr, size, d, out + size_t(g0) * d, lse + g0);
 }
 
 WKV_HOT void estimate_group_means(const float *logits, uint32_t G, size_t ld,
                                   const uint32_t *ids, uint32_t n,
-                                  const f16 *value_mean, const uint32_t *size,
-                                  uint32_t d, float *out, float *lse) {
+                                  const int8_t *value_mean, const float *value_mean_scale,
+                                  const uint32_t *size, uint32_t d, float *out, float *lse) {
   for (uint32_t g0 = 0; g0 < G; g0 += 4)
     estimate_heads(logits + size_t(g0) * ld, std::min(4u, G - g0), ld, ids, n,
-                   value_mean, size, d, out + size_t(g0) * d, lse + g0);
+                   value_mean, value_mean_scale, size, d, out + size_t(g0) * d, lse + g0);
 }
 
 // Attention ----------------------------------------------------------------
@@ -1677,9 +1680,9 @@ void estimate_zone_group(const float *logits, uint32_t G, size_t ld,
 
 void estimate_zone_group_means(const float *logits, uint32_t G, size_t ld,
                                const uint32_t *ids, uint32_t n,
-                               const f16 *value_mean, const uint32_t *size,
-                               uint32_t d, float *out, float *lse) {
-  estimate_group_means(logits, G, ld, ids, n, value_mean, size, d, out, lse);
+                               const int8_t *value_mean, const float *value_mean_scale,
+                               const uint32_t *size, uint32_t d, float *out, float *lse) {
+  estimate_group_means(logits, G, ld, ids, n, value_mean, value_mean_scale, size, d, out, lse);
 }
 
 float merge_partials(const float *o_a, float lse_a, const float *o_b,

@@ -162,13 +162,15 @@ void estimate_zone_group(const float *logits, uint32_t G, size_t ld,
                          uint32_t d, float *out, float *lse);
 
 // estimate_zone_group from the meta index's compact mirror: value means
-// VS_i / s_i stored in f16 rather than value sums in f32, half the bytes
-// of the rows estimation reads. The weights become s_i exp(l_i); out and
-// lse mean the same, computed from the rounded means.
+// VS_i / s_i stored in 8 bits with a scale a row (quantize_row's format:
+// value_mean [n][d], value_mean_scale [n]) rather than value sums in f32, a
+// quarter of the bytes of the rows estimation reads. The weights become
+// s_i exp(l_i) (each value weighed by its row's scale too); out and lse
+// mean the same, computed from the quantized means.
 void estimate_zone_group_means(const float *logits, uint32_t G, size_t ld,
                                const uint32_t *ids, uint32_t n,
-                               const f16 *value_mean, const uint32_t *size,
-                               uint32_t d, float *out, float *lse);
+                               const int8_t *value_mean, const float *value_mean_scale,
+                               const uint32_t *size, uint32_t d, float *out, float *lse);
 
 // Folds the tail (the clusters of neither zone: ids < C in neither list
 // ret nor est) into each head's estimate, its value taken as value_mean [d]:

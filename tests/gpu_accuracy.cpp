@@ -85,7 +85,8 @@ TEST(GpuAccuracy, DiffuseHeadsAreEstimatedAsOnTheCpuEngine) {
 // generated token is appended before each query, as tests/test_real_attention
 // does. Both engines decode the same steps; each scores the 8-bit copy of
 // its centroids (the CUDA engine's on the device, the CPU engine's in its
-// compact mirror) and estimates from f16 value sums (CUDA) or means (CPU).
+// compact mirror) and estimates from 8-bit value sums (CUDA) or value
+// means (CPU), each with a scale a row.
 TEST(GpuAccuracy, RealAttentionAsOnTheCpuEngine) {
   REQUIRE_GPU();
   namespace ra = wkvtest::real_attention;

@@ -262,8 +262,8 @@ TEST(GpuHeadState, CpuAndCudaEnginesBuildTheSameIndex) {
 // Value sums past f16's range (values 6000 + 3000 x: a cluster of 11 or
 // more sums past 65504 on average) stay in the 8-bit copy, whose scale a row
 // takes any finite magnitude: neither copy's word is set, and decoding agrees
-// with the CPU engine (whose f16 value means fit) as at ordinary values,
-// measured on the outputs less the offset.
+// with the CPU engine (whose 8-bit value means, a scale a row, take them
+// too) as at ordinary values, measured on the outputs less the offset.
 TEST(GpuHeadState, ValueSumsPastF16RangeStayInTheEightBitCopy) {
   REQUIRE_GPU();
   Engine cpu(WKV_DEVICE_CPU), gpu(WKV_DEVICE_CUDA);

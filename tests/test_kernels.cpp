@@ -1227,19 +1227,24 @@ TEST(Estimation, GroupMatchesOneCallPerHead) {
   }
 }
 
-// From f16 value means, the reference is estimate_zone over the value sums
-// that the rounded means stand for.
-TEST(Estimation, GroupFromF16MeansMatchesOneCallPerHeadOnTheRoundedMeans) {
+// From 8-bit value means (a scale a row), the reference is estimate_zone
+// over the value sums that the quantized means stand for (each value q x
+// scale, then x size). Every tenth row is all zero (its scale 0).
+TEST(Estimation, GroupFromEightBitMeansMatchesOneCallPerHeadOnTheQuantizedMeans) {
   std::mt19937_64 rng(45);
   const uint32_t C = 300;
   for (uint32_t d : {60u, 64u, 80u, 128u, 256u}) {
     std::vector<uint32_t> size(C);
     for (auto &x : size) x = 1 + uint32_t(rng() % 3000);
-    const Rows means(DType::kF16, random_vec(rng, size_t(C) * d), d);
-    std::vector<float> vs(size_t(C) * d);
-    to_float(DType::kF16, means.bytes.data(), vs.data(), vs.size());
-    for (uint32_t c = 0; c < C; ++c)
-      for (uint32_t j = 0; j < d; ++j) vs[size_t(c) * d + j] *= float(size[c]);
+    std::vector<float> mean = random_vec(rng, size_t(C) * d);
+    for (uint32_t c = 0; c < C; c += 10) std::fill_n(mean.begin() + size_t(c) * d, d, 0.f);
+    std::vector<int8_t> q(size_t(C) * d);
+    std::vector<float> scale(C), vs(size_t(C) * d);
+    for (uint32_t c = 0; c < C; ++c) {
+      quantize_row(mean.data() + size_t(c) * d, d, q.data() + size_t(c) * d, &scale[c]);
+      for (uint32_t j = 0; j < d; ++j)
+        vs[size_t(c) * d + j] = float(q[size_t(c) * d + j]) * scale[c] * float(size[c]);
+    }
     for (uint32_t G : {1u, 3u, 4u, 5u}) {
       const auto logits = group_logits(rng, G, C);
       for (uint32_t n : {0u, 1u, 5u, 64u, 65u, 300u}) {
@@ -1249,9 +1254,8 @@ TEST(Estimation, GroupFromF16MeansMatchesOneCallPerHeadOnTheRoundedMeans) {
         ids.resize(n);
         std::sort(ids.begin(), ids.end());
         std::vector<float> out(size_t(G) * d, 7.f), lse(G, 7.f);
-        estimate_zone_group_means(logits.data(), G, C, ids.data(), n,
-                                  static_cast<const f16 *>(static_cast<const void *>(means.bytes.data())),
-                                  size.data(), d, out.data(), lse.data());
+        estimate_zone_group_means(logits.data(), G, C, ids.data(), n, q.data(), scale.data(), size.data(), d,
+                                  out.data(), lse.data());
         expect_group_matches_reference(logits, G, C, ids, vs, size, d, out, lse);
       }
     }

@@ -1,3 +1,9 @@
+#!/bin/bash
+# The batch in parts side by side (bench/RESULTS.md, "2026-12-07, twelfth
+# session"): the serving bench at 128K, batch 7 and 13, 8-bit pages, with
+# WKV_SERVING_STREAMS=1 to 4, two rounds; the full-attention anchor is the
+# figure of the call before it on the same kind of machine. Run on the GPU
+# machine from the repository root (a device call carrying .debs).
 export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
 T0=$SECONDS
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader

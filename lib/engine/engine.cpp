@@ -167,19 +167,16 @@ void Engine::fill_stats(wkv_stats *out) {
   out->steady_bytes = counters_.steady_rows.load() * 2ull * cfg_.row_bytes();
   // Per cluster: centroid and value sum (f32), the spread, the mapping
   // table's three words (and on a device backend the mirror's three), and
-  // with a 16-bit storage dtype the compact copies the steps read: on a CPU
-  // engine (while they fit) the centroids in 8 bits with a scale a row and
-  // the value means in f16; on a device the centroids and the value sums in
-  // 8 bits with a scale a row, or both in f16 where the backend keeps
-  // 16-bit meta rows or d is not a multiple of 32.
+  // with a 16-bit storage dtype the compact copies the steps read, each in 8
+  // bits with a scale a row: on a CPU engine (while they are finite) the
+  // centroids and the value means, on a device the centroids and the value
+  // sums, or both in f16 where the device backend keeps 16-bit meta rows
+  // or d is not a multiple of 32.
   // Not counted: the cold tier's stamps (a word a cluster on a device with
   // a spill file) and regions' spare capacity.
   uint64_t compact = 0;
   if (cfg_.dtype() != DType::kF32) {
-    if (backend_->host_memory())
-      compact = d + sizeof(float) + 2 * d;
-    else
-      compact = meta_rows8(*backend_, d) ? 2 * (d + sizeof(float)) : 4 * d;
+    compact = backend_->host_memory() || meta_rows8(*backend_, d) ? 2 * (d + sizeof(float)) : 4 * d;
   }
   const uint64_t words = backend_->host_memory() ? 3 : 6;
   out->meta_bytes = out->clusters * ((2 * d + 1) * sizeof(float) + words * sizeof(uint32_t) + compact);

@@ -64,28 +64,30 @@ void trim_tails(const IndexContext &ix, LayerState &L, uint64_t min_rows, void *
 
 void append_compact(const float *centroid, const float *value_sum, const uint32_t *size, uint32_t n, uint32_t d,
                     MetaIndex *meta) {
-  constexpr float kF16Max = 65504.0f;
-  bool fits = true;  // a NaN fails the compares too
-  for (size_t i = 0; i < size_t(n) * d; ++i) fits &= std::fabs(centroid[i]) <= std::numeric_limits<float>::max();
+  constexpr float kMax = std::numeric_limits<float>::max();
+  bool finite = true;  // a NaN fails the compares too
+  for (size_t i = 0; i < size_t(n) * d; ++i) finite &= std::fabs(centroid[i]) <= kMax;
   for (uint32_t c = 0; c < n; ++c)
-    for (uint32_t j = 0; j < d; ++j) fits &= std::fabs(value_sum[size_t(c) * d + j] / size[c]) <= kF16Max;
-  if (!fits) {
+    for (uint32_t j = 0; j < d; ++j) finite &= std::fabs(value_sum[size_t(c) * d + j] / size[c]) <= kMax;
+  if (!finite) {
     MetaVector<int8_t>().swap(meta->centroid_q8);
     MetaVector<float>().swap(meta->centroid_q8_scale);
-    MetaVector<f16>().swap(meta->value_mean_f16);
+    MetaVector<int8_t>().swap(meta->value_mean_q8);
+    MetaVector<float>().swap(meta->value_mean_q8_scale);
     meta->compact_ok = false;
     return;
   }
   const size_t at = meta->centroid_q8_scale.size(), m = size_t(n) * d;
   meta->centroid_q8.resize(at * d + m);
   meta->centroid_q8_scale.resize(at + n);
-  meta->value_mean_f16.resize(at * d + m);
+  meta->value_mean_q8.resize(at * d + m);
+  meta->value_mean_q8_scale.resize(at + n);
   float mean[256];  // head_dim <= 256 (checked at open)
   for (uint32_t c = 0; c < n; ++c) {
     quantize_row(centroid + size_t(c) * d, d, meta->centroid_q8.data() + (at + c) * d,
                  meta->centroid_q8_scale.data() + at + c);
     for (uint32_t j = 0; j < d; ++j) mean[j] = value_sum[size_t(c) * d + j] / size[c];
-    from_float(DType::kF16, mean, meta->value_mean_f16.data() + (at + c) * d, d);
+    quantize_row(mean, d, meta->value_mean_q8.data() + (at + c) * d, meta->value_mean_q8_scale.data() + at + c);
   }
 }
 
@@ -329,7 +331,8 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       if (compact && hs.meta.compact_ok) {
         reserve_total(hs.meta.centroid_q8, size_t(C1) * d);
         reserve_total(hs.meta.centroid_q8_scale, size_t(C1));
-        reserve_total(hs.meta.value_mean_f16, size_t(C1) * d);
+        reserve_total(hs.meta.value_mean_q8, size_t(C1) * d);
+        reserve_total(hs.meta.value_mean_q8_scale, size_t(C1));
       }
     }
   } catch (const std::bad_alloc &) {

@@ -193,10 +193,11 @@ bool keeps_meta16(const IndexContext &ix);
 // where the backend's meta rows are 8 bits and a lane's slice of a row is
 // whole words (the logits' eight lanes a row: d a multiple of 32).
 bool meta_rows8(const Backend &backend, uint32_t head_dim);
-// Appends n clusters' rows to a CPU engine's compact mirror (MetaIndex:
-// 8-bit centroid rows, f16 value means VS / size), or drops the mirror for
-// good (compact_ok false) when a centroid is not finite or a value mean does
-// not fit in f16. Pre: room for them is reserved (no allocation, no throw).
+// Appends n clusters' rows to a CPU engine's compact mirror (MetaIndex: the
+// centroids and the value means VS / size, each in 8 bits with a scale a
+// row, quantize_row's format), or drops the mirror for good (compact_ok
+// false) when a centroid or a value mean is not finite. Pre: room for them
+// is reserved (no allocation, no throw).
 void append_compact(const float *centroid, const float *value_sum, const uint32_t *size, uint32_t n, uint32_t d,
                     MetaIndex *meta);
 // The copies' two operations, the one code path that knows their layout

@@ -78,11 +78,11 @@ struct SegmentDesc {
 // estimation a quarter of the value rows, so the steps read compact copies
 // where there are (engines with a 16-bit storage dtype; fewer bytes is
 // about as much less time):
-// - on a CPU engine, a mirror of the centroids in 8 bits a component with
-//   a scale a row (kernels/dtype.hpp's quantize_row: centroid_q8,
-//   centroid_q8_scale) and of the value means VS / size in f16; empty for
-//   good once a value falls outside f16's range (compact_ok false), when
-//   the step reads the f32 arrays;
+// - on a CPU engine, a mirror of the centroids and of the value means
+//   VS / size, each in 8 bits a component with a scale a row
+//   (kernels/dtype.hpp's quantize_row: centroid_q8, centroid_q8_scale,
+//   value_mean_q8, value_mean_q8_scale); empty for good once a value is not
+//   finite (compact_ok false), when the step reads the f32 arrays;
 // - on a CUDA engine, in device memory, the centroids and the value sums in
 //   8 bits (centroid8, value_sum8: an overflow word the device sets when a
 //   row is not finite, then [clusters][d] int8; centroid8_scale,
@@ -97,7 +97,8 @@ struct MetaIndex {
   Region centroid16, centroid8, centroid8_scale, value_sum16, value_sum8, value_sum8_scale;
   MetaVector<int8_t> centroid_q8;
   MetaVector<float> centroid_q8_scale;
-  MetaVector<f16> value_mean_f16;
+  MetaVector<int8_t> value_mean_q8;
+  MetaVector<float> value_mean_q8_scale;
   bool compact_ok = true;  // the mirror holds every cluster
 };
 

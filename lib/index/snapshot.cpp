@@ -332,7 +332,8 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
       try {
         hs.meta.centroid_q8.reserve(C * d);
         hs.meta.centroid_q8_scale.reserve(C);
-        hs.meta.value_mean_f16.reserve(C * d);
+        hs.meta.value_mean_q8.reserve(C * d);
+        hs.meta.value_mean_q8_scale.reserve(C);
       } catch (const std::bad_alloc &) {
         return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory importing a head");
       }

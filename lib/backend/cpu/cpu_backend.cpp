@@ -364,8 +364,8 @@ Status CpuBackend::lookup(Plan &plan) {
       const MetaIndex &meta = hs.meta;
       const uint32_t *size = hs.map.size.data();
       // Scoring and estimation read the compact mirror where there is one:
-      // a quarter (8-bit centroid rows) and half (f16 value means) of the
-      // f32 arrays' bytes, and both are bound by them.
+      // 8-bit centroid rows and value means, a quarter of the f32 arrays'
+      // bytes, which bound both.
       const bool compact = meta.compact_ok && meta.centroid_q8_scale.size() == r.clusters;
       const float *spread = method & WKV_METHOD_SPREAD ? meta.spread.as<float>() : nullptr;
       if (compact)
@@ -380,8 +380,8 @@ Status CpuBackend::lookup(Plan &plan) {
         kernels::select_zones(score, r.clusters, r.n_ret, r.n_est, ret_ids, est_ids, scratch);
       // One pass over the value rows serves the whole query group.
       if (compact)
-        kernels::estimate_zone_group_means(logits, G, r.clusters, est_ids, r.n_est, meta.value_mean_f16.data(), size,
-                                           d, est_out, est_lse);
+        kernels::estimate_zone_group_means(logits, G, r.clusters, est_ids, r.n_est, meta.value_mean_q8.data(),
+                                           meta.value_mean_q8_scale.data(), size, d, est_out, est_lse);
       else
         kernels::estimate_zone_group(logits, G, r.clusters, est_ids, r.n_est, meta.value_sum.as<float>(), size, d,
                                      est_out, est_lse);
@@ -408,8 +408,8 @@ Status CpuBackend::lookup(Plan &plan) {
           o.resize(static_cast<size_t>(G) * d);
           l.resize(G);
           if (compact)
-            kernels::estimate_zone_group_means(logits, G, r.clusters, cold_ids, cold, meta.value_mean_f16.data(),
-                                               size, d, o.data(), l.data());
+            kernels::estimate_zone_group_means(logits, G, r.clusters, cold_ids, cold, meta.value_mean_q8.data(),
+                                               meta.value_mean_q8_scale.data(), size, d, o.data(), l.data());
           else
             kernels::estimate_zone_group(logits, G, r.clusters, cold_ids, cold, meta.value_sum.as<float>(), size, d,
                                          o.data(), l.data());
