@@ -16,6 +16,7 @@
 #include "lib/engine/engine.hpp"
 #include "lib/engine/plan.hpp"
 #include "lib/engine/sequence.hpp"
+#include "lib/index/growth.hpp"
 #include "lib/index/snapshot.hpp"
 #include "support.hpp"
 #include "wavekv/wavekv.hpp"
@@ -291,6 +292,44 @@ TEST(HeadSnapshot, AnInconsistentSnapshotIsRefusedNamingTheHead) {
 
 // Defect 9 of the redesign: lookup ended every sequence's prompt (a
 // k-means) before it checked q and the stream.
+// The CPU engine's compact mirror: each cluster's centroid and value mean
+// (value sum / size) in quantize_row's format, whatever their magnitude
+// (a mean past f16's range too); a row that is not finite drops the mirror
+// (compact_ok false, which its callers keep for good).
+TEST(CompactMirror, HoldsEveryFiniteRowAndDropsForGoodAtOneThatIsNot) {
+  constexpr uint32_t d = 8, n = 3;
+  std::vector<float> centroid(n * d), value_sum(n * d);
+  const std::vector<uint32_t> size = {1, 4, 1000};
+  for (uint32_t i = 0; i < n * d; ++i) {
+    centroid[i] = 0.1f * float(i) - 1.f;
+    value_sum[i] = (float(i % d) - 3.f) * 1e8f;  // means of 1e8, 2.5e7, 1e5 a unit: past f16
+  }
+  wkv::MetaIndex m;
+  m.centroid_q8.reserve(2 * n * d);
+  m.centroid_q8_scale.reserve(2 * n);
+  m.value_mean_q8.reserve(2 * n * d);
+  m.value_mean_q8_scale.reserve(2 * n);
+  wkv::append_compact(centroid.data(), value_sum.data(), size.data(), n, d, &m);
+  ASSERT_TRUE(m.compact_ok);
+  ASSERT_EQ(m.value_mean_q8_scale.size(), n);
+  for (uint32_t c = 0; c < n; ++c) {
+    float mean[d], scale = 0.f;
+    int8_t q[d];
+    for (uint32_t j = 0; j < d; ++j) mean[j] = value_sum[c * d + j] / float(size[c]);
+    wkv::quantize_row(mean, d, q, &scale);
+    EXPECT_EQ(m.value_mean_q8_scale[c], scale) << "cluster " << c;
+    EXPECT_EQ(std::memcmp(m.value_mean_q8.data() + c * d, q, d), 0) << "cluster " << c;
+    wkv::quantize_row(centroid.data() + c * d, d, q, &scale);
+    EXPECT_EQ(m.centroid_q8_scale[c], scale) << "cluster " << c;
+    EXPECT_EQ(std::memcmp(m.centroid_q8.data() + c * d, q, d), 0) << "cluster " << c;
+  }
+  // A sum that overflows to infinity: its mean is not finite.
+  value_sum[d + 2] = std::numeric_limits<float>::infinity();
+  wkv::append_compact(centroid.data(), value_sum.data(), size.data(), n, d, &m);
+  EXPECT_FALSE(m.compact_ok);
+  EXPECT_TRUE(m.centroid_q8.empty() && m.value_mean_q8.empty() && m.value_mean_q8_scale.empty());
+}
+
 TEST(EngineChecksFirst, ARefusedLookupEndsNoPrompt) {
   wkv_config c = config(WKV_DTYPE_F32, kD, 1);
   wavekv::Engine e(c);
