@@ -51,7 +51,8 @@
 // token's layers enqueued part after part (layer 0 of every part, then
 // layer 1, ...), then every stream synchronized: a runtime that runs
 // micro-batches side by side, so that one part's transfers of missed pages
-// overlap another's lookup. Accuracy and every figure cover the whole batch.
+// overlap another's lookup. Accuracy and every figure cover the whole batch
+// (gpu_GiB the parts' plans too); at most one part a sequence.
 // Usage: gpu_serving_bench [tokens] [batches, comma-separated] [steps, at least 64] [layers]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -312,6 +313,12 @@ struct TokenStats {
   }
 };
 
+// WKV_SERVING_STREAMS: the parts asked for (1 where unset or below 1).
+uint32_t serving_streams() {
+  const char *ps = std::getenv("WKV_SERVING_STREAMS");
+  return ps ? static_cast<uint32_t>(std::max(1, std::atoi(ps))) : 1;
+}
+
 Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   Row row;
   row.batch = B;
@@ -396,8 +403,8 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   // WKV_SERVING_STREAMS: the batch's parts, part p being sequences
   // [first[p], first[p + 1]), its plan plans[p] on stream streams[p] (part
   // 0: the plan and stream above).
-  const char *ps = std::getenv("WKV_SERVING_STREAMS");
-  const uint32_t P = std::max<uint32_t>(1, std::min<uint32_t>(B, ps ? static_cast<uint32_t>(std::atoi(ps)) : 1));
+  const uint32_t asked = serving_streams();
+  const uint32_t P = std::min(B, asked);
   row.parts = P;
   std::vector<uint32_t> first(P + 1);
   for (uint32_t p = 0; p <= P; ++p) first[p] = B * p / P;
@@ -454,7 +461,7 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   // launch.
   const bool captured = std::getenv("WKV_SERVING_CAPTURE") && std::atoi(std::getenv("WKV_SERVING_CAPTURE")) > 0;
   row.captured = captured;
-  if (captured && P > 1) {
+  if (captured && asked > 1) {
     std::fprintf(stderr, "gpu_serving_bench: WKV_SERVING_STREAMS times the verbs, not a captured step\n");
     std::exit(2);
   }
@@ -751,10 +758,10 @@ int main(int argc, char **argv) {
     std::printf("steps captured: every layer's append and decode in one graph of the bench's own (with its input "
                 "and output kernels), a wkv_plan_prepare and one launch a token; host_us = (prepare + launch) / "
                 "layers\n");
-  if (const char *ps = std::getenv("WKV_SERVING_STREAMS"); ps && std::atoi(ps) > 1)
-    std::printf("batches in %d parts side by side (WKV_SERVING_STREAMS): a plan and a stream a part, a token's "
-                "layers enqueued part after part, every stream synchronized a token\n",
-                std::atoi(ps));
+  if (serving_streams() > 1)
+    std::printf("batches in %u parts side by side (WKV_SERVING_STREAMS; at most one a sequence): a plan and a stream "
+                "a part, a token's layers enqueued part after part, every stream synchronized a token\n",
+                serving_streams());
   std::printf("%5s %9s %9s %9s %9s %9s %6s %8s %7s %7s %9s %9s %9s %9s\n", "batch", "step_ms", "tok/s32", "host_us",
               "host_p99", "host_max", "waits", "hit", "miss_MB", "gpu_GiB", "host_GiB", "err_med", "err_p90",
               "vs_full");

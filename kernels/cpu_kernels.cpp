@@ -622,7 +622,7 @@ constexpr uint32_t kEstChunk = 64;
 // Value rows prefetched ahead of the one being accumulated: the ids are
 // sorted but sparse, which the hardware prefetcher does not follow.
 constexpr uint32_t kEstPrefetch = 8;
-// Columns of 16-bit value rows converted to f32 per pass.
+// Columns of 8-bit value rows converted to f32 per pass (portable path).
 constexpr uint32_t kEstSlice = 256;
 
 // Prefetches the value rows of clusters ids[from, to).
@@ -833,7 +833,7 @@ WKV_INLINE void estimate_heads(const float *logits, uint32_t gn, size_t ld,
       const float shift = m[g] == kNegInf ? 0.f : m[g];
       float *wg = w[g];
       double dsum = 0.0;
-      if (kMeans) {
+      if constexpr (kMeans) {
 #pragma omp simd reduction(+ : dsum)
         for (uint32_t i = 0; i < nc; ++i) {
           wg[i] = exp_nonpos(lg[cid[i]] - shift) * float(size[cid[i]]);

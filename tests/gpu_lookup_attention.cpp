@@ -35,7 +35,7 @@ constexpr uint32_t kDims[] = {64, 80, 96, 128, 256};
 constexpr DType kTypes[] = {DType::kF32, DType::kF16, DType::kBF16};
 
 using wkvtest::sanitized_case;
-using wkvtest::under_sanitizer;
+using wkvtest::under_racecheck;
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
@@ -778,9 +778,9 @@ TEST(LookupZones, RunsSplitOverAClusterOfCtasMatchCpu) {
   uint64_t seed = 900;
   for (int m = 0; m < 8; ++m) {
     ++seed;
-    // Under the sanitizer: m = 1, 2, 4, 7 (with and without ties and
+    // Under racecheck: m = 1, 2, 4, 7 (with and without ties and
     // refinements, both run sets, both groups), one zone rule each.
-    if (under_sanitizer() && m != 1 && m != 2 && m != 4 && m != 7) continue;
+    if (under_racecheck() && m != 1 && m != 2 && m != 4 && m != 7) continue;
     LookupSpec spec;
     spec.d = 128;
     spec.G = m % 4 < 2 ? 4 : 8;

@@ -85,20 +85,27 @@ struct Buf {
   }
 };
 
-// Whether compute-sanitizer runs the test: WKV_TEST_UNDER_SANITIZER=1
-// (tools/gpu-check.sh sets it) or the sanitizer's injection library.
+// Whether compute-sanitizer runs the test: WKV_TEST_UNDER_SANITIZER set
+// (tools/gpu-check.sh sets it to the tool's name) or the sanitizer's
+// injection library.
 inline bool under_sanitizer() {
   const char *inject = std::getenv("CUDA_INJECTION64_PATH");
   return std::getenv("WKV_TEST_UNDER_SANITIZER") || (inject && std::strstr(inject, "sanitizer"));
 }
 
+// Whether racecheck runs the test: WKV_TEST_UNDER_SANITIZER=racecheck.
+inline bool under_racecheck() {
+  const char *tool = std::getenv("WKV_TEST_UNDER_SANITIZER");
+  return tool && std::strcmp(tool, "racecheck") == 0;
+}
+
 // Whether a test runs case (a, b) of its grid of cases, a and b counting
-// the values of two axes: every case, except under compute-sanitizer
-// (racecheck takes minutes a case of the larger kernels), where only the
-// cases with (a + b) % n == 0 run, n being the length of one axis: each
-// value of the other axis runs once, and where that axis is the longer,
-// each value of both.
-inline bool sanitized_case(uint32_t a, uint32_t b, uint32_t n) { return !under_sanitizer() || (a + b) % n == 0; }
+// the values of two axes: every case, except under racecheck (minutes a
+// case of the larger kernels), where only the cases with (a + b) % n == 0
+// run, n being the length of one axis: each value of the other axis runs
+// once, and where that axis is the longer, each value of both. Memcheck
+// runs every case.
+inline bool sanitized_case(uint32_t a, uint32_t b, uint32_t n) { return !under_racecheck() || (a + b) % n == 0; }
 
 // A gate on a stream: the work enqueued after close() waits until open()
 // (a host function that blocks the stream, not the caller). A watchdog

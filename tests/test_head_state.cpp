@@ -290,13 +290,11 @@ TEST(HeadSnapshot, AnInconsistentSnapshotIsRefusedNamingTheHead) {
   EXPECT_EQ(sb->layer(0).tokens, 1200u);
 }
 
-// Defect 9 of the redesign: lookup ended every sequence's prompt (a
-// k-means) before it checked q and the stream.
 // The CPU engine's compact mirror: each cluster's centroid and value mean
 // (value sum / size) in quantize_row's format, whatever their magnitude
 // (a mean past f16's range too); a row that is not finite drops the mirror
-// (compact_ok false, which its callers keep for good).
-TEST(CompactMirror, HoldsEveryFiniteRowAndDropsForGoodAtOneThatIsNot) {
+// (compact_ok false; the growths and imports then append to it no more).
+TEST(CompactMirror, HoldsEveryFiniteRowAndDropsAtOneThatIsNot) {
   constexpr uint32_t d = 8, n = 3;
   std::vector<float> centroid(n * d), value_sum(n * d);
   const std::vector<uint32_t> size = {1, 4, 1000};
@@ -327,9 +325,12 @@ TEST(CompactMirror, HoldsEveryFiniteRowAndDropsForGoodAtOneThatIsNot) {
   value_sum[d + 2] = std::numeric_limits<float>::infinity();
   wkv::append_compact(centroid.data(), value_sum.data(), size.data(), n, d, &m);
   EXPECT_FALSE(m.compact_ok);
-  EXPECT_TRUE(m.centroid_q8.empty() && m.value_mean_q8.empty() && m.value_mean_q8_scale.empty());
+  EXPECT_TRUE(m.centroid_q8.empty() && m.centroid_q8_scale.empty() && m.value_mean_q8.empty() &&
+              m.value_mean_q8_scale.empty());
 }
 
+// Defect 9 of the redesign: lookup ended every sequence's prompt (a
+// k-means) before it checked q and the stream.
 TEST(EngineChecksFirst, ARefusedLookupEndsNoPrompt) {
   wkv_config c = config(WKV_DTYPE_F32, kD, 1);
   wavekv::Engine e(c);

@@ -138,7 +138,7 @@ if want sanitize && command -v compute-sanitizer >/dev/null; then
       for unit in $units; do
         filter=() tag=$name
         [ "$unit" = all ] || { filter=(--gtest_filter="$unit"); tag=$name.$unit; }
-        WKV_TEST_UNDER_SANITIZER=1 timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --report-api-errors no \
+        WKV_TEST_UNDER_SANITIZER=$tool timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --report-api-errors no \
           --error-exitcode 9 "build-gpu/bin/$name" --gtest_brief=1 ${SANITIZER_ARGS:-} "${filter[@]}" > "$LOG/$tool-$tag.log" 2>&1
         rc=$?
         [ $rc = 0 ] || san_fail=1

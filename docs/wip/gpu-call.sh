@@ -87,7 +87,7 @@ san_one() {
   local to=$4; [ "$to" -lt "$l" ] || to=$l
   mkdir -p /tmp/san
   local log="/tmp/san/$1-$2-$(echo "$3" | tr -c 'A-Za-z0-9_.\n' '_').log"
-  WKV_TEST_UNDER_SANITIZER=1 timeout "$to" compute-sanitizer --tool "$1" --report-api-errors no --error-exitcode 9 \
+  WKV_TEST_UNDER_SANITIZER=$1 timeout "$to" compute-sanitizer --tool "$1" --report-api-errors no --error-exitcode 9 \
     "build-gpu/bin/$2" --gtest_brief=1 "${f[@]}" > "$log" 2>&1
   echo "$1 $2 $3 rc=$? $(date +%T) $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
 }

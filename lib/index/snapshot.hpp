@@ -18,7 +18,7 @@ namespace wkv {
 // What a file holds of a head. Everything else of a HeadState is derived
 // at import: the unit map from the sizes, the head's mean value (ValueMean)
 // from the value sums by segment, the count of clusters of one, the CPU
-// engine's compact f16 mirror.
+// engine's compact 8-bit mirror.
 struct HeadSnapshot {
   std::vector<uint8_t> sink_k, sink_v;  // [sink rows][row_bytes]
   std::vector<uint8_t> tail_k, tail_v;  // [tail rows][row_bytes]
