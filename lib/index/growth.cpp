@@ -290,7 +290,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
   // 3. The new mapping entries of every head, and room for them everywhere:
   //    host tables, engine memory, the mirror. Growing a region keeps its
   //    contents, so a failure here leaves every head as it was.
-  const bool compact = ix.backend.host_memory() && cfg.dtype() != DType::kF32;
+  const bool compact = keeps_compact(ix);
   try {
     for (uint32_t h = 0; h < H; ++h) {
       HeadState &hs = L.heads[h];
@@ -328,12 +328,7 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
       reserve_total(hs.map.pages, hs.map.pages.size() + g.add_p);
       reserve_total(hs.segments, hs.segments.size() + count);
       reserve_sizes(hs, g.size.data(), g.size.size());
-      if (compact && hs.meta.compact_ok) {
-        reserve_total(hs.meta.centroid_q8, size_t(C1) * d);
-        reserve_total(hs.meta.centroid_q8_scale, size_t(C1));
-        reserve_total(hs.meta.value_mean_q8, size_t(C1) * d);
-        reserve_total(hs.meta.value_mean_q8_scale, size_t(C1));
-      }
+      if (compact && hs.meta.compact_ok) compact_reserve(&hs.meta, C1, d);
     }
   } catch (const std::bad_alloc &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory for the mapping table of a growth");
@@ -499,6 +494,17 @@ uint64_t segment_seed(uint64_t seed, uint32_t layer, uint32_t head, uint64_t tok
 
 bool keeps_meta16(const IndexContext &ix) {
   return !ix.backend.host_memory() && ix.cfg.dtype() != DType::kF32;
+}
+
+bool keeps_compact(const IndexContext &ix) {
+  return ix.backend.host_memory() && ix.cfg.dtype() != DType::kF32;
+}
+
+void compact_reserve(MetaIndex *meta, size_t clusters, uint32_t d) {
+  reserve_total(meta->centroid_q8, clusters * d);
+  reserve_total(meta->centroid_q8_scale, clusters);
+  reserve_total(meta->value_mean_q8, clusters * d);
+  reserve_total(meta->value_mean_q8_scale, clusters);
 }
 
 bool meta_rows8(const Backend &backend, uint32_t head_dim) {

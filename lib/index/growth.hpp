@@ -193,6 +193,12 @@ bool keeps_meta16(const IndexContext &ix);
 // where the backend's meta rows are 8 bits and a lane's slice of a row is
 // whole words (the logits' eight lanes a row: d a multiple of 32).
 bool meta_rows8(const Backend &backend, uint32_t head_dim);
+// Whether heads keep the CPU engine's compact mirror that append_compact
+// writes: engines on a host-memory backend with a 16-bit storage dtype.
+bool keeps_compact(const IndexContext &ix);
+// Room in a head's compact mirror for `clusters` clusters in all, in every
+// array append_compact writes (growing by doubling). Throws std::bad_alloc.
+void compact_reserve(MetaIndex *meta, size_t clusters, uint32_t d);
 // Appends n clusters' rows to a CPU engine's compact mirror (MetaIndex: the
 // centroids and the value means VS / size, each in 8 bits with a scale a
 // row, quantize_row's format), or drops the mirror for good (compact_ok

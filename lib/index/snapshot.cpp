@@ -327,13 +327,10 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
       WKV_RETURN_IF_ERROR(
           meta16_write(ix, hs, 0, hs.meta.centroid.as<float>(), hs.meta.value_sum.as<float>(), C, stream));
     }
-    if (ix.backend.host_memory() && ix.cfg.dtype() != DType::kF32) {
+    if (keeps_compact(ix)) {
       // The CPU engine's compact mirror, rebuilt as its growths build it.
       try {
-        hs.meta.centroid_q8.reserve(C * d);
-        hs.meta.centroid_q8_scale.reserve(C);
-        hs.meta.value_mean_q8.reserve(C * d);
-        hs.meta.value_mean_q8_scale.reserve(C);
+        compact_reserve(&hs.meta, C, d);
       } catch (const std::bad_alloc &) {
         return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory importing a head");
       }
