@@ -192,16 +192,6 @@ __device__ __forceinline__ void load_row(const uint8_t *row, uint32_t j, float *
   }
 }
 
-// Four 8-bit values (a word) as exact floats: each byte, biased to
-// unsigned, becomes the low mantissa byte of 2^23 (one byte permute), less
-// 2^23 + 128 (one add): no conversion instruction, whose throughput is a
-// quarter of an add's.
-__device__ __forceinline__ void int8x4_to_float(uint32_t w, float *f) {
-  const uint32_t u = w ^ 0x80808080u;
-#pragma unroll
-  for (uint32_t b = 0; b < 4; ++b) f[b] = __fadd_rn(__uint_as_float(__byte_perm(u, 0x4b000000u, 0x7540u + b)), -8388736.f);
-}
-
 // Two products q x scale rounded to the storage type Tag and back to f32:
 // dequantized's arithmetic (the gather's), a pair at a time.
 template <typename Tag>

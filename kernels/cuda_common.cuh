@@ -164,6 +164,17 @@ __device__ __forceinline__ typename DevType<T>::type dequantized_centered(int8_t
   return DevType<T>::from_f(__fmaf_rn(static_cast<float>(q), scale, ref));
 }
 
+// The four int8 components of w, exactly, as f32 (f[0..3]): each byte
+// biased to unsigned is placed under the exponent of 2^23 (one byte
+// permute) and the bias taken off (one exact add), which the FP32 pipes do
+// at full rate where an int-to-float conversion runs at a fraction of it.
+__device__ __forceinline__ void int8x4_to_float(uint32_t w, float *f) {
+  const uint32_t u = w ^ 0x80808080u;  // x + 128 in each byte
+#pragma unroll
+  for (uint32_t e = 0; e < 4; ++e)
+    f[e] = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7650u | e)) - 8388736.0f;  // 2^23 + 128
+}
+
 // quantize_row's arithmetic (kernels/dtype.hpp) for a row that one warp
 // holds, each step one IEEE operation correctly rounded, so the CPU's
 // bytes: every lane takes its values into its Int8Row (take), the warp

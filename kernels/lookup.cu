@@ -270,17 +270,6 @@ __device__ __forceinline__ void load_query_slice(const float *qs, uint32_t G, ui
     }
 }
 
-// The four int8 components of w, exactly, as f32: each byte biased to
-// unsigned is placed under the exponent of 2^23 (one byte permute) and the
-// bias taken off (one exact add), which the FP32 pipes do at full rate where
-// an int-to-float conversion runs at a sixteenth of it.
-__device__ __forceinline__ void int8x4_to_float(uint32_t w, float (&x)[4]) {
-  const uint32_t u = w ^ 0x80808080u;  // x + 128 in each byte
-#pragma unroll
-  for (uint32_t e = 0; e < 4; ++e)
-    x[e] = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7650u | e)) - 8388736.0f;  // 2^23 + 128
-}
-
 // Cluster c's logits for heads h0 .. h0 + HP - 1 from the group's slices
 // of its row (raw, this lane's; EB bytes an element: 1 int8, scaled by
 // row_scale, 2 f16, 4 f32): the lanes' dot products summed by shuffles
@@ -1102,7 +1091,9 @@ __device__ void end_lookup(const DevLookup &out, const LookupEnd &end) {
   *reinterpret_cast<volatile unsigned long long *>(end.mark.done) = mark_epoch(end.mark);
 }
 
-// Four columns of a value sum row, from f32 rows or from their f16 copy.
+// Four columns of a value sum row, from f32 rows, from their f16 copy, or
+// from their 8-bit copy (four columns a word; unscaled: the caller weighs
+// each row by its scale).
 __device__ __forceinline__ float4 value_sum4(const float4 *rows, size_t i) { return __ldg(rows + i); }
 __device__ __forceinline__ float4 value_sum4(const uint2 *rows, size_t i) {
   const uint2 raw = __ldg(rows + i);
@@ -1110,42 +1101,30 @@ __device__ __forceinline__ float4 value_sum4(const uint2 *rows, size_t i) {
   const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&raw.y));
   return make_float4(a.x, a.y, b.x, b.y);
 }
-
-// The same from 8-bit rows (four columns a word), each row's weights
-// times its scale (sc[k]).
-template <uint32_t GT>
-__device__ __forceinline__ void weigh_value_sums8(const uint32_t *vs, uint32_t cols, uint32_t col, uint32_t rl,
-                                                  uint32_t rows, uint32_t nb, const uint32_t *cs, const float *sc,
-                                                  const float (*w)[kEstThreads], float4 (&acc)[GT]) {
-#pragma unroll 8
-  for (uint32_t k = rl; k < nb; k += rows) {
-    float x[4];
-    int8x4_to_float(__ldg(vs + static_cast<size_t>(cs[k]) * cols + col), x);
-    const float s = sc[k];
-#pragma unroll
-    for (uint32_t j = 0; j < GT; ++j) {
-      const float wk = w[j][k] * s;
-      acc[j].x = fmaf(wk, x[0], acc[j].x);
-      acc[j].y = fmaf(wk, x[1], acc[j].y);
-      acc[j].z = fmaf(wk, x[2], acc[j].z);
-      acc[j].w = fmaf(wk, x[3], acc[j].w);
-    }
-  }
+__device__ __forceinline__ float4 value_sum4(const uint32_t *rows, size_t i) {
+  float x[4];
+  int8x4_to_float(__ldg(rows + i), x);
+  return make_float4(x[0], x[1], x[2], x[3]);
 }
 
 // A batch's value sums weighted into this thread's accumulators: rows
 // rl, rl + rows, ... of the batch's nb clusters (ids cs), the thread's
-// four columns col of each, for every head of the group (weights w).
+// four columns col of each, for every head of the group (weights w; from
+// 8-bit rows, each row's weights times its scale sc[k]).
 template <uint32_t GT, typename Row>
 __device__ __forceinline__ void weigh_value_sums(const Row *vs, uint32_t cols, uint32_t col, uint32_t rl,
-                                                 uint32_t rows, uint32_t nb, const uint32_t *cs,
+                                                 uint32_t rows, uint32_t nb, const uint32_t *cs, const float *sc,
                                                  const float (*w)[kEstThreads], float4 (&acc)[GT]) {
+  constexpr bool kScaled = std::is_same_v<Row, uint32_t>;
 #pragma unroll 8
   for (uint32_t k = rl; k < nb; k += rows) {
     const float4 v = value_sum4(vs, static_cast<size_t>(cs[k]) * cols + col);
+    float s = 1.0f;
+    if constexpr (kScaled) s = sc[k];
 #pragma unroll
     for (uint32_t j = 0; j < GT; ++j) {
-      const float wk = w[j][k];
+      float wk = w[j][k];
+      if constexpr (kScaled) wk *= s;
       acc[j].x = fmaf(wk, v.x, acc[j].x);
       acc[j].y = fmaf(wk, v.y, acc[j].y);
       acc[j].z = fmaf(wk, v.z, acc[j].z);
@@ -1238,11 +1217,11 @@ __global__ void WKV_ESTIMATE_BOUNDS estimate_kernel(const DevRun *__restrict__ r
     __syncthreads();
     if (rl < kRows) {
       if (vs8)
-        weigh_value_sums8<GT>(vs8, kCols, col, rl, kRows, nb, sh.c, sh.s, sh.w, acc);
+        weigh_value_sums<GT>(vs8, kCols, col, rl, kRows, nb, sh.c, sh.s, sh.w, acc);
       else if (vs16)
-        weigh_value_sums<GT>(vs16, kCols, col, rl, kRows, nb, sh.c, sh.w, acc);
+        weigh_value_sums<GT>(vs16, kCols, col, rl, kRows, nb, sh.c, nullptr, sh.w, acc);
       else
-        weigh_value_sums<GT>(vs, kCols, col, rl, kRows, nb, sh.c, sh.w, acc);
+        weigh_value_sums<GT>(vs, kCols, col, rl, kRows, nb, sh.c, nullptr, sh.w, acc);
     }
     __syncthreads();  // sh.c and sh.w are rewritten next batch
   }
