@@ -86,11 +86,11 @@ class KeyGen {
   std::vector<float> mean_, topic_;
 };
 
-// Exact attention of one query over rows (all, or those with keep[t]) in
-// double: out[d], returns lse.
+// Exact attention of one query over rows (all, or those with keep[t]; the
+// first `limit` only, where given) in double: out[d], returns lse.
 inline double exact_attention(const float *q, const HeadRows &rows, uint32_t d, std::vector<double> *out,
-                              const std::vector<char> *keep = nullptr) {
-  size_t n = rows.tokens(d);
+                              const std::vector<char> *keep = nullptr, size_t limit = SIZE_MAX) {
+  const size_t n = std::min(rows.tokens(d), limit);
   double scale = 1.0 / std::sqrt(static_cast<double>(d));
   std::vector<double> s(n);
   double m = -INFINITY;
