@@ -254,9 +254,10 @@ constexpr uint32_t kCentroidBlockFloats = 32768;
 // Not instrumented by ThreadSanitizer: its four arrays are kmeans_segment's
 // own, which no other thread sees (a race there cannot exist), and checking
 // each of its loads was 95% of the sanitized suite's index builds.
-WKV_PRIVATE_SCRATCH WKV_HOT void assign_panels(const float *xp, uint32_t T4, const float *cp,
-                           uint32_t k, uint32_t d, float *best,
-                           uint32_t *arg) {
+WKV_PRIVATE_SCRATCH WKV_HOT void assign_panels(const float *xp, uint32_t T4,
+                                               const float *cp, uint32_t k,
+                                               uint32_t d, float *best,
+                                               uint32_t *arg) {
   const uint32_t k16 = round_up(k, kTileC);
   const uint32_t block = std::max<uint32_t>(
       kTileC, kCentroidBlockFloats / (kTileC * std::max(d, 1u)) * kTileC);
