@@ -35,16 +35,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // GCC inlines a helper into a clone of another -march only when forced.
 #define WKV_INLINE inline __attribute__((always_inline))
 // A loop over a caller's private scratch that ThreadSanitizer need not
-// check (the TSan build has no clones, which clang will not combine with
-// this attribute).
+// check; the TSan build is detected as lib/common/thread_pool.hpp does, and
+// has no clones (clang will not combine them with this attribute).
 #if defined(__SANITIZE_THREAD__)
 #define WKV_PRIVATE_SCRATCH __attribute__((no_sanitize("thread")))
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define WKV_PRIVATE_SCRATCH __attribute__((no_sanitize("thread")))
-#endif
-#endif
-#ifndef WKV_PRIVATE_SCRATCH
+#else
 #define WKV_PRIVATE_SCRATCH
 #endif
 
