@@ -7,6 +7,7 @@
 #                   build-asan/, which also holds the fuzz targets)
 #   make test-tsan  the CPU tests under ThreadSanitizer (build-tsan/)
 #   make fuzz       each fuzz target for FUZZ_SECONDS (60) under libFuzzer,
+#                   FUZZ_JOBS (the CPUs) targets at a time,
 #                   ASan and UBSan (build-asan/); inputs it finds stay in
 #                   build-asan/corpus, crashes in build-asan/crashes
 #   make check      test, test-asan, test-tsan and fuzz: what CI runs
@@ -28,6 +29,8 @@ CTEST_ARGS ?=
 SANITIZER_CMAKE_ARGS ?= -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWKV_CUDA=OFF
 
 FUZZ_SECONDS ?= 60
+# Fuzz targets run side by side, this many at a time (default: the CPUs).
+FUZZ_JOBS ?=
 FUZZ_ARGS ?=
 # The ASan + UBSan build is clang's, with libFuzzer's coverage: one build
 # serves the sanitized suite and the fuzz targets.
@@ -80,7 +83,7 @@ test-tsan: deps
 # Each tests/fuzz/fuzz_<name>.cpp runs from its seed corpus
 # (tests/fuzz/corpus/<name>, read only) plus what earlier runs found.
 fuzz: asan-build
-	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tools/run-fuzz.sh build-asan $(FUZZ_ARGS)
+	FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_JOBS=$(FUZZ_JOBS) bash tools/run-fuzz.sh build-asan $(FUZZ_ARGS)
 
 check: test test-asan test-tsan fuzz
 
@@ -97,4 +100,4 @@ clean:
 	rm -rf "$(BUILD)" build-asan build-tsan
 
 help:
-	@sed -n '3,17p' Makefile
+	@sed -n '3,19p' Makefile

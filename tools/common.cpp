@@ -322,6 +322,8 @@ std::string fixed(double x, int digits) {
   return buf;
 }
 
+std::string mib(uint64_t bytes, int digits) { return fixed(bytes / 1048576.0, digits) + " MiB"; }
+
 double decimal(float x) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.7g", static_cast<double>(x));

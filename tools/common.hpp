@@ -166,6 +166,8 @@ double rel_l2(const float *a, const double *ref, size_t n);
 
 // A number with `digits` decimals, or "-" for NaN.
 std::string fixed(double x, int digits);
+// Bytes in MiB with `digits` decimals: "12.50 MiB".
+std::string mib(uint64_t bytes, int digits = 2);
 // A float as the decimal it was written as (0.018, not 0.017999999225).
 double decimal(float x);
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Runs every fuzz target of a WKV_FUZZ build for FUZZ_SECONDS (60) each.
+# Runs every fuzz target of a WKV_FUZZ build for FUZZ_SECONDS (60) each,
+# FUZZ_JOBS (the CPUs there are) targets at a time: each target is one
+# single-threaded libFuzzer process.
 #
 #   tools/run-fuzz.sh <build-dir> [extra libFuzzer flags]
 #
@@ -15,16 +17,45 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 build="${1:?usage: tools/run-fuzz.sh <build-dir> [libFuzzer flags]}"
 shift
 seconds="${FUZZ_SECONDS:-60}"
-status=0
+jobs="${FUZZ_JOBS:-}"
+[ -n "$jobs" ] && [ "$jobs" -gt 0 ] 2>/dev/null || jobs="$(nproc)"
+names=()
 for src in tests/fuzz/fuzz_*.cpp; do
-  name="$(basename "$src" .cpp)"
-  corpus="${name#fuzz_}"
+  names+=("$(basename "$src" .cpp)")
+done
+
+# fuzz <name> [flags]: one target's run, its exit status in its log's .rc.
+fuzz() {
+  local name="$1" corpus="${1#fuzz_}"
+  shift
+  local log="$build/fuzz-$corpus.log"
+  local rc=0
   mkdir -p "$build/corpus/$corpus" "$build/crashes/$corpus"
+  rm -f "$log.rc"
+  "$build/bin/$name" -max_total_time="$seconds" -print_final_stats=1 -rss_limit_mb=4096 \
+    -timeout=60 -artifact_prefix="$build/crashes/$corpus/" "$@" \
+    "$build/corpus/$corpus" "tests/fuzz/corpus/$corpus" > "$log" 2>&1 || rc=$?
+  echo "$rc" > "$log.rc"
+}
+
+echo "${#names[@]} targets, ${seconds} s each, $jobs at a time"
+running=0
+for name in "${names[@]}"; do
+  if [ "$running" -ge "$jobs" ]; then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  fuzz "$name" "$@" &
+  running=$((running + 1))
+done
+wait
+
+status=0
+for name in "${names[@]}"; do
+  corpus="${name#fuzz_}"
   log="$build/fuzz-$corpus.log"
   echo "$name: ${seconds} s (log: $log)"
-  if "$build/bin/$name" -max_total_time="$seconds" -print_final_stats=1 -rss_limit_mb=4096 \
-      -timeout=60 -artifact_prefix="$build/crashes/$corpus/" "$@" \
-      "$build/corpus/$corpus" "tests/fuzz/corpus/$corpus" > "$log" 2>&1; then
+  if [ "$(cat "$log.rc" 2>/dev/null)" = 0 ]; then
     echo "  ok: $(grep -E 'stat::number_of_executed_units' "$log" | awk '{print $2}') executions," \
          "$(ls "$build/corpus/$corpus" | wc -l) inputs in its corpus," \
          "peak RSS $(grep -E 'stat::peak_rss_mb' "$log" | awk '{print $2}') MB"

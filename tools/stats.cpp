@@ -24,8 +24,6 @@ void declare_stats(CLI::App &cmd, Options *o) {
 
 namespace {
 
-std::string mib(uint64_t bytes) { return fixed(bytes / 1048576.0, 2) + " MiB"; }
-
 std::string stats_table(const wkv_stats &s) {
   Table t;
   t.row({"statistic", "value"});

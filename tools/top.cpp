@@ -84,8 +84,6 @@ bool read_file(const std::string &path, std::string *text) {
   return !in.bad();
 }
 
-std::string mib(uint64_t b) { return fixed(b / 1048576.0, 1) + " MiB"; }
-
 // Per second between two figures, or "-".
 std::string rate(uint64_t now, uint64_t before, double secs) {
   return secs > 0 && now >= before ? fixed((now - before) / secs, 1) + "/s" : "-";
@@ -98,9 +96,9 @@ std::string screen(const std::string &path, const Figures &f, const Figures &pre
   t.row({"wavekv top", path + " (" + f.device + " engine)"});
   t.row({"sequences", std::to_string(f.sequences)});
   t.row({"tokens", std::to_string(f.tokens) + " (all layers), " + std::to_string(f.clusters) + " clusters"});
-  t.row({"device cache", mib(f.device_cache)});
-  t.row({"host pages", mib(f.host_used) + " used of " + mib(f.host_reserved) + " reserved"});
-  t.row({"steady zone / meta index", mib(f.steady) + " / " + mib(f.meta)});
+  t.row({"device cache", mib(f.device_cache, 1)});
+  t.row({"host pages", mib(f.host_used, 1) + " used of " + mib(f.host_reserved, 1) + " reserved"});
+  t.row({"steady zone / meta index", mib(f.steady, 1) + " / " + mib(f.meta, 1)});
   t.row({"lookups", std::to_string(f.lookups) + " (" + rate(f.lookups, prev.lookups, secs) + ")"});
   t.row({"cache hits / misses", std::to_string(f.hits) + " / " + std::to_string(f.misses) + " (" +
                                     (looked ? fixed(100.0 * f.hits / looked, 1) : std::string("-")) + "% hits)"});
