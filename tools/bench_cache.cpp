@@ -332,7 +332,7 @@ template <typename F> Outcome replay(const Trace &t, F &&hit) {
 // The engine's replacement policy `name` (lib/buffer/replacement.hpp) over
 // `cap` frames, every miss admitted: to a free frame while there is one,
 // then to the policy's victim's.
-Outcome run_policy(const Trace &t, uint32_t n_units, uint64_t cap, const std::string &name) {
+Outcome replay_policy(const Trace &t, uint32_t n_units, uint64_t cap, const std::string &name) {
   const uint32_t frames = static_cast<uint32_t>(cap);
   std::unique_ptr<wkv::ReplacementPolicy> policy = wkv::make_policy(name, frames);
   std::vector<uint32_t> frame_of(n_units, kNever), unit_in(frames, kNever);
@@ -582,7 +582,7 @@ int run_bench_cache(const Options &o) {
     for (const std::string &p : policies) {
       const Outcome r = p == "opt"      ? run_opt(t, n_units, cap)
                         : p == "engine" ? run_engine(t, n_units, cap, o.step_us)
-                                        : run_policy(t, n_units, cap, p);
+                                        : replay_policy(t, n_units, cap, p);
       cells.push_back({p, f, cap, r});
     }
   }

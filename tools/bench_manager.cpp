@@ -43,8 +43,6 @@ namespace wkv_tool {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 struct Result {
   std::string policy;
   uint64_t steps = 0;

@@ -179,6 +179,7 @@ template <typename T>
 void attend_avx2(const float *, uint32_t, const T *, const T *, uint32_t, uint32_t, uint32_t, float, float *,
                  float *) {}
 #endif
+#undef WKV_AVX2
 
 }  // namespace
 
@@ -401,3 +402,5 @@ void attend_f64(WorkerPool &pool, const float *k32, const float *v32, uint64_t h
 }
 
 }  // namespace wkv_tool
+
+#undef WKV_TOOL_HAVE_AVX2_KERNEL

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every fuzz target of a WKV_FUZZ build for FUZZ_SECONDS (60) each,
 # FUZZ_JOBS (the CPUs there are) targets at a time: each target is one
-# single-threaded libFuzzer process.
+# libFuzzer process, its inputs run one after another.
 #
 #   tools/run-fuzz.sh <build-dir> [extra libFuzzer flags]
 #
@@ -31,7 +31,6 @@ fuzz() {
   local log="$build/fuzz-$corpus.log"
   local rc=0
   mkdir -p "$build/corpus/$corpus" "$build/crashes/$corpus"
-  rm -f "$log.rc"
   "$build/bin/$name" -max_total_time="$seconds" -print_final_stats=1 -rss_limit_mb=4096 \
     -timeout=60 -artifact_prefix="$build/crashes/$corpus/" "$@" \
     "$build/corpus/$corpus" "tests/fuzz/corpus/$corpus" > "$log" 2>&1 || rc=$?
@@ -39,6 +38,12 @@ fuzz() {
 }
 
 echo "${#names[@]} targets, ${seconds} s each, $jobs at a time"
+# No status from an earlier run may stand in for this one's; the targets
+# stop with the script.
+for name in "${names[@]}"; do
+  rm -f "$build/fuzz-${name#fuzz_}.log.rc"
+done
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 running=0
 for name in "${names[@]}"; do
   if [ "$running" -ge "$jobs" ]; then
@@ -62,7 +67,8 @@ for name in "${names[@]}"; do
   else
     status=1
     echo "  FAILED: the input is in $build/crashes/$corpus/; the report:"
-    grep -E -A40 '^==[0-9]+==ERROR|fuzz_[a-z_]+: |runtime error|deadly signal' "$log" | head -60 || tail -40 "$log"
+    grep -E -A40 '^==[0-9]+==ERROR|fuzz_[a-z_]+: |runtime error|deadly signal' "$log" | head -60 ||
+      tail -40 "$log" 2>/dev/null || echo "  (no log: the target did not start)"
   fi
 done
 exit $status

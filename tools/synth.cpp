@@ -372,3 +372,5 @@ void SynthContext::make_queries(bool needle_step, uint32_t round, std::vector<ui
 }
 
 }  // namespace wkv_tool
+
+#undef WKV_TOOL_CLONES
