@@ -84,7 +84,7 @@ struct Pass {
   double speedup() const { return median(exact_ms) / median(wkv_ms); }
   std::string label() const {
     if (!spills()) return o.compare_in_memory ? "wavekv, in memory" : "wavekv";
-    return "wavekv, budget " + (o.host_budget ? fixed(o.host_budget / 1048576.0, 0) + " MiB" : std::string("none"));
+    return "wavekv, budget " + (o.host_budget ? mib(o.host_budget, 0) : std::string("none"));
   }
 };
 

@@ -17,19 +17,21 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 build="${1:?usage: tools/run-fuzz.sh <build-dir> [libFuzzer flags]}"
 shift
 seconds="${FUZZ_SECONDS:-60}"
-jobs="${FUZZ_JOBS:-}"
-[ -n "$jobs" ] && [ "$jobs" -gt 0 ] 2>/dev/null || jobs="$(nproc)"
+parallel="${FUZZ_JOBS:-}"
+[ -n "$parallel" ] && [ "$parallel" -gt 0 ] 2>/dev/null || parallel="$(nproc)"
 names=()
 for src in tests/fuzz/fuzz_*.cpp; do
   names+=("$(basename "$src" .cpp)")
 done
 
+log_of() { echo "$build/fuzz-${1#fuzz_}.log"; }
+
 # fuzz <name> [flags]: one target's run, its exit status in its log's .rc.
 fuzz() {
   local name="$1" corpus="${1#fuzz_}"
   shift
-  local log="$build/fuzz-$corpus.log"
-  local rc=0
+  local log rc=0
+  log="$(log_of "$name")"
   mkdir -p "$build/corpus/$corpus" "$build/crashes/$corpus"
   "$build/bin/$name" -max_total_time="$seconds" -print_final_stats=1 -rss_limit_mb=4096 \
     -timeout=60 -artifact_prefix="$build/crashes/$corpus/" "$@" \
@@ -37,16 +39,14 @@ fuzz() {
   echo "$rc" > "$log.rc"
 }
 
-echo "${#names[@]} targets, ${seconds} s each, $jobs at a time"
-# No status from an earlier run may stand in for this one's; the targets
-# stop with the script.
-for name in "${names[@]}"; do
-  rm -f "$build/fuzz-${name#fuzz_}.log.rc"
-done
+echo "${#names[@]} targets, ${seconds} s each, $parallel at a time"
+# The targets stop with the script.
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 running=0
 for name in "${names[@]}"; do
-  if [ "$running" -ge "$jobs" ]; then
+  # No status from an earlier run may stand in for this one's.
+  rm -f "$(log_of "$name").rc"
+  if [ "$running" -ge "$parallel" ]; then
     wait -n || true
     running=$((running - 1))
   fi
@@ -58,7 +58,7 @@ wait
 status=0
 for name in "${names[@]}"; do
   corpus="${name#fuzz_}"
-  log="$build/fuzz-$corpus.log"
+  log="$(log_of "$name")"
   echo "$name: ${seconds} s (log: $log)"
   if [ "$(cat "$log.rc" 2>/dev/null)" = 0 ]; then
     echo "  ok: $(grep -E 'stat::number_of_executed_units' "$log" | awk '{print $2}') executions," \
