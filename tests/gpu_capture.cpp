@@ -221,13 +221,19 @@ void expect_same_uncaptured_step(Runs &r) {
 // the binding ends, the sequences decode as the reference's.
 TEST(GpuCapture, ReplaysStayExactAcrossGrowths) {
   REQUIRE_GPU();
+  const SanitizerPhases phases;
   Runs r;
-  r.prompt(2100);
-  const uint32_t kSteps = under_sanitizer() ? 120 : 2000;
+  // Under racecheck, the short prompt the fault tests use and 100 steps
+  // (still across a growth): racecheck tracks every shared-memory access
+  // of the prompt's k-means and of each step's kernels, in both engines.
+  r.prompt(under_racecheck() ? 300 : 2100);
+  phases.mark("prompt");
+  const uint32_t kSteps = under_racecheck() ? 100 : under_sanitizer() ? 120 : 2000;
   r.plan_cap.bind(r.ch.data(), kN, kSteps, r.stream);
   const uint32_t segments0 = r.cs[0].info(1).segments;
   cudaGraphExec_t exec = r.capture();
   ASSERT_NE(exec, nullptr);
+  phases.mark("bind and capture");
   uint32_t mismatched = 0;
   std::string first;
   for (uint32_t st = 0; st < kSteps; ++st) {
@@ -238,6 +244,7 @@ TEST(GpuCapture, ReplaysStayExactAcrossGrowths) {
       if (first.empty()) first = "step " + std::to_string(st) + ": " + why;
       ++mismatched;
     }
+    if (st % 10 == 9) phases.mark("step " + std::to_string(st + 1));
   }
   EXPECT_EQ(mismatched, 0u) << "replays whose output is not the verbs'; first " << first;
   for (uint32_t i = 0; i < kN; ++i)
@@ -266,9 +273,13 @@ TEST(GpuCapture, ReplaysStayExactAcrossGrowths) {
 // output is checked against the verbs'.
 TEST(GpuCapture, ALoopOfPreparesAndReplaysNeverWaitsForTheStream) {
   REQUIRE_GPU();
+  const SanitizerPhases phases;
   Runs r;
-  r.prompt(2100);
-  constexpr uint32_t kWindow = 15, kWindows = 7, kSteps = kWindow * kWindows;
+  // Under racecheck the short prompt and 5 windows, not 7 (as in
+  // ReplaysStayExactAcrossGrowths).
+  r.prompt(under_racecheck() ? 300 : 2100);
+  phases.mark("prompt");
+  const uint32_t kWindow = 15, kWindows = under_racecheck() ? 5 : 7, kSteps = kWindow * kWindows;
   std::vector<Runs::Inputs> ins;
   for (uint32_t st = 0; st < kSteps; ++st) ins.push_back(r.next());
   // Inputs staged on the device, outputs collected there.
@@ -320,6 +331,7 @@ TEST(GpuCapture, ALoopOfPreparesAndReplaysNeverWaitsForTheStream) {
     else
       steps(w * kWindow);
     ASSERT_EQ(cudaStreamSynchronize(r.stream), cudaSuccess);
+    phases.mark("window " + std::to_string(w + 1));
   }
   EXPECT_GT(r.cap.stats().growths_deferred, began0) << "growths began in the loop";
   EXPECT_GT(r.cs[0].info(0).segments, segments0) << "growths committed in the loop";
@@ -337,6 +349,7 @@ TEST(GpuCapture, ALoopOfPreparesAndReplaysNeverWaitsForTheStream) {
     }
   }
   EXPECT_EQ(mismatched, 0u) << "steps whose captured output is not the verbs'";
+  phases.mark("the reference's steps");
 }
 
 // A replay without a prepare: no work, NaN out, and the binding faults; the

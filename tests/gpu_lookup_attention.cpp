@@ -627,7 +627,11 @@ TEST(LookupZones, TheEstimationZoneMatchesCpuWhereverTheOnesRank) {
       spec.ones = spec.tail = spec.spread = true;
       spec.ones_low = low;
       spec.zones = z;
-      spec.clusters = {40000, 3000, 9, 20000, 1, 700};
+      // Under racecheck a tenth of the clusters (the largest run still
+      // splits its selection, over 2 CTAs instead of 8): racecheck tracks
+      // every shared-memory access of the logits and the select.
+      spec.clusters = under_racecheck() ? std::vector<uint32_t>{4100, 300, 9, 2000, 1, 70}
+                                        : std::vector<uint32_t>{40000, 3000, 9, 20000, 1, 700};
       SCOPED_TRACE(std::string(low ? "ones score low" : "ones score as the rest") +
                    (z == Zones::kRandom ? ", random zones" : ", the engine's zones"));
       LookupOutputs got;
@@ -766,6 +770,15 @@ TEST(LookupZones, LargeRunsSelectThroughTheGlobalScratch) {
   // Split over clusters of CTAs, only the slices of 140000 (17500 each)
   // are past the shared memory's room.
   spec.clusters = {kLookupSmemClusters + 1, 65536, 100, 40000, kLookupSmemClusters, 140000};
+  if (under_racecheck()) {
+    // A twelfth of the clusters: runs enough that the select takes one CTA
+    // a run (two CTAs a run for each of 80 runs would pass any device's
+    // multiprocessors), so that the run of kLookupSmemClusters + 1 selects
+    // through the global scratch alone (the split form's global scratch is
+    // TheRefinementsSelectThroughTheGlobalScratch's).
+    spec.clusters = {kLookupSmemClusters + 1, 100, kLookupSmemClusters};
+    for (uint32_t r = 0; spec.clusters.size() < 80; ++r) spec.clusters.push_back((r * 37) % 50);
+  }
   check_lookup(spec, true);
 }
 
@@ -791,6 +804,12 @@ TEST(LookupZones, RunsSplitOverAClusterOfCtasMatchCpu) {
       spec.clusters = {40000, 0, 1, 7, 3000, 9, 20000};
     else
       spec.clusters = {40000, 5, 20000, 1, 0, 3000, 17000, 9, 40000, 2, 8000, 100};
+    // Under racecheck a tenth of the clusters in the runs of 100 or more:
+    // the runs of 4100 still split the selection, over 2 CTAs instead of 8
+    // or 4 (racecheck tracks every shared-memory access of the logits and
+    // the select).
+    if (under_racecheck())
+      for (uint32_t &c : spec.clusters) c = c >= 40000 ? 4100 : c >= 100 ? c / 10 : c;
     SCOPED_TRACE("runs " + std::to_string(spec.clusters.size()) + " ties " + std::to_string(spec.ties) +
                  " refinements " + std::to_string(spec.ones));
     for (Zones z : {Zones::kEngineRule, Zones::kRandom}) {

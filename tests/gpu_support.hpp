@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -106,6 +107,23 @@ inline bool under_racecheck() {
 // once, and where that axis is the longer, each value of both. Memcheck
 // runs every case.
 inline bool sanitized_case(uint32_t a, uint32_t b, uint32_t n) { return !under_racecheck() || (a + b) % n == 0; }
+
+// Under compute-sanitizer, a line for each phase a long test passes, with
+// the seconds since the test began: a run stopped at its limit still shows
+// where its time went. Silent otherwise.
+class SanitizerPhases {
+ public:
+  void mark(const std::string &what) const {
+    if (!on_) return;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    std::printf("[sanitizer] %s after %.1f s\n", what.c_str(), s);
+    std::fflush(stdout);
+  }
+
+ private:
+  bool on_ = under_sanitizer();
+  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
+};
 
 // A gate on a stream: the work enqueued after close() waits until open()
 // (a host function that blocks the stream, not the caller). A watchdog

@@ -23,6 +23,10 @@
 # PHASE=race: racecheck of RACE_TESTS ("program:filter" words; the two
 # capture tests racecheck has not finished), then of the lookup tests
 # (RACE_FILTER), PAR (2) at a time, with the call's time left.
+# PHASE=host: the host's time a layer at batch 7, the tree's bench against
+# build-base-src's (the same machine, interleaved); then 128K at batch 13
+# against full attention with the trades 6x might take (a smaller
+# retrieval zone, larger clusters, a larger device cache).
 # PHASE=serve128: 128K against full attention in the same call (8-bit
 # pages, batch 7 and 13; batch 7 with WKV_META_ROWS=16), then ncu's times
 # of the step's kernels at batch 7.
@@ -168,6 +172,48 @@ elif [ "$PHASE" = race ]; then
     | awk '/^[^ ]/{s=$1} /^  /{print "gpu_lookup_attention " s $1}'
   } | PAR=${PAR:-2} san_list racecheck $(( $(left) - 5 ))
   wait
+  # Where each long test's time went (SanitizerPhases' lines), by log.
+  grep -H "\[sanitizer\]" /tmp/san/*.log | sed 's|^/tmp/san/racecheck-||' | tail -40
+  pack
+elif [ "$PHASE" = host ]; then
+  # The host's time a layer at batch 7 without a runtime's graph (the
+  # issue's 30 us): the tree's bench against the code unpacked in
+  # build-base-src/ (carried; the header says how), interleaved on one
+  # machine, both built beside each other with every other target of the
+  # tree (for PHASE=suite's call on the machine this one leaves warm).
+  (cd build-base-src && ln -sfn ../.debs .debs && JOBS=6 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/base \
+    tools/gpu-check.sh build > /tmp/build-base.txt 2>&1; echo "build base rc=$? $((SECONDS-T0)) s") &
+  (JOBS=10 OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-all.txt 2>&1; echo "build all rc=$? $((SECONDS-T0)) s") &
+  wait
+  grep -hE "error" -A3 /tmp/build-*.txt | head -20
+  for i in 1 2; do
+    for which in base cur; do
+      [ "$(left)" -gt 60 ] || break
+      bin=build-gpu/bin/gpu_serving_bench; [ "$which" = base ] && bin=build-base-src/$bin
+      WKV_PAGE_FORMAT=1 timeout 90 "$bin" 131072 7 > /tmp/build-host-$which-$i.txt 2>&1
+      echo "== $which, run $i: rc=$? $((SECONDS-T0)) s"
+      grep -E "^ +7 +[0-9]|host us \(medians\)|buffer manager" /tmp/build-host-$which-$i.txt | cut -c1-200
+    done
+  done
+  pack
+  # What 6x at 128K would cost (the trades a deployment may choose, none a
+  # default): batch 13 at the defaults, then with half the retrieval zone,
+  # 32-token clusters and a 10% device cache, against full attention's best
+  # from the same call; each run's error against exact attention beside
+  # its speed.
+  timeout 120 python3 bench/gpu_full_attention.py 131072 4 > /tmp/build-full.txt 2>&1
+  echo "full attention rc=$? $((SECONDS-T0)) s"; grep -vE "Warning|warn" /tmp/build-full.txt | head -6
+  WKV_FULL_ATTN_MS=$(awk '/^full_ms/{printf "%s%s:%s", sep, $2, $3; sep=","}' /tmp/build-full.txt)
+  WKV_FULL_BATCH_MAX=$(awk '/^full_batch_max/{print $2}' /tmp/build-full.txt)
+  export WKV_FULL_ATTN_MS WKV_FULL_BATCH_MAX
+  for e in "WKV_PAGE_FORMAT=1" "WKV_RETRIEVAL_FRAC=0.009" "WKV_CLUSTER_TOKENS=32" "WKV_SERVING_CACHE_FRACTION=0.1" \
+    "WKV_RETRIEVAL_FRAC=0.009 WKV_SERVING_CACHE_FRACTION=0.1"; do
+    [ "$(left)" -gt 70 ] || break
+    f=/tmp/build-trade-$(echo "$e" | tr -c 'A-Za-z0-9.\n' '_').txt
+    env WKV_PAGE_FORMAT=1 $e timeout $(( $(left) - 10 )) build-gpu/bin/gpu_serving_bench 131072 13 > "$f" 2>&1
+    echo "== batch 13, $e: rc=$? $((SECONDS-T0)) s"
+    grep -E "^ +13 +[0-9]|^full|vs full|best" "$f" | cut -c1-200
+  done
   pack
 elif [ "$PHASE" = serve128 ]; then
   # 128K against full attention in one call (the 6x target): the gather's
