@@ -286,8 +286,8 @@ WKV_PRIVATE_SCRATCH WKV_HOT void assign_panels(const float *xp, uint32_t T4,
 
 // Scoring ------------------------------------------------------------------
 
+// The storage dtype of a 16-bit row type (f32 rows are read in place).
 template <typename T> constexpr DType dtype_of();
-template <> constexpr DType dtype_of<float>() { return DType::kF32; }
 template <> constexpr DType dtype_of<f16>() { return DType::kF16; }
 template <> constexpr DType dtype_of<bf16>() { return DType::kBF16; }
 

@@ -23,6 +23,8 @@
 # PHASE=race: racecheck of RACE_TESTS ("program:filter" words; the two
 # capture tests racecheck has not finished), then of the lookup tests
 # (RACE_FILTER), PAR (2) at a time, with the call's time left.
+# PHASE=racesuite: every target, then the GPU suite beside racecheck of
+# RACE_TESTS.
 # PHASE=host: the host's time a layer at batch 7, the tree's bench against
 # build-base-src's (the same machine, interleaved); then 128K at batch 13
 # against full attention with the trades 6x might take (a smaller
@@ -173,6 +175,16 @@ elif [ "$PHASE" = race ]; then
   } | PAR=${PAR:-2} san_list racecheck $(( $(left) - 5 ))
   wait
   # Where each long test's time went (SanitizerPhases' lines), by log.
+  grep -H "\[sanitizer\]" /tmp/san/*.log | sed 's|^/tmp/san/racecheck-||' | tail -40
+  pack
+elif [ "$PHASE" = racesuite ]; then
+  # Every target, then the GPU suite and racecheck of RACE_TESTS side by
+  # side (PAR at a time), for a budget that allows one call for both.
+  build_all
+  pack
+  gpu_suite 10 &
+  for t in $RACE_TESTS; do echo "${t%%:*} ${t#*:}"; done | PAR=${PAR:-2} san_list racecheck $(( $(left) - 5 ))
+  wait
   grep -H "\[sanitizer\]" /tmp/san/*.log | sed 's|^/tmp/san/racecheck-||' | tail -40
   pack
 elif [ "$PHASE" = host ]; then
