@@ -193,7 +193,7 @@ elif [ "$PHASE" = host ]; then
   # build-base-src/ (carried; the header says how), interleaved on one
   # machine, both built beside each other with every other target of the
   # tree (for PHASE=suite's call on the machine this one leaves warm).
-  (cd build-base-src && ln -sfn ../.debs .debs && JOBS=6 BUILD_TARGETS=gpu_serving_bench OUT=/tmp/base \
+  (cd build-base-src && ln -sfn ../.debs .debs && JOBS=${BASE_JOBS:-6} BUILD_TARGETS=gpu_serving_bench OUT=/tmp/base \
     tools/gpu-check.sh build > /tmp/build-base.txt 2>&1; echo "build base rc=$? $((SECONDS-T0)) s") &
   (JOBS=10 OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-all.txt 2>&1; echo "build all rc=$? $((SECONDS-T0)) s") &
   wait
