@@ -211,9 +211,8 @@ elif [ "$PHASE" = host ]; then
   # What 6x at 128K would cost (the trades a deployment may choose, none a
   # default): batch 13 at the defaults, then with half the retrieval zone,
   # 32-token clusters and a 10% device cache (each, then together), against
-  # full attention's best
-  # from the same call; each run's error against exact attention beside
-  # its speed.
+  # full attention's best from the same call; each run's error against
+  # exact attention beside its speed.
   timeout 120 python3 bench/gpu_full_attention.py 131072 4 > /tmp/build-full.txt 2>&1
   echo "full attention rc=$? $((SECONDS-T0)) s"; grep -vE "Warning|warn" /tmp/build-full.txt | head -6
   WKV_FULL_ATTN_MS=$(awk '/^full_ms/{printf "%s%s:%s", sep, $2, $3; sep=","}' /tmp/build-full.txt)
