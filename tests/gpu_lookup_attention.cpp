@@ -771,7 +771,7 @@ TEST(LookupZones, LargeRunsSelectThroughTheGlobalScratch) {
   // are past the shared memory's room.
   spec.clusters = {kLookupSmemClusters + 1, 65536, 100, 40000, kLookupSmemClusters, 140000};
   if (under_racecheck()) {
-    // A twelfth of the clusters: runs enough that the select takes one CTA
+    // An eighth of the clusters: runs enough that the select takes one CTA
     // a run (two CTAs a run for each of 80 runs would pass any device's
     // multiprocessors), so that the run of kLookupSmemClusters + 1 selects
     // through the global scratch alone (the split form's global scratch is
