@@ -1276,14 +1276,6 @@ void kmeans_segment(const KMeansParams &p, const float *keys,
   }
   std::vector<float> mean_f(d);
   for (uint32_t j = 0; j < d; ++j) mean_f[j] = static_cast<float>(mean[j] / T);
-  // A row rounded to f16's values in place, through the bulk conversions
-  // (F16C where the CPU has it; bit-identical to a scalar round trip a
-  // value, which without F16C is two library calls a value).
-  std::vector<f16> h16(d);
-  auto round_f16 = [&h16](float *x, uint32_t n) {
-    from_float(DType::kF16, x, h16.data(), n);
-    to_float(DType::kF16, h16.data(), x, n);
-  };
   std::vector<float> xp(size_t(T4) * d, 0.f);
   std::vector<float> row(d);
   for (uint32_t i = 0; i < T; ++i) {
@@ -1295,7 +1287,7 @@ void kmeans_segment(const KMeansParams &p, const float *keys,
     }
     const float inv = norm2 > 0.f ? 1.f / std::sqrt(norm2) : 0.f;
     for (uint32_t j = 0; j < d; ++j) row[j] *= inv;
-    round_f16(row.data(), d);
+    round_to_f16(row.data(), d);
     float *dst = xp.data() + size_t(i / kTileP) * kTileP * d + i % kTileP;
     for (uint32_t j = 0; j < d; ++j) dst[size_t(j) * kTileP] = row[j];
   }
@@ -1347,7 +1339,7 @@ void kmeans_segment(const KMeansParams &p, const float *keys,
       const float inv = 1.f / std::sqrt(norm2);
       float *dc = dir.data() + size_t(c) * d;
       for (uint32_t j = 0; j < d; ++j) dc[j] = s[j] * inv;
-      round_f16(dc, d);
+      round_to_f16(dc, d);
     }
   }
 

@@ -153,6 +153,15 @@ bool from_float(DType t, const float *src, void *dst, size_t n) {
   });
 }
 
+void round_to_f16(float *x, size_t n) {
+  f16 h[256];
+  for (size_t c = 0; c < n; c += 256) {
+    const size_t m = std::min<size_t>(256, n - c);
+    float_to_f16_n(x + c, h, m);
+    f16_to_float_n(h, x + c, m);
+  }
+}
+
 void quantize_row(const float *x, uint32_t d, int8_t *q, float *scale) {
   float amax = 0.0f;
   bool finite = true;
@@ -202,11 +211,10 @@ void fma_row(const int8_t *__restrict q, float scale, const float *__restrict re
 }  // namespace
 
 bool centered_reference(const float *centroid, uint32_t d, float *ref) {
-  for (uint32_t i = 0; i < d; ++i) {
-    const float c = centroid[i];
-    if (!(std::fabs(c) <= 65504.0f)) return false;  // NaN, infinite or past f16's range
-    ref[i] = f16_to_float(float_to_f16(c));
-  }
+  for (uint32_t i = 0; i < d; ++i)
+    if (!(std::fabs(centroid[i]) <= 65504.0f)) return false;  // NaN, infinite or past f16's range
+  std::copy(centroid, centroid + d, ref);
+  round_to_f16(ref, d);
   return true;
 }
 
