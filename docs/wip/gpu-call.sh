@@ -143,6 +143,27 @@ ncu_of() {
     WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 ncu_kernels "$which" "$bin" "$regex" "$count"
   done
 }
+# race_lines: "PROGRAM FILTER" for each word of RACE_TESTS (by default the
+# two capture tests racecheck has not finished), for san_list.
+race_lines() {
+  local t
+  for t in ${RACE_TESTS:-gpu_capture:GpuCapture.ALoopOfPreparesAndReplaysNeverWaitsForTheStream gpu_capture:GpuCapture.ReplaysStayExactAcrossGrowths}; do
+    echo "${t%%:*} ${t#*:}"
+  done
+}
+# race_phases: where each long test's time went under racecheck
+# (SanitizerPhases' lines), by log.
+race_phases() { grep -H "\[sanitizer\]" /tmp/san/*.log | sed 's|^/tmp/san/racecheck-||' | tail -40; }
+# full_attention TIMEOUT BATCHES: full attention at 128K (PyTorch SDPA),
+# its figures exported for the bench's ratios (WKV_FULL_ATTN_MS,
+# WKV_FULL_BATCH_MAX).
+full_attention() {
+  timeout "$1" python3 bench/gpu_full_attention.py 131072 "$2" > /tmp/build-full.txt 2>&1
+  echo "full attention rc=$? $((SECONDS-T0)) s"; grep -vE "Warning|warn" /tmp/build-full.txt | head
+  WKV_FULL_ATTN_MS=$(awk '/^full_ms/{printf "%s%s:%s", sep, $2, $3; sep=","}' /tmp/build-full.txt)
+  WKV_FULL_BATCH_MAX=$(awk '/^full_batch_max/{print $2}' /tmp/build-full.txt)
+  export WKV_FULL_ATTN_MS WKV_FULL_BATCH_MAX
+}
 export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 
@@ -167,15 +188,12 @@ elif [ "$PHASE" = race ]; then
     tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s")
   # The lookup tests as they run without the sanitizer, beside it.
   (timeout 200 build-gpu/bin/gpu_lookup_attention --gtest_brief=1 > /tmp/lookup-tests.txt 2>&1; t "gpu_lookup_attention (plain)" $? /tmp/lookup-tests.txt) &
-  { for t in ${RACE_TESTS:-gpu_capture:GpuCapture.ALoopOfPreparesAndReplaysNeverWaitsForTheStream gpu_capture:GpuCapture.ReplaysStayExactAcrossGrowths}; do
-    echo "${t%%:*} ${t#*:}"
-  done
+  { race_lines
   build-gpu/bin/gpu_lookup_attention --gtest_list_tests --gtest_filter="${RACE_FILTER:-LookupZones.*:AttendRagged.*:MergeEstimate.*}" \
     | awk '/^[^ ]/{s=$1} /^  /{print "gpu_lookup_attention " s $1}'
   } | PAR=${PAR:-2} san_list racecheck $(( $(left) - 5 ))
   wait
-  # Where each long test's time went (SanitizerPhases' lines), by log.
-  grep -H "\[sanitizer\]" /tmp/san/*.log | sed 's|^/tmp/san/racecheck-||' | tail -40
+  race_phases
   pack
 elif [ "$PHASE" = racesuite ]; then
   # Every target, then the GPU suite and racecheck of RACE_TESTS side by
@@ -183,9 +201,9 @@ elif [ "$PHASE" = racesuite ]; then
   build_all
   pack
   gpu_suite 10 &
-  for t in $RACE_TESTS; do echo "${t%%:*} ${t#*:}"; done | PAR=${PAR:-2} san_list racecheck $(( $(left) - 5 ))
+  race_lines | PAR=${PAR:-2} san_list racecheck $(( $(left) - 5 ))
   wait
-  grep -H "\[sanitizer\]" /tmp/san/*.log | sed 's|^/tmp/san/racecheck-||' | tail -40
+  race_phases
   pack
 elif [ "$PHASE" = host ]; then
   # The host's time a layer at batch 7 without a runtime's graph (the
@@ -213,11 +231,7 @@ elif [ "$PHASE" = host ]; then
   # 32-token clusters and a 10% device cache (each, then together), against
   # full attention's best from the same call; each run's error against
   # exact attention beside its speed.
-  timeout 120 python3 bench/gpu_full_attention.py 131072 4 > /tmp/build-full.txt 2>&1
-  echo "full attention rc=$? $((SECONDS-T0)) s"; grep -vE "Warning|warn" /tmp/build-full.txt | head -6
-  WKV_FULL_ATTN_MS=$(awk '/^full_ms/{printf "%s%s:%s", sep, $2, $3; sep=","}' /tmp/build-full.txt)
-  WKV_FULL_BATCH_MAX=$(awk '/^full_batch_max/{print $2}' /tmp/build-full.txt)
-  export WKV_FULL_ATTN_MS WKV_FULL_BATCH_MAX
+  full_attention 120 4
   for e in "WKV_PAGE_FORMAT=1" "WKV_RETRIEVAL_FRAC=0.009" "WKV_CLUSTER_TOKENS=32" "WKV_SERVING_CACHE_FRACTION=0.1" \
     "WKV_RETRIEVAL_FRAC=0.009 WKV_SERVING_CACHE_FRACTION=0.1" \
     "WKV_RETRIEVAL_FRAC=0.009 WKV_CLUSTER_TOKENS=32 WKV_SERVING_CACHE_FRACTION=0.1"; do
@@ -236,11 +250,7 @@ elif [ "$PHASE" = serve128 ]; then
   grep -hE "error" -A3 /tmp/build-*.txt | head -20
   timeout 60 build-gpu/bin/gpu_gather_bench gather --mib 16 > /tmp/build-probe.txt 2>&1
   grep -E '^\| (anchor: cudaMemcpyAsync H2D|gather, all misses \()' /tmp/build-probe.txt
-  timeout 150 python3 bench/gpu_full_attention.py 131072 4,7 > /tmp/build-full.txt 2>&1
-  echo "full attention rc=$? $((SECONDS-T0)) s"; cat /tmp/build-full.txt | grep -vE "Warning|warn" | head
-  WKV_FULL_ATTN_MS=$(awk '/^full_ms/{printf "%s%s:%s", sep, $2, $3; sep=","}' /tmp/build-full.txt)
-  WKV_FULL_BATCH_MAX=$(awk '/^full_batch_max/{print $2}' /tmp/build-full.txt)
-  export WKV_FULL_ATTN_MS WKV_FULL_BATCH_MAX
+  full_attention 150 4,7
   for run in "7,13 " "7 WKV_META_ROWS=16" "7 "; do
     b=${run%% *} e=${run#* }
     [ "$(left)" -gt 100 ] || break
