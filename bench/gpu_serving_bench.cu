@@ -46,6 +46,8 @@
 // file's directory; with both, the KV beyond the budget goes to disk and the
 // bench prints the prompt's ingest time, what was written, and per token
 // what was read back and how many retrievals were estimated for want of it.
+// WKV_SERVING_HOST_META_ROWS=1: the meta index's f32 rows in pinned host
+// memory (WKV_CONFIG_HOST_META_ROWS), counted in host_GiB.
 // WKV_SERVING_STREAMS=W (verbs only): the batch decoded as W parts (of
 // about B / W sequences), each with its own plan on its own stream, the
 // token's layers enqueued part after part (layer 0 of every part, then
@@ -377,6 +379,8 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   if (const char *b = std::getenv("WKV_SERVING_HOST_BUDGET_GIB"))
     c.host_budget_bytes = static_cast<uint64_t>(std::atof(b) * double(1ull << 30));
   c.spill_dir = std::getenv("WKV_SERVING_SPILL_DIR");
+  if (const char *m = std::getenv("WKV_SERVING_HOST_META_ROWS"); m && std::atoi(m) > 0)
+    c.flags |= WKV_CONFIG_HOST_META_ROWS;
   wkv_engine *e;
   CHECK(wkv_engine_open(&c, &e));
   std::vector<wkv_seq *> seqs(B);
@@ -608,6 +612,10 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   row.read_errors = st1.spill_read_errors;
   row.write_errors = st1.spill_write_errors;
   row.host_gib = double(st1.host_bytes_reserved) / (1ull << 30);
+  // The f32 rows in host memory: a centroid and a value sum a cluster (the
+  // regions' spare capacity, up to half again, not counted).
+  if (std::getenv("WKV_SERVING_HOST_META_ROWS") && std::atoi(std::getenv("WKV_SERVING_HOST_META_ROWS")) > 0)
+    row.host_gib += double(st1.clusters) * 2 * kD * sizeof(float) / (1ull << 30);
 
   // Host time of each verb (the split form of wkv_decode), per layer, 64
   // more tokens with a synchronization per token; their outputs are not

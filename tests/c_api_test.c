@@ -602,7 +602,9 @@ static void test_open_errors(void) {
   CHECK(e != NULL, "fractions summing to exactly 1 open");
   wkv_engine_close(e);
   e = NULL;
-  base_config(&c); c.flags = WKV_CONFIG_NO_NUMA | WKV_CONFIG_NO_PINNED; c.dtype = WKV_DTYPE_BF16;
+  base_config(&c);
+  c.flags = WKV_CONFIG_NO_NUMA | WKV_CONFIG_NO_PINNED | WKV_CONFIG_SPILL_NO_URING | WKV_CONFIG_HOST_META_ROWS;
+  c.dtype = WKV_DTYPE_BF16;
   c.head_dim = 128;
   EXPECT_OK(wkv_engine_open(&c, &e));
   CHECK(e != NULL, "every known flag, bf16 and head_dim 128 open");

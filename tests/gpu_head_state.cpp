@@ -52,10 +52,15 @@ wkv_config config(uint32_t device, float retrieval = 0.018f, float estimation = 
 struct Engine {
   std::shared_ptr<wkv::Engine> e;
   bool gpu;
-  explicit Engine(uint32_t device, float r = 0.018f, float est = 0.232f) : gpu(device == WKV_DEVICE_CUDA) {
-    const wkv_config c = config(device, r, est);
-    wkv::Status st = wkv::Engine::open(&c, &e);
-    EXPECT_TRUE(st.is_ok()) << st.message();
+  wkv::Status opened;
+  explicit Engine(uint32_t device, float r = 0.018f, float est = 0.232f, uint32_t flags = 0, bool expect_ok = true)
+      : gpu(device == WKV_DEVICE_CUDA) {
+    wkv_config c = config(device, r, est);
+    c.flags = flags;
+    opened = wkv::Engine::open(&c, &e);
+    if (expect_ok) {
+      EXPECT_TRUE(opened.is_ok()) << opened.message();
+    }
   }
   std::shared_ptr<wkv::Sequence> sequence() {
     std::shared_ptr<wkv::Sequence> s;
@@ -202,9 +207,11 @@ void expect_meta16(const wkv::HeadState &hs) {
     ASSERT_NE(scales->p, nullptr);
     std::vector<uint8_t> raw(wkv::kernels::kMeta16Header + n);
     std::vector<float> f32(n), got_scales(C);
-    ASSERT_EQ(cudaMemcpy(raw.data(), copy->p, raw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(got_scales.data(), scales->p, C * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(f32.data(), rows->p, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    // cudaMemcpyDefault: the f32 rows may be in host memory
+    // (WKV_CONFIG_HOST_META_ROWS).
+    ASSERT_EQ(cudaMemcpy(raw.data(), copy->p, raw.size(), cudaMemcpyDefault), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got_scales.data(), scales->p, C * 4, cudaMemcpyDefault), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(f32.data(), rows->p, n * 4, cudaMemcpyDefault), cudaSuccess);
     uint32_t overflow;
     std::memcpy(&overflow, raw.data(), 4);
     EXPECT_EQ(overflow, 0u);
@@ -297,6 +304,87 @@ TEST(GpuHeadState, ValueSumsPastF16RangeStayInTheEightBitCopy) {
   std::printf("CPU vs CUDA decode, value sums past f16: median relative difference %.4f (outputs less the offset)\n",
               median(diff));
   EXPECT_LT(median(diff), 0.05);
+}
+
+// Where a region's memory lives: cudaMemoryTypeHost or cudaMemoryTypeDevice.
+cudaMemoryType memory_type(const void *p) {
+  cudaPointerAttributes a{};
+  EXPECT_EQ(cudaPointerGetAttributes(&a, p), cudaSuccess);
+  return a.type;
+}
+
+// WKV_CONFIG_HOST_META_ROWS: the f32 centroids and value sums in pinned host
+// memory, everything the steps read on the device. Two CUDA engines, one
+// with the flag, take the same prompt and the same generated tokens (four
+// growths of update segments, whose regions grow and keep their rows); at
+// every step they decode the same bits, and their snapshots (what saves
+// write) are equal. Then every head's 8-bit copies are flagged as
+// overflowed on both, so that the logits and the estimate read the f32 rows
+// themselves, over PCIe on one of them: the same bits again. A snapshot of
+// the flagged engine imports into a third one with the flag and decodes as
+// it does. Skips where the device or driver has no host memory pools.
+TEST(GpuHeadState, MetaRowsInHostMemoryDecodeTheSameBits) {
+  REQUIRE_GPU();
+  Engine dev(WKV_DEVICE_CUDA), host(WKV_DEVICE_CUDA, 0.018f, 0.232f, WKV_CONFIG_HOST_META_ROWS, false);
+  if (host.opened.code() == WKV_ERR_UNSUPPORTED) GTEST_SKIP() << "skipped: " << host.opened.message();
+  ASSERT_TRUE(host.opened.is_ok()) << host.opened.message();
+  Context ctx;
+  auto sd = dev.sequence(), sh = host.sequence();
+  prompt_both(ctx, dev, *sd, host, *sh);
+  std::vector<uint8_t> k, v;
+  for (int step = 0; step < 8; ++step) {
+    const std::vector<float> q = ctx.query();
+    EXPECT_EQ(host.decode(sh, q), dev.decode(sd, q)) << "step " << step;
+    ctx.draw(300, &k, &v);
+    dev.append(*sd, k, v, 300);
+    host.append(*sh, k, v, 300);
+  }
+  ASSERT_GE(sh->layer(0).heads[0].segments.size(), 6u) << "the prompt's segments and four update segments";
+  for (uint32_t h = 0; h < kKV; ++h) {
+    const wkv::MetaIndex &m = sh->layer(0).heads[h].meta, &md = sd->layer(0).heads[h].meta;
+    EXPECT_EQ(memory_type(m.centroid.p), cudaMemoryTypeHost);
+    EXPECT_EQ(memory_type(m.value_sum.p), cudaMemoryTypeHost);
+    EXPECT_EQ(memory_type(m.centroid8.p), cudaMemoryTypeDevice) << "what the steps read stays on the device";
+    EXPECT_EQ(memory_type(m.spread.p), cudaMemoryTypeDevice);
+    EXPECT_EQ(memory_type(md.centroid.p), cudaMemoryTypeDevice) << "without the flag";
+    expect_meta16(sh->layer(0).heads[h]);
+  }
+  const auto snap_d = dev.snapshot(*sd), snap_h = host.snapshot(*sh);
+  for (uint32_t h = 0; h < kKV; ++h) {
+    const wkv::HeadSnapshot &a = snap_d[0].heads[h], &b = snap_h[0].heads[h];
+    EXPECT_EQ(a.centroid, b.centroid);
+    EXPECT_EQ(a.value_sum, b.value_sum);
+    EXPECT_EQ(a.spread, b.spread);
+    EXPECT_EQ(a.pages, b.pages);
+  }
+  // The f32 rows read by the steps: both copies' words set on both engines.
+  for (auto *s : {sd.get(), sh.get()})
+    for (wkv::HeadState &hs : s->layer(0).heads)
+      for (const wkv::Region *r : {&hs.meta.centroid8, &hs.meta.value_sum8})
+        ASSERT_EQ(cudaMemset(r->p, 1, 4), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  auto si = host.sequence();
+  host.import(*si, snap_h);
+  for (int step = 0; step < 4; ++step) {
+    const std::vector<float> q = ctx.query();
+    const std::vector<float> od = dev.decode(sd, q);
+    EXPECT_EQ(host.decode(sh, q), od) << "the f32 rows read over PCIe, step " << step;
+    EXPECT_LT(rel_diff(host.decode(si, q), od), 1e-2) << "imported, with its own 8-bit copies";
+  }
+  EXPECT_EQ(memory_type(si->layer(0).heads[0].meta.centroid.p), cudaMemoryTypeHost) << "an import's rows too";
+}
+
+// An f32 engine's steps read the f32 rows themselves: the flag is refused
+// there rather than sending every step over PCIe.
+TEST(GpuHeadState, MetaRowsInHostMemoryAreRefusedForF32) {
+  REQUIRE_GPU();
+  wkv_config c = config(WKV_DEVICE_CUDA);
+  c.dtype = WKV_DTYPE_F32;
+  c.flags = WKV_CONFIG_HOST_META_ROWS;
+  wkv_engine *e = nullptr;
+  EXPECT_EQ(wkv_engine_open(&c, &e), WKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(e, nullptr);
+  EXPECT_NE(std::string(wkv_last_error()).find("WKV_CONFIG_HOST_META_ROWS"), std::string::npos) << wkv_last_error();
 }
 
 // A layer moves between the backends as a snapshot: CPU to CUDA and back,

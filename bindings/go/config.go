@@ -80,6 +80,7 @@ const (
 	ConfigNoNUMA       uint32 = C.WKV_CONFIG_NO_NUMA        // do not bind host arenas to a NUMA node
 	ConfigNoPinned     uint32 = C.WKV_CONFIG_NO_PINNED      // pageable host memory for arenas (CUDA)
 	ConfigSpillNoURing uint32 = C.WKV_CONFIG_SPILL_NO_URING // the spill file uses pread/pwrite
+	ConfigHostMetaRows uint32 = C.WKV_CONFIG_HOST_META_ROWS // the f32 meta rows in pinned host memory (CUDA, 0.12)
 	SpillIOURing       uint64 = C.WKV_SPILL_IO_URING        // Stats.SpillIO: io_uring
 	SpillIODirect      uint64 = C.WKV_SPILL_IO_DIRECT       // Stats.SpillIO: O_DIRECT
 )

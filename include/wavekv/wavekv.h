@@ -93,7 +93,7 @@ extern "C" {
 /* Versions ---------------------------------------------------------------- */
 
 #define WKV_VERSION_MAJOR 0
-#define WKV_VERSION_MINOR 11
+#define WKV_VERSION_MINOR 12
 #define WKV_VERSION_PATCH 0
 /* The version as one number: major * 10000 + minor * 100 + patch. */
 #define WKV_VERSION_NUMBER \
@@ -155,9 +155,34 @@ enum {
   WKV_CONFIG_NO_NUMA = 1u << 0,   /* do not bind host arenas to a NUMA node */
   WKV_CONFIG_NO_PINNED = 1u << 1, /* use pageable host memory for arenas (CUDA;
                                      needs a device that reads pageable memory) */
-  WKV_CONFIG_SPILL_NO_URING = 1u << 2 /* the spill file uses pread/pwrite even
-                                         where io_uring is available */
+  WKV_CONFIG_SPILL_NO_URING = 1u << 2, /* the spill file uses pread/pwrite even
+                                          where io_uring is available */
+  WKV_CONFIG_HOST_META_ROWS = 1u << 3  /* 0.12, CUDA: the meta index's f32 rows
+                                          in pinned host memory (below) */
 };
+
+/*
+ * WKV_CONFIG_HOST_META_ROWS (0.12). A CUDA engine's decoding steps read the
+ * meta index in 8 bits a component (the centroids and value sums, about 280
+ * bytes a cluster at head_dim 128 with each cluster's spread, size and
+ * place), but it also keeps every cluster's f32 centroid and value sum
+ * (8 * head_dim bytes: 1 KiB at 128), which saves write out and which a step
+ * reads only where a row's 8-bit copy overflowed (a value not finite). By
+ * default they live in device memory: 15.9% of a 16-bit KV's own bytes in
+ * all, on the GPU. With this flag they live in pinned host memory that the
+ * device maps (a CUDA memory pool on the GPU's NUMA node), which leaves
+ * 3.4% on the GPU: 16 GiB less for a 1M-token sequence of 32 layers and 8
+ * KV heads, room for a larger device cache. The cost: the same bytes of
+ * host memory (outside host_budget_bytes), which is what bounds the batch
+ * where every sequence's pages are in host memory (a quarter more than 8-bit
+ * pages take); growths write the rows over PCIe; a step that reads an
+ * overflowed row reads it over PCIe. Results are the same bits either way.
+ * wkv_engine_open returns WKV_ERR_UNSUPPORTED where the device or driver has
+ * no host memory pools (cudaDevAttrHostNumaMemoryPoolsSupported or
+ * cudaDevAttrHostMemoryPoolsSupported) and for
+ * WKV_DTYPE_F32, whose steps read the f32 rows themselves. CPU engines keep
+ * everything in host memory and ignore the flag.
+ */
 
 /*
  * Bits of wkv_config.method: refinements of the paper's method, each a

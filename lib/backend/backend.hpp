@@ -127,8 +127,22 @@ class Backend {
   // 8, or 16 where the backend is told so (CUDA: WKV_META_ROWS=16, for
   // A/Bs). Fixed for the backend's life.
   virtual uint32_t meta_row_bits() const { return 8; }
+  // Where a region's memory comes from: engine memory, or, for the meta
+  // index's f32 rows (MetaIndex::centroid and value_sum), wherever the
+  // engine keeps them: pinned host memory that the device maps on a CUDA
+  // engine opened with WKV_CONFIG_HOST_META_ROWS (the same address on
+  // both), engine memory elsewhere.
+  enum class MemUse : uint8_t { kEngine, kMetaRows };
   // A region of at least `bytes` bytes, 256-byte aligned, in stream order.
-  virtual Status mem_alloc(size_t bytes, void *stream, Region *out) = 0;
+  virtual Status mem_alloc(size_t bytes, void *stream, Region *out, MemUse use) = 0;
+  Status mem_alloc(size_t bytes, void *stream, Region *out) { return mem_alloc(bytes, stream, out, MemUse::kEngine); }
+  // Whether regions of `use` are host memory on a backend whose engine
+  // memory is not: a copy between two of them is a kernel's (write_spans),
+  // since the driver would make it synchronous.
+  virtual bool mem_mapped_host(MemUse use) const {
+    (void)use;
+    return false;
+  }
   // Frees a region after the work already enqueued on `stream`; leaves it
   // empty. Pre: no work on another stream still uses it.
   virtual void mem_free(Region *r, void *stream) = 0;

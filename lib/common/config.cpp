@@ -255,7 +255,8 @@ Status resolve_config(const wkv_config *user, Config *out) {
                      from(&c.method).c_str(), static_cast<uint32_t>(WKV_METHOD_DEFAULT));
   if (c.spill_dir && c.spill_dir[0] == '\0')
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "spill_dir is empty (NULL means no spill file)");
-  if (c.flags & ~(uint32_t)(WKV_CONFIG_NO_NUMA | WKV_CONFIG_NO_PINNED | WKV_CONFIG_SPILL_NO_URING))
+  if (c.flags & ~(uint32_t)(WKV_CONFIG_NO_NUMA | WKV_CONFIG_NO_PINNED | WKV_CONFIG_SPILL_NO_URING |
+                             WKV_CONFIG_HOST_META_ROWS))
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "unknown flags 0x%x", c.flags);
   if (c.device_cache_bytes > kMaxDeviceCacheBytes)
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "device_cache_bytes %llu (%s) is above 1 PiB",

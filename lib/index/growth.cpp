@@ -338,9 +338,9 @@ Status grow_commit(const IndexContext &ix, LayerState &L, PendingGrowth &pg, voi
     const HeadGrowth &g = grow[h];
     const size_t C1 = hs.clusters() + g.add_c;
     WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.centroid, C1 * d * sizeof(float),
-                                    size_t(hs.clusters()) * d * sizeof(float), stream));
+                                    size_t(hs.clusters()) * d * sizeof(float), stream, Backend::MemUse::kMetaRows));
     WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.value_sum, C1 * d * sizeof(float),
-                                    size_t(hs.clusters()) * d * sizeof(float), stream));
+                                    size_t(hs.clusters()) * d * sizeof(float), stream, Backend::MemUse::kMetaRows));
     WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.spread, C1 * sizeof(float), size_t(hs.clusters()) * sizeof(float),
                                     stream));
     WKV_RETURN_IF_ERROR(meta16_reserve(ix, hs, C1, stream));
@@ -549,12 +549,15 @@ Status meta16_write(const IndexContext &ix, HeadState &h, size_t c0, const float
   return st;
 }
 
-Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream) {
+Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream, Backend::MemUse use) {
   if (bytes <= r->bytes) return Status::ok();
   Region fresh;
-  WKV_RETURN_IF_ERROR(ix.backend.mem_alloc(round_up(std::max(bytes, r->bytes + r->bytes / 2), 256), stream, &fresh));
+  WKV_RETURN_IF_ERROR(
+      ix.backend.mem_alloc(round_up(std::max(bytes, r->bytes + r->bytes / 2), 256), stream, &fresh, use));
   if (keep > 0) {
-    Status st = ix.backend.mem_copy(fresh.p, r->p, std::min(keep, r->bytes), stream);
+    const SpanWrite copy{fresh.p, r->p, std::min(keep, r->bytes)};
+    Status st = ix.backend.mem_mapped_host(use) ? ix.backend.write_spans(&copy, 1, stream)
+                                                : ix.backend.mem_copy(copy.dst, copy.src, copy.n, stream);
     if (!st.is_ok()) {
       ix.backend.mem_free(&fresh, stream);
       return st;

@@ -219,8 +219,10 @@ Status meta16_write(const IndexContext &ix, HeadState &h, size_t c0, const float
                     size_t n, void *stream);
 
 // Ensures r holds `bytes`, keeping its first `keep` bytes (geometric growth);
-// the replaced region is freed once no step in flight can read it.
-Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream);
+// the replaced region is freed once no step in flight can read it. `use`
+// says where a new region comes from (Backend::mem_alloc).
+Status grow_region(const IndexContext &ix, Region *r, size_t bytes, size_t keep, void *stream,
+                   Backend::MemUse use = Backend::MemUse::kEngine);
 
 // Reserves hs.by_size for n new clusters of the given sizes (throws
 // std::bad_alloc), so that count_clusters allocates nothing for them.

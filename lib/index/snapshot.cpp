@@ -314,8 +314,8 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
       } catch (const std::bad_alloc &) {
         return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of host memory importing a head");
       }
-      WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.centroid, C * d * 4, 0, stream));
-      WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.value_sum, C * d * 4, 0, stream));
+      WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.centroid, C * d * 4, 0, stream, Backend::MemUse::kMetaRows));
+      WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.value_sum, C * d * 4, 0, stream, Backend::MemUse::kMetaRows));
       WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.spread, C * 4, 0, stream));
       WKV_RETURN_IF_ERROR(grow_region(ix, &hs.values.mean, d * 4, 0, stream));
       WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.centroid.p, o.centroid.data(), C * d * 4, stream));

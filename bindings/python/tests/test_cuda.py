@@ -179,3 +179,27 @@ def test_append_batch_matches_one_append_per_sequence() -> None:
         for seq in batch + single:
             seq.close()
     stream.synchronize()
+
+
+def test_meta_rows_in_host_memory_decode_the_same_bits() -> None:
+    """flags=WKV_CONFIG_HOST_META_ROWS (8, libwavekv 0.12): the meta index's
+    f32 rows in pinned host memory. A CUDA engine with it decodes the same
+    bits as one without, at the default budget and across growths of update
+    segments (skipped where the device has no host memory pools)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    prompt, steps = 4000, 40
+    fields = dict(dtype="f16", retrieval_frac=0.018, estimation_frac=0.232, update_segment_tokens=16)
+    with cuda_engine(flags=8, **fields) as host, cuda_engine(**fields) as dev, dev.plan() as pd, host.plan() as ph, \
+            dev.sequence() as sd, host.sequence() as sh:
+        k = torch.randn(prompt + steps, HKV, D, device="cuda", generator=gen, dtype=torch.float16)
+        v = torch.randn(prompt + steps, HKV, D, device="cuda", generator=gen, dtype=torch.float16)
+        for seq in (sd, sh):
+            seq.append(0, k[:prompt], v[:prompt])
+            seq.end_prompt(0)
+        for t in range(prompt, prompt + steps):
+            for seq in (sd, sh):
+                seq.append(0, k[t:t + 1], v[t:t + 1])
+            q = torch.randn(1, HQ, D, device="cuda", generator=gen, dtype=torch.float16)
+            assert torch.equal(ph.decode([sh], 0, q), pd.decode([sd], 0, q)), "after %d tokens" % (t + 1)
+        assert sh.info(0) == sd.info(0)
+        assert sh.info(0).segments > 2, "growths of update segments crossed"

@@ -54,7 +54,8 @@ class CpuBackend final : public Backend, public BufferManager::Device {
 
   // Engine memory is host memory.
   bool host_memory() const override { return true; }
-  Status mem_alloc(size_t bytes, void *, Region *out) override {
+  using Backend::mem_alloc;
+  Status mem_alloc(size_t bytes, void *, Region *out, MemUse) override {
     // More than the machine's memory is refused here rather than asked of
     // the allocator: where the kernel overcommits (vm.overcommit_memory=1)
     // the request would be granted and the process killed once it touched it.

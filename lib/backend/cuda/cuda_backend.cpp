@@ -248,6 +248,8 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   explicit CudaBackend(Engine &e) : e_(e) {}
   ~CudaBackend() override;
   Status init(HostArena::Options *ao);
+  // host_rows_pool_, on the host NUMA node given (-1: none known).
+  Status open_host_rows_pool(int numa_node);
 
   uint32_t device() const override { return WKV_DEVICE_CUDA; }
   Status check_stream(void *stream, const char *verb) override;
@@ -255,7 +257,9 @@ class CudaBackend final : public Backend, public BufferManager::Device {
 
   bool host_memory() const override { return false; }
   uint32_t meta_row_bits() const override { return meta_row_bits_; }
-  Status mem_alloc(size_t bytes, void *stream, Region *out) override;
+  using Backend::mem_alloc;
+  Status mem_alloc(size_t bytes, void *stream, Region *out, MemUse use) override;
+  bool mem_mapped_host(MemUse use) const override { return use == MemUse::kMetaRows && host_rows_pool_; }
   void mem_free(Region *r, void *stream) override;
   void mem_free_deferred(Region *r) override;
   void mem_free_after(Region *r, void *stream) override;
@@ -403,6 +407,12 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   // synchronization, so a growth's allocations after a runtime's per-token
   // synchronization mapped fresh memory: 1 to 21 ms a commit at batch 7.
   cudaMemPool_t mempool_ = nullptr;
+  // The meta index's f32 rows with WKV_CONFIG_HOST_META_ROWS: pinned host
+  // memory on the GPU's NUMA node (where the driver places it so), mapped
+  // for the device, and kept by the pool when freed as mempool_'s is, so
+  // that a growth that replaces a region neither pins nor unpins (which
+  // would synchronize the device).
+  cudaMemPool_t host_rows_pool_ = nullptr;
   cudaStream_t io_ = nullptr;             // copies of sequences saved and loaded
   std::mutex side_mu_;                    // one user of side_ at a time
   // clear_entries' addresses (mapped, pinned_'s; guarded by side_mu_).
@@ -559,6 +569,7 @@ Status CudaBackend::init(HostArena::Options *ao) {
     uint64_t keep = UINT64_MAX;
     WKV_CU(cudaMemPoolSetAttribute(mempool_, cudaMemPoolAttrReleaseThreshold, &keep));
   }
+  if (cfg.c.flags & WKV_CONFIG_HOST_META_ROWS) WKV_RETURN_IF_ERROR(open_host_rows_pool(ao->numa_node));
   // The buffer manager's streams at the device's highest priority: their
   // small kernels (clearing evicted entries, publishing free frames) are
   // scheduled as soon as a multiprocessor frees, not after the CTAs that
@@ -623,6 +634,7 @@ CudaBackend::~CudaBackend() {
   if (cache_) cudaFree(cache_);
   // Released once its last allocation is freed, if any is still out.
   if (mempool_) cudaMemPoolDestroy(mempool_);
+  if (host_rows_pool_) cudaMemPoolDestroy(host_rows_pool_);
   if (d_stats_) cudaFree(d_stats_);
   for (void *p : d_blocks_) cudaFree(p);
   (void)cudaGetLastError();
@@ -690,13 +702,51 @@ Status CudaBackend::check_pointer(const void *p, const char *what, size_t align,
 
 // 2. Engine memory ------------------------------------------------------------------
 
-Status CudaBackend::mem_alloc(size_t bytes, void *stream, Region *out) {
+Status CudaBackend::open_host_rows_pool(int numa_node) {
+  const Config &cfg = e_.config();
+  if (cfg.dtype() == DType::kF32)
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED,
+                     "WKV_CONFIG_HOST_META_ROWS with WKV_DTYPE_F32: an f32 engine's steps read the f32 meta rows "
+                     "themselves (it keeps no 8-bit copies), which would then cross PCIe at every step");
+  auto attr = [this](cudaDeviceAttr a) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, a, dev_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      v = 0;
+    }
+    return v;
+  };
+  cudaMemPoolProps props = {};
+  props.allocType = cudaMemAllocationTypePinned;
+  if (numa_node >= 0 && attr(cudaDevAttrHostNumaMemoryPoolsSupported)) {
+    props.location.type = cudaMemLocationTypeHostNuma;
+    props.location.id = numa_node;
+  } else if (attr(cudaDevAttrHostMemoryPoolsSupported)) {
+    props.location.type = cudaMemLocationTypeHost;
+  } else {
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED,
+                     "WKV_CONFIG_HOST_META_ROWS: CUDA device %d or its driver has no host memory pools", dev_);
+  }
+  WKV_CU(cudaMemPoolCreate(&host_rows_pool_, &props));
+  cudaMemAccessDesc access = {};
+  access.location.type = cudaMemLocationTypeDevice;
+  access.location.id = dev_;
+  access.flags = cudaMemAccessFlagsProtReadWrite;
+  WKV_CU(cudaMemPoolSetAccess(host_rows_pool_, &access, 1));
+  uint64_t keep = UINT64_MAX;
+  WKV_CU(cudaMemPoolSetAttribute(host_rows_pool_, cudaMemPoolAttrReleaseThreshold, &keep));
+  return Status::ok();
+}
+
+Status CudaBackend::mem_alloc(size_t bytes, void *stream, Region *out, MemUse use) {
   DeviceGuard guard(dev_);
   const size_t n = (std::max<size_t>(bytes, 1) + 255) & ~size_t{255};
+  const bool host = mem_mapped_host(use);
   if (e_.faults().fail(FaultInjector::kEngineAlloc))
-    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of device memory for %zu bytes (injected)", n);
+    return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "out of %s memory for %zu bytes (injected)",
+                     host ? "pinned host" : "device", n);
   void *p = nullptr;
-  WKV_CU(cudaMallocFromPoolAsync(&p, n, mempool_, static_cast<cudaStream_t>(stream)));
+  WKV_CU(cudaMallocFromPoolAsync(&p, n, host ? host_rows_pool_ : mempool_, static_cast<cudaStream_t>(stream)));
   out->p = static_cast<uint8_t *>(p);
   out->bytes = n;
   return Status::ok();

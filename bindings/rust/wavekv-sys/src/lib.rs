@@ -14,7 +14,7 @@ use std::os::raw::{c_char, c_void};
 // Versions
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
-pub const WKV_VERSION_MINOR: u32 = 11;
+pub const WKV_VERSION_MINOR: u32 = 12;
 pub const WKV_VERSION_PATCH: u32 = 0;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
@@ -49,6 +49,7 @@ pub const WKV_DEVICE_AUTO: u32 = 2;
 pub const WKV_CONFIG_NO_NUMA: u32 = 1 << 0;
 pub const WKV_CONFIG_NO_PINNED: u32 = 1 << 1;
 pub const WKV_CONFIG_SPILL_NO_URING: u32 = 1 << 2;
+pub const WKV_CONFIG_HOST_META_ROWS: u32 = 1 << 3;
 pub const WKV_SPILL_IO_URING: u32 = 1 << 0;
 pub const WKV_SPILL_IO_DIRECT: u32 = 1 << 1;
 

@@ -401,6 +401,7 @@ fn declarations_match_the_header() {
         WKV_CONFIG_NO_NUMA,
         WKV_CONFIG_NO_PINNED,
         WKV_CONFIG_SPILL_NO_URING,
+        WKV_CONFIG_HOST_META_ROWS,
         WKV_SPILL_IO_URING,
         WKV_SPILL_IO_DIRECT,
         WKV_SAVE_NO_FSYNC,
