@@ -374,17 +374,26 @@ TEST(GpuHeadState, MetaRowsInHostMemoryDecodeTheSameBits) {
   EXPECT_EQ(memory_type(si->layer(0).heads[0].meta.centroid.p), cudaMemoryTypeHost) << "an import's rows too";
 }
 
-// An f32 engine's steps read the f32 rows themselves: the flag is refused
-// there rather than sending every step over PCIe.
-TEST(GpuHeadState, MetaRowsInHostMemoryAreRefusedForF32) {
+// An f32 engine's steps read the f32 rows themselves, and so does the
+// gather of centered 8-bit pages (each retrieved cluster's centroid): the
+// flag is refused there rather than sending every step over PCIe.
+TEST(GpuHeadState, MetaRowsInHostMemoryAreRefusedWhereStepsReadThem) {
   REQUIRE_GPU();
-  wkv_config c = config(WKV_DEVICE_CUDA);
-  c.dtype = WKV_DTYPE_F32;
-  c.flags = WKV_CONFIG_HOST_META_ROWS;
-  wkv_engine *e = nullptr;
-  EXPECT_EQ(wkv_engine_open(&c, &e), WKV_ERR_UNSUPPORTED);
-  EXPECT_EQ(e, nullptr);
-  EXPECT_NE(std::string(wkv_last_error()).find("WKV_CONFIG_HOST_META_ROWS"), std::string::npos) << wkv_last_error();
+  for (int centered = 0; centered < 2; ++centered) {
+    wkv_config c = config(WKV_DEVICE_CUDA);
+    if (centered)
+      c.page_format = WKV_PAGE_FORMAT_INT8_CENTERED;
+    else
+      c.dtype = WKV_DTYPE_F32;
+    c.flags = WKV_CONFIG_HOST_META_ROWS;
+    wkv_engine *e = nullptr;
+    EXPECT_EQ(wkv_engine_open(&c, &e), WKV_ERR_UNSUPPORTED) << (centered ? "centered pages" : "f32");
+    EXPECT_EQ(e, nullptr);
+    EXPECT_NE(std::string(wkv_last_error()).find("WKV_CONFIG_HOST_META_ROWS"), std::string::npos) << wkv_last_error();
+    c.flags = 0;
+    EXPECT_EQ(wkv_engine_open(&c, &e), WKV_OK) << "without the flag: " << wkv_last_error();
+    wkv_engine_close(e);
+  }
 }
 
 // A layer moves between the backends as a snapshot: CPU to CUDA and back,

@@ -253,7 +253,7 @@ elif [ "$PHASE" = place ]; then
   # are several, else to the cores that share cpu0's last-level cache)
   # against none, interleaved, PLACE_ROUNDS (3) times; then the three
   # trades together at batch 13 against full attention.
-  (JOBS=16 BUILD_TARGETS="gpu_serving_bench gpu_capture gpu_head_state" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s") &
+  (JOBS=16 BUILD_TARGETS="gpu_serving_bench gpu_capture gpu_head_state wavekv" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s") &
   nvcc --version | tail -1; nvidia-smi --query-gpu=driver_version,pci.bus_id --format=csv,noheader
   numactl -H 2>&1 | head -4; nvidia-smi topo -m 2>&1 | head -4
   lscpu | grep -E "Model name|Socket|NUMA node|L3"
@@ -294,6 +294,9 @@ PROBE
   echo "GPU node ${node:-?} of ${nodes:-?}; bound runs: $bind"
   timeout 120 build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt
   grep -E "Skipped|skipped" -A1 /tmp/head-tests.txt | head -4
+  PYTHONPATH=bindings/python WAVEKV_LIBRARY=$PWD/build-gpu/lib/libwavekv.so PYTHONDONTWRITEBYTECODE=1 timeout 120 \
+    python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests/test_cuda.py > /tmp/build-pytest-cuda.txt 2>&1
+  echo "pytest test_cuda.py rc=$? $((SECONDS-T0)) s"; tail -4 /tmp/build-pytest-cuda.txt
   # The f32 meta rows in host memory (WKV_CONFIG_HOST_META_ROWS) against
   # the device, 128K, batch 2: memory, step and error.
   for m in 0 1; do

@@ -179,8 +179,8 @@ enum {
  * overflowed row reads it over PCIe. Results are the same bits either way.
  * wkv_engine_open returns WKV_ERR_UNSUPPORTED where the device or driver has
  * no host memory pools (cudaDevAttrHostNumaMemoryPoolsSupported or
- * cudaDevAttrHostMemoryPoolsSupported) and for
- * WKV_DTYPE_F32, whose steps read the f32 rows themselves. CPU engines keep
+ * cudaDevAttrHostMemoryPoolsSupported), and for WKV_DTYPE_F32 and
+ * WKV_PAGE_FORMAT_INT8_CENTERED, whose steps read the f32 rows themselves. CPU engines keep
  * everything in host memory and ignore the flag.
  */
 

@@ -708,6 +708,10 @@ Status CudaBackend::open_host_rows_pool(int numa_node) {
     return WKV_ERROR(WKV_ERR_UNSUPPORTED,
                      "WKV_CONFIG_HOST_META_ROWS with WKV_DTYPE_F32: an f32 engine's steps read the f32 meta rows "
                      "themselves (it keeps no 8-bit copies), which would then cross PCIe at every step");
+  if (cfg.centered_keys())
+    return WKV_ERROR(WKV_ERR_UNSUPPORTED,
+                     "WKV_CONFIG_HOST_META_ROWS with WKV_PAGE_FORMAT_INT8_CENTERED: the gather adds each retrieved "
+                     "cluster's f32 centroid back to its keys, which would then cross PCIe at every step");
   auto attr = [this](cudaDeviceAttr a) {
     int v = 0;
     if (cudaDeviceGetAttribute(&v, a, dev_) != cudaSuccess) {
