@@ -4,6 +4,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
 #include <thread>
 
 #include "support.hpp"
@@ -340,6 +345,36 @@ TEST(Lifetime, SequenceOutlivesItsEngineHandle) {
   e.reset();
   std::vector<float> q = a.query();
   EXPECT_LT(a.worst_error(0, q, decode(plan, {&a}, 0, q, s.dtype)), 1e-5);
+}
+
+// The engine's own threads carry names (`top -H`, `ps -L`, perf): the
+// buffer manager's and, with a statistics file, the publisher's; closed
+// with the engine.
+TEST(Lifetime, TheEnginesThreadsAreNamed) {
+  auto names = [] {
+    std::multiset<std::string> out;
+    for (const auto &t : std::filesystem::directory_iterator("/proc/self/task")) {
+      std::ifstream f(t.path() / "comm");
+      std::string n;
+      if (std::getline(f, n)) out.insert(n);
+    }
+    return out;
+  };
+  const std::multiset<std::string> before = names();
+  const std::string stats = ::testing::TempDir() + "wkv-thread-names.json";
+  Shape s;
+  wkv_config c = small_config(s);
+  c.stats_path = stats.c_str();
+  {
+    wavekv::Engine e(c);
+    const std::multiset<std::string> during = names();
+    EXPECT_EQ(during.count("wkv-buffers"), before.count("wkv-buffers") + 1);
+    EXPECT_EQ(during.count("wkv-stats"), before.count("wkv-stats") + 1);
+  }
+  const std::multiset<std::string> after = names();
+  EXPECT_EQ(after.count("wkv-buffers"), before.count("wkv-buffers"));
+  EXPECT_EQ(after.count("wkv-stats"), before.count("wkv-stats"));
+  std::remove(stats.c_str());
 }
 
 TEST(Stress, ThreadsShareOneEngine) {

@@ -29,9 +29,14 @@
 # build-base-src's (the same machine, interleaved); then 128K at batch 13
 # against full attention with the trades 6x might take (a smaller
 # retrieval zone, larger clusters, a larger device cache).
-# PHASE=place: the host's time at batch 7 with the bench's threads bound
-# against none (thread placement), the machine's topology and host memory
-# pools, then the three trades together at batch 13 against full attention.
+# PHASE=racecap: racecheck of the two capture tests side by side, the
+# head-state tests, memcheck of the f32 meta rows in host memory, the
+# Python CUDA tests.
+# PHASE=place: the f32 meta rows in host memory against the device at 1M;
+# the host's time at batch 7 with the busy threads' CPUs sampled, bound to
+# one logical CPU a core against none (thread placement). (The sixteenth
+# session's first form also probed the host memory pools and ran the three
+# trades together at batch 13: git log -p.)
 # PHASE=serve128: 128K against full attention in the same call (8-bit
 # pages, batch 7 and 13; batch 7 with WKV_META_ROWS=16), then ncu's times
 # of the step's kernels at batch 7.
@@ -65,7 +70,7 @@ T0=$SECONDS
 LIMIT=${LIMIT:-590}
 PHASE=${PHASE:-time}
 left() { echo $((LIMIT - 10 - (SECONDS - T0))); }
-pack() { tar -czf $OUT/logs.tar.gz -C /tmp $(cd /tmp && ls -d build-*.txt lookup-tests*.txt head-tests.txt batch-tests.txt ab ctest-gpu.txt san ncu-*.csv ncu-sections.txt 2>/dev/null); }
+pack() { tar -czf $OUT/logs.tar.gz -C /tmp $(cd /tmp && ls -d build-*.txt build-*.ps lookup-tests*.txt head-tests.txt batch-tests.txt ab ctest-gpu.txt san ncu-*.csv ncu-sections.txt 2>/dev/null); }
 t() { echo "$1 rc=$2 $((SECONDS-T0)) s $(grep -E '^\[  (PASSED|FAILED)|tests ran' $3 | tr '\n' ' ')"; grep -E "Failure|FAILED  \]" $3 | head -5; }
 # build_all: every target of the tree. gpu_suite N: ctest -R gpu_, ending
 # N s before the limit's margin. sanitize_lookup TOOLS: the lookup tests
@@ -245,81 +250,57 @@ elif [ "$PHASE" = host ]; then
     grep -E "^ +13 +[0-9]|^full|vs full|best" "$f" | cut -c1-200
   done
   pack
+elif [ "$PHASE" = racecap ]; then
+  # Racecheck of the two capture tests that cross growths, side by side,
+  # with the call's time; beside them the head-state tests, memcheck of the
+  # f32 meta rows in host memory and the Python CUDA tests.
+  (JOBS=16 BUILD_TARGETS="gpu_capture gpu_head_state wavekv" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s")
+  grep -hE "error" -A3 /tmp/build-cur.txt | head -20
+  race_lines | PAR=2 san_list racecheck $(( $(left) - 5 )) &
+  timeout 120 build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt
+  PYTHONPATH=bindings/python WAVEKV_LIBRARY=$PWD/build-gpu/lib/libwavekv.so PYTHONDONTWRITEBYTECODE=1 timeout 150 \
+    python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests/test_cuda.py > /tmp/build-pytest-cuda.txt 2>&1
+  echo "pytest test_cuda.py rc=$? $((SECONDS-T0)) s"; tail -3 /tmp/build-pytest-cuda.txt
+  san_one memcheck gpu_head_state 'GpuHeadState.MetaRows*' 200
+  pack
+  wait
+  race_phases
+  pack
 elif [ "$PHASE" = place ]; then
   # Where the host's time at batch 7 swings from (docs/wip/README.md): the
-  # machine's NUMA nodes, caches and GPU placement, whether the device
-  # takes host memory pools (item 4's f32 rows in host memory), then the
-  # bench at batch 7 with its threads bound (to the GPU's node where there
-  # are several, else to the cores that share cpu0's last-level cache)
-  # against none, interleaved, PLACE_ROUNDS (3) times; then the three
-  # trades together at batch 13 against full attention.
-  (JOBS=16 BUILD_TARGETS="gpu_serving_bench gpu_capture gpu_head_state wavekv" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s") &
-  nvcc --version | tail -1; nvidia-smi --query-gpu=driver_version,pci.bus_id --format=csv,noheader
-  numactl -H 2>&1 | head -4; nvidia-smi topo -m 2>&1 | head -4
-  lscpu | grep -E "Model name|Socket|NUMA node|L3"
-  for c in 0 1 2 3 8 15; do echo "cpu$c L3 $(cat /sys/devices/system/cpu/cpu$c/cache/index3/shared_cpu_list 2>/dev/null)"; done
-  cat > /tmp/probe.cu <<'PROBE'
-#include <cstdio>
-#include <cuda_runtime.h>
-int main() {
-  int a = -1, b = -1, n = -1, v = 0;
-  cudaDeviceGetAttribute(&a, cudaDevAttrHostNumaMemoryPoolsSupported, 0);
-  cudaDeviceGetAttribute(&b, cudaDevAttrHostMemoryPoolsSupported, 0);
-  cudaDeviceGetAttribute(&n, cudaDevAttrHostNumaId, 0);
-  cudaDriverGetVersion(&v);
-  std::printf("host numa pools %d, host pools %d, host numa id %d, driver %d\n", a, b, n, v);
-  cudaMemPoolProps p = {};
-  p.allocType = cudaMemAllocationTypePinned;
-  p.location.type = cudaMemLocationTypeHost;
-  cudaMemPool_t pool;
-  cudaError_t e = cudaMemPoolCreate(&pool, &p);
-  std::printf("host pool create: %s\n", cudaGetErrorString(e));
-  if (e == cudaSuccess) {
-    cudaMemAccessDesc d = {};
-    d.location.type = cudaMemLocationTypeDevice; d.location.id = 0; d.flags = cudaMemAccessFlagsProtReadWrite;
-    std::printf("set access: %s\n", cudaGetErrorString(cudaMemPoolSetAccess(pool, &d, 1)));
-    void *q = nullptr;
-    std::printf("alloc: %s\n", cudaGetErrorString(cudaMallocFromPoolAsync(&q, 1 << 20, pool, 0)));
-    std::printf("memset: %s\n", cudaGetErrorString(cudaMemsetAsync(q, 1, 1 << 20, 0)));
-    std::printf("sync: %s, byte %d\n", cudaGetErrorString(cudaStreamSynchronize(0)), q ? static_cast<unsigned char *>(q)[5] : -1);
-  }
-}
-PROBE
-  (cd /tmp && nvcc -arch=sm_90 -o probe probe.cu && ./probe) 2>&1 | tail -8
+  # machine's cores, their hyperthread siblings and the GPU's placement;
+  # then the bench at batch 7, PLACE_ROUNDS (3) times, with its busy
+  # threads' CPUs sampled every second (the decoding thread, the engine's
+  # wkv-buffers), and (where cores have siblings) bound to one logical CPU
+  # a core against none, interleaved; first the f32 meta rows in host memory
+  # against the device at 1M tokens, batch 1 (device memory, step, error).
+  (JOBS=16 BUILD_TARGETS="gpu_serving_bench wavekv" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s") &
+  lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node|L3"
+  for c in 0 1 2 8 15; do echo "cpu$c siblings $(cat /sys/devices/system/cpu/cpu$c/topology/thread_siblings_list 2>/dev/null)"; done
   wait; grep -hE "error" -A3 /tmp/build-cur.txt | head -20
-  node=$(cat /sys/bus/pci/devices/$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader | tr 'A-F' 'a-f' | sed 's/^0000\(....\)/\1/')/numa_node 2>/dev/null)
-  nodes=$(numactl -H 2>/dev/null | awk '/^available/{print $2}')
-  if [ "${nodes:-1}" -gt 1 ] && [ "${node:--1}" -ge 0 ]; then bind="numactl --cpunodebind=$node --membind=$node"
-  else bind="taskset -c $(cat /sys/devices/system/cpu/cpu0/cache/index3/shared_cpu_list)"; fi
-  echo "GPU node ${node:-?} of ${nodes:-?}; bound runs: $bind"
-  timeout 120 build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt
-  grep -E "Skipped|skipped" -A1 /tmp/head-tests.txt | head -4
-  PYTHONPATH=bindings/python WAVEKV_LIBRARY=$PWD/build-gpu/lib/libwavekv.so PYTHONDONTWRITEBYTECODE=1 timeout 120 \
-    python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests/test_cuda.py > /tmp/build-pytest-cuda.txt 2>&1
-  echo "pytest test_cuda.py rc=$? $((SECONDS-T0)) s"; tail -4 /tmp/build-pytest-cuda.txt
-  # The f32 meta rows in host memory (WKV_CONFIG_HOST_META_ROWS) against
-  # the device, 128K, batch 2: memory, step and error.
   for m in 0 1; do
-    WKV_SERVING_HOST_META_ROWS=$m WKV_PAGE_FORMAT=1 timeout 60 build-gpu/bin/gpu_serving_bench 131072 2 64 2 > /tmp/build-metarows-$m.txt 2>&1
-    echo "== host meta rows $m: rc=$? $((SECONDS-T0)) s"; grep -E "^ *(batch|2) +|rror" /tmp/build-metarows-$m.txt | cut -c1-220 | head -4
-  done
-  for i in $(seq ${PLACE_ROUNDS:-3}); do
-    for which in none bound; do
-      [ "$(left)" -gt 100 ] || break
-      pre=""; [ "$which" = bound ] && pre=$bind
-      WKV_PAGE_FORMAT=1 timeout 90 $pre build-gpu/bin/gpu_serving_bench 131072 7 > /tmp/build-place-$which-$i.txt 2>&1
-      echo "== $which, run $i: rc=$? $((SECONDS-T0)) s"
-      grep -E "^ +7 +[0-9]|host us \(medians\)" /tmp/build-place-$which-$i.txt | cut -c1-200
-    done
+    [ "$(left)" -gt 200 ] || break
+    WKV_SERVING_HOST_META_ROWS=$m WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 timeout 150 build-gpu/bin/gpu_serving_bench 1048576 1 80 4 > /tmp/build-metarows-$m.txt 2>&1
+    echo "== 1M, host meta rows $m: rc=$? $((SECONDS-T0)) s"; grep -E "^ *(batch|1) +|rror" /tmp/build-metarows-$m.txt | cut -c1-220 | head -4
   done
   pack
-  full_attention 120 4
-  e="WKV_RETRIEVAL_FRAC=0.009 WKV_CLUSTER_TOKENS=32 WKV_SERVING_CACHE_FRACTION=0.1"
-  if [ "$(left)" -gt 80 ]; then
-    env WKV_PAGE_FORMAT=1 $e timeout $(( $(left) - 10 )) build-gpu/bin/gpu_serving_bench 131072 13 > /tmp/build-trade-all.txt 2>&1
-    echo "== batch 13, $e: rc=$? $((SECONDS-T0)) s"
-    grep -E "^ +13 +[0-9]|^full|vs full|best" /tmp/build-trade-all.txt | cut -c1-200
-  fi
+  one=$(for c in /sys/devices/system/cpu/cpu[0-9]*; do cut -d, -f1 $c/topology/thread_siblings_list | cut -d- -f1; done | sort -un | paste -sd,)
+  echo "one logical CPU a core: $one"
+  for i in $(seq ${PLACE_ROUNDS:-3}); do
+    for which in none one; do
+      [ "$(left)" -gt 40 ] || break
+      pre=""; [ "$which" = one ] && pre="taskset -c $one"
+      f=/tmp/build-place-$which-$i.txt
+      WKV_PAGE_FORMAT=1 timeout 60 $pre build-gpu/bin/gpu_serving_bench 131072 7 > $f 2>&1 &
+      pid=$!
+      while kill -0 $pid 2>/dev/null; do
+        ps -L -o comm=,psr=,pcpu= -p $pid 2>/dev/null | sort -k3 -nr | head -3 | awk '{printf "%s@%s(%s%%) ", $1, $2, $3}' >> $f.ps; echo >> $f.ps; sleep 1
+      done
+      wait $pid; echo "== $which, run $i: rc=$? $((SECONDS-T0)) s"
+      grep -E "^ +7 +[0-9]|host us \(medians\)" $f | cut -c1-120
+      tail -3 $f.ps | cut -c1-150
+    done
+  done
   pack
 elif [ "$PHASE" = serve128 ]; then
   # 128K against full attention in one call (the 6x target): the gather's

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "lib/index/head.hpp"
+#include "lib/common/thread_name.hpp"
 
 namespace wkv {
 namespace {
@@ -91,6 +92,7 @@ Status BufferManager::start() {
     publish();
   }
   thread_ = std::thread([this] { run(); });
+  name_thread(thread_, "wkv-buffers");
   return Status::ok();
 }
 

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "lib/engine/sequence.hpp"
+#include "lib/common/thread_name.hpp"
 #include "wavekv/wavekv.h"
 
 namespace wkv {
@@ -62,6 +63,7 @@ ColdTier::ColdTier(Options opts, SpillFile &spill, HostArena &arena, EngineCount
   max_growth_segments_ = static_cast<uint32_t>(
       std::max<uint64_t>(1, opts_.budget_pages / 4 / std::max<uint64_t>(1, opts_.segment_pages)));
   thread_ = std::thread([this] { run(); });
+  name_thread(thread_, "wkv-cold");
 }
 
 ColdTier::~ColdTier() {

@@ -3,6 +3,8 @@
 #include <chrono>
 #include <system_error>
 
+#include "lib/common/thread_name.hpp"
+
 namespace wkv {
 
 Status StatsPublisher::publish() {
@@ -19,6 +21,7 @@ Status StatsPublisher::start() {
   WKV_RETURN_IF_ERROR(publish());
   try {
     thread_ = std::thread([this] { run(); });
+    name_thread(thread_, "wkv-stats");
   } catch (const std::system_error &) {
     return WKV_ERROR(WKV_ERR_OUT_OF_MEMORY, "cannot start the statistics thread");
   }

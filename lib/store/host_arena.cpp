@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "lib/common/thread_name.hpp"
+
 #if defined(WKV_WITH_NUMA)
 #include <numa.h>
 #endif
@@ -142,6 +144,7 @@ void HostArena::want_ahead(std::unique_lock<std::mutex> &held) {
   if (!ahead_.joinable()) {
     try {
       ahead_ = std::thread([this] { ahead_loop(); });
+      name_thread(ahead_, "wkv-pin-ahead");
     } catch (...) {
       return;  // no thread: chunks are added when needed, as without `ahead`
     }

@@ -187,7 +187,7 @@ def test_meta_rows_in_host_memory_decode_the_same_bits() -> None:
     bits as one without, at the default budget and across growths of update
     segments (skipped where the device has no host memory pools)."""
     gen = torch.Generator(device="cuda").manual_seed(3)
-    prompt, steps = 4000, 40
+    prompt, steps = 4000, 120  # growths of 16 tokens once the window's 64 are passed
     fields = dict(dtype="f16", retrieval_frac=0.018, estimation_frac=0.232, update_segment_tokens=16)
     with cuda_engine(flags=8, **fields) as host, cuda_engine(**fields) as dev, dev.plan() as pd, host.plan() as ph, \
             dev.sequence() as sd, host.sequence() as sh:
@@ -202,4 +202,4 @@ def test_meta_rows_in_host_memory_decode_the_same_bits() -> None:
             q = torch.randn(1, HQ, D, device="cuda", generator=gen, dtype=torch.float16)
             assert torch.equal(ph.decode([sh], 0, q), pd.decode([sd], 0, q)), "after %d tokens" % (t + 1)
         assert sh.info(0) == sd.info(0)
-        assert sh.info(0).segments > 2, "growths of update segments crossed"
+        assert sh.info(0).segments >= 3, "growths of update segments crossed"
