@@ -172,6 +172,30 @@ full_attention() {
   WKV_FULL_BATCH_MAX=$(awk '/^full_batch_max/{print $2}' /tmp/build-full.txt)
   export WKV_FULL_ATTN_MS WKV_FULL_BATCH_MAX
 }
+# placement: the bench at 128K, batch 7, PLACE_ROUNDS (3) times without
+# binding and bound to one logical CPU a core, interleaved, with its busy
+# threads' CPUs sampled every second (the decoding thread, wkv-buffers).
+placement() {
+  lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node|L3"
+  for c in 0 1 2 8 15; do echo "cpu$c siblings $(cat /sys/devices/system/cpu/cpu$c/topology/thread_siblings_list 2>/dev/null)"; done
+  one=$(for c in /sys/devices/system/cpu/cpu[0-9]*; do cut -d, -f1 $c/topology/thread_siblings_list | cut -d- -f1; done | sort -un | paste -sd,)
+  echo "one logical CPU a core: $one"
+  for i in $(seq ${PLACE_ROUNDS:-3}); do
+    for which in none one; do
+      [ "$(left)" -gt 40 ] || break
+      pre=""; [ "$which" = one ] && pre="taskset -c $one"
+      f=/tmp/build-place-$which-$i.txt
+      WKV_PAGE_FORMAT=1 timeout 60 $pre build-gpu/bin/gpu_serving_bench 131072 7 > $f 2>&1 &
+      pid=$!
+      while kill -0 $pid 2>/dev/null; do
+        ps -L -o comm=,psr=,pcpu= -p $pid 2>/dev/null | sort -k3 -nr | head -3 | awk '{printf "%s@%s(%s%%) ", $1, $2, $3}' >> $f.ps; echo >> $f.ps; sleep 1
+      done
+      wait $pid; echo "== $which, run $i: rc=$? $((SECONDS-T0)) s"
+      grep -E "^ +7 +[0-9]|host us \(medians\)" $f | cut -c1-120
+      tail -3 $f.ps | cut -c1-150
+    done
+  done
+}
 export LD_LIBRARY_PATH=/tmp/wkv-debs/usr/lib/x86_64-linux-gnu
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 
@@ -254,9 +278,17 @@ elif [ "$PHASE" = racecap ]; then
   # Racecheck of the two capture tests that cross growths, side by side,
   # with the call's time; beside them the head-state tests, memcheck of the
   # f32 meta rows in host memory and the Python CUDA tests.
-  (JOBS=16 BUILD_TARGETS="gpu_capture gpu_head_state wavekv" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s")
+  (JOBS=16 BUILD_TARGETS="gpu_capture gpu_head_state wavekv gpu_serving_bench" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s")
   grep -hE "error" -A3 /tmp/build-cur.txt | head -20
+  [ "${PLACE:-0}" = 1 ] && placement
+  pack
   race_lines | PAR=2 san_list racecheck $(( $(left) - 5 )) &
+  # Memory and error of the f32 meta rows in host memory at 1M (the step's
+  # time beside racecheck is not a figure).
+  for m in 0 1; do
+    WKV_SERVING_HOST_META_ROWS=$m WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 timeout 150 build-gpu/bin/gpu_serving_bench 1048576 1 80 4 > /tmp/build-metarows-$m.txt 2>&1
+    echo "== 1M, host meta rows $m (beside racecheck): rc=$? $((SECONDS-T0)) s"; grep -E "^ *(batch|1) +|rror" /tmp/build-metarows-$m.txt | cut -c1-220 | head -4
+  done
   timeout 120 build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt
   PYTHONPATH=bindings/python WAVEKV_LIBRARY=$PWD/build-gpu/lib/libwavekv.so PYTHONDONTWRITEBYTECODE=1 timeout 150 \
     python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests/test_cuda.py > /tmp/build-pytest-cuda.txt 2>&1
@@ -274,33 +306,15 @@ elif [ "$PHASE" = place ]; then
   # wkv-buffers), and (where cores have siblings) bound to one logical CPU
   # a core against none, interleaved; first the f32 meta rows in host memory
   # against the device at 1M tokens, batch 1 (device memory, step, error).
-  (JOBS=16 BUILD_TARGETS="gpu_serving_bench wavekv" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s") &
-  lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node|L3"
-  for c in 0 1 2 8 15; do echo "cpu$c siblings $(cat /sys/devices/system/cpu/cpu$c/topology/thread_siblings_list 2>/dev/null)"; done
-  wait; grep -hE "error" -A3 /tmp/build-cur.txt | head -20
+  (JOBS=16 BUILD_TARGETS="gpu_serving_bench wavekv" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s")
+  grep -hE "error" -A3 /tmp/build-cur.txt | head -20
   for m in 0 1; do
     [ "$(left)" -gt 200 ] || break
     WKV_SERVING_HOST_META_ROWS=$m WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 timeout 150 build-gpu/bin/gpu_serving_bench 1048576 1 80 4 > /tmp/build-metarows-$m.txt 2>&1
     echo "== 1M, host meta rows $m: rc=$? $((SECONDS-T0)) s"; grep -E "^ *(batch|1) +|rror" /tmp/build-metarows-$m.txt | cut -c1-220 | head -4
   done
   pack
-  one=$(for c in /sys/devices/system/cpu/cpu[0-9]*; do cut -d, -f1 $c/topology/thread_siblings_list | cut -d- -f1; done | sort -un | paste -sd,)
-  echo "one logical CPU a core: $one"
-  for i in $(seq ${PLACE_ROUNDS:-3}); do
-    for which in none one; do
-      [ "$(left)" -gt 40 ] || break
-      pre=""; [ "$which" = one ] && pre="taskset -c $one"
-      f=/tmp/build-place-$which-$i.txt
-      WKV_PAGE_FORMAT=1 timeout 60 $pre build-gpu/bin/gpu_serving_bench 131072 7 > $f 2>&1 &
-      pid=$!
-      while kill -0 $pid 2>/dev/null; do
-        ps -L -o comm=,psr=,pcpu= -p $pid 2>/dev/null | sort -k3 -nr | head -3 | awk '{printf "%s@%s(%s%%) ", $1, $2, $3}' >> $f.ps; echo >> $f.ps; sleep 1
-      done
-      wait $pid; echo "== $which, run $i: rc=$? $((SECONDS-T0)) s"
-      grep -E "^ +7 +[0-9]|host us \(medians\)" $f | cut -c1-120
-      tail -3 $f.ps | cut -c1-150
-    done
-  done
+  placement
   pack
 elif [ "$PHASE" = serve128 ]; then
   # 128K against full attention in one call (the 6x target): the gather's
