@@ -29,6 +29,8 @@
 # build-base-src's (the same machine, interleaved); then 128K at batch 13
 # against full attention with the trades 6x might take (a smaller
 # retrieval zone, larger clusters, a larger device cache).
+# PHASE=hostrows: placement, the head-state and Python CUDA tests, the f32
+# meta rows in host memory at 1M, memcheck of their tests (about 300 s).
 # PHASE=racecap: racecheck of the two capture tests side by side, the
 # head-state tests, memcheck of the f32 meta rows in host memory, the
 # Python CUDA tests.
@@ -274,6 +276,27 @@ elif [ "$PHASE" = host ]; then
     grep -E "^ +13 +[0-9]|^full|vs full|best" "$f" | cut -c1-200
   done
   pack
+elif [ "$PHASE" = hostrows ]; then
+  # The least that verifies the f32 meta rows in host memory and samples
+  # the host's threads, for a call of about 300 s: placement (PLACE_ROUNDS),
+  # the head-state tests, the Python CUDA tests, the two at 1M (memory,
+  # step, error), memcheck of the head-state tests of the flag.
+  (JOBS=16 BUILD_TARGETS="gpu_head_state wavekv gpu_serving_bench" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s")
+  grep -hE "error" -A3 /tmp/build-cur.txt | head -20
+  placement
+  pack
+  timeout 120 build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt
+  PYTHONPATH=bindings/python WAVEKV_LIBRARY=$PWD/build-gpu/lib/libwavekv.so PYTHONDONTWRITEBYTECODE=1 timeout 150 \
+    python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests/test_cuda.py > /tmp/build-pytest-cuda.txt 2>&1
+  echo "pytest test_cuda.py rc=$? $((SECONDS-T0)) s"; tail -3 /tmp/build-pytest-cuda.txt
+  pack
+  for m in 0 1; do
+    [ "$(left)" -gt 60 ] || break
+    WKV_SERVING_HOST_META_ROWS=$m WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 timeout $(( $(left) - 20 )) build-gpu/bin/gpu_serving_bench 1048576 1 80 4 > /tmp/build-metarows-$m.txt 2>&1
+    echo "== 1M, host meta rows $m: rc=$? $((SECONDS-T0)) s"; grep -E "^ *(batch|1) +|rror" /tmp/build-metarows-$m.txt | cut -c1-220 | head -4
+  done
+  pack
+  san_one memcheck gpu_head_state 'GpuHeadState.MetaRows*' 150
 elif [ "$PHASE" = racecap ]; then
   # Racecheck of the two capture tests that cross growths, side by side,
   # with the call's time; beside them the head-state tests, memcheck of the
