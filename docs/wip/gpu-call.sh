@@ -283,12 +283,12 @@ elif [ "$PHASE" = hostrows ]; then
   # step, error), memcheck of the head-state tests of the flag.
   (JOBS=16 BUILD_TARGETS="gpu_head_state wavekv gpu_serving_bench" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s")
   grep -hE "error" -A3 /tmp/build-cur.txt | head -20
-  placement
-  pack
   timeout 120 build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt
   PYTHONPATH=bindings/python WAVEKV_LIBRARY=$PWD/build-gpu/lib/libwavekv.so PYTHONDONTWRITEBYTECODE=1 timeout 150 \
     python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests/test_cuda.py > /tmp/build-pytest-cuda.txt 2>&1
   echo "pytest test_cuda.py rc=$? $((SECONDS-T0)) s"; tail -3 /tmp/build-pytest-cuda.txt
+  pack
+  placement
   pack
   for m in 0 1; do
     [ "$(left)" -gt 60 ] || break
