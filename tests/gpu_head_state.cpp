@@ -367,11 +367,15 @@ TEST(GpuHeadState, MetaRowsInHostMemoryDecodeTheSameBits) {
     const std::vector<float> q = ctx.query();
     EXPECT_EQ(host.decode(si, q), host.decode(sh, q)) << "imported, step " << step;
   }
-  // The f32 rows read by the steps: both copies' words set on both engines.
+  // The f32 rows read by the steps: both 8-bit copies' words set on both
+  // engines (which keep no f16 copies: expect_meta16).
   for (auto *s : {sd.get(), sh.get()})
-    for (wkv::HeadState &hs : s->layer(0).heads)
+    for (wkv::HeadState &hs : s->layer(0).heads) {
+      ASSERT_EQ(hs.meta.centroid16.p, nullptr);
+      ASSERT_EQ(hs.meta.value_sum16.p, nullptr);
       for (const wkv::Region *r : {&hs.meta.centroid8, &hs.meta.value_sum8})
         ASSERT_EQ(cudaMemset(r->p, 1, 4), cudaSuccess);
+    }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   for (int step = 0; step < 4; ++step) {
     const std::vector<float> q = ctx.query();

@@ -176,7 +176,8 @@ full_attention() {
 }
 # placement: the bench at 128K, batch 7, PLACE_ROUNDS (3) times without
 # binding and bound to one logical CPU a core, interleaved, with its busy
-# threads' CPUs sampled every second (the decoding thread, wkv-buffers).
+# threads' CPUs sampled every second (the decoding thread, wkv-buffers; the
+# bench is timeout's child, and pcpu a thread's average over its life).
 placement() {
   lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node|L3"
   for c in 0 1 2 8 15; do echo "cpu$c siblings $(cat /sys/devices/system/cpu/cpu$c/topology/thread_siblings_list 2>/dev/null)"; done
@@ -190,7 +191,7 @@ placement() {
       WKV_PAGE_FORMAT=1 timeout 60 $pre build-gpu/bin/gpu_serving_bench 131072 7 > $f 2>&1 &
       pid=$!
       while kill -0 $pid 2>/dev/null; do
-        ps -L -o comm=,psr=,pcpu= -p $pid 2>/dev/null | sort -k3 -nr | head -3 | awk '{printf "%s@%s(%s%%) ", $1, $2, $3}' >> $f.ps; echo >> $f.ps; sleep 1
+        ps -L -o comm=,psr=,pcpu= --ppid $pid 2>/dev/null | sort -k3 -nr | head -3 | awk '{printf "%s@%s(%s%%) ", $1, $2, $3}' >> $f.ps; echo >> $f.ps; sleep 1
       done
       wait $pid; echo "== $which, run $i: rc=$? $((SECONDS-T0)) s"
       grep -E "^ +7 +[0-9]|host us \(medians\)" $f | cut -c1-120

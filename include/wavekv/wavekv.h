@@ -175,12 +175,17 @@ enum {
  * KV heads, room for a larger device cache. The cost: the same bytes of
  * host memory (outside host_budget_bytes), which is what bounds the batch
  * where every sequence's pages are in host memory (a quarter more than 8-bit
- * pages take); growths write the rows over PCIe; a step that reads an
- * overflowed row reads it over PCIe. Results are the same bits either way.
+ * pages take); growths write the rows over PCIe, and a head's rows that
+ * outgrow their region (at every half again of its clusters) are copied to
+ * a larger one over PCIe both ways, on the stream of the append that grows
+ * them; a step that reads an overflowed row reads it over PCIe. Results are
+ * the same bits either way.
  * wkv_engine_open returns WKV_ERR_UNSUPPORTED where the device or driver has
  * no host memory pools (cudaDevAttrHostNumaMemoryPoolsSupported or
- * cudaDevAttrHostMemoryPoolsSupported), and for WKV_DTYPE_F32 and
- * WKV_PAGE_FORMAT_INT8_CENTERED, whose steps read the f32 rows themselves. CPU engines keep
+ * cudaDevAttrHostMemoryPoolsSupported; a CUDA runtime from 12.6 on), and
+ * for WKV_DTYPE_F32 and WKV_PAGE_FORMAT_INT8_CENTERED, whose steps read the
+ * f32 rows themselves; these hold for an engine that opens on a GPU, which
+ * with WKV_DEVICE_AUTO depends on the machine. CPU engines keep
  * everything in host memory and ignore the flag.
  */
 

@@ -12,7 +12,8 @@ namespace wkv {
 class FaultInjector {
  public:
   enum Site : uint32_t {
-    kEngineAlloc,  // a region of engine memory (host on the CPU, device on CUDA)
+    kEngineAlloc,  // a region of engine memory (host on the CPU, device on CUDA; pinned host for
+                   // the f32 meta rows with WKV_CONFIG_HOST_META_ROWS)
     kPinning,      // pinning a host arena chunk for the device (CUDA)
     kGrowth,       // an index growth, before it changes anything (as if out of memory)
     kGraph,        // making a decode graph, or launching one (CUDA; as if the driver refused)

@@ -1,4 +1,4 @@
-// Names the calling thread, as `top -H`, `ps -L`, perf and debuggers show
+// Names a thread, as `top -H`, `ps -L`, perf and debuggers show
 // it: each of the engine's own long-lived threads says what it is
 // (wkv-buffers, wkv-pin-ahead, wkv-stats, wkv-cold), so that a runtime can
 // tell them from its own, bind them or profile them.

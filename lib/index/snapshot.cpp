@@ -318,6 +318,10 @@ Status import_layer(const IndexContext &ix, const LayerSnapshot &s, LayerState *
       WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.value_sum, C * d * 4, 0, stream, Backend::MemUse::kMetaRows));
       WKV_RETURN_IF_ERROR(grow_region(ix, &hs.meta.spread, C * 4, 0, stream));
       WKV_RETURN_IF_ERROR(grow_region(ix, &hs.values.mean, d * 4, 0, stream));
+      // Rows in host memory (WKV_CONFIG_HOST_META_ROWS) come from a pool in
+      // stream order: the stream reaches their allocation before the host
+      // writes them (a cold path: loads only).
+      if (ix.backend.mem_mapped_host(Backend::MemUse::kMetaRows)) WKV_RETURN_IF_ERROR(ix.backend.mem_sync(stream));
       WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.centroid.p, o.centroid.data(), C * d * 4, stream));
       WKV_RETURN_IF_ERROR(ix.backend.mem_copy(hs.meta.value_sum.p, o.value_sum.data(), C * d * 4, stream));
       WKV_RETURN_IF_ERROR(

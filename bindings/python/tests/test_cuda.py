@@ -196,10 +196,11 @@ def test_meta_rows_in_host_memory_decode_the_same_bits() -> None:
         for seq in (sd, sh):
             seq.append(0, k[:prompt], v[:prompt])
             seq.end_prompt(0)
+        segments0 = sh.info(0).segments
         for t in range(prompt, prompt + steps):
             for seq in (sd, sh):
                 seq.append(0, k[t:t + 1], v[t:t + 1])
             q = torch.randn(1, HQ, D, device="cuda", generator=gen, dtype=torch.float16)
             assert torch.equal(ph.decode([sh], 0, q), pd.decode([sd], 0, q)), "after %d tokens" % (t + 1)
         assert sh.info(0) == sd.info(0)
-        assert sh.info(0).segments >= 3, "growths of update segments crossed"
+        assert sh.info(0).segments >= segments0 + 2, "growths of update segments crossed"

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "kernels/attention_cuda.hpp"
@@ -590,7 +591,9 @@ Status CudaBackend::init(HostArena::Options *ao) {
   if (const char *r = std::getenv("WKV_DECODE_RING")) rings_ = std::strcmp(r, "0") != 0;
   if (const char *f = std::getenv("WKV_DECODE_FORK")) fork_ = std::strcmp(f, "0") != 0;
   if (const char *f = std::getenv("WKV_DECODE_FROM_FRAMES")) from_frames_ = std::strcmp(f, "1") == 0;
-  if (const char *v = std::getenv("WKV_VALUE_SUM16")) value_sum16_ = std::strcmp(v, "0") != 0;
+  // The diagnostic would send every step's estimate to the f32 value sums,
+  // over PCIe where they are in host memory: the flag wins.
+  if (const char *v = std::getenv("WKV_VALUE_SUM16")) value_sum16_ = std::strcmp(v, "0") != 0 || host_rows_pool_;
   if (const char *v = std::getenv("WKV_META_ROWS")) meta_row_bits_ = std::strcmp(v, "16") == 0 ? 16 : 8;
   if (const char *l = std::getenv("WKV_DECODE_SIDE_LEVELS")) side_levels_ = std::max(0, std::atoi(l));
   WKV_CU(cudaStreamCreateWithPriority(&cap_side_, cudaStreamNonBlocking, side_priority()));
@@ -712,6 +715,7 @@ Status CudaBackend::open_host_rows_pool(int numa_node) {
     return WKV_ERROR(WKV_ERR_UNSUPPORTED,
                      "WKV_CONFIG_HOST_META_ROWS with WKV_PAGE_FORMAT_INT8_CENTERED: the gather adds each retrieved "
                      "cluster's f32 centroid back to its keys, which would then cross PCIe at every step");
+#if CUDART_VERSION >= 12060
   auto attr = [this](cudaDeviceAttr a) {
     int v = 0;
     if (cudaDeviceGetAttribute(&v, a, dev_) != cudaSuccess) {
@@ -720,26 +724,47 @@ Status CudaBackend::open_host_rows_pool(int numa_node) {
     }
     return v;
   };
-  cudaMemPoolProps props = {};
-  props.allocType = cudaMemAllocationTypePinned;
-  if (numa_node >= 0 && attr(cudaDevAttrHostNumaMemoryPoolsSupported)) {
-    props.location.type = cudaMemLocationTypeHostNuma;
-    props.location.id = numa_node;
-  } else if (attr(cudaDevAttrHostMemoryPoolsSupported)) {
-    props.location.type = cudaMemLocationTypeHost;
-  } else {
-    return WKV_ERROR(WKV_ERR_UNSUPPORTED,
-                     "WKV_CONFIG_HOST_META_ROWS: CUDA device %d or its driver has no host memory pools", dev_);
+  // A pool on the GPU's NUMA node where the driver makes one there, else
+  // on the host wherever it places it. A pool that cannot be made, or made
+  // usable by the device, is the flag unsupported here, and nothing of it
+  // is kept.
+  std::string why = "no host memory pools";
+  for (const bool numa : {true, false}) {
+    cudaMemPoolProps props = {};
+    props.allocType = cudaMemAllocationTypePinned;
+    if (numa) {
+      if (numa_node < 0 || !attr(cudaDevAttrHostNumaMemoryPoolsSupported)) continue;
+      props.location.type = cudaMemLocationTypeHostNuma;
+      props.location.id = numa_node;
+    } else {
+      if (!attr(cudaDevAttrHostMemoryPoolsSupported)) continue;
+      props.location.type = cudaMemLocationTypeHost;
+    }
+    cudaMemPool_t pool = nullptr;
+    cudaMemAccessDesc access = {};
+    access.location.type = cudaMemLocationTypeDevice;
+    access.location.id = dev_;
+    access.flags = cudaMemAccessFlagsProtReadWrite;
+    uint64_t keep = UINT64_MAX;
+    cudaError_t err = cudaMemPoolCreate(&pool, &props);
+    if (err == cudaSuccess) err = cudaMemPoolSetAccess(pool, &access, 1);
+    if (err == cudaSuccess) err = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    if (err == cudaSuccess) {
+      host_rows_pool_ = pool;
+      return Status::ok();
+    }
+    (void)cudaGetLastError();
+    if (pool) (void)cudaMemPoolDestroy(pool);
+    why = std::string(numa ? "a host pool on NUMA node " + std::to_string(numa_node) : std::string("a host pool")) +
+          ": " + cudaGetErrorString(err);
   }
-  WKV_CU(cudaMemPoolCreate(&host_rows_pool_, &props));
-  cudaMemAccessDesc access = {};
-  access.location.type = cudaMemLocationTypeDevice;
-  access.location.id = dev_;
-  access.flags = cudaMemAccessFlagsProtReadWrite;
-  WKV_CU(cudaMemPoolSetAccess(host_rows_pool_, &access, 1));
-  uint64_t keep = UINT64_MAX;
-  WKV_CU(cudaMemPoolSetAttribute(host_rows_pool_, cudaMemPoolAttrReleaseThreshold, &keep));
-  return Status::ok();
+  return WKV_ERROR(WKV_ERR_UNSUPPORTED, "WKV_CONFIG_HOST_META_ROWS: CUDA device %d: %s", dev_, why.c_str());
+#else
+  (void)numa_node;
+  return WKV_ERROR(WKV_ERR_UNSUPPORTED,
+                   "WKV_CONFIG_HOST_META_ROWS: this libwavekv was built with a CUDA runtime before 12.6, which has "
+                   "no host memory pools");
+#endif
 }
 
 Status CudaBackend::mem_alloc(size_t bytes, void *stream, Region *out, MemUse use) {
