@@ -34,11 +34,9 @@
 # PHASE=racecap: racecheck of the two capture tests side by side, the
 # head-state tests, memcheck of the f32 meta rows in host memory, the
 # Python CUDA tests.
-# PHASE=place: the f32 meta rows in host memory against the device at 1M;
-# the host's time at batch 7 with the busy threads' CPUs sampled, bound to
-# one logical CPU a core against none (thread placement). (The sixteenth
-# session's first form also probed the host memory pools and ran the three
-# trades together at batch 13: git log -p.)
+# (PHASE=place, the sixteenth session's first call: the host memory pools
+# probed, the host's time at batch 7 with and without taskset, the three
+# trades together at batch 13; git log -p. hostrows took its place.)
 # PHASE=serve128: 128K against full attention in the same call (8-bit
 # pages, batch 7 and 13; batch 7 with WKV_META_ROWS=16), then ncu's times
 # of the step's kernels at batch 7.
@@ -174,6 +172,31 @@ full_attention() {
   WKV_FULL_BATCH_MAX=$(awk '/^full_batch_max/{print $2}' /tmp/build-full.txt)
   export WKV_FULL_ATTN_MS WKV_FULL_BATCH_MAX
 }
+# build_some TARGETS: those targets of the tree, JOBS=16.
+build_some() {
+  (JOBS=16 BUILD_TARGETS="$1" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s")
+  grep -hE "error" -A3 /tmp/build-cur.txt | head -20
+}
+# hostrows_tests: gpu_head_state and the Python binding's CUDA tests.
+hostrows_tests() {
+  timeout 120 build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt
+  PYTHONPATH=bindings/python WAVEKV_LIBRARY=$PWD/build-gpu/lib/libwavekv.so PYTHONDONTWRITEBYTECODE=1 timeout 150 \
+    python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests/test_cuda.py > /tmp/build-pytest-cuda.txt 2>&1
+  echo "pytest test_cuda.py rc=$? $((SECONDS-T0)) s"; tail -3 /tmp/build-pytest-cuda.txt
+}
+# metarows_1m NEED NOTE: 1M tokens, batch 1, 8-bit pages, a 20% device
+# cache, with the f32 meta rows on the device and in host memory
+# (WKV_SERVING_HOST_META_ROWS): device and host memory, step, error; each
+# while more than NEED s are left.
+metarows_1m() {
+  local m
+  for m in 0 1; do
+    [ "$(left)" -gt $(( $1 + 20 )) ] || break
+    WKV_SERVING_HOST_META_ROWS=$m WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 timeout $(( $(left) - 10 )) \
+      build-gpu/bin/gpu_serving_bench 1048576 1 80 4 > /tmp/build-metarows-$m.txt 2>&1
+    echo "== 1M, host meta rows $m$2: rc=$? $((SECONDS-T0)) s"; grep -E "^ *(batch|1) +|rror" /tmp/build-metarows-$m.txt | cut -c1-220 | head -4
+  done
+}
 # placement: the bench at 128K, batch 7, PLACE_ROUNDS (3) times without
 # binding and bound to one logical CPU a core, interleaved, with its busy
 # threads' CPUs sampled every second (the decoding thread, wkv-buffers; the
@@ -279,66 +302,33 @@ elif [ "$PHASE" = host ]; then
   pack
 elif [ "$PHASE" = hostrows ]; then
   # The least that verifies the f32 meta rows in host memory and samples
-  # the host's threads, for a call of about 300 s: placement (PLACE_ROUNDS),
-  # the head-state tests, the Python CUDA tests, the two at 1M (memory,
-  # step, error), memcheck of the head-state tests of the flag.
-  (JOBS=16 BUILD_TARGETS="gpu_head_state wavekv gpu_serving_bench" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s")
-  grep -hE "error" -A3 /tmp/build-cur.txt | head -20
-  timeout 120 build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt
-  PYTHONPATH=bindings/python WAVEKV_LIBRARY=$PWD/build-gpu/lib/libwavekv.so PYTHONDONTWRITEBYTECODE=1 timeout 150 \
-    python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests/test_cuda.py > /tmp/build-pytest-cuda.txt 2>&1
-  echo "pytest test_cuda.py rc=$? $((SECONDS-T0)) s"; tail -3 /tmp/build-pytest-cuda.txt
+  # the host's threads, for a call of about 300 s: the head-state and
+  # Python CUDA tests, placement (PLACE_ROUNDS), the two at 1M, memcheck of
+  # the head-state tests of the flag.
+  build_some "gpu_head_state wavekv gpu_serving_bench"
+  hostrows_tests
   pack
   placement
   pack
-  for m in 0 1; do
-    [ "$(left)" -gt 60 ] || break
-    WKV_SERVING_HOST_META_ROWS=$m WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 timeout $(( $(left) - 20 )) build-gpu/bin/gpu_serving_bench 1048576 1 80 4 > /tmp/build-metarows-$m.txt 2>&1
-    echo "== 1M, host meta rows $m: rc=$? $((SECONDS-T0)) s"; grep -E "^ *(batch|1) +|rror" /tmp/build-metarows-$m.txt | cut -c1-220 | head -4
-  done
+  metarows_1m 60 ""
   pack
   san_one memcheck gpu_head_state 'GpuHeadState.MetaRows*' 150
 elif [ "$PHASE" = racecap ]; then
-  # Racecheck of the two capture tests that cross growths, side by side,
-  # with the call's time; beside them the head-state tests, memcheck of the
-  # f32 meta rows in host memory and the Python CUDA tests.
-  (JOBS=16 BUILD_TARGETS="gpu_capture gpu_head_state wavekv gpu_serving_bench" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s")
-  grep -hE "error" -A3 /tmp/build-cur.txt | head -20
+  # Racecheck of RACE_TESTS (the two capture tests that cross growths, side
+  # by side) with the call's time, after placement where PLACE=1; beside
+  # racecheck the two at 1M (memory and error: their step times are not
+  # figures there), the head-state and Python CUDA tests, memcheck of the
+  # flag's tests.
+  build_some "gpu_capture gpu_head_state wavekv gpu_serving_bench"
   [ "${PLACE:-0}" = 1 ] && placement
   pack
   race_lines | PAR=2 san_list racecheck $(( $(left) - 5 )) &
-  # Memory and error of the f32 meta rows in host memory at 1M (the step's
-  # time beside racecheck is not a figure).
-  for m in 0 1; do
-    WKV_SERVING_HOST_META_ROWS=$m WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 timeout 150 build-gpu/bin/gpu_serving_bench 1048576 1 80 4 > /tmp/build-metarows-$m.txt 2>&1
-    echo "== 1M, host meta rows $m (beside racecheck): rc=$? $((SECONDS-T0)) s"; grep -E "^ *(batch|1) +|rror" /tmp/build-metarows-$m.txt | cut -c1-220 | head -4
-  done
-  timeout 120 build-gpu/bin/gpu_head_state --gtest_brief=1 > /tmp/head-tests.txt 2>&1; t gpu_head_state $? /tmp/head-tests.txt
-  PYTHONPATH=bindings/python WAVEKV_LIBRARY=$PWD/build-gpu/lib/libwavekv.so PYTHONDONTWRITEBYTECODE=1 timeout 150 \
-    python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests/test_cuda.py > /tmp/build-pytest-cuda.txt 2>&1
-  echo "pytest test_cuda.py rc=$? $((SECONDS-T0)) s"; tail -3 /tmp/build-pytest-cuda.txt
+  metarows_1m 0 " (beside racecheck)"
+  hostrows_tests
   san_one memcheck gpu_head_state 'GpuHeadState.MetaRows*' 200
   pack
   wait
   race_phases
-  pack
-elif [ "$PHASE" = place ]; then
-  # Where the host's time at batch 7 swings from (docs/wip/README.md): the
-  # machine's cores, their hyperthread siblings and the GPU's placement;
-  # then the bench at batch 7, PLACE_ROUNDS (3) times, with its busy
-  # threads' CPUs sampled every second (the decoding thread, the engine's
-  # wkv-buffers), and (where cores have siblings) bound to one logical CPU
-  # a core against none, interleaved; first the f32 meta rows in host memory
-  # against the device at 1M tokens, batch 1 (device memory, step, error).
-  (JOBS=16 BUILD_TARGETS="gpu_serving_bench wavekv" OUT=/tmp/cur tools/gpu-check.sh build > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s")
-  grep -hE "error" -A3 /tmp/build-cur.txt | head -20
-  for m in 0 1; do
-    [ "$(left)" -gt 200 ] || break
-    WKV_SERVING_HOST_META_ROWS=$m WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 timeout 150 build-gpu/bin/gpu_serving_bench 1048576 1 80 4 > /tmp/build-metarows-$m.txt 2>&1
-    echo "== 1M, host meta rows $m: rc=$? $((SECONDS-T0)) s"; grep -E "^ *(batch|1) +|rror" /tmp/build-metarows-$m.txt | cut -c1-220 | head -4
-  done
-  pack
-  placement
   pack
 elif [ "$PHASE" = serve128 ]; then
   # 128K against full attention in one call (the 6x target): the gather's
