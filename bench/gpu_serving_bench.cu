@@ -321,6 +321,13 @@ uint32_t serving_streams() {
   return ps ? static_cast<uint32_t>(std::max(1, std::atoi(ps))) : 1;
 }
 
+// WKV_SERVING_HOST_META_ROWS=1: the engine opened with
+// WKV_CONFIG_HOST_META_ROWS.
+bool host_meta_rows() {
+  const char *m = std::getenv("WKV_SERVING_HOST_META_ROWS");
+  return m && std::atoi(m) > 0;
+}
+
 Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   Row row;
   row.batch = B;
@@ -379,8 +386,7 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   if (const char *b = std::getenv("WKV_SERVING_HOST_BUDGET_GIB"))
     c.host_budget_bytes = static_cast<uint64_t>(std::atof(b) * double(1ull << 30));
   c.spill_dir = std::getenv("WKV_SERVING_SPILL_DIR");
-  if (const char *m = std::getenv("WKV_SERVING_HOST_META_ROWS"); m && std::atoi(m) > 0)
-    c.flags |= WKV_CONFIG_HOST_META_ROWS;
+  if (host_meta_rows()) c.flags |= WKV_CONFIG_HOST_META_ROWS;
   wkv_engine *e;
   CHECK(wkv_engine_open(&c, &e));
   std::vector<wkv_seq *> seqs(B);
@@ -614,8 +620,7 @@ Row run(uint32_t T, uint32_t B, uint32_t steps, uint32_t L) {
   row.host_gib = double(st1.host_bytes_reserved) / (1ull << 30);
   // The f32 rows in host memory: a centroid and a value sum a cluster (the
   // regions' spare capacity, up to half again, not counted).
-  if (std::getenv("WKV_SERVING_HOST_META_ROWS") && std::atoi(std::getenv("WKV_SERVING_HOST_META_ROWS")) > 0)
-    row.host_gib += double(st1.clusters) * 2 * kD * sizeof(float) / (1ull << 30);
+  if (host_meta_rows()) row.host_gib += double(st1.clusters) * 2 * kD * sizeof(float) / (1ull << 30);
 
   // Host time of each verb (the split form of wkv_decode), per layer, 64
   // more tokens with a synchronization per token; their outputs are not
