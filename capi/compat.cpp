@@ -66,10 +66,16 @@ extern "C" WKV_API void wkv_stats_init_0_7(wkv_stats *stats) {
 }
 __asm__(".symver wkv_stats_init_0_7,wkv_stats_init@WAVEKV_0.7");
 
+// 0.8's to 0.12's ended after decode_graphs.
 extern "C" WKV_API void wkv_stats_init_0_8(wkv_stats *stats) {
+  if (stats) write_prefix(stats, wkv_stats{}, offsetof(wkv_stats, device_bytes_reserved));
+}
+__asm__(".symver wkv_stats_init_0_8,wkv_stats_init@WAVEKV_0.8");
+
+extern "C" WKV_API void wkv_stats_init_0_13(wkv_stats *stats) {
   if (stats) write_prefix(stats, wkv_stats{}, sizeof *stats);
 }
-__asm__(".symver wkv_stats_init_0_8,wkv_stats_init@@WAVEKV_0.8");
+__asm__(".symver wkv_stats_init_0_13,wkv_stats_init@@WAVEKV_0.13");
 
 // wkv_seq_info of 0.1 to 0.5 ended after pages.
 extern "C" WKV_API void wkv_seq_info_init_0_1(wkv_seq_info *info) {

@@ -66,6 +66,14 @@ extern "C"
 #endif
 void wkv_stats_init_v0_7(wkv_stats *stats);
 
+/* ... and of a program built against 0.8 to 0.12 (its struct ended after
+ * decode_graphs). */
+__asm__(".symver wkv_stats_init_v0_8,wkv_stats_init@WAVEKV_0.8");
+#ifdef __cplusplus
+extern "C"
+#endif
+void wkv_stats_init_v0_8(wkv_stats *stats);
+
 /* ... and wkv_seq_info_init of a program built against 0.1 to 0.5 (its
  * struct ended after pages). */
 __asm__(".symver wkv_seq_info_init_v0_1,wkv_seq_info_init@WAVEKV_0.1");
@@ -1374,6 +1382,9 @@ static void test_stats(void) {
   CHECK(st.steady_bytes > 0 && st.meta_bytes > 0, "steady and meta bytes counted");
   CHECK(st.cache_frames_given == 0 && st.cache_records_dropped == 0,
         "no device cache frames given nor access records dropped on a CPU engine");
+  CHECK(st.device_bytes_reserved == 0 && st.device_bytes_used == 0 && st.meta_device_bytes == 0 &&
+            st.meta_host_rows_reserved == 0,
+        "a CPU engine holds no device memory and no host rows' pool");
 
   memset(raw, 0xee, sizeof raw);
   {
@@ -1557,6 +1568,7 @@ static void test_old_stats(void) {
   check_old_stats(wkv_stats_init_v0_4, offsetof(wkv_stats, cache_frames_given), "0.4");
   check_old_stats(wkv_stats_init_v0_6, offsetof(wkv_stats, growths_deferred), "0.6");
   check_old_stats(wkv_stats_init_v0_7, offsetof(wkv_stats, decode_graphs), "0.7");
+  check_old_stats(wkv_stats_init_v0_8, offsetof(wkv_stats, device_bytes_reserved), "0.8");
 }
 
 /* A program built against wavekv 0.1 to 0.5 knows a shorter wkv_seq_info

@@ -350,6 +350,23 @@ TEST(GpuHeadState, MetaRowsInHostMemoryDecodeTheSameBits) {
     EXPECT_EQ(memory_type(md.centroid.p), cudaMemoryTypeDevice) << "without the flag";
     expect_meta16(sh->layer(0).heads[h]);
   }
+  // wkv_stats says where the memory lives: the same meta index, 1 KiB a
+  // cluster (d = 128) less of it on the device with the flag, whose rows'
+  // pool holds at least those bytes; the device's figures cover its cache.
+  wkv_stats st_d{}, st_h{};
+  st_d.size = st_h.size = sizeof(wkv_stats);
+  dev.e->fill_stats(&st_d);
+  host.e->fill_stats(&st_h);
+  ASSERT_EQ(st_h.clusters, st_d.clusters);
+  EXPECT_EQ(st_h.meta_bytes, st_d.meta_bytes);
+  EXPECT_EQ(st_d.meta_device_bytes, st_d.meta_bytes - st_d.clusters * 3 * sizeof(uint32_t));
+  EXPECT_EQ(st_h.meta_device_bytes, st_d.meta_device_bytes - st_h.clusters * 2 * kD * sizeof(float));
+  EXPECT_EQ(st_d.meta_host_rows_reserved, 0u);
+  EXPECT_GE(st_h.meta_host_rows_reserved, st_h.clusters * 2 * kD * sizeof(float));
+  for (const wkv_stats *st : {&st_d, &st_h}) {
+    EXPECT_GE(st->device_bytes_used, st->device_cache_bytes + st->meta_device_bytes);
+    EXPECT_GE(st->device_bytes_reserved, st->device_bytes_used);
+  }
   const auto snap_d = dev.snapshot(*sd), snap_h = host.snapshot(*sh);
   for (uint32_t h = 0; h < kKV; ++h) {
     const wkv::HeadSnapshot &a = snap_d[0].heads[h], &b = snap_h[0].heads[h];

@@ -260,6 +260,11 @@ type Stats struct {
 	GrowthWaits     uint64 // commits of such growths that waited for their clustering
 	// Decode graphs (CUDA engines; 0 on the CPU).
 	DecodeGraphs uint64 // decoding steps run as a replay of their plan's CUDA graph
+	// Memory by where it lives (CUDA engines; 0 on the CPU).
+	DeviceBytesReserved  uint64 // device memory the engine holds: its pool (at its peak), the cache
+	DeviceBytesUsed      uint64 // of it, allocated now
+	MetaDeviceBytes      uint64 // of MetaBytes, the bytes in device memory
+	MetaHostRowsReserved uint64 // pinned host memory of the f32 meta rows' pool (ConfigHostMetaRows)
 }
 
 func statsFromC(s *C.wkv_stats) Stats {
@@ -310,6 +315,11 @@ func statsFromC(s *C.wkv_stats) Stats {
 		GrowthWaits:     uint64(s.growth_waits),
 
 		DecodeGraphs: uint64(s.decode_graphs),
+
+		DeviceBytesReserved:  uint64(s.device_bytes_reserved),
+		DeviceBytesUsed:      uint64(s.device_bytes_used),
+		MetaDeviceBytes:      uint64(s.meta_device_bytes),
+		MetaHostRowsReserved: uint64(s.meta_host_rows_reserved),
 	}
 }
 

@@ -93,7 +93,7 @@ extern "C" {
 /* Versions ---------------------------------------------------------------- */
 
 #define WKV_VERSION_MAJOR 0
-#define WKV_VERSION_MINOR 12
+#define WKV_VERSION_MINOR 13
 #define WKV_VERSION_PATCH 0
 /* The version as one number: major * 10000 + minor * 100 + patch. */
 #define WKV_VERSION_NUMBER \
@@ -479,6 +479,23 @@ typedef struct wkv_stats {
   uint64_t decode_graphs;      /* decoding steps (wkv_decode of one batch and
                                   layer) run as a replay of their plan's CUDA
                                   graph of the step's kernels, since open */
+  /* 0.13: memory by where it lives (CUDA engines; 0 on the CPU, whose
+     memory is all host memory: host_bytes_reserved and meta_bytes). */
+  uint64_t device_bytes_reserved; /* device memory the engine holds: its
+                                  memory pool's reservation (which keeps its
+                                  peak: freed blocks stay for reuse, so
+                                  k-means workspaces and destroyed sequences
+                                  leave it where it was), the device cache,
+                                  the buffer manager's blocks */
+  uint64_t device_bytes_used;  /* of it, allocated now */
+  uint64_t meta_device_bytes;  /* of meta_bytes, the bytes in device memory:
+                                  all but the mapping table's host words and,
+                                  where WKV_CONFIG_HOST_META_ROWS keeps them
+                                  in host memory, the f32 rows */
+  uint64_t meta_host_rows_reserved; /* pinned host memory the f32 meta rows'
+                                  pool holds with WKV_CONFIG_HOST_META_ROWS
+                                  (0 without), keeping its peak likewise, and
+                                  not in host_bytes_reserved, the arena's */
 } wkv_stats;
 
 /* Bits of wkv_stats.spill_io. */

@@ -180,6 +180,13 @@ void Engine::fill_stats(wkv_stats *out) {
   }
   const uint64_t words = backend_->host_memory() ? 3 : 6;
   out->meta_bytes = out->clusters * ((2 * d + 1) * sizeof(float) + words * sizeof(uint32_t) + compact);
+  // On a device, all of it but the mapping table's host words, and the f32
+  // rows where WKV_CONFIG_HOST_META_ROWS keeps them in host memory.
+  if (!backend_->host_memory()) {
+    out->meta_device_bytes = out->meta_bytes - out->clusters * 3 * sizeof(uint32_t);
+    if (backend_->mem_mapped_host(Backend::MemUse::kMetaRows))
+      out->meta_device_bytes -= out->clusters * 2 * d * sizeof(float);
+  }
   out->lookups = counters_.lookups.load();
   out->retrieved_clusters = counters_.retrieved_clusters.load();
   out->estimated_clusters = counters_.estimated_clusters.load();
@@ -291,6 +298,10 @@ std::string Engine::stats_json() {
       {"growths_deferred", s.growths_deferred},
       {"growth_waits", s.growth_waits},
       {"decode_graphs", s.decode_graphs},
+      {"device_bytes_reserved", s.device_bytes_reserved},
+      {"device_bytes_used", s.device_bytes_used},
+      {"meta_device_bytes", s.meta_device_bytes},
+      {"meta_host_rows_reserved", s.meta_host_rows_reserved},
   };
   // The buffer manager's own figures (BufferManager::Stats): whether its
   // thread keeps up with the steps.

@@ -92,6 +92,10 @@ int main(void) {
   FIELD(wkv_stats, growths_deferred);
   FIELD(wkv_stats, growth_waits);
   FIELD(wkv_stats, decode_graphs);
+  FIELD(wkv_stats, device_bytes_reserved);
+  FIELD(wkv_stats, device_bytes_used);
+  FIELD(wkv_stats, meta_device_bytes);
+  FIELD(wkv_stats, meta_host_rows_reserved);
 
   STRUCT(wkv_seq_info);
   FIELD(wkv_seq_info, size);

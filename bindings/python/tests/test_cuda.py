@@ -204,3 +204,11 @@ def test_meta_rows_in_host_memory_decode_the_same_bits() -> None:
             assert torch.equal(ph.decode([sh], 0, q), pd.decode([sd], 0, q)), "after %d tokens" % (t + 1)
         assert sh.info(0) == sd.info(0)
         assert sh.info(0).segments >= segments0 + 2, "growths of update segments crossed"
+        # libwavekv 0.13's stats say where the rows went: 1 KiB a cluster
+        # (d = 128, f32 centroid and value sum) less on the device.
+        st_h, st_d = host.stats(), dev.stats()
+        assert st_h.clusters == st_d.clusters and st_h.meta_bytes == st_d.meta_bytes
+        assert st_d.meta_device_bytes - st_h.meta_device_bytes == st_h.clusters * 2 * D * 4
+        assert st_h.meta_host_rows_reserved >= st_h.clusters * 2 * D * 4 and st_d.meta_host_rows_reserved == 0
+        for st in (st_h, st_d):
+            assert st.device_bytes_reserved >= st.device_bytes_used >= st.device_cache_bytes + st.meta_device_bytes

@@ -132,6 +132,10 @@ class WkvStats(ctypes.Structure):
         ("growths_deferred", c_uint64),
         ("growth_waits", c_uint64),
         ("decode_graphs", c_uint64),
+        ("device_bytes_reserved", c_uint64),
+        ("device_bytes_used", c_uint64),
+        ("meta_device_bytes", c_uint64),
+        ("meta_host_rows_reserved", c_uint64),
     ]
 
 

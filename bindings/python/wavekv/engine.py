@@ -270,6 +270,10 @@ class Stats:
     growths_deferred: int       # generated segments' growths begun and left to commit at their point
     growth_waits: int           # commits of such growths that waited for their clustering
     decode_graphs: int          # decoding steps run as a replay of their plan's CUDA graph (CUDA)
+    device_bytes_reserved: int  # device memory the engine holds: its pool (at its peak), the cache (CUDA)
+    device_bytes_used: int      # of it, allocated now (CUDA)
+    meta_device_bytes: int      # of meta_bytes, the bytes in device memory (CUDA)
+    meta_host_rows_reserved: int  # pinned host memory of the f32 meta rows' pool (CUDA, host meta rows)
 
 
 @dataclass(frozen=True)

@@ -426,6 +426,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   uint32_t frames_ = 0;
   unsigned long long *d_stats_ = nullptr;  // [0] hits, [1] misses (units), [2] tokens gathered
   std::vector<void *> d_blocks_;            // the buffer manager's device memory
+  std::atomic<uint64_t> d_block_bytes_{0};  // their bytes (wkv_stats.device_bytes_*)
   // The buffer manager's publications to its pool (copies of slots and
   // additions to its count): a stream of their own (side_ is waited on).
   cudaStream_t pool_stream_ = nullptr;
@@ -1067,6 +1068,7 @@ Status CudaBackend::alloc_device(size_t bytes, void **dev) {
                      cudaGetErrorString(err));
   }
   d_blocks_.push_back(d);
+  d_block_bytes_.fetch_add(bytes, std::memory_order_relaxed);
   *dev = d;
   return Status::ok();
 }
@@ -2186,6 +2188,22 @@ void CudaBackend::fill_stats(wkv_stats *out) {
   out->cache_misses = c[1];
   out->attended_tokens = c[2];  // counted on the device: the host knows only a bound
   out->device_cache_bytes = static_cast<uint64_t>(frames_) * frame_bytes_;
+  // Memory by where it lives: the pools' own figures (the reservation
+  // keeps its peak, as the pools are told to) and what was allocated
+  // outside them at open. A pool attribute that cannot be read counts 0.
+  auto pool_bytes = [](cudaMemPool_t pool, cudaMemPoolAttr attr) -> uint64_t {
+    uint64_t v = 0;
+    if (!pool || cudaMemPoolGetAttribute(pool, attr, &v) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return static_cast<uint64_t>(v);
+  };
+  const uint64_t fixed = out->device_cache_bytes + d_block_bytes_.load(std::memory_order_relaxed) +
+                         3 * sizeof(unsigned long long);  // d_stats_
+  out->device_bytes_reserved = fixed + pool_bytes(mempool_, cudaMemPoolAttrReservedMemCurrent);
+  out->device_bytes_used = fixed + pool_bytes(mempool_, cudaMemPoolAttrUsedMemCurrent);
+  out->meta_host_rows_reserved = pool_bytes(host_rows_pool_, cudaMemPoolAttrReservedMemCurrent);
 }
 
 

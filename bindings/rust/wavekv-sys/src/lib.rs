@@ -14,7 +14,7 @@ use std::os::raw::{c_char, c_void};
 // Versions
 
 pub const WKV_VERSION_MAJOR: u32 = 0;
-pub const WKV_VERSION_MINOR: u32 = 12;
+pub const WKV_VERSION_MINOR: u32 = 13;
 pub const WKV_VERSION_PATCH: u32 = 0;
 /// The version as one number: major * 10000 + minor * 100 + patch.
 pub const WKV_VERSION_NUMBER: u32 =
@@ -163,6 +163,10 @@ pub struct wkv_stats {
     pub growth_waits: u64,
     // 0.8: decode graphs (CUDA engines; 0 on the CPU).
     pub decode_graphs: u64,
+    pub device_bytes_reserved: u64,
+    pub device_bytes_used: u64,
+    pub meta_device_bytes: u64,
+    pub meta_host_rows_reserved: u64,
 }
 
 /// What one layer of a sequence holds; fill `size` with `wkv_seq_info_init`.

@@ -333,6 +333,10 @@ fn declarations_match_the_header() {
                 growths_deferred,
                 growth_waits,
                 decode_graphs,
+                device_bytes_reserved,
+                device_bytes_used,
+                meta_device_bytes,
+                meta_host_rows_reserved,
             }
         ),
         layout!(
