@@ -31,6 +31,9 @@
 # retrieval zone, larger clusters, a larger device cache).
 # PHASE=hostrows: placement, the head-state and Python CUDA tests, the f32
 # meta rows in host memory at 1M, memcheck of their tests (about 300 s).
+# PHASE=smt: where cores have two threads, placement (the host's time at
+# batch 7 with its threads' CPUs sampled); on a host with one thread a
+# core it ends at once.
 # PHASE=racecap: racecheck of the two capture tests side by side, the
 # head-state tests, memcheck of the f32 meta rows in host memory, the
 # Python CUDA tests.
@@ -299,6 +302,20 @@ elif [ "$PHASE" = host ]; then
     echo "== batch 13, $e: rc=$? $((SECONDS-T0)) s"
     grep -E "^ +13 +[0-9]|^full|vs full|best" "$f" | cut -c1-200
   done
+  pack
+elif [ "$PHASE" = smt ]; then
+  # The host's slow mode where cores have two threads: nothing to learn on
+  # a host with one thread a core, so such a host ends the call at once;
+  # otherwise the bench, then placement (PLACE_ROUNDS) with the threads'
+  # CPUs and their siblings.
+  lscpu | grep -E "Model name|Thread|Core\(s\)|NUMA node\(s\)"
+  if [ "$(lscpu | awk -F: '/^Thread\(s\) per core/{gsub(/ /, "", $2); print $2}')" = 1 ]; then
+    echo "one thread a core: no siblings to share, nothing to sample"
+  else
+    build_some "gpu_serving_bench"
+    placement
+    for c in $(seq 0 15); do echo "cpu$c: $(cat /sys/devices/system/cpu/cpu$c/topology/thread_siblings_list 2>/dev/null)"; done | paste -sd' '
+  fi
   pack
 elif [ "$PHASE" = hostrows ]; then
   # The least that verifies the f32 meta rows in host memory and samples
