@@ -272,6 +272,38 @@ TEST(Cli, TopShowsAnEnginesStatisticsFile) {
   EXPECT_NE(r.out.find("tokens=50"), std::string::npos) << r.out;
   write_bytes(dir.file("junk.json"), {'{', 'x'});
   EXPECT_EQ(run_cli({"top", "--once", dir.file("junk.json")}).status, 2);
+  // A CPU engine's file has no device memory to show.
+  r = run_cli({"top", "--once", stats});
+  EXPECT_EQ(r.out.find("device memory"), std::string::npos) << r.out;
+}
+
+// A CUDA engine's file (libwavekv 0.13 on) says where its memory is: top
+// shows the device's and the meta index's share of it, and the host rows'
+// pool where there is one. The file is written here, as such an engine's
+// statistics thread would (no GPU needed to read one).
+TEST(Cli, TopShowsWhereACudaEnginesMemoryIs) {
+  ScratchDir dir;
+  const std::string path = dir.file("cuda.json");
+  const nlohmann::json j = {
+      {"unix_ms", 1},
+      {"config", {{"device", "cuda"}}},
+      {"stats",
+       {{"sequences", 1},
+        {"tokens", 1000},
+        {"meta_bytes", 3u << 20},
+        {"device_cache_bytes", 64u << 20},
+        {"device_bytes_reserved", 512u << 20},
+        {"device_bytes_used", 384u << 20},
+        {"meta_device_bytes", 1u << 20},
+        {"meta_host_rows_reserved", 2u << 20}}}};
+  const std::string text = j.dump();
+  write_bytes(path, std::vector<uint8_t>(text.begin(), text.end()));
+  const Outcome r = run_cli({"top", "--once", path});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("(cuda engine)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("384.0 MiB used of 512.0 MiB reserved"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(1.0 MiB on the device)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("host meta rows' pool"), std::string::npos) << r.out;
 }
 
 // `wavekv bench spill` at a small size: the sequence goes to the spill file

@@ -39,11 +39,6 @@ std::string stats_table(const wkv_stats &s) {
   t.row({"pages used / free", std::to_string(s.pages_used) + " / " + std::to_string(s.pages_free)});
   t.row({"steady zone", mib(s.steady_bytes)});
   t.row({"meta index", mib(s.meta_bytes)});
-  if (s.device == WKV_DEVICE_CUDA) {
-    t.row({"meta index on the device", mib(s.meta_device_bytes)});
-    t.row({"device memory reserved / used", mib(s.device_bytes_reserved) + " / " + mib(s.device_bytes_used)});
-    if (s.meta_host_rows_reserved) t.row({"host meta rows' pool", mib(s.meta_host_rows_reserved)});
-  }
   t.row({"lookups", std::to_string(s.lookups)});
   const double per = s.lookups ? 1.0 / s.lookups : 0.0;
   t.row({"retrieved clusters", std::to_string(s.retrieved_clusters) + " (" +

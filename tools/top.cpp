@@ -38,6 +38,8 @@ using nlohmann::json;
 struct Figures {
   uint64_t unix_ms = 0, sequences = 0, tokens = 0, clusters = 0;
   uint64_t host_used = 0, host_reserved = 0, device_cache = 0, steady = 0, meta = 0;
+  // libwavekv 0.13 (CUDA engines; absent or 0 before and on the CPU).
+  uint64_t device_reserved = 0, device_used = 0, meta_device = 0, meta_host_rows = 0;
   uint64_t lookups = 0, hits = 0, misses = 0, admissions = 0, evictions = 0, backlog = 0;
   std::string device;
 };
@@ -65,6 +67,10 @@ bool parse(const std::string &text, Figures *f) {
   f->device_cache = number(s, "device_cache_bytes");
   f->steady = number(s, "steady_bytes");
   f->meta = number(s, "meta_bytes");
+  f->device_reserved = number(s, "device_bytes_reserved");
+  f->device_used = number(s, "device_bytes_used");
+  f->meta_device = number(s, "meta_device_bytes");
+  f->meta_host_rows = number(s, "meta_host_rows_reserved");
   f->lookups = number(s, "lookups");
   f->hits = number(s, "cache_hits");
   f->misses = number(s, "cache_misses");
@@ -97,8 +103,13 @@ std::string screen(const std::string &path, const Figures &f, const Figures &pre
   t.row({"sequences", std::to_string(f.sequences)});
   t.row({"tokens", std::to_string(f.tokens) + " (all layers), " + std::to_string(f.clusters) + " clusters"});
   t.row({"device cache", mib(f.device_cache, 1)});
+  // A CUDA engine's memory by where it lives (files of libwavekv 0.13 on).
+  const bool placed = f.device_reserved > 0;
+  if (placed) t.row({"device memory", mib(f.device_used, 1) + " used of " + mib(f.device_reserved, 1) + " reserved"});
   t.row({"host pages", mib(f.host_used, 1) + " used of " + mib(f.host_reserved, 1) + " reserved"});
-  t.row({"steady zone / meta index", mib(f.steady, 1) + " / " + mib(f.meta, 1)});
+  if (f.meta_host_rows) t.row({"host meta rows' pool", mib(f.meta_host_rows, 1) + " reserved"});
+  t.row({"steady zone / meta index", mib(f.steady, 1) + " / " + mib(f.meta, 1) +
+                                         (placed ? " (" + mib(f.meta_device, 1) + " on the device)" : "")});
   t.row({"lookups", std::to_string(f.lookups) + " (" + rate(f.lookups, prev.lookups, secs) + ")"});
   t.row({"cache hits / misses", std::to_string(f.hits) + " / " + std::to_string(f.misses) + " (" +
                                     (looked ? fixed(100.0 * f.hits / looked, 1) : std::string("-")) + "% hits)"});
@@ -112,7 +123,8 @@ std::string screen(const std::string &path, const Figures &f, const Figures &pre
 std::string line(const Figures &f) {
   return "unix_ms=" + std::to_string(f.unix_ms) + " sequences=" + std::to_string(f.sequences) +
          " tokens=" + std::to_string(f.tokens) + " host_used=" + std::to_string(f.host_used) +
-         " device_cache=" + std::to_string(f.device_cache) + " lookups=" + std::to_string(f.lookups) +
+         " device_cache=" + std::to_string(f.device_cache) + " device_used=" + std::to_string(f.device_used) +
+         " lookups=" + std::to_string(f.lookups) +
          " hits=" + std::to_string(f.hits) + " misses=" + std::to_string(f.misses) +
          " admissions=" + std::to_string(f.admissions) + " evictions=" + std::to_string(f.evictions) +
          " backlog=" + std::to_string(f.backlog);
