@@ -36,7 +36,14 @@
  *
  * Threads: functions may be called from any thread. An engine may be used by
  * several threads at once provided that each wkv_seq and each wkv_plan is used
- * by one thread at a time.
+ * by one thread at a time. An engine also runs threads of its own, named so
+ * that a runtime can find them (/proc/self/task/TID/comm, top -H, ps -L):
+ * wkv-buffers (the buffer manager: replacement, admissions' bookkeeping),
+ * wkv-pin-ahead (CUDA: pins the next host arena chunk before it is needed),
+ * wkv-stats (with stats_path), wkv-cold (with cold pages), and the worker
+ * threads of `threads`. The library binds none of them to a CPU; a runtime
+ * that binds its decoding thread may bind these elsewhere (sched_setaffinity
+ * with the thread's id), off the decoding thread's core and its SMT sibling.
  *
  * Streams (CUDA): the work the engine enqueues for a sequence (its appends,
  * its growths, the steps that read it) runs in the order of the streams it
