@@ -31,6 +31,8 @@
 # retrieval zone, larger clusters, a larger device cache).
 # PHASE=hostrows: placement, the head-state and Python CUDA tests, the f32
 # meta rows in host memory at 1M, memcheck of their tests (about 300 s).
+# PHASE=m32: 1M tokens, batch 1, all 32 layers (8-bit pages fit host
+# memory), against full attention streaming from host memory.
 # PHASE=smt: where cores have two threads, placement (the host's time at
 # batch 7 with its threads' CPUs sampled); on a host with one thread a
 # core it ends at once.
@@ -302,6 +304,22 @@ elif [ "$PHASE" = host ]; then
     echo "== batch 13, $e: rc=$? $((SECONDS-T0)) s"
     grep -E "^ +13 +[0-9]|^full|vs full|best" "$f" | cut -c1-200
   done
+  pack
+elif [ "$PHASE" = m32 ]; then
+  # 1M tokens, batch 1, all 32 layers in host memory (8-bit pages: about
+  # 66 GiB of KV), a 20% device cache, the f32 meta rows in host memory
+  # (M32_HOST_ROWS, 1), against full attention streaming one layer's KV
+  # from pinned host memory (the same call): the issue's 1M figure without
+  # scaling 4 layers by 8.
+  build_some "gpu_serving_bench"
+  free -g | head -2
+  timeout 120 python3 bench/gpu_full_attention.py 1048576 1 --stream > /tmp/build-full-1m.txt 2>&1
+  echo "full attention 1M rc=$? $((SECONDS-T0)) s"; grep -E "^stream_ms|^full" /tmp/build-full-1m.txt | head -4
+  WKV_STREAM_MS=$(awk '/^stream_ms/{print $2}' /tmp/build-full-1m.txt); export WKV_STREAM_MS
+  WKV_SERVING_HOST_META_ROWS=${M32_HOST_ROWS:-1} WKV_PAGE_FORMAT=1 WKV_SERVING_CACHE_FRACTION=0.2 \
+    timeout $(( $(left) - 5 )) build-gpu/bin/gpu_serving_bench 1048576 1 64 32 > /tmp/build-m32.txt 2>&1
+  echo "== 1M, 32 layers: rc=$? $((SECONDS-T0)) s"; grep -vE "^ *$" /tmp/build-m32.txt | tail -14 | cut -c1-220
+  free -g | head -2
   pack
 elif [ "$PHASE" = smt ]; then
   # The host's slow mode where cores have two threads: nothing to learn on
