@@ -425,6 +425,7 @@ class CudaBackend final : public Backend, public BufferManager::Device {
   size_t frame_bytes_ = 0;
   uint32_t frames_ = 0;
   unsigned long long *d_stats_ = nullptr;  // [0] hits, [1] misses (units), [2] tokens gathered
+  static constexpr size_t kStatsBytes = 3 * sizeof(unsigned long long);
   std::vector<void *> d_blocks_;            // the buffer manager's device memory
   std::atomic<uint64_t> d_block_bytes_{0};  // their bytes (wkv_stats.device_bytes_*)
   // The buffer manager's publications to its pool (copies of slots and
@@ -583,8 +584,8 @@ Status CudaBackend::init(HostArena::Options *ao) {
   WKV_CU(cudaStreamCreateWithFlags(&free_, cudaStreamNonBlocking));
   WKV_CU(cudaStreamCreateWithFlags(&io_, cudaStreamNonBlocking));
   WKV_CU(cudaStreamCreateWithPriority(&pool_stream_, cudaStreamNonBlocking, greatest_priority_));
-  WKV_CU(cudaMalloc(&d_stats_, 3 * sizeof(unsigned long long)));
-  WKV_CU(cudaMemsetAsync(d_stats_, 0, 3 * sizeof(unsigned long long), side_));
+  WKV_CU(cudaMalloc(&d_stats_, kStatsBytes));
+  WKV_CU(cudaMemsetAsync(d_stats_, 0, kStatsBytes, side_));
   WKV_CU(cudaStreamSynchronize(side_));
   WKV_CU(cudaStreamCreateWithFlags(&grow_, cudaStreamNonBlocking));
   WKV_CU(cudaStreamCreateWithPriority(&cap_, cudaStreamNonBlocking, least_priority_));
@@ -2199,8 +2200,7 @@ void CudaBackend::fill_stats(wkv_stats *out) {
     }
     return static_cast<uint64_t>(v);
   };
-  const uint64_t fixed = out->device_cache_bytes + d_block_bytes_.load(std::memory_order_relaxed) +
-                         3 * sizeof(unsigned long long);  // d_stats_
+  const uint64_t fixed = out->device_cache_bytes + d_block_bytes_.load(std::memory_order_relaxed) + kStatsBytes;
   out->device_bytes_reserved = fixed + pool_bytes(mempool_, cudaMemPoolAttrReservedMemCurrent);
   out->device_bytes_used = fixed + pool_bytes(mempool_, cudaMemPoolAttrUsedMemCurrent);
   out->meta_host_rows_reserved = pool_bytes(host_rows_pool_, cudaMemPoolAttrReservedMemCurrent);
