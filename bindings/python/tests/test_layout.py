@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -74,10 +75,16 @@ def test_every_header_field_is_declared(c_layout: dict) -> None:
     for name, cls in STRUCTS.items():
         body = header.split("typedef struct %s {" % name, 1)[1].split("} %s;" % name, 1)[0]
         declared = [f for f, _ in cls._fields_]
-        for line in body.splitlines():
-            code = line.split("/*", 1)[0].strip()
-            if code.endswith(";"):
-                field = code.rstrip(";").split()[-1].lstrip("*")
+        # Comments go first, whole: a ';' inside one (on any of its lines)
+        # is not the end of a field.
+        code = re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", " ", body, flags=re.S))
+        for decl in code.split(";"):
+            if not decl.strip():
+                continue
+            # "uint32_t a, b[4], *c": every declarator names a field.
+            first, *more = decl.split(",")
+            for declarator in [first.split()[-1]] + more:
+                field = declarator.strip().lstrip("*").split("[", 1)[0].strip()
                 assert field in declared, "%s.%s is in wavekv.h but not in the binding" % (name, field)
 
 
