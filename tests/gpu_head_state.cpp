@@ -400,6 +400,74 @@ TEST(GpuHeadState, MetaRowsInHostMemoryDecodeTheSameBits) {
   }
 }
 
+// WKV_CONFIG_HOST_META_ROWS when memory runs out. Every allocation of a
+// growth fails in turn, the pinned rows' regions among them (a head whose
+// rows outgrow their region gets a larger one and keeps its rows), then
+// every allocation of an import. A failed call is WKV_ERR_OUT_OF_MEMORY and
+// leaves the sequence as it was: it decodes the same bits as an engine
+// without the flag that took only the appends that succeeded, and its
+// snapshot imports whole once memory is there again.
+TEST(GpuHeadState, MetaRowsInHostMemoryOutliveFailedGrowthsAndImports) {
+  REQUIRE_GPU();
+  Engine dev(WKV_DEVICE_CUDA), host(WKV_DEVICE_CUDA, 0.018f, 0.232f, WKV_CONFIG_HOST_META_ROWS, false);
+  if (host.opened.code() == WKV_ERR_UNSUPPORTED) GTEST_SKIP() << "skipped: " << host.opened.message();
+  ASSERT_TRUE(host.opened.is_ok()) << host.opened.message();
+  Context ctx;
+  auto sd = dev.sequence(), sh = host.sequence();
+  prompt_both(ctx, dev, *sd, host, *sh);
+  uint32_t failed = 0;
+  std::vector<uint8_t> k, v;
+  for (uint32_t skip = 0; skip < 12; ++skip) {
+    ctx.draw(600, &k, &v);  // past an update segment: a growth begins or commits
+    Buf dk(true, k), dv(true, v);
+    const uint64_t tokens = sh->layer(0).tokens;
+    const size_t segments = sh->layer(0).heads[0].segments.size();
+    host.e->faults().arm(wkv::FaultInjector::kEngineAlloc, 1, skip);
+    const wkv::Status st = host.e->append(*sh, 0, static_cast<uint8_t *>(dk.p), static_cast<uint8_t *>(dv.p), 600,
+                                          kKV * kD, kD, nullptr);
+    host.e->faults().arm(wkv::FaultInjector::kEngineAlloc, 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    if (st.is_ok()) {
+      dev.append(*sd, k, v, 600);
+    } else {
+      ++failed;
+      EXPECT_EQ(st.code(), WKV_ERR_OUT_OF_MEMORY) << st.message();
+      EXPECT_EQ(sh->layer(0).tokens, tokens) << "skip " << skip;
+      EXPECT_EQ(sh->layer(0).heads[0].segments.size(), segments) << "skip " << skip;
+    }
+    ASSERT_EQ(sh->layer(0).tokens, sd->layer(0).tokens);
+    const std::vector<float> q = ctx.query();
+    EXPECT_EQ(host.decode(sh, q), dev.decode(sd, q)) << "skip " << skip;
+  }
+  EXPECT_GT(failed, 0u) << "no allocation of a growth failed";
+  for (uint32_t h = 0; h < kKV; ++h)
+    EXPECT_EQ(memory_type(sh->layer(0).heads[h].meta.centroid.p), cudaMemoryTypeHost);
+
+  const auto snap = host.snapshot(*sh);
+  auto si = host.sequence();
+  uint32_t failed_imports = 0;
+  bool imported = false;
+  for (uint32_t skip = 0; skip < 16 && !imported; ++skip) {
+    host.e->faults().arm(wkv::FaultInjector::kEngineAlloc, 1, skip);
+    const wkv::Status st = wkv::import_layer(host.e->index(), snap[0], &si->layer(0), nullptr);
+    host.e->faults().arm(wkv::FaultInjector::kEngineAlloc, 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    imported = st.is_ok();  // it needed fewer than skip + 1 allocations
+    if (imported) break;
+    ++failed_imports;
+    EXPECT_EQ(st.code(), WKV_ERR_OUT_OF_MEMORY) << st.message();
+    EXPECT_EQ(si->layer(0).tokens, 0u) << "skip " << skip;
+    EXPECT_TRUE(si->layer(0).heads[0].segments.empty()) << "skip " << skip;
+  }
+  EXPECT_GT(failed_imports, 0u);
+  if (!imported) host.import(*si, snap);
+  EXPECT_EQ(memory_type(si->layer(0).heads[0].meta.centroid.p), cudaMemoryTypeHost);
+  for (int step = 0; step < 2; ++step) {
+    const std::vector<float> q = ctx.query();
+    EXPECT_EQ(host.decode(si, q), host.decode(sh, q)) << "imported after failed imports, step " << step;
+  }
+}
+
 // An f32 engine's steps read the f32 rows themselves, and so does the
 // gather of centered 8-bit pages (each retrieved cluster's centroid): the
 // flag is refused there rather than sending every step over PCIe.

@@ -290,6 +290,40 @@ TEST(HeadSnapshot, AnInconsistentSnapshotIsRefusedNamingTheHead) {
   EXPECT_EQ(sb->layer(0).tokens, 1200u);
 }
 
+// An import that runs out of memory (each of its allocations failing in
+// turn) is WKV_ERR_OUT_OF_MEMORY and leaves the layer it was to replace as it
+// was: its own tokens decode the same bits after. Once memory is there the
+// import takes, and decodes as the exported layer does.
+TEST(HeadSnapshot, AnImportThatRunsOutOfMemoryLeavesTheLayerAsItWas) {
+  Internal a(config(WKV_DTYPE_F16, kD, 1));
+  Draw draw(WKV_DTYPE_F16), other(WKV_DTYPE_F16);
+  other.gen = KeyGen(kKV, kD, 7);
+  auto sa = a.sequence(), sb = a.sequence();
+  prompt_then_generate(a, draw, *sa, 1500, 150);
+  prompt_then_generate(a, other, *sb, 700, 40);
+  std::vector<wkv::LayerSnapshot> snap;
+  ASSERT_TRUE(export_all(a, *sa, &snap).is_ok());
+  const std::vector<uint8_t> q = draw.query();
+  const std::vector<uint8_t> before = a.decode(sb, 0, q), want = a.decode(sa, 0, q);
+  uint32_t failed = 0;
+  bool imported = false;
+  for (uint32_t skip = 0; skip < 64 && !imported; ++skip) {
+    a.e->faults().arm(wkv::FaultInjector::kEngineAlloc, 1, skip);
+    const wkv::Status st = wkv::import_layer(a.e->index(), snap[0], &sb->layer(0), nullptr);
+    a.e->faults().arm(wkv::FaultInjector::kEngineAlloc, 0);
+    imported = st.is_ok();  // it made fewer than skip + 1 allocations
+    if (imported) break;
+    ++failed;
+    EXPECT_EQ(st.code(), WKV_ERR_OUT_OF_MEMORY) << "skip " << skip << ": " << st.message();
+    EXPECT_EQ(sb->layer(0).tokens, 740u) << "skip " << skip;
+    EXPECT_EQ(a.decode(sb, 0, q), before) << "skip " << skip;
+  }
+  EXPECT_GT(failed, 2u) << "an import allocates its rows, regions and mirror";
+  ASSERT_TRUE(imported) << "no import took within 64 allocations";
+  EXPECT_EQ(sb->layer(0).tokens, sa->layer(0).tokens);
+  EXPECT_EQ(a.decode(sb, 0, q), want);
+}
+
 // The CPU engine's compact mirror: each cluster's centroid and value mean
 // (value sum / size) in quantize_row's format, whatever their magnitude
 // (a mean past f16's range too); a row that is not finite drops the mirror
