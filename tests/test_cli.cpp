@@ -369,8 +369,8 @@ TEST(Cli, BenchManagerTakesEveryRecordAndReportsItsLoad) {
 }
 
 // `wavekv bench cache` at a small size. Belady's optimum reads at least as
-// much of the trace from the cache as the engine's LRU and CLOCK and its
-// buffer manager at every size; its hits never fall as the cache grows (a
+// much of the trace from the cache as the engine's LRU and CLOCK, LRU with
+// the score-aware touches (lru+near) and its buffer manager at every size; its hits never fall as the cache grows (a
 // stack algorithm); no policy hits a unit read for the first time; a
 // step's misses are within what it retrieves. An unknown policy or a fraction
 // outside (0, 1] is a usage error.
@@ -417,18 +417,32 @@ constexpr const char *kRealLayersRun = "6";
 
 TEST(Cli, BenchCacheBoundsEveryPolicyByTheOptimum) {
   const Outcome r = run_cli({"bench", "cache", "--tokens", kCacheTokens, "--steps", "96", "--repeat", "4",
-                             "--fractions", "0.01,0.03,0.1,0.3", "--policy", "lru,clock,engine,opt", "--step-us",
-                             "0", "--threads", "2", "--json"});
+                             "--fractions", "0.01,0.03,0.1,0.3", "--policy", "lru,clock,engine,lru+near,opt",
+                             "--near", "2", "--step-us", "0", "--threads", "2", "--json"});
   ASSERT_TRUE(r.exited) << r.out;
   ASSERT_EQ(r.status, 0) << r.out;
   const nlohmann::json j = nlohmann::json::parse(r.out.substr(r.out.rfind("{\"command\"")), nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << r.out;
   EXPECT_EQ(j["steps"], 96);
-  expect_bounded(j, 4, {"lru", "clock", "engine", "opt"});
+  expect_bounded(j, 4, {"lru", "clock", "engine", "lru+near", "opt"});
   // The engine's manager hands frames ahead and the steps admit into them.
-  EXPECT_GT(j["runs"][3 * 4 + 2]["hit_ratio"].get<double>(), 0.0) << j["runs"][3 * 4 + 2].dump();
+  EXPECT_GT(j["runs"][3 * 5 + 2]["hit_ratio"].get<double>(), 0.0) << j["runs"][3 * 5 + 2].dump();
+  // The near touches change what LRU keeps somewhere; with none (--near 0)
+  // lru+near is lru, read for read.
+  bool differs = false;
+  for (size_t f = 0; f < 4; ++f) differs |= j["runs"][f * 5]["missed_units"] != j["runs"][f * 5 + 3]["missed_units"];
+  EXPECT_TRUE(differs) << j.dump();
+  const Outcome none = run_cli({"bench", "cache", "--tokens", kCacheTokens, "--steps", "24", "--repeat", "4",
+                                "--fractions", "0.03", "--policy", "lru,lru+near", "--near", "0", "--threads", "2",
+                                "--json"});
+  ASSERT_EQ(none.status, 0) << none.out;
+  const nlohmann::json n = nlohmann::json::parse(none.out.substr(none.out.rfind("{\"command\"")), nullptr, false);
+  ASSERT_FALSE(n.is_discarded()) << none.out;
+  EXPECT_EQ(n["runs"][0]["missed_units"], n["runs"][1]["missed_units"]) << n.dump();
 
   for (const std::vector<std::string> &bad : {std::vector<std::string>{"--policy", "mru"},
+                                              std::vector<std::string>{"--policy", "opt+near"},
+                                              std::vector<std::string>{"--near", "-1"},
                                               std::vector<std::string>{"--fractions", "0.05,1.5"},
                                               std::vector<std::string>{"--fractions", "x"}}) {
     std::vector<std::string> args = {"bench", "cache", "--tokens", "8192", "--steps", "4"};

@@ -12,6 +12,12 @@
 //          the engine's own policies (lib/buffer/replacement.hpp: LRU with
 //          lazy promotion, the default; CLOCK with a two-bit count;
 //          segmented LRU), every miss admitted;
+//   lru+near, clock+near, slru+near
+//          score-aware: the same policy, and before each lookup's reads
+//          the cached units of its estimation zone's best clusters (--near
+//          times as many as it retrieves, by their best logit in the query
+//          group) are touched as if read, so that clusters the queries
+//          come close to stay cached (nothing is admitted for them);
 //   engine the engine's buffer manager itself, its thread running as in an
 //          engine: a miss is admitted only to a frame the manager handed
 //          ahead (run_engine), one lookup every --step-us;
@@ -85,6 +91,10 @@ struct Trace {
   // runs' heads (dense ids of (stream, KV head)) from heads_begin on.
   std::vector<size_t> lookup_end, heads_begin;
   std::vector<uint32_t> lookup_key, lookup_want, heads;
+  // Each lookup's near units (the +near policies), near_end[x] the end of
+  // lookup x's.
+  std::vector<uint32_t> near_unit;
+  std::vector<size_t> near_end;
   uint32_t n_units = 0, n_heads = 0;  // distinct units and heads
   // The first access counted.
   size_t first_counted() const { return counted_from == 0 ? 0 : step_end[counted_from - 1]; }
@@ -98,7 +108,9 @@ struct Trace {
 // Assigns dense ids to (stream, KV head, unit) and records a plan's lookup.
 class Recorder {
  public:
-  explicit Recorder(Trace *t) : t_(t) {}
+  // group: q heads a KV head serves; near: the near clusters recorded, of
+  // the retrieval zone's (0: none).
+  Recorder(Trace *t, uint32_t group, double near) : t_(t), group_(group), near_(near) {}
 
   // The retrieval of `plan`'s latest lookup at `layer`: run r of the plan
   // is sequence seqs[r / H] and head r % H; stream identifies the sequence
@@ -117,17 +129,17 @@ class Recorder {
       for (uint32_t i = 0; i < r.n_ret; ++i) {
         const uint32_t c = plan.ret_ids[r.ret_off + i], size = hs.map.size[c], ub = hs.map.unit_begin[c];
         for (uint32_t j = 0; j * pt < size; ++j) {
-          const uint64_t key = prefix | (ub + j);
-          auto [it, fresh] = ids_.try_emplace(key, static_cast<uint32_t>(ids_.size()));
-          t_->unit.push_back(it->second);
+          t_->unit.push_back(id(prefix | (ub + j)));
           t_->rows.push_back(std::min(pt, size - j * pt));
           t_->run.push_back(ri);
         }
         if (counted) t_->ret_tokens += size;
       }
       want += wkv::ret_units_bound(hs, r.n_ret, pt);  // what a CUDA engine lets the step admit
+      if (near_ > 0) record_near(plan, r, hs, prefix);
     }
     t_->lookup_end.push_back(t_->unit.size());
+    t_->near_end.push_back(t_->near_unit.size());
     t_->lookup_key.push_back(layer + 1);
     t_->lookup_want.push_back(static_cast<uint32_t>(std::min<uint64_t>(want, UINT32_MAX)));
     t_->n_units = static_cast<uint32_t>(ids_.size());
@@ -136,8 +148,34 @@ class Recorder {
   void end_step() { t_->step_end.push_back(t_->unit.size()); }
 
  private:
+  uint32_t id(uint64_t key) { return ids_.try_emplace(key, static_cast<uint32_t>(ids_.size())).first->second; }
+
+  // The units of run r's best estimation-zone clusters, ranked by their
+  // best logit in the query group (the plan's logits: G rows of r.clusters).
+  void record_near(const wkv::Plan &plan, const wkv::RunPlan &r, const wkv::HeadState &hs, uint64_t prefix) {
+    const uint32_t n = std::min<uint32_t>(r.n_est, static_cast<uint32_t>(near_ * r.n_ret));
+    if (n == 0) return;
+    const float *logits = &plan.logits[r.logits_off];
+    ranked_.clear();
+    for (uint32_t i = 0; i < r.n_est; ++i) {
+      const uint32_t c = plan.est_ids[r.est_off + i];
+      float best = logits[c];
+      for (uint32_t g = 1; g < group_; ++g) best = std::max(best, logits[size_t(g) * r.clusters + c]);
+      ranked_.emplace_back(best, c);
+    }
+    std::partial_sort(ranked_.begin(), ranked_.begin() + n, ranked_.end(), std::greater<>());
+    const uint32_t pt = t_->page_tokens;
+    for (uint32_t i = 0; i < n; ++i) {
+      const uint32_t c = ranked_[i].second;
+      for (uint32_t j = 0; j * pt < hs.map.size[c]; ++j) t_->near_unit.push_back(id(prefix | (hs.map.unit_begin[c] + j)));
+    }
+  }
+
   Trace *t_;
+  uint32_t group_;
+  double near_;
   std::unordered_map<uint64_t, uint32_t> ids_, heads_;
+  std::vector<std::pair<float, uint32_t>> ranked_;
 };
 
 std::shared_ptr<wkv::Engine> open_engine(const Options &o, uint32_t layers, uint32_t q_heads, uint32_t kv_heads,
@@ -233,7 +271,7 @@ Trace trace_serving(const Options &o) {
   std::shared_ptr<wkv::StepTracker> tracker;
   ok(e->buffers().new_tracker(&tracker), "a plan's tracker");
   wkv::Plan plan(e, tracker);
-  Recorder rec(&t);
+  Recorder rec(&t, w::kQ / w::kH, o.near);
   const int64_t q_seq = int64_t(w::kQ) * w::kD;
   // Warm-up: the first 8 steps' queries twice, on the prompt.
   constexpr uint32_t kWarmup = 16;
@@ -287,7 +325,7 @@ bool trace_real(const Options &o, Trace *out) {
   std::shared_ptr<wkv::StepTracker> tracker;
   ok(e->buffers().new_tracker(&tracker), "a plan's tracker");
   wkv::Plan plan(e, tracker);
-  Recorder rec(&t);
+  Recorder rec(&t, kRealQ / kRealKV, o.near);
   t.counted_from = 1;
   for (uint32_t j = 0; j < kRealQueries; ++j) {
     for (uint32_t l = 0; l < L; ++l) {
@@ -331,13 +369,18 @@ template <typename F> Outcome replay(const Trace &t, F &&hit) {
 
 // The engine's replacement policy `name` (lib/buffer/replacement.hpp) over
 // `cap` frames, every miss admitted: to a free frame while there is one,
-// then to the policy's victim's.
-Outcome replay_policy(const Trace &t, uint32_t n_units, uint64_t cap, const std::string &name) {
+// then to the policy's victim's. With `near`, each lookup's near units that
+// are cached are touched before its reads.
+Outcome replay_policy(const Trace &t, uint32_t n_units, uint64_t cap, const std::string &name, bool near) {
   const uint32_t frames = static_cast<uint32_t>(cap);
   std::unique_ptr<wkv::ReplacementPolicy> policy = wkv::make_policy(name, frames);
   std::vector<uint32_t> frame_of(n_units, kNever), unit_in(frames, kNever);
   uint32_t used = 0;
+  size_t lookup = 0;  // the next lookup whose reads begin
   return replay(t, [&](size_t i) {
+    for (; near && lookup < t.lookup_end.size() && i == (lookup ? t.lookup_end[lookup - 1] : 0); ++lookup)
+      for (size_t k = lookup ? t.near_end[lookup - 1] : 0; k < t.near_end[lookup]; ++k)
+        if (const uint32_t f = frame_of[t.near_unit[k]]; f != kNever) policy->on_access(f);
     const uint32_t u = t.unit[i];
     if (frame_of[u] != kNever) {
       policy->on_access(frame_of[u]);
@@ -492,6 +535,7 @@ void declare_bench_cache(CLI::App &cmd, Options *o) {
   o->policy = "lru,clock,opt";
   o->step_us = 560;
   o->link_gbs = 55;
+  o->near = 1;
   o->real_dir = "../shared/data/real-attention";
   o->layers = kRealLayers;
   cmd.add_option("--workload", o->workload, "serving (the GPU serving benchmark's) or real (the real-attention set)")
@@ -514,8 +558,12 @@ void declare_bench_cache(CLI::App &cmd, Options *o) {
       ->capture_default_str();
   cmd.add_option("--fractions", o->fractions, "cache sizes, fractions of the KV held, comma-separated")->capture_default_str();
   cmd.add_option("--policy", o->policy,
-                 "policies, comma-separated (the engine's lru, clock, slru, every miss admitted; engine, its buffer "
-                 "manager; opt)")
+                 "policies, comma-separated (the engine's lru, clock, slru, every miss admitted; each with +near, "
+                 "score-aware; engine, its buffer manager; opt)")
+      ->capture_default_str();
+  cmd.add_option("--near", o->near,
+                 "+near policies: the estimation zone's best clusters touched a lookup, of the clusters it retrieves")
+      ->check(CLI::Range(0.0, 100.0))
       ->capture_default_str();
   cmd.add_option("--step-us", o->step_us, "engine: microseconds from one lookup's start to the next's (0: back to back)")
       ->check(CLI::Range(uint64_t{0}, uint64_t{1000000}))
@@ -545,19 +593,29 @@ int run_bench_cache(const Options &o) {
     fractions.push_back(x);
   }
   const std::vector<std::string> policies = split_list(o.policy);
-  for (const std::string &p : policies)
-    if (p != "opt" && p != "engine" && !wkv::make_policy(p, 1))
+  const std::string kNear = "+near";
+  const auto is_near = [&](const std::string &p) {
+    return p.size() > kNear.size() && p.compare(p.size() - kNear.size(), kNear.size(), kNear) == 0;
+  };
+  bool any_near = false;
+  for (const std::string &p : policies) {
+    const std::string base = is_near(p) ? p.substr(0, p.size() - kNear.size()) : p;
+    any_near |= is_near(p);
+    if (p != "opt" && p != "engine" && !wkv::make_policy(base, 1))
       throw UsageError("bench cache: --policy: unknown policy '" + p + "'");
+  }
+  Options traced = o;
+  if (!any_near) traced.near = 0;  // nothing to record
   if (fractions.empty() || policies.empty()) throw UsageError("bench cache: --fractions and --policy need one entry");
 
   Trace t;
   if (o.workload == "real") {
-    if (!trace_real(o, &t)) {
+    if (!trace_real(traced, &t)) {
       std::printf("wavekv bench cache: skipped, no real-attention data under %s (--real-dir)\n", o.real_dir.c_str());
       return 0;
     }
   } else {
-    t = trace_serving(o);
+    t = trace_serving(traced);
   }
   if (t.unit.size() >= kNever) throw UsageError("bench cache: more than 2^32 units read; fewer --steps or --batch");
   const uint32_t n_units = t.n_units;
@@ -582,7 +640,8 @@ int run_bench_cache(const Options &o) {
     for (const std::string &p : policies) {
       const Outcome r = p == "opt"      ? run_opt(t, n_units, cap)
                         : p == "engine" ? run_engine(t, n_units, cap, o.step_us)
-                                        : replay_policy(t, n_units, cap, p);
+                        : is_near(p)    ? replay_policy(t, n_units, cap, p.substr(0, p.size() - kNear.size()), true)
+                                        : replay_policy(t, n_units, cap, p, false);
       cells.push_back({p, f, cap, r});
     }
   }
@@ -623,6 +682,7 @@ int run_bench_cache(const Options &o) {
         {"first_reads", first.misses},
         {"first_read_ratio", 1.0 - hit_ratio(first)},
         {"link_gbs", o.link_gbs},
+        {"near", traced.near},
         {"runs", runs}};
     std::cout << j.dump() << std::endl;
     return 0;
@@ -641,6 +701,10 @@ int run_bench_cache(const Options &o) {
     tab.row({fixed(c.fraction * 100, 1) + "%", std::to_string(c.frames), c.policy, fixed(hit_ratio(c.r), 3),
              fixed(mb_step(c.r), 2), fixed(link_ms(c.r), 3)});
   std::cout << tab.str();
+  if (any_near)
+    std::printf("+near: before a lookup's reads, the cached units of its estimation zone's best %.1fx as many clusters "
+                "as it retrieves are touched\n",
+                o.near);
   std::printf("lru, clock, slru: the engine's policies, every miss admitted; engine: its buffer manager, a miss "
               "admitted to a frame handed ahead (a lookup every %llu us); opt: Belady's optimum with bypass, the most "
               "hits any policy can have at that size\n",

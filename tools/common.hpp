@@ -81,6 +81,7 @@ struct Options {
   std::string fractions;        // bench cache: cache sizes, as fractions of the KV
   double link_gbs = 0;          // bench cache: host-to-device GB/s, for the misses' transfer time
   uint64_t page_bytes = 0;      // bench cache: wkv_config.page_bytes (0: the default)
+  double near = 0;              // bench cache: the +near policies' clusters, of the retrieval zone's
 
   uint32_t dtype_id() const;
   // threads, or the number of cores when 0.
