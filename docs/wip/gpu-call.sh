@@ -36,6 +36,12 @@
 # PHASE=smt: where cores have two threads, placement (the host's time at
 # batch 7 with its threads' CPUs sampled); on a host with one thread a
 # core it ends at once.
+# PHASE=marked: docs/wip/marked-copies.patch (an append of up to 256
+# copies and 64 sequences in one launch, with large kernel parameters)
+# against the tree without it: the tree is copied to build-base-src/ first,
+# then patched; both built; TableCuda.* and gpu_batch on the patched tree;
+# the host's time a layer at batch 13 and 7, interleaved base and patched
+# (PLACE_ROUNDS, 2); memcheck of the kernel's test. About 300 s.
 # PHASE=racecap: racecheck of the two capture tests side by side, the
 # head-state tests, memcheck of the f32 meta rows in host memory, the
 # Python CUDA tests.
@@ -304,6 +310,34 @@ elif [ "$PHASE" = host ]; then
     echo "== batch 13, $e: rc=$? $((SECONDS-T0)) s"
     grep -E "^ +13 +[0-9]|^full|vs full|best" "$f" | cut -c1-200
   done
+  pack
+elif [ "$PHASE" = marked ]; then
+  rm -rf build-base-src && mkdir build-base-src
+  tar --exclude=./.debs --exclude=./build-gpu --exclude=./build-base-src --exclude=./build --exclude=./build-asan --exclude=./build-tsan \
+    -cf - . | tar -xf - -C build-base-src
+  (git apply docs/wip/marked-copies.patch 2>/dev/null || patch -p1 < docs/wip/marked-copies.patch) \
+    && echo "patched" || { echo "the patch did not apply"; exit 1; }
+  (cd build-base-src && ln -sfn ../.debs .debs && JOBS=${BASE_JOBS:-6} BUILD_TARGETS=gpu_serving_bench OUT=/tmp/base \
+    tools/gpu-check.sh build > /tmp/build-base.txt 2>&1; echo "build base rc=$? $((SECONDS-T0)) s") &
+  (JOBS=10 BUILD_TARGETS="gpu_serving_bench gpu_kmeans_gather gpu_batch" OUT=/tmp/cur tools/gpu-check.sh build \
+    > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s") &
+  wait
+  grep -hE "error" -A3 /tmp/build-*.txt | head -20
+  timeout 60 build-gpu/bin/gpu_kmeans_gather --gtest_filter='TableCuda.*' > /tmp/build-table.txt 2>&1
+  t TableCuda $? /tmp/build-table.txt
+  timeout 150 build-gpu/bin/gpu_batch --gtest_brief=1 > /tmp/batch-tests.txt 2>&1; t gpu_batch $? /tmp/batch-tests.txt
+  for i in $(seq ${PLACE_ROUNDS:-2}); do
+    for b in 13 7; do
+      for which in base cur; do
+        [ "$(left)" -gt 60 ] || break
+        bin=build-gpu/bin/gpu_serving_bench; [ "$which" = base ] && bin=build-base-src/$bin
+        WKV_PAGE_FORMAT=1 timeout 90 "$bin" 131072 $b > /tmp/build-marked-$which-$b-$i.txt 2>&1
+        echo "== batch $b, $which, run $i: rc=$? $((SECONDS-T0)) s"
+        grep -E "^ +$b +[0-9]|host us \(medians\)|device us" /tmp/build-marked-$which-$b-$i.txt | cut -c1-200
+      done
+    done
+  done
+  san_one memcheck gpu_kmeans_gather 'TableCuda.*' 120; tail -2 /tmp/san/memcheck-gpu_kmeans_gather-*.log
   pack
 elif [ "$PHASE" = m32 ]; then
   # 1M tokens, batch 1, all 32 layers in host memory (8-bit pages: about
