@@ -219,6 +219,59 @@ TEST(SeqFile, WhatIsNotASequenceFileIsRefused) {
   EXPECT_EQ(stats(e).sequences, 0u);
 }
 
+// What is not a regular file is neither replaced nor read. A save renames a
+// new file over its target, which would put a regular file in the place of
+// a FIFO, a device or a directory: refused, nothing written. A load refuses
+// them at once (the open of a FIFO without a writer used to block for
+// good). A symbolic link is followed: the save replaces the file it leads
+// to and the link stays; one that leads nowhere is refused. The statistics
+// file (wkv_config.stats_path) is written the same way.
+TEST(SeqFile, WhatIsNotARegularFileIsNeitherReplacedNorRead) {
+  ScratchDir dir;
+  const Shape s;
+  Saved saved(s, dir.file("seq"));
+  wkv_seq *seq = nullptr;
+  ASSERT_EQ(wkv_seq_load(saved.engine.get(), saved.path.c_str(), &seq), WKV_OK) << wkv_last_error();
+  const std::string fifo = dir.file("fifo"), sub = dir.file("sub");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  ASSERT_EQ(mkdir(sub.c_str(), 0700), 0);
+  for (const std::string &p : {fifo, sub}) {
+    EXPECT_EQ(wkv_seq_save(seq, p.c_str(), 0), WKV_ERR_INVALID_ARGUMENT) << p;
+    EXPECT_NE(std::string(wkv_last_error()).find("not a regular file"), std::string::npos) << wkv_last_error();
+    std::string msg;
+    EXPECT_EQ(load_code(saved.engine, p, &msg), WKV_ERR_INVALID_ARGUMENT) << p;
+    EXPECT_NE(msg.find("not a regular file"), std::string::npos) << msg;
+  }
+  struct stat st;
+  ASSERT_EQ(lstat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  ASSERT_EQ(lstat(sub.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+
+  const std::string link = dir.file("link"), dangling = dir.file("dangling"), nowhere = dir.file("nowhere");
+  ASSERT_EQ(symlink(saved.path.c_str(), link.c_str()), 0);
+  ASSERT_EQ(wkv_seq_save(seq, link.c_str(), 0), WKV_OK) << wkv_last_error();
+  ASSERT_EQ(lstat(link.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISLNK(st.st_mode)) << "the link stays a link";
+  EXPECT_EQ(load_code(saved.engine, link), WKV_OK);
+  EXPECT_EQ(load_code(saved.engine, saved.path), WKV_OK);
+  ASSERT_EQ(symlink(nowhere.c_str(), dangling.c_str()), 0);
+  EXPECT_EQ(wkv_seq_save(seq, dangling.c_str(), 0), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(wkv_last_error()).find("leads to no file"), std::string::npos) << wkv_last_error();
+  EXPECT_NE(access(nowhere.c_str(), F_OK), 0);
+  wkv_seq_destroy(seq);
+
+  wkv_config c = file_config(s);
+  c.stats_path = fifo.c_str();
+  wkv_engine *other = reinterpret_cast<wkv_engine *>(1);
+  EXPECT_EQ(wkv_engine_open(&c, &other), WKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(wkv_last_error()).find("a FIFO"), std::string::npos) << wkv_last_error();
+  EXPECT_EQ(other, nullptr);
+  ASSERT_EQ(lstat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  EXPECT_EQ(dir.names().size(), 5u) << "seq, fifo, sub, link, dangling: no temporary file stays";
+}
+
 // Every bit of the superblock, of each section header and of the trailer,
 // and bits throughout each payload: found at load, the section named,
 // nothing left behind, the engine still working.

@@ -103,9 +103,9 @@ Report examine(const std::string &path, bool with_stats) {
   Report r;
   r.path = path;
   wkv::FileIO &io = wkv::posix_io();
-  const int fd = io.open_read(path.c_str());
-  if (fd < 0) {
-    r.note(wkv::io_status(fd, "opening '" + path + "'"));
+  int fd = -1;
+  if (const wkv::Status opened = wkv::open_to_read(io, path, &fd); !opened.is_ok()) {
+    r.note(opened);
     return r;
   }
   struct Closer {

@@ -291,7 +291,9 @@ enum {
  * the file is replaced whole (a temporary file beside it, mode 0600,
  * renamed over it), so a reader (`wavekv top FILE`) never sees half of one.
  * The path is copied at open and used as given (opened, never expanded);
- * a path that cannot be written fails wkv_engine_open with WKV_ERR_IO.
+ * a path that cannot be written fails wkv_engine_open with WKV_ERR_IO, one
+ * that names what is not a regular file (a device such as /dev/stdout, a
+ * FIFO, a directory) with WKV_ERR_INVALID_ARGUMENT, as wkv_seq_save's.
  * stats_interval_ms must lie in [10, 3600000] when stats_path is set.
  *
  * Spill file: when spill_dir is set, the engine opens its spill file in that
@@ -694,15 +696,20 @@ enum {
  * under a temporary name in the same directory (created with mode 0600),
  * fsynced, renamed over `path`, and the directory fsynced, so that `path`
  * holds either its previous contents or the whole new file, never a mix.
- * The path is only opened, never interpreted (no ~, no variables). The
- * sequence is copied one layer at a time (one layer's data in host memory
+ * The path is only opened, never interpreted (no ~, no variables). Where
+ * `path` is a symbolic link, the file it leads to is replaced and the link
+ * stays. Only a regular file is replaced: a path that names a device, a
+ * FIFO, a socket or a directory (renaming over it would put a regular file
+ * in its place: /dev/null too) or a link that leads nowhere is refused
+ * before anything is written. The sequence is copied one layer at a time (one layer's data in host memory
  * at a time); on a CUDA engine the call first waits for the work the
  * sequence's appends enqueued, and copies on a stream of the engine's own.
  * Other sequences keep decoding meanwhile; `seq` itself must not be used by
  * another thread until the call returns (as for every wkv_seq).
  *
  * Returns WKV_ERR_INVALID_ARGUMENT (null path, a path ending in '/', unknown
- * flags), WKV_ERR_INVALID_HANDLE, WKV_ERR_IO (the system's words for a
+ * flags, a path that is not a regular file or a link to one),
+ * WKV_ERR_INVALID_HANDLE, WKV_ERR_IO (the system's words for a
  * failed create, write, fsync or rename: nothing is left at the temporary
  * name and `path` is untouched), WKV_ERR_OUT_OF_MEMORY, WKV_ERR_DEVICE.
  */
@@ -725,7 +732,8 @@ WKV_API int wkv_seq_save_fd(const wkv_seq *seq, int fd, uint32_t flags);
  * imported; after any failure *out is NULL and the engine holds nothing of
  * the file. Every byte is checked against its checksum before it is used.
  *
- * Returns WKV_ERR_INVALID_ARGUMENT (null path or out; a file whose shape or
+ * Returns WKV_ERR_INVALID_ARGUMENT (null path or out; a path that is not a
+ * regular file, refused at once: a FIFO is not waited on; a file whose shape or
  * layout settings differ from the engine's, naming each difference, e.g.
  * "file has head_dim 64, engine 128"; retrieval and estimation fractions,
  * cluster_tokens, kmeans_iters and seed may differ: the engine's apply from

@@ -75,8 +75,8 @@ Status Engine::load(FileIO &io, int fd, std::shared_ptr<Sequence> *out, const Pr
 }
 
 Status Engine::load(FileIO &io, const std::string &path, std::shared_ptr<Sequence> *out, const ProgressFn &progress) {
-  const int fd = io.open_read(path.c_str());
-  if (fd < 0) return io_status(fd, "opening '" + path + "'");
+  int fd = -1;
+  WKV_RETURN_IF_ERROR(open_to_read(io, path, &fd));
   Status st = load(io, fd, out, progress);
   io.close(fd);
   return st;

@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 
 namespace wkv {
 namespace {
@@ -31,7 +33,19 @@ int PosixIO::open_dir(const char *path) {
   return sys([&] { return ::open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC); });
 }
 
-int PosixIO::open_read(const char *path) { return sys([&] { return ::open(path, O_RDONLY | O_CLOEXEC); }); }
+int PosixIO::open_read(const char *path) {
+  // O_NONBLOCK: a FIFO without a writer would block the open forever (and
+  // open_to_read refuses it); cleared after, for the reads of a file.
+  const int fd = sys([&] { return ::open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY); });
+  if (fd < 0) return fd;
+  const int flags = sys([&] { return ::fcntl(fd, F_GETFL); });
+  const int r = flags < 0 ? flags : sys([&] { return ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK); });
+  if (r < 0) {
+    ::close(fd);
+    return r;
+  }
+  return fd;
+}
 
 int PosixIO::create_excl(int dirfd, const char *name) {
   return sys([&] { return ::openat(dirfd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600); });
@@ -236,8 +250,57 @@ Status io_status(int err, const std::string &what) {
   return WKV_ERROR(WKV_ERR_IO, "%s: %s", what.c_str(), errno_text(err).c_str());
 }
 
-Status replace_file(FileIO &io, const std::string &path, bool durable, const std::function<Status(int fd)> &fill) {
-  std::string dir, name;
+namespace {
+
+const char *file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// The file replace_file replaces for `path` (its header comment).
+Status replace_target(const std::string &path, std::string *target) {
+  *target = path;
+  struct stat st;
+  if (sys([&] { return ::lstat(path.c_str(), &st); }) < 0) return Status::ok();  // new, or the directory's error
+  if (S_ISLNK(st.st_mode)) {
+    std::unique_ptr<char, decltype(&std::free)> real(::realpath(path.c_str(), nullptr), &std::free);
+    if (!real)
+      return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "'%s' is a symbolic link that leads to no file (%s)", path.c_str(),
+                       errno_text(errno).c_str());
+    *target = real.get();
+    if (sys([&] { return ::stat(target->c_str(), &st); }) < 0) return Status::ok();
+  }
+  if (!S_ISREG(st.st_mode))
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
+                     "'%s' is %s, not a regular file: a file is saved whole by renaming a new one over it, which would "
+                     "put a regular file in its place",
+                     path.c_str(), file_kind(st.st_mode));
+  return Status::ok();
+}
+
+}  // namespace
+
+Status open_to_read(FileIO &io, const std::string &path, int *fd) {
+  *fd = io.open_read(path.c_str());
+  if (*fd < 0) return io_status(*fd, "opening '" + path + "'");
+  uint64_t bytes = 0;
+  const int r = io.size(*fd, &bytes);
+  if (r == 0) return Status::ok();
+  io.close(*fd);
+  *fd = -1;
+  if (r == -EINVAL)
+    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "not a regular file (a directory, device, FIFO or socket)");
+  return io_status(r, "the size of '" + path + "'");
+}
+
+Status replace_file(FileIO &io, const std::string &path_given, bool durable,
+                    const std::function<Status(int fd)> &fill) {
+  std::string path, dir, name;
+  WKV_RETURN_IF_ERROR(replace_target(path_given, &path));
   if (!split_path(path, &dir, &name))
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "'%s' does not name a file", path.c_str());
   // 1. The directory, which the temporary file, the rename and its fsync use.

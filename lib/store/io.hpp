@@ -28,7 +28,8 @@ class FileIO {
   virtual ~FileIO() = default;
   // A directory, for the *_at calls and fsync (O_RDONLY | O_DIRECTORY).
   virtual int open_dir(const char *path) = 0;
-  // A file for reading.
+  // A file for reading. The open never blocks (a FIFO opens at once); it
+  // may name anything, and open_to_read refuses what is not a regular file.
   virtual int open_read(const char *path) = 0;
   // Creates `name` in directory `dirfd` for writing, mode 0600; fails with
   // -EEXIST if it exists.
@@ -153,8 +154,17 @@ bool split_path(const std::string &path, std::string *dir, std::string *name);
 // beside it (mode 0600), has `fill` write it (from offset 0), fsyncs it if
 // `durable`, renames it over `path` and fsyncs the directory if `durable`.
 // On any failure the temporary file is removed and `path` is untouched.
+// Where `path` is a symbolic link, the file it leads to is replaced (the
+// link stays); a target that exists and is not a regular file (a
+// directory, device, FIFO or socket), or a link that leads nowhere, is
+// refused (WKV_ERR_INVALID_ARGUMENT) before anything is written: renaming
+// over it would put a regular file in its place.
 // Errors: WKV_ERR_IO with the step and the system's words; fill's own.
 Status replace_file(FileIO &io, const std::string &path, bool durable, const std::function<Status(int fd)> &fill);
+
+// Opens `path` to read a file of ours (io.open_read): a regular file only,
+// else WKV_ERR_INVALID_ARGUMENT naming it; *fd is the caller's to close.
+Status open_to_read(FileIO &io, const std::string &path, int *fd);
 
 // An I/O failure as a Status: "<what>: <errno text>", WKV_ERR_IO, or
 // WKV_ERR_CORRUPT for -ENODATA (a file that ends early).
