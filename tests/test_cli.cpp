@@ -5,6 +5,7 @@
 // crashing (the ASan build runs the same); `top` reads a running engine's
 // statistics file.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -135,6 +136,14 @@ TEST(Cli, VerifyExitsZeroOneOrTwo) {
   EXPECT_NE(r.out.find("format 2 without 8-bit pages"), std::string::npos) << r.out;
   r = run_cli({"verify"});
   EXPECT_EQ(r.status, 2) << "usage";
+  // What is not a regular file is unreadable, at once (a FIFO without a
+  // writer used to block the open for good).
+  ASSERT_EQ(mkfifo(dir.file("fifo").c_str(), 0600), 0);
+  for (const std::string &p : {dir.file("fifo"), dir.path()}) {
+    r = run_cli({"verify", p});
+    EXPECT_EQ(r.status, 2) << r.out;
+    EXPECT_NE(r.out.find("not a regular file"), std::string::npos) << r.out;
+  }
 }
 
 TEST(Cli, InspectDescribesAFile) {
@@ -273,6 +282,50 @@ TEST(Cli, TopShowsAnEnginesStatisticsFile) {
   EXPECT_NE(r.out.find("tokens=50"), std::string::npos) << r.out;
   write_bytes(dir.file("junk.json"), {'{', 'x'});
   EXPECT_EQ(run_cli({"top", "--once", dir.file("junk.json")}).status, 2);
+}
+
+// What no engine writes is not shown: a file nested thousands deep (valid
+// JSON, whose printing with --json recursed off the stack) is no statistics
+// file, and control characters in the device's name (a terminal's escape
+// sequences) are not printed.
+TEST(Cli, TopShowsNothingAnEngineDoesNotWrite) {
+  ScratchDir dir;
+  const size_t n = 100000;
+  std::string deep = "{\"stats\":{},\"x\":" + std::string(n, '[') + std::string(n, ']') + "}";
+  write_bytes(dir.file("deep.json"), std::vector<uint8_t>(deep.begin(), deep.end()));
+  for (bool json : {false, true}) {
+    std::vector<std::string> args = {"top", "--once", dir.file("deep.json")};
+    if (json) args.push_back("--json");
+    const Outcome r = run_cli(args);
+    ASSERT_TRUE(r.exited) << r.out;
+    EXPECT_EQ(r.status, 2) << r.out;
+  }
+  const std::string escape = "{\"config\":{\"device\":\"cpu\\u001b[2J\"},\"stats\":{\"tokens\":7}}";
+  write_bytes(dir.file("escape.json"), std::vector<uint8_t>(escape.begin(), escape.end()));
+  const Outcome r = run_cli({"top", "--once", dir.file("escape.json")});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(r.out.find('\x1b'), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cpu?[2J"), std::string::npos) << r.out;
+}
+
+// Unsigned options refuse a negative number and one past 2^64 - 1, which
+// CLI11 alone would take as 2^64 - 1: a seed, an unlimited host budget, a
+// count that never ends, four billion threads.
+TEST(Cli, UnsignedOptionsRefuseNegativeAndOverflowingNumbers) {
+  const std::vector<std::vector<std::string>> bad = {
+      {"demo", "--seed", "-1"},
+      {"demo", "--seed", "18446744073709551616"},
+      {"demo", "--host-budget", "-1"},
+      {"demo", "--host-budget", "18446744073709551616"},
+      {"demo", "--host-budget", "99999999999GiB"},
+      {"top", "--count", "-1", "stats.json"},
+      {"bench", "cache", "--threads", "-1"},
+      {"bench", "files", "--threads", "-1"},
+      {"bench", "manager", "--seed", "-7"}};
+  for (const std::vector<std::string> &args : bad) {
+    const Outcome r = run_cli(args);
+    EXPECT_EQ(r.status, 2) << args[0] << " " << args[1] << " " << args[2] << ":\n" << r.out;
+  }
 }
 
 // A CUDA engine's file (libwavekv 0.13 on) says where its memory is: top

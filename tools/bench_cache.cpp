@@ -575,7 +575,9 @@ void declare_bench_cache(CLI::App &cmd, Options *o) {
   cmd.add_option("--link-gbs", o->link_gbs, "host-to-device GB/s, for the misses' transfer time")
       ->check(CLI::Range(0.1, 10000.0))
       ->capture_default_str();
-  cmd.add_option("--threads", o->threads, "engine and generator threads (0: all cores)")->capture_default_str();
+  cmd.add_option("--threads", o->threads, "engine and generator threads (0: all cores)")
+      ->check(CLI::Range(0, 1024))
+      ->capture_default_str();
   cmd.add_flag("--json", o->json, "print one JSON object instead of the table");
 }
 

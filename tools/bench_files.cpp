@@ -45,8 +45,8 @@ void declare_sequence_flags(CLI::App &cmd, Options *o) {
   cmd.add_option("--q-heads", o->q_heads, "query heads (a multiple of --heads)")->check(CLI::Range(1, 1024))->capture_default_str();
   cmd.add_option("--head-dim", o->head_dim, "head dimension")->check(CLI::IsMember({64, 80, 96, 128, 256}))->capture_default_str();
   cmd.add_option("--dtype", o->dtype, "storage dtype")->check(CLI::IsMember({"f16", "bf16", "f32"}))->capture_default_str();
-  cmd.add_option("--threads", o->threads, "engine threads; 0 = all cores")->capture_default_str();
-  cmd.add_option("--seed", o->seed, "seed of the synthetic context")->capture_default_str();
+  cmd.add_option("--threads", o->threads, "engine threads; 0 = all cores")->check(CLI::Range(0, 1024))->capture_default_str();
+  cmd.add_option("--seed", o->seed, "seed of the synthetic context")->check(unsigned_text())->capture_default_str();
   cmd.add_flag("--json", o->json, "print one JSON object instead of the table");
 }
 }  // namespace

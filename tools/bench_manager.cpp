@@ -174,7 +174,7 @@ void declare_bench_manager(CLI::App &cmd, Options *o) {
       ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
   cmd.add_option("--policy", o->policy, "replacement policies, comma-separated (lru, clock, slru)")->capture_default_str();
-  cmd.add_option("--seed", o->seed, "seed of the workload")->capture_default_str();
+  cmd.add_option("--seed", o->seed, "seed of the workload")->check(unsigned_text())->capture_default_str();
   cmd.add_flag("--json", o->json, "print one JSON object instead of the table");
 }
 

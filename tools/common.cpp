@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cctype>
 #include <cinttypes>
 #include <cmath>
@@ -65,6 +66,21 @@ unsigned Options::resolved_threads() const {
   return n == 0 ? 1 : n;
 }
 
+CLI::Validator unsigned_text(bool units) {
+  return CLI::Validator(
+      [units](std::string &text) -> std::string {
+        const char *begin = text.data(), *end = text.data() + text.size();
+        while (begin < end && *begin == ' ') ++begin;
+        uint64_t value = 0;
+        const auto [stop, ec] = std::from_chars(begin, end, value);
+        if (ec == std::errc::result_out_of_range) return "'" + text + "' is past 2^64 - 1";
+        if (ec != std::errc() || (!units && stop != end))
+          return "'" + text + "' is not a whole number from 0" + (units ? " (with a unit: 4GiB)" : "");
+        return {};
+      },
+      units ? "SIZE" : "UINT");
+}
+
 void add_shape_flags(CLI::App &cmd, Options *o, bool with_layers) {
   cmd.add_option("--tokens", o->tokens, "prompt tokens")->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30))->capture_default_str();
   cmd.add_option("--heads", o->heads, "KV heads")->check(CLI::Range(1, 256))->capture_default_str();
@@ -74,7 +90,7 @@ void add_shape_flags(CLI::App &cmd, Options *o, bool with_layers) {
   cmd.add_option("--steps", o->steps, "decoding steps")->check(CLI::Range(1, 100000))->capture_default_str();
   cmd.add_option("--dtype", o->dtype, "storage dtype")->check(CLI::IsMember({"f16", "bf16", "f32"}))->capture_default_str();
   cmd.add_option("--threads", o->threads, "threads of the engine and the baseline; 0 = all cores")->check(CLI::Range(0, 1024))->capture_default_str();
-  cmd.add_option("--seed", o->seed, "seed of the synthetic context")->capture_default_str();
+  cmd.add_option("--seed", o->seed, "seed of the synthetic context")->check(unsigned_text())->capture_default_str();
   cmd.add_flag("--json", o->json, "print one JSON object instead of the table");
 }
 

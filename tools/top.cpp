@@ -25,7 +25,9 @@ void declare_top(CLI::App &cmd, Options *o) {
   cmd.add_option("--interval", o->interval_ms, "milliseconds between reads")
       ->check(CLI::Range(10, 3600000))
       ->capture_default_str();
-  cmd.add_option("--count", o->count, "stop after this many updates (0: when interrupted)")->capture_default_str();
+  cmd.add_option("--count", o->count, "stop after this many updates (0: when interrupted)")
+      ->check(unsigned_text())
+      ->capture_default_str();
   cmd.add_flag("--once", o->once, "print the figures once and exit (2 if the file cannot be read)");
   cmd.add_flag("--json", o->json, "print each update as the file's JSON object, one per line");
 }
@@ -52,9 +54,20 @@ uint64_t number(const json &o, const char *key) {
   return it->is_number_unsigned() ? it->get<uint64_t>() : static_cast<uint64_t>(it->get<double>());
 }
 
+// An engine's file nests three deep; a deeper one is no file of ours, and
+// printing one thousands deep (--json) would recurse off the stack.
+constexpr int kMaxDepth = 32;
+
 bool parse(const std::string &text, Figures *f) {
-  const json j = json::parse(text, nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("stats")) return false;
+  bool too_deep = false;
+  const json j = json::parse(
+      text,
+      [&](int depth, json::parse_event_t, json &) {
+        too_deep |= depth > kMaxDepth;
+        return !too_deep;  // keeps nothing deeper
+      },
+      false);
+  if (too_deep || j.is_discarded() || !j.is_object() || !j.contains("stats")) return false;
   const json &s = j["stats"];
   const json empty = json::object();
   const json &c = j.contains("config") ? j["config"] : empty;
@@ -78,6 +91,11 @@ bool parse(const std::string &text, Figures *f) {
   f->evictions = number(s, "cache_evictions");
   f->backlog = number(s, "manager_backlog");
   f->device = c.is_object() && c.contains("device") && c["device"].is_string() ? c["device"].get<std::string>() : "?";
+  // Printed to a terminal: no control characters (escape sequences) from
+  // the file, and no more than a device name needs.
+  if (f->device.size() > 32) f->device.resize(32);
+  for (char &ch : f->device)
+    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
   return true;
 }
 
