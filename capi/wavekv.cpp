@@ -3,12 +3,17 @@
 // the failure into a status code and the calling thread's message.
 #include "wavekv/wavekv.h"
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
@@ -35,6 +40,37 @@ HandleTable<wkv::Sequence, 0x5E> &sequences() {
 HandleTable<wkv::Plan, 0x91> &plans() {
   static auto *t = new HandleTable<wkv::Plan, 0x91>();
   return *t;
+}
+
+// What a forked child keeps of its parent's objects (handles.hpp): never
+// destroyed, reachable from here. Its lock, like the tables', is held
+// across a fork.
+std::mutex &forsaken_mu() {
+  static auto *mu = new std::mutex();
+  return *mu;
+}
+std::vector<std::shared_ptr<void>> &forsaken() {
+  static auto *v = new std::vector<std::shared_ptr<void>>();
+  return *v;
+}
+
+std::atomic<pid_t> g_pid{0};
+
+void before_fork() {
+  forsaken_mu().lock();
+  engines().lock_for_fork();
+  sequences().lock_for_fork();
+  plans().lock_for_fork();
+}
+void after_fork_in_parent() {
+  plans().unlock_after_fork();
+  sequences().unlock_after_fork();
+  engines().unlock_after_fork();
+  forsaken_mu().unlock();
+}
+void after_fork_in_child() {
+  g_pid.store(getpid(), std::memory_order_relaxed);
+  after_fork_in_parent();
 }
 
 template <typename H> uint64_t value_of(const H *h) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(h)); }
@@ -77,7 +113,12 @@ template <typename Fn> int guarded(const char *fn, Fn &&body) {
 template <typename T, typename Table, typename H>
 int resolve(Table &table, const H *h, const char *fn, const char *what, std::shared_ptr<T> *out) {
   if (!h) return fail(WKV_ERR_INVALID_HANDLE, wkv::format("%s: %s is NULL", fn, what));
-  *out = table.get(value_of(h));
+  bool foreign = false;
+  *out = table.get(value_of(h), &foreign);
+  if (foreign)
+    return fail(WKV_ERR_STATE, wkv::format("%s: this %s was made by another process (the parent of a fork); a forked "
+                                           "process opens engines of its own",
+                                           fn, what));
   if (!*out)
     return fail(WKV_ERR_INVALID_HANDLE,
                 wkv::format("%s: not a live %s handle (destroyed, of another type, or foreign)", fn, what));
@@ -233,6 +274,31 @@ int out_strides(const char *fn, const wkv::Plan &p, int64_t *seq_stride, int64_t
 }
 
 }  // namespace
+
+namespace wkv::capi {
+
+pid_t process_id() {
+  static const bool registered = [] {
+    g_pid.store(getpid(), std::memory_order_relaxed);
+    return pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child) == 0;
+  }();
+  (void)registered;
+  return g_pid.load(std::memory_order_relaxed);
+}
+
+void forsake(std::shared_ptr<void> obj) {
+  try {
+    std::lock_guard<std::mutex> lock(forsaken_mu());
+    forsaken().push_back(obj);
+    return;
+  } catch (...) {
+  }
+  // Out of memory for the list: the reference itself is leaked (else the
+  // object would be destroyed here, waiting for threads that do not exist).
+  if (new (std::nothrow) std::shared_ptr<void>(std::move(obj))) return;
+}
+
+}  // namespace wkv::capi
 
 extern "C" {
 

@@ -7,6 +7,8 @@
 // a refused verb leaves the plan holding no step; strides whose extent
 // overflows are refused.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstring>
@@ -89,6 +91,64 @@ TEST(Misuse, ADestroyedHandleIsRefusedEvenAfterItsSlotIsReused) {
   EXPECT_EQ(wkv_seq_append(live, 0, kv.data(), kv.data(), 8, 0, 0, nullptr), WKV_OK) << wkv_last_error();
   EXPECT_EQ(tokens_of(live), 8u);
   wkv_seq_destroy(live);
+}
+
+// Handles do not cross a fork: a child has none of its parent's engine
+// threads. There every call with a parent's handle is WKV_ERR_STATE, and
+// destroying them (as a child's exit does through a binding's finalizers)
+// returns at once; it used to wait forever for the threads. A child opens
+// and uses an engine of its own, and the parent's engine goes on.
+TEST(Misuse, HandlesDoNotCrossAFork) {
+  wkv_config c = config();
+  c.threads = 2;
+  Open o(c);
+  const std::vector<float> kv = tokens(600, 5), q = tokens(2, 6);
+  std::vector<float> out(kQ * kD);
+  wkv_seq *s = nullptr;
+  wkv_plan *p = nullptr;
+  ASSERT_EQ(wkv_seq_create(o.e, &s), WKV_OK);
+  ASSERT_EQ(wkv_seq_append(s, 0, kv.data(), kv.data(), 600, 0, 0, nullptr), WKV_OK) << wkv_last_error();
+  ASSERT_EQ(wkv_plan_create(o.e, &p), WKV_OK);
+  ASSERT_EQ(wkv_decode(p, &s, 1, 0, q.data(), 0, 0, out.data(), 0, 0, nullptr), WKV_OK) << wkv_last_error();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    alarm(60);  // a hang ends the child with SIGALRM, which the parent reports
+    int bad = 0;
+    bad += wkv_seq_append(s, 0, kv.data(), kv.data(), 8, 0, 0, nullptr) != WKV_ERR_STATE;
+    bad += std::string(wkv_last_error()).find("another process") == std::string::npos;
+    bad += wkv_decode(p, &s, 1, 0, q.data(), 0, 0, out.data(), 0, 0, nullptr) != WKV_ERR_STATE;
+    wkv_stats st;
+    wkv_stats_init(&st);
+    bad += wkv_engine_stats(o.e, &st) != WKV_ERR_STATE;
+    wkv_plan_destroy(p);
+    wkv_seq_destroy(s);
+    wkv_engine_close(o.e);
+    bad += wkv_engine_stats(o.e, &st) != WKV_ERR_INVALID_HANDLE;  // closed: the handle is gone
+#if !defined(__SANITIZE_THREAD__)  // (TSan ends a child that starts threads after a fork)
+    wkv_engine *mine = nullptr;
+    wkv_seq *ms = nullptr;
+    wkv_plan *mp = nullptr;
+    bad += wkv_engine_open(&c, &mine) != WKV_OK;
+    bad += wkv_seq_create(mine, &ms) != WKV_OK;
+    bad += wkv_seq_append(ms, 0, kv.data(), kv.data(), 600, 0, 0, nullptr) != WKV_OK;
+    bad += wkv_plan_create(mine, &mp) != WKV_OK;
+    bad += wkv_decode(mp, &ms, 1, 0, q.data(), 0, 0, out.data(), 0, 0, nullptr) != WKV_OK;
+    wkv_plan_destroy(mp);
+    wkv_seq_destroy(ms);
+    wkv_engine_close(mine);
+#endif
+    _exit(bad == 0 ? 0 : 10 + bad);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child ended by signal " << WTERMSIG(status) << " (14: it hung)";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "10 + the number of checks that failed in the child";
+  EXPECT_EQ(wkv_seq_append(s, 0, kv.data(), kv.data(), 8, 0, 0, nullptr), WKV_OK) << wkv_last_error();
+  EXPECT_EQ(tokens_of(s), 608u);
+  EXPECT_EQ(wkv_decode(p, &s, 1, 0, q.data(), 0, 0, out.data(), 0, 0, nullptr), WKV_OK) << wkv_last_error();
+  wkv_plan_destroy(p);
+  wkv_seq_destroy(s);
 }
 
 TEST(Misuse, ADestroyedPlanIsRefusedNotAnsweredWithAnotherPlansStep) {

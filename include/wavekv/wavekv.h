@@ -45,6 +45,14 @@
  * that binds its decoding thread may bind these elsewhere (sched_setaffinity
  * with the thread's id), off the decoding thread's core and its SMT sibling.
  *
+ * Fork: handles do not cross a fork(). A child process has none of its
+ * parent's engine threads (nor its CUDA context), so there every call with a
+ * handle made before the fork returns WKV_ERR_STATE, and destroying one
+ * (wkv_seq_destroy, wkv_plan_destroy, wkv_engine_close, as a binding's
+ * finalizers do when the child exits) ends the handle and releases nothing
+ * of the parent's; it returns at once. A child opens engines of its own.
+ * The parent's handles are unaffected.
+ *
  * Streams (CUDA): the work the engine enqueues for a sequence (its appends,
  * its growths, the steps that read it) runs in the order of the streams it
  * was given: appending to a sequence on one stream while a step that reads it

@@ -5,13 +5,15 @@ plans keep working); threads misusing a sequence get an error, not a crash."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 from typing import Any, Callable, List
 
 import pytest
 
 import wavekv
-from conftest import small_engine
+from conftest import env_with_package, small_engine
 
 HQ, HKV, D = 8, 2, 64
 
@@ -164,6 +166,48 @@ def test_garbage_collection_closes_as_a_fallback(np: Any) -> None:
         del seq
         gc.collect()
         assert eng.stats().sequences == 0
+
+
+FORK_SCRIPT = r"""
+import os, sys
+import numpy as np
+import wavekv
+eng = wavekv.Engine(n_layers=1, n_q_heads=8, n_kv_heads=2, head_dim=64, dtype="f32", threads=2)
+seq, plan = eng.sequence(), eng.plan()
+rng = np.random.default_rng(0)
+k, v = (rng.standard_normal((600, 2, 64)).astype(np.float32) for _ in range(2))
+seq.append(0, k, v)
+q = rng.standard_normal((1, 8, 64)).astype(np.float32)
+plan.decode([seq], 0, q)
+pid = os.fork()
+if pid == 0:
+    try:
+        seq.append(0, k[:1], v[:1])
+        sys.exit(3)  # the parent's sequence must be refused here
+    except wavekv.StateError as err:
+        assert "another process" in str(err), err
+    with wavekv.Engine(n_layers=1, n_q_heads=8, n_kv_heads=2, head_dim=64, dtype="f32") as mine:
+        with mine.sequence() as s2, mine.plan() as p2:
+            s2.append(0, k, v)
+            p2.decode([s2], 0, q)
+    sys.exit(0)  # the interpreter's exit closes seq, plan and eng: it must return
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+seq.append(0, k[:8], v[:8])
+plan.decode([seq], 0, q)
+print("parent", seq.info(0).tokens)
+"""
+
+
+def test_a_forked_child_refuses_its_parents_handles_and_exits() -> None:
+    # In a script of its own: a fork inside pytest's process would run
+    # pytest on in the child. The child's exit closes the parent's objects
+    # through their finalizers; that used to wait forever for engine
+    # threads that do not exist in a child.
+    result = subprocess.run([sys.executable, "-c", FORK_SCRIPT], env=env_with_package(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == ["child", "0", "parent", "608"], result.stdout + result.stderr
 
 
 def test_second_thread_inside_a_sequence_is_refused() -> None:
