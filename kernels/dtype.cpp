@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(WKV_NO_TARGET_CLONES)
@@ -234,6 +235,29 @@ bool dequantize_row_centered(DType t, const int8_t *q, float scale, const float 
   fma_row(q, scale, ref, x, d);
   from_float(t, x, dst, d);
   return true;
+}
+
+namespace {
+// Whether no element's exponent bits (`mask`) are all ones.
+template <typename U> bool exponents_below(const void *src, size_t n, U mask) {
+  const U *x = static_cast<const U *>(src);
+  U all = 0;  // an OR of each element's exponent == mask test, branch-free
+  for (size_t i = 0; i < n; ++i) {
+    U w;
+    std::memcpy(&w, x + i, sizeof(U));
+    all |= static_cast<U>((w & mask) == mask);
+  }
+  return all == 0;
+}
+}  // namespace
+
+bool all_finite(DType t, const void *src, size_t n) {
+  switch (t) {
+    case DType::kF32: return exponents_below<uint32_t>(src, n, 0x7f800000u);
+    case DType::kF16: return exponents_below<uint16_t>(src, n, 0x7c00u);
+    case DType::kBF16: return exponents_below<uint16_t>(src, n, 0x7f80u);
+  }
+  return false;
 }
 
 bool dequantize_row(DType t, const int8_t *q, float scale, uint32_t d, void *dst) {

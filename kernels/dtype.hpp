@@ -133,6 +133,11 @@ bool cpu_has_f16c_bit();
 bool to_float(DType t, const void *src, float *dst, size_t n);
 // Converts n floats to type `t` at dst. False for an unknown dtype.
 bool from_float(DType t, const float *src, void *dst, size_t n);
+
+// Whether the n elements at src (of dtype t) are all finite: no NaN, no
+// infinity (an element whose exponent bits are all ones). False for an
+// unknown dtype.
+bool all_finite(DType t, const void *src, size_t n);
 // Rounds n floats to f16's values in place (to f16 and back, nearest even;
 // through the bulk conversions: F16C where the CPU has it, bit-identical to
 // f16_to_float(float_to_f16(x)) a value, which without F16C is two library

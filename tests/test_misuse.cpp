@@ -151,6 +151,49 @@ TEST(Misuse, HandlesDoNotCrossAFork) {
   wkv_seq_destroy(s);
 }
 
+// A NaN or an infinity in a key, a value or a query is refused on a CPU
+// engine, nothing appended: one NaN key used to reach its cluster's
+// centroid and turn every later output of its head into zeros (lse -inf),
+// silently. Finite extremes are taken.
+TEST(Misuse, NonFiniteInputIsRefusedAndNothingIsStored) {
+  Open o(config());
+  std::vector<float> kv = tokens(600, 7), q = tokens(2, 8);
+  std::vector<float> out(kQ * kD), clean(kQ * kD);
+  wkv_seq *s = nullptr;
+  wkv_plan *p = nullptr;
+  ASSERT_EQ(wkv_seq_create(o.e, &s), WKV_OK);
+  ASSERT_EQ(wkv_plan_create(o.e, &p), WKV_OK);
+  ASSERT_EQ(wkv_seq_append(s, 0, kv.data(), kv.data(), 300, 0, 0, nullptr), WKV_OK) << wkv_last_error();
+  ASSERT_EQ(wkv_decode(p, &s, 1, 0, q.data(), 0, 0, clean.data(), 0, 0, nullptr), WKV_OK) << wkv_last_error();
+  const float bad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                       -std::numeric_limits<float>::infinity()};
+  for (float x : bad) {
+    std::vector<float> k = kv, v = kv;
+    k[(299 * kKV + 1) * kD + 5] = x;  // the last token's second head
+    EXPECT_EQ(wkv_seq_append(s, 0, k.data(), kv.data(), 300, 0, 0, nullptr), WKV_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(wkv_last_error()).find("k holds a NaN or an infinity (sequence 0, token 299, head 1)"),
+              std::string::npos)
+        << wkv_last_error();
+    v[7] = x;
+    EXPECT_EQ(wkv_seq_append(s, 0, kv.data(), v.data(), 1, 0, 0, nullptr), WKV_ERR_INVALID_ARGUMENT);
+    wkv_seq *batch[] = {s};
+    EXPECT_EQ(wkv_append_batch(batch, 1, 0, k.data(), kv.data(), 300, 0, 0, 0, nullptr), WKV_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(tokens_of(s), 300u) << "nothing appended";
+    std::vector<float> qb = q;
+    qb[3 * kD + 1] = x;
+    EXPECT_EQ(wkv_decode(p, &s, 1, 0, qb.data(), 0, 0, out.data(), 0, 0, nullptr), WKV_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(wkv_last_error()).find("q holds a NaN"), std::string::npos) << wkv_last_error();
+    EXPECT_EQ(wkv_lookup(p, &s, 1, 0, qb.data(), 0, 0, nullptr), WKV_ERR_INVALID_ARGUMENT);
+  }
+  ASSERT_EQ(wkv_decode(p, &s, 1, 0, q.data(), 0, 0, out.data(), 0, 0, nullptr), WKV_OK) << wkv_last_error();
+  EXPECT_EQ(out, clean) << "the sequence decodes as before the refused calls";
+  std::vector<float> big = kv;
+  big[0] = std::numeric_limits<float>::max();
+  EXPECT_EQ(wkv_seq_append(s, 0, big.data(), kv.data(), 1, 0, 0, nullptr), WKV_OK) << "finite, if extreme";
+  wkv_plan_destroy(p);
+  wkv_seq_destroy(s);
+}
+
 TEST(Misuse, ADestroyedPlanIsRefusedNotAnsweredWithAnotherPlansStep) {
   Open o(config());
   const std::vector<float> kv = tokens(300, 2), q = tokens(2, 3);

@@ -588,8 +588,15 @@ WKV_API void wkv_seq_destroy(wkv_seq *seq);
  * how the tokens were split into appends, on timing, on the backend, nor on
  * a save and load in between.
  *
+ * Keys and values must be finite. A CPU engine checks every element and
+ * refuses a NaN or an infinity, naming the sequence, token and head (one
+ * such key would reach its cluster's centroid and silence its head at every
+ * later step); a CUDA engine reads k and v on the device and does not check
+ * them: there a non-finite key or value leaves its head's outputs undefined
+ * from then on.
+ *
  * Returns WKV_ERR_INVALID_ARGUMENT (null k or v, n_tokens 0, a stride smaller
- * than a row), WKV_ERR_OUT_OF_RANGE (layer), WKV_ERR_BUDGET (the host budget
+ * than a row, a NaN or an infinity on a CPU engine), WKV_ERR_OUT_OF_RANGE (layer), WKV_ERR_BUDGET (the host budget
  * cannot hold the pages), WKV_ERR_OUT_OF_MEMORY. On any error nothing is
  * appended and everything stored before is intact; an error of the growth
  * that the append commits fails the append (the run stays in the steady
@@ -834,7 +841,9 @@ WKV_API void wkv_plan_destroy(wkv_plan *plan);
  * The plan keeps a reference to each sequence until its next lookup.
  *
  * Returns WKV_ERR_INVALID_ARGUMENT (null seqs or q, n_seqs 0, a sequence
- * listed twice, a sequence with no tokens at this layer), WKV_ERR_INVALID_HANDLE
+ * listed twice, a sequence with no tokens at this layer, a NaN or an infinity
+ * in q on a CPU engine: as for keys, a CUDA engine does not check q),
+ * WKV_ERR_INVALID_HANDLE
  * (a sequence of another engine), WKV_ERR_OUT_OF_RANGE (layer),
  * WKV_ERR_BUDGET / WKV_ERR_OUT_OF_MEMORY (clustering the prompt's remainder).
  * On any failure the plan holds no step (assemble and attend need a new

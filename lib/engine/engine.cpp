@@ -548,6 +548,32 @@ void Plan::close_lookups() {
   lookups_open = false;
 }
 
+namespace {
+
+// A CPU engine's input is read on the host, where every element is checked
+// finite before anything changes: a NaN or an infinity in one key would
+// reach its cluster's centroid and silence the whole head at every step
+// after. Rows of d elements of dtype t at base + (i * seq_stride + t *
+// token_stride + h * head_stride) elements, for n_outer x n_tokens x heads.
+Status check_finite(DType t, const void *base, uint32_t n_outer, uint32_t n_tokens, uint32_t heads, uint32_t d,
+                    int64_t seq_stride, int64_t token_stride, int64_t head_stride, const char *verb,
+                    const char *what) {
+  const size_t esz = dtype_bytes(t);
+  for (uint32_t i = 0; i < n_outer; ++i)
+    for (uint32_t tok = 0; tok < n_tokens; ++tok)
+      for (uint32_t h = 0; h < heads; ++h) {
+        const int64_t at = static_cast<int64_t>(i) * seq_stride + static_cast<int64_t>(tok) * token_stride +
+                           static_cast<int64_t>(h) * head_stride;
+        if (!all_finite(t, static_cast<const uint8_t *>(base) + at * static_cast<int64_t>(esz), d))
+          return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
+                           "%s: %s holds a NaN or an infinity (sequence %u, token %u, head %u)",
+                           verb, what, i, tok, h);
+      }
+  return Status::ok();
+}
+
+}  // namespace
+
 Status Engine::append(Sequence &seq, uint32_t layer, const uint8_t *k, const uint8_t *v, uint32_t n,
                       int64_t token_stride, int64_t head_stride, void *stream) {
   Sequence *one = &seq;
@@ -591,6 +617,16 @@ Status Engine::append_batch(Sequence *const *seqs, uint32_t n_seqs, uint32_t lay
     WKV_RETURN_IF_ERROR(append_copies(ix, seq.layer(layer), staged[i],
                                       static_cast<uint64_t>(i) * static_cast<uint64_t>(seq_stride) * esz,
                                       token_pitch, head_pitch, &copies));
+  }
+  // A CPU engine reads the rows here: checked finite once their room is had
+  // (a count of tokens that cannot be had is refused before a row is read),
+  // before any is copied. A refused append leaves room, not tokens.
+  if (backend_->host_memory()) {
+    const uint32_t H = cfg_.c.n_kv_heads, d = cfg_.c.head_dim;
+    WKV_RETURN_IF_ERROR(
+        check_finite(cfg_.dtype(), k, n_seqs, n, H, d, seq_stride, token_stride, head_stride, verb, "k"));
+    WKV_RETURN_IF_ERROR(
+        check_finite(cfg_.dtype(), v, n_seqs, n, H, d, seq_stride, token_stride, head_stride, verb, "v"));
   }
   // 2. One copy for the batch, then each sequence counts its rows and
   //    grows, inside its tracker's step. Where no sequence's count enqueues
@@ -679,6 +715,9 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
   WKV_RETURN_IF_ERROR(backend_->check_stream(stream, "wkv_lookup"));
   for (uint32_t i = 0; i < n; ++i) WKV_RETURN_IF_ERROR(check_unbound(*seqs[i], "wkv_lookup"));
   WKV_RETURN_IF_ERROR(backend_->check_pointer(q, "q", dtype_bytes(cfg_.dtype())));
+  if (backend_->host_memory())
+    WKV_RETURN_IF_ERROR(check_finite(cfg_.dtype(), q, n, 1, cfg_.c.n_q_heads, cfg_.c.head_dim, seq_stride, 0,
+                                     head_stride, decode ? "wkv_decode" : "wkv_lookup", "q"));
   // The whole step at once: not with cold pages (their lookups install and
   // ask for pages around the kernels).
   const bool whole = decode && n > 0 && !cold_ && backend_->decodes();

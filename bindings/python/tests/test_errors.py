@@ -115,6 +115,26 @@ def test_out_of_range_layer(np: Any) -> None:
             seq.info(-1)
 
 
+def test_non_finite_input_is_refused(np: Any) -> None:
+    # One NaN key used to silence its head for good (zeros, lse -inf).
+    with small_engine(n_layers=1) as eng, eng.sequence() as seq, eng.plan() as plan:
+        rng = np.random.default_rng(0)
+        k = rng.standard_normal((300, 2, 64)).astype(np.float32)
+        seq.append(0, k, k)
+        q = rng.standard_normal((1, 8, 64)).astype(np.float32)
+        before = plan.decode([seq], 0, q)
+        bad = k.copy()
+        bad[150, 0, 7] = np.nan
+        with pytest.raises(wavekv.InvalidArgumentError, match="k holds a NaN or an infinity"):
+            seq.append(0, bad, k)
+        assert seq.info(0).tokens == 300
+        q_bad = q.copy()
+        q_bad[0, 2, 0] = np.inf
+        with pytest.raises(wavekv.InvalidArgumentError, match="q holds a NaN"):
+            plan.decode([seq], 0, q_bad)
+        np.testing.assert_array_equal(plan.decode([seq], 0, q), before)
+
+
 def test_budget(np: Any) -> None:
     # Small segments: the append itself clusters, and so takes pages.
     with small_engine(host_budget_bytes=1 << 16, segment_tokens=256) as eng, \
