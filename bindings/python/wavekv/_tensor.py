@@ -295,11 +295,11 @@ def check_device(t: TensorView, target: Target, what: str) -> None:
             1, "%s is on %s; this engine takes tensors on %s" % (what, t.device, target.device))
 
 
-def check_dtype(t: TensorView, dtype: str, what: str) -> None:
+def check_dtype(t: TensorView, dtype: str, what: str, why: str = "the engine's dtype") -> None:
     if t.dtype != dtype:
         raise InvalidArgumentError(
-            1, "%s has dtype %s; expected %s (the engine's dtype; nothing is converted)"
-            % (what, t.dtype, dtype))
+            1, "%s has dtype %s; expected %s (%s; nothing is converted)"
+            % (what, t.dtype, dtype, why))
     if t.ptr % ITEMSIZE[dtype]:
         raise InvalidArgumentError(1, "%s: address 0x%x is not aligned to its %d-byte elements"
                                    % (what, t.ptr, ITEMSIZE[dtype]))

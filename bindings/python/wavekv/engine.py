@@ -581,7 +581,7 @@ class _Checked:
         view = T.read(obj, what, self.stream)
         T.check_device(view, self.target, what)
         T.check_shape(view, (n_seqs, n_q_heads), "(n_seqs, n_q_heads)", what)
-        T.check_dtype(view, "float32", what)
+        T.check_dtype(view, "float32", what, "log-sum-exps are f32 whatever the engine's dtype")
         T.check_writable(view, obj, what)
         seq_stride = view.strides[0] if n_seqs > 1 else 0
         if n_q_heads > 1 and view.strides[1] != 1:
