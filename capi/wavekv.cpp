@@ -300,6 +300,12 @@ void forsake(std::shared_ptr<void> obj) {
 
 }  // namespace wkv::capi
 
+namespace {
+// The fork handlers are registered when the library is loaded, before any
+// thread of the process can meet them half-registered.
+[[maybe_unused]] const pid_t g_loaded_in = wkv::capi::process_id();
+}  // namespace
+
 extern "C" {
 
 int wkv_version(void) { return WKV_VERSION_NUMBER; }
