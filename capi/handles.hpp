@@ -30,7 +30,8 @@
 namespace wkv::capi {
 
 // This process's id, kept current across forks by a fork handler (a read,
-// not a system call). The first call registers the handlers.
+// not a system call). The first call, when the library is loaded
+// (capi/wavekv.cpp), registers the handlers.
 pid_t process_id();
 
 // Keeps `obj` alive for the rest of the process, reachably, without ever

@@ -302,8 +302,16 @@ void forsake(std::shared_ptr<void> obj) {
 
 namespace {
 // The fork handlers are registered when the library is loaded, before any
-// thread of the process can meet them half-registered.
-[[maybe_unused]] const pid_t g_loaded_in = wkv::capi::process_id();
+// thread of the process can meet them half-registered, and what they lock
+// is made then too (not inside a fork's handler).
+[[maybe_unused]] const pid_t g_loaded_in = [] {
+  (void)forsaken_mu();
+  (void)forsaken();
+  (void)engines();
+  (void)sequences();
+  (void)plans();
+  return wkv::capi::process_id();
+}();
 }  // namespace
 
 extern "C" {

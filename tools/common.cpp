@@ -66,19 +66,17 @@ unsigned Options::resolved_threads() const {
   return n == 0 ? 1 : n;
 }
 
-CLI::Validator unsigned_text(bool units) {
+CLI::Validator unsigned_text() {
   return CLI::Validator(
-      [units](std::string &text) -> std::string {
+      [](std::string &text) -> std::string {
         const char *begin = text.data(), *end = text.data() + text.size();
-        while (begin < end && *begin == ' ') ++begin;
         uint64_t value = 0;
         const auto [stop, ec] = std::from_chars(begin, end, value);
         if (ec == std::errc::result_out_of_range) return "'" + text + "' is past 2^64 - 1";
-        if (ec != std::errc() || (!units && stop != end))
-          return "'" + text + "' is not a whole number from 0" + (units ? " (with a unit: 4GiB)" : "");
+        if (ec != std::errc() || stop != end) return "'" + text + "' is not a whole number from 0";
         return {};
       },
-      units ? "SIZE" : "UINT");
+      "UINT");
 }
 
 void add_shape_flags(CLI::App &cmd, Options *o, bool with_layers) {

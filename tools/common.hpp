@@ -93,10 +93,11 @@ struct Options {
 // with_layers), with their current values as defaults.
 void add_shape_flags(CLI::App &cmd, Options *o, bool with_layers);
 // A check of an unsigned option's text: a decimal number that fits in 64
-// bits, or with `units` such a number and a unit after it (AsSizeValue's,
-// e.g. "4GiB"). CLI11 alone reads "-1" and a number past 2^64 - 1 as
-// 2^64 - 1, silently: a seed, a count or a budget without a bound.
-CLI::Validator unsigned_text(bool units = false);
+// bits. CLI11 alone reads "-1" and a number past 2^64 - 1 as 2^64 - 1,
+// silently: a seed, a count or a budget without a bound. (An option with
+// a transform, such as AsSizeValue's "4GiB", is checked after it, on its
+// digits.)
+CLI::Validator unsigned_text();
 // Checks what the flags cannot check alone; throws UsageError.
 void validate(const Options &o, const std::string &command);
 

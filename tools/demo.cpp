@@ -26,7 +26,7 @@ void declare_demo(CLI::App &cmd, Options *o) {
   cmd.add_option("--host-budget", o->host_budget,
                  "cap on the engine's host page memory (wkv_config.host_budget_bytes), e.g. 4GiB; with --spill-dir, "
                  "pages beyond it go to the spill file and decoding goes on")
-      ->check(unsigned_text(true))
+      ->check(unsigned_text())
       ->transform(CLI::AsSizeValue(false));
   cmd.add_option("--repeat", o->repeat,
                  "steps each query holds for (temporal locality, as in real decoding; 1: every step a new one)")

@@ -10,12 +10,11 @@
 
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 #include <string>
 #include <thread>
 
+#include "lib/store/io.hpp"
 #include "tools/commands.hpp"
 
 namespace wkv_tool {
@@ -95,17 +94,24 @@ bool parse(const std::string &text, Figures *f) {
   // the file, and no more than a device name needs.
   if (f->device.size() > 32) f->device.resize(32);
   for (char &ch : f->device)
-    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
+    if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) > 0x7e) ch = '?';  // ASCII only
   return true;
 }
 
+// A regular file's text (a FIFO or a device is no statistics file, and
+// opening a FIFO would block).
 bool read_file(const std::string &path, std::string *text) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  *text = ss.str();
-  return !in.bad();
+  wkv::FileIO &io = wkv::posix_io();
+  int fd = -1;
+  if (!wkv::open_to_read(io, path, &fd).is_ok()) return false;
+  uint64_t bytes = 0;
+  bool ok = io.size(fd, &bytes) == 0 && bytes <= (64u << 20);  // an engine's file is a few KiB
+  if (ok) {
+    text->resize(bytes);
+    ok = wkv::read_full(io, fd, text->data(), bytes, 0) == 0;
+  }
+  io.close(fd);
+  return ok;
 }
 
 // Per second between two figures, or "-".

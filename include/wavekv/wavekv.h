@@ -50,8 +50,10 @@
  * handle made before the fork returns WKV_ERR_STATE, and destroying one
  * (wkv_seq_destroy, wkv_plan_destroy, wkv_engine_close, as a binding's
  * finalizers do when the child exits) ends the handle and releases nothing
- * of the parent's; it returns at once. A child opens engines of its own.
- * The parent's handles are unaffected.
+ * of the parent's; it returns at once. A child opens CPU engines of its
+ * own; CUDA cannot be used in a child forked after its parent initialised
+ * it (a child that needs a CUDA engine execs, or is spawned). The parent's
+ * handles are unaffected.
  *
  * Streams (CUDA): the work the engine enqueues for a sequence (its appends,
  * its growths, the steps that read it) runs in the order of the streams it
@@ -593,7 +595,11 @@ WKV_API void wkv_seq_destroy(wkv_seq *seq);
  * such key would reach its cluster's centroid and silence its head at every
  * later step); a CUDA engine reads k and v on the device and does not check
  * them: there a non-finite key or value leaves its head's outputs undefined
- * from then on.
+ * from then on. The check comes once the append has room for its rows (an
+ * impossible n_tokens is refused before a row is read): a refused append
+ * stores no token, but it may have brought an evicted sequence back and
+ * moved its rows, so a lookup made before it must be made again
+ * (wkv_assemble says so). wkv_seq_load does not check a file's values.
  *
  * Returns WKV_ERR_INVALID_ARGUMENT (null k or v, n_tokens 0, a stride smaller
  * than a row, a NaN or an infinity on a CPU engine), WKV_ERR_OUT_OF_RANGE (layer), WKV_ERR_BUDGET (the host budget
@@ -711,19 +717,19 @@ enum {
  * under a temporary name in the same directory (created with mode 0600),
  * fsynced, renamed over `path`, and the directory fsynced, so that `path`
  * holds either its previous contents or the whole new file, never a mix.
- * The path is only opened, never interpreted (no ~, no variables). Where
- * `path` is a symbolic link, the file it leads to is replaced and the link
- * stays. Only a regular file is replaced: a path that names a device, a
- * FIFO, a socket or a directory (renaming over it would put a regular file
- * in its place: /dev/null too) or a link that leads nowhere is refused
- * before anything is written. The sequence is copied one layer at a time (one layer's data in host memory
+ * The path is only opened, never interpreted (no ~, no variables). A
+ * symbolic link at `path` is replaced by the file, never followed (in a
+ * shared directory another user's link would else send the file wherever
+ * it points). A path that names a device, a FIFO, a socket or a directory
+ * is refused before anything is written (renaming over it would put a
+ * regular file in its place: /dev/null too). The sequence is copied one layer at a time (one layer's data in host memory
  * at a time); on a CUDA engine the call first waits for the work the
  * sequence's appends enqueued, and copies on a stream of the engine's own.
  * Other sequences keep decoding meanwhile; `seq` itself must not be used by
  * another thread until the call returns (as for every wkv_seq).
  *
  * Returns WKV_ERR_INVALID_ARGUMENT (null path, a path ending in '/', unknown
- * flags, a path that is not a regular file or a link to one),
+ * flags, a path that names a directory, device, FIFO or socket),
  * WKV_ERR_INVALID_HANDLE, WKV_ERR_IO (the system's words for a
  * failed create, write, fsync or rename: nothing is left at the temporary
  * name and `path` is untouched), WKV_ERR_OUT_OF_MEMORY, WKV_ERR_DEVICE.

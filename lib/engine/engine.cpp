@@ -529,7 +529,9 @@ Status Plan::check_versions() const {
   for (uint32_t i = 0; i < n_seqs; ++i)
     if (seqs[i]->layer(layer).version != seq_versions[i])
       return WKV_ERROR(WKV_ERR_STATE,
-                       "sequence %u of the plan was appended to since the lookup; look up again", i);
+                       "sequence %u of the plan was appended to (or its rows moved for an append that was refused) "
+                       "since the lookup; look up again",
+                       i);
   return Status::ok();
 }
 
@@ -555,6 +557,8 @@ namespace {
 // reach its cluster's centroid and silence the whole head at every step
 // after. Rows of d elements of dtype t at base + (i * seq_stride + t *
 // token_stride + h * head_stride) elements, for n_outer x n_tokens x heads.
+// `verb` prefixes the message where the caller's layer adds none (null:
+// none); a query (token_stride 0) names its query head.
 Status check_finite(DType t, const void *base, uint32_t n_outer, uint32_t n_tokens, uint32_t heads, uint32_t d,
                     int64_t seq_stride, int64_t token_stride, int64_t head_stride, const char *verb,
                     const char *what) {
@@ -564,10 +568,11 @@ Status check_finite(DType t, const void *base, uint32_t n_outer, uint32_t n_toke
       for (uint32_t h = 0; h < heads; ++h) {
         const int64_t at = static_cast<int64_t>(i) * seq_stride + static_cast<int64_t>(tok) * token_stride +
                            static_cast<int64_t>(h) * head_stride;
-        if (!all_finite(t, static_cast<const uint8_t *>(base) + at * static_cast<int64_t>(esz), d))
-          return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
-                           "%s: %s holds a NaN or an infinity (sequence %u, token %u, head %u)",
-                           verb, what, i, tok, h);
+        if (all_finite(t, static_cast<const uint8_t *>(base) + at * static_cast<int64_t>(esz), d)) continue;
+        const std::string where = token_stride ? format("sequence %u, token %u, head %u", i, tok, h)
+                                               : format("sequence %u, query head %u", i, h);
+        return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "%s%s%s holds a NaN or an infinity (%s)", verb ? verb : "",
+                         verb ? ": " : "", what, where.c_str());
       }
   return Status::ok();
 }
@@ -717,7 +722,7 @@ Status Engine::lookup(Plan &plan, const std::shared_ptr<Sequence> *seqs, uint32_
   WKV_RETURN_IF_ERROR(backend_->check_pointer(q, "q", dtype_bytes(cfg_.dtype())));
   if (backend_->host_memory())
     WKV_RETURN_IF_ERROR(check_finite(cfg_.dtype(), q, n, 1, cfg_.c.n_q_heads, cfg_.c.head_dim, seq_stride, 0,
-                                     head_stride, decode ? "wkv_decode" : "wkv_lookup", "q"));
+                                     head_stride, nullptr, "q"));  // the C ABI names the verb
   // The whole step at once: not with cold pages (their lookups install and
   // ask for pages around the kernels).
   const bool whole = decode && n > 0 && !cold_ && backend_->decodes();

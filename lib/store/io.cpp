@@ -7,9 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
-#include <memory>
 
 namespace wkv {
 namespace {
@@ -36,7 +34,13 @@ int PosixIO::open_dir(const char *path) {
 int PosixIO::open_read(const char *path) {
   // O_NONBLOCK: a FIFO without a writer would block the open forever (and
   // open_to_read refuses it); cleared after, for the reads of a file.
-  const int fd = sys([&] { return ::open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY); });
+  int fd = sys([&] { return ::open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY); });
+  // A regular file under a lease (another process's, or a file server's
+  // delegation) answers a non-blocking open so: wait for it as a plain
+  // open does (a FIFO never answers so).
+  struct stat st;
+  if (fd == -EWOULDBLOCK && ::stat(path, &st) == 0 && S_ISREG(st.st_mode))
+    fd = sys([&] { return ::open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY); });
   if (fd < 0) return fd;
   const int flags = sys([&] { return ::fcntl(fd, F_GETFL); });
   const int r = flags < 0 ? flags : sys([&] { return ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK); });
@@ -261,25 +265,18 @@ const char *file_kind(mode_t mode) {
   return "not a regular file";
 }
 
-// The file replace_file replaces for `path` (its header comment).
-Status replace_target(const std::string &path, std::string *target) {
-  *target = path;
+// Whether replace_file may rename over `path` (its header comment): nothing
+// there, a regular file, or a symbolic link (the link itself is replaced,
+// never followed: in a shared directory, another user's link would else
+// send the file wherever it points).
+Status check_replaceable(const std::string &path) {
   struct stat st;
   if (sys([&] { return ::lstat(path.c_str(), &st); }) < 0) return Status::ok();  // new, or the directory's error
-  if (S_ISLNK(st.st_mode)) {
-    std::unique_ptr<char, decltype(&std::free)> real(::realpath(path.c_str(), nullptr), &std::free);
-    if (!real)
-      return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "'%s' is a symbolic link that leads to no file (%s)", path.c_str(),
-                       errno_text(errno).c_str());
-    *target = real.get();
-    if (sys([&] { return ::stat(target->c_str(), &st); }) < 0) return Status::ok();
-  }
-  if (!S_ISREG(st.st_mode))
-    return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
-                     "'%s' is %s, not a regular file: a file is saved whole by renaming a new one over it, which would "
-                     "put a regular file in its place",
-                     path.c_str(), file_kind(st.st_mode));
-  return Status::ok();
+  if (S_ISREG(st.st_mode) || S_ISLNK(st.st_mode)) return Status::ok();
+  return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT,
+                   "'%s' is %s, not a regular file: a file is saved whole by renaming a new one over it, which would "
+                   "put a regular file in its place",
+                   path.c_str(), file_kind(st.st_mode));
 }
 
 }  // namespace
@@ -297,10 +294,9 @@ Status open_to_read(FileIO &io, const std::string &path, int *fd) {
   return io_status(r, "the size of '" + path + "'");
 }
 
-Status replace_file(FileIO &io, const std::string &path_given, bool durable,
-                    const std::function<Status(int fd)> &fill) {
-  std::string path, dir, name;
-  WKV_RETURN_IF_ERROR(replace_target(path_given, &path));
+Status replace_file(FileIO &io, const std::string &path, bool durable, const std::function<Status(int fd)> &fill) {
+  std::string dir, name;
+  WKV_RETURN_IF_ERROR(check_replaceable(path));
   if (!split_path(path, &dir, &name))
     return WKV_ERROR(WKV_ERR_INVALID_ARGUMENT, "'%s' does not name a file", path.c_str());
   // 1. The directory, which the temporary file, the rename and its fsync use.

@@ -154,11 +154,11 @@ bool split_path(const std::string &path, std::string *dir, std::string *name);
 // beside it (mode 0600), has `fill` write it (from offset 0), fsyncs it if
 // `durable`, renames it over `path` and fsyncs the directory if `durable`.
 // On any failure the temporary file is removed and `path` is untouched.
-// Where `path` is a symbolic link, the file it leads to is replaced (the
-// link stays); a target that exists and is not a regular file (a
-// directory, device, FIFO or socket), or a link that leads nowhere, is
-// refused (WKV_ERR_INVALID_ARGUMENT) before anything is written: renaming
-// over it would put a regular file in its place.
+// A symbolic link at `path` is replaced itself, never followed (in a
+// shared directory another user's link would else send the file wherever it
+// points); a target that is not a regular file (a directory, device, FIFO
+// or socket) is refused (WKV_ERR_INVALID_ARGUMENT) before anything is
+// written: renaming over it would put a regular file in its place.
 // Errors: WKV_ERR_IO with the step and the system's words; fill's own.
 Status replace_file(FileIO &io, const std::string &path, bool durable, const std::function<Status(int fd)> &fill);
 
