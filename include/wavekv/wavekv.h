@@ -864,7 +864,8 @@ WKV_API int wkv_lookup(wkv_plan *plan, wkv_seq *const *seqs, uint32_t n_seqs,
  * Assemble: lays out the exact part of the plan (steady zone and retrieval
  * clusters) in the plan's execution buffer, reading pages from wherever they
  * are (device cache, host arena). Requires a lookup, and that no sequence of
- * the plan was appended to since (WKV_ERR_STATE otherwise).
+ * the plan was appended to since, nor had its rows moved by an append that
+ * was refused (WKV_ERR_STATE otherwise: look up again).
  */
 WKV_API int wkv_assemble(wkv_plan *plan, void *stream);
 
