@@ -319,7 +319,7 @@ elif [ "$PHASE" = marked ]; then
     && echo "patched" || { echo "the patch did not apply"; exit 1; }
   (cd build-base-src && ln -sfn ../.debs .debs && JOBS=${BASE_JOBS:-6} BUILD_TARGETS=gpu_serving_bench OUT=/tmp/base \
     tools/gpu-check.sh build > /tmp/build-base.txt 2>&1; echo "build base rc=$? $((SECONDS-T0)) s") &
-  (JOBS=10 BUILD_TARGETS="gpu_serving_bench gpu_kmeans_gather gpu_batch" OUT=/tmp/cur tools/gpu-check.sh build \
+  (JOBS=10 BUILD_TARGETS="gpu_serving_bench gpu_kmeans_gather gpu_batch gpu_head_state" OUT=/tmp/cur tools/gpu-check.sh build \
     > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s") &
   wait
   grep -hE "error" -A3 /tmp/build-*.txt | head -20
@@ -338,6 +338,10 @@ elif [ "$PHASE" = marked ]; then
     done
   done
   san_one memcheck gpu_kmeans_gather 'TableCuda.*' 120; tail -2 /tmp/san/memcheck-gpu_kmeans_gather-*.log
+  # The head-state tests (the eighteenth session's failed growths and
+  # imports with the meta rows in host memory among them) and the Python
+  # binding's CUDA tests, on the patched tree.
+  [ "$(left)" -gt 150 ] && hostrows_tests
   pack
 elif [ "$PHASE" = m32 ]; then
   # 1M tokens, batch 1, all 32 layers in host memory (8-bit pages: about
