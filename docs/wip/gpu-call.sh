@@ -319,7 +319,7 @@ elif [ "$PHASE" = marked ]; then
     && echo "patched" || { echo "the patch did not apply"; exit 1; }
   (cd build-base-src && ln -sfn ../.debs .debs && JOBS=${BASE_JOBS:-6} BUILD_TARGETS=gpu_serving_bench OUT=/tmp/base \
     tools/gpu-check.sh build > /tmp/build-base.txt 2>&1; echo "build base rc=$? $((SECONDS-T0)) s") &
-  (JOBS=10 BUILD_TARGETS="gpu_serving_bench gpu_kmeans_gather gpu_batch gpu_head_state" OUT=/tmp/cur tools/gpu-check.sh build \
+  (JOBS=10 BUILD_TARGETS="gpu_serving_bench gpu_kmeans_gather gpu_batch gpu_head_state wavekv" OUT=/tmp/cur tools/gpu-check.sh build \
     > /tmp/build-cur.txt 2>&1; echo "build rc=$? $((SECONDS-T0)) s") &
   wait
   grep -hE "error" -A3 /tmp/build-*.txt | head -20
