@@ -595,15 +595,16 @@ int run_bench_cache(const Options &o) {
     fractions.push_back(x);
   }
   const std::vector<std::string> policies = split_list(o.policy);
+  // "<policy>+near": the engine's policy and whether it is score-aware.
   const std::string kNear = "+near";
   const auto is_near = [&](const std::string &p) {
     return p.size() > kNear.size() && p.compare(p.size() - kNear.size(), kNear.size(), kNear) == 0;
   };
+  const auto base_of = [&](const std::string &p) { return is_near(p) ? p.substr(0, p.size() - kNear.size()) : p; };
   bool any_near = false;
   for (const std::string &p : policies) {
-    const std::string base = is_near(p) ? p.substr(0, p.size() - kNear.size()) : p;
     any_near |= is_near(p);
-    if (p != "opt" && p != "engine" && !wkv::make_policy(base, 1))
+    if (p != "opt" && p != "engine" && !wkv::make_policy(base_of(p), 1))
       throw UsageError("bench cache: --policy: unknown policy '" + p + "'");
   }
   Options traced = o;
@@ -642,8 +643,7 @@ int run_bench_cache(const Options &o) {
     for (const std::string &p : policies) {
       const Outcome r = p == "opt"      ? run_opt(t, n_units, cap)
                         : p == "engine" ? run_engine(t, n_units, cap, o.step_us)
-                        : is_near(p)    ? replay_policy(t, n_units, cap, p.substr(0, p.size() - kNear.size()), true)
-                                        : replay_policy(t, n_units, cap, p, false);
+                                        : replay_policy(t, n_units, cap, base_of(p), is_near(p));
       cells.push_back({p, f, cap, r});
     }
   }

@@ -103,9 +103,9 @@ bool parse(const std::string &text, Figures *f) {
 bool read_file(const std::string &path, std::string *text) {
   wkv::FileIO &io = wkv::posix_io();
   int fd = -1;
-  if (!wkv::open_to_read(io, path, &fd).is_ok()) return false;
   uint64_t bytes = 0;
-  bool ok = io.size(fd, &bytes) == 0 && bytes <= (64u << 20);  // an engine's file is a few KiB
+  if (!wkv::open_to_read(io, path, &fd, &bytes).is_ok()) return false;
+  bool ok = bytes <= (64u << 20);  // an engine's file is a few KiB
   if (ok) {
     text->resize(bytes);
     ok = wkv::read_full(io, fd, text->data(), bytes, 0) == 0;

@@ -281,11 +281,12 @@ Status check_replaceable(const std::string &path) {
 
 }  // namespace
 
-Status open_to_read(FileIO &io, const std::string &path, int *fd) {
+Status open_to_read(FileIO &io, const std::string &path, int *fd, uint64_t *bytes) {
   *fd = io.open_read(path.c_str());
   if (*fd < 0) return io_status(*fd, "opening '" + path + "'");
-  uint64_t bytes = 0;
-  const int r = io.size(*fd, &bytes);
+  uint64_t size = 0;
+  const int r = io.size(*fd, &size);
+  if (bytes) *bytes = size;
   if (r == 0) return Status::ok();
   io.close(*fd);
   *fd = -1;

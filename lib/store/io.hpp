@@ -163,8 +163,9 @@ bool split_path(const std::string &path, std::string *dir, std::string *name);
 Status replace_file(FileIO &io, const std::string &path, bool durable, const std::function<Status(int fd)> &fill);
 
 // Opens `path` to read a file of ours (io.open_read): a regular file only,
-// else WKV_ERR_INVALID_ARGUMENT naming it; *fd is the caller's to close.
-Status open_to_read(FileIO &io, const std::string &path, int *fd);
+// else WKV_ERR_INVALID_ARGUMENT naming it; *fd is the caller's to close,
+// and *bytes (if given) the file's size.
+Status open_to_read(FileIO &io, const std::string &path, int *fd, uint64_t *bytes = nullptr);
 
 // An I/O failure as a Status: "<what>: <errno text>", WKV_ERR_IO, or
 // WKV_ERR_CORRUPT for -ENODATA (a file that ends early).
